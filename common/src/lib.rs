@@ -1,0 +1,11 @@
+//! Types and functions shared by the coordinator and the workers: ids, the
+//! chained block hash (the single source of truth for prefix caching and
+//! routing), and sampling parameters.
+
+pub mod block_hash;
+pub mod ids;
+pub mod sampling;
+
+pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
+pub use ids::{BlockId, RequestId};
+pub use sampling::{SamplingParams, SamplingParamsError};

@@ -1,0 +1,131 @@
+//! Per-request sampling parameters, as the worker's sampler applies them and
+//! as they travel from the coordinator to a worker. Names and meanings follow
+//! vLLM's `SamplingParams`.
+
+use serde::{Deserialize, Serialize};
+
+/// Largest number of top log-probabilities a request may ask for per token.
+pub const MAX_LOGPROBS: u32 = 20;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax, lowest id on a tie).
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability
+    /// reaches `top_p`. 1.0 disables it.
+    pub top_p: f32,
+    /// Keep the `top_k` most likely tokens; 0 disables it.
+    pub top_k: u32,
+    /// Drop tokens whose probability is below `min_p` times the top token's.
+    pub min_p: f32,
+    /// Divides positive logits (multiplies negative ones) of every token seen
+    /// in the prompt or output; 1.0 disables it.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Seed of this request's own random stream; `None` draws one at random.
+    pub seed: Option<u64>,
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Stop tokens and EOS are suppressed until this many were generated.
+    pub min_tokens: u32,
+    /// Generation also stops on these ids (the token is kept in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the model's EOS token(s).
+    pub ignore_eos: bool,
+    /// Return the chosen token's log-probability plus this many top ones.
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            max_tokens: 16,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// A parameter outside its valid range; `param` names the field as the
+/// OpenAI API does, so the HTTP layer can put it in its error body.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{param}: {message}")]
+pub struct SamplingParamsError {
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_tokens` tokens.
+    pub fn greedy(max_tokens: u32) -> Self {
+        Self { temperature: 0.0, max_tokens, ..Self::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    pub fn validate(&self) -> Result<(), SamplingParamsError> {
+        let err = |param, message: String| Err(SamplingParamsError { param, message });
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return err("temperature", format!("must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return err("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return err("min_p", format!("must be in [0, 1], got {}", self.min_p));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return err("repetition_penalty", format!("must be > 0, got {}", self.repetition_penalty));
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return err("presence_penalty", format!("must be in [-2, 2], got {}", self.presence_penalty));
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return err("frequency_penalty", format!("must be in [-2, 2], got {}", self.frequency_penalty));
+        }
+        if self.max_tokens == 0 {
+            return err("max_tokens", "must be at least 1".to_string());
+        }
+        if self.min_tokens > self.max_tokens {
+            return err("min_tokens", format!("must be <= max_tokens ({}), got {}", self.max_tokens, self.min_tokens));
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_LOGPROBS {
+                return err("logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_bad_values_name_their_param() {
+        assert!(SamplingParams::default().validate().is_ok());
+        let bad = SamplingParams { top_p: 0.0, ..SamplingParams::default() };
+        assert_eq!(bad.validate().unwrap_err().param, "top_p");
+        let bad = SamplingParams { temperature: -1.0, ..SamplingParams::default() };
+        assert_eq!(bad.validate().unwrap_err().param, "temperature");
+        let bad = SamplingParams { logprobs: Some(21), ..SamplingParams::default() };
+        assert_eq!(bad.validate().unwrap_err().param, "logprobs");
+    }
+}
