@@ -4,8 +4,11 @@
 
 pub mod block_hash;
 pub mod ids;
+pub mod kv_events;
+pub mod protocol;
 pub mod sampling;
 
 pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
 pub use ids::{BlockId, RequestId};
+pub use kv_events::{KvEvent, KvEventRecord};
 pub use sampling::{SamplingParams, SamplingParamsError};

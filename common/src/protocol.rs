@@ -1,0 +1,253 @@
+//! The coordinator <-> worker wire protocol: bincode-encoded messages in
+//! length-prefixed frames (u32 little-endian length, then the payload) over
+//! QUIC streams. Decoding is defensive: a frame longer than
+//! [`MAX_FRAME_BYTES`], a truncated payload, trailing bytes or a malformed
+//! body is an error for that connection, never a panic or a huge allocation.
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::{KvEventRecord, RequestId, SamplingParams};
+
+/// Bumped on any incompatible change of the messages below or of the block hash.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
+pub const MAX_FRAME_BYTES: usize = 8 << 20;
+
+/// Bytes of the length prefix.
+pub const FRAME_HEADER_BYTES: usize = 4;
+
+/// Which model a worker serves; the coordinator refuses a worker whose
+/// model differs from its own.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    pub name: String,
+    /// Hash of the model's config.json, so two different checkpoints under
+    /// one name are told apart.
+    pub config_hash: u64,
+}
+
+/// The first frame a worker sends on its control stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Handshake {
+    pub protocol_version: u32,
+    pub worker_name: String,
+    pub model: ModelIdentity,
+    pub block_size: u32,
+    pub kv_capacity_blocks: u64,
+    pub max_model_len: u64,
+    pub cluster_secret: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum HandshakeReply {
+    Accepted { worker_id: u64 },
+    Refused { reason: String },
+}
+
+/// Coordinator -> worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CoordinatorMessage {
+    Generate { request_id: RequestId, prompt_token_ids: Vec<u32>, params: SamplingParams },
+    Abort { request_id: RequestId },
+    /// Send every cached block hash again (after an event-id gap).
+    RequestKvSnapshot,
+    /// Finish in-flight requests, accept no new ones.
+    Drain,
+    Shutdown,
+}
+
+/// Why a request ended, on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireFinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A worker's load, sent at least every second.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    pub num_running: u32,
+    pub num_waiting: u32,
+    pub kv_blocks_total: u64,
+    pub kv_blocks_used: u64,
+    pub kv_blocks_cached: u64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub num_preemptions: u64,
+}
+
+/// Worker -> coordinator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum WorkerMessage {
+    /// New tokens of one request since the last delta (coalesced per step).
+    TokenDelta {
+        request_id: RequestId,
+        new_token_ids: Vec<u32>,
+        logprobs: Vec<WireLogprobs>,
+        finish_reason: Option<WireFinishReason>,
+        num_prompt_tokens: u32,
+        num_cached_tokens: u32,
+    },
+    /// The worker could not accept a request (bad input, draining).
+    Rejected { request_id: RequestId, message: String },
+    Stats(WorkerStats),
+    KvEvents(Vec<KvEventRecord>),
+    /// Every hash the worker's prefix cache holds, after `RequestKvSnapshot`;
+    /// `last_event_id` is the id of the last event it reflects.
+    KvSnapshot { last_event_id: Option<u64>, hashes: Vec<(crate::BlockHash, Option<crate::BlockHash>)> },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
+    FrameTooLarge(usize),
+    #[error("frame truncated: {got} of {expected} bytes")]
+    Truncated { expected: usize, got: usize },
+    #[error("{0} trailing bytes after the message")]
+    TrailingBytes(usize),
+    #[error("malformed message: {0}")]
+    Decode(String),
+    #[error("cannot encode message: {0}")]
+    Encode(String),
+}
+
+fn config() -> impl bincode::config::Config {
+    // The limit bounds every allocation the decoder makes from lengths it reads.
+    bincode::config::standard().with_limit::<MAX_FRAME_BYTES>()
+}
+
+/// Header + payload of one message.
+pub fn encode_frame<T: Serialize>(message: &T) -> Result<Vec<u8>, ProtocolError> {
+    let payload = bincode::serde::encode_to_vec(message, config()).map_err(|e| ProtocolError::Encode(e.to_string()))?;
+    if payload.len() > MAX_FRAME_BYTES {
+        return Err(ProtocolError::FrameTooLarge(payload.len()));
+    }
+    let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    Ok(frame)
+}
+
+/// The payload length announced by a header, checked against the limit
+/// before anything is allocated for it.
+pub fn frame_len(header: [u8; FRAME_HEADER_BYTES]) -> Result<usize, ProtocolError> {
+    let len = u32::from_le_bytes(header) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(ProtocolError::FrameTooLarge(len));
+    }
+    Ok(len)
+}
+
+/// Decodes one payload, which must be consumed exactly.
+pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ProtocolError> {
+    let (message, used) =
+        bincode::serde::decode_from_slice(payload, config()).map_err(|e| ProtocolError::Decode(e.to_string()))?;
+    if used != payload.len() {
+        return Err(ProtocolError::TrailingBytes(payload.len() - used));
+    }
+    Ok(message)
+}
+
+/// Decodes a whole frame (header + payload) from a buffer.
+pub fn decode_frame<T: DeserializeOwned>(frame: &[u8]) -> Result<T, ProtocolError> {
+    let header: [u8; FRAME_HEADER_BYTES] = frame
+        .get(..FRAME_HEADER_BYTES)
+        .and_then(|h| h.try_into().ok())
+        .ok_or(ProtocolError::Truncated { expected: FRAME_HEADER_BYTES, got: frame.len() })?;
+    let len = frame_len(header)?;
+    let payload = &frame[FRAME_HEADER_BYTES..];
+    if payload.len() < len {
+        return Err(ProtocolError::Truncated { expected: len, got: payload.len() });
+    }
+    if payload.len() > len {
+        return Err(ProtocolError::TrailingBytes(payload.len() - len));
+    }
+    decode_payload(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockHash, KvEvent};
+    use proptest::prelude::*;
+
+    fn samples() -> Vec<WorkerMessage> {
+        vec![
+            WorkerMessage::TokenDelta {
+                request_id: RequestId(7),
+                new_token_ids: vec![1, 2, 3],
+                logprobs: vec![WireLogprobs { logprob: -0.5, top: vec![(1, -0.5), (9, -1.5)] }],
+                finish_reason: Some(WireFinishReason::Length),
+                num_prompt_tokens: 12,
+                num_cached_tokens: 0,
+            },
+            WorkerMessage::Stats(WorkerStats { num_running: 3, kv_blocks_total: 100, ..WorkerStats::default() }),
+            WorkerMessage::KvEvents(vec![KvEventRecord { id: 4, event: KvEvent::Stored { hash: BlockHash(9), parent: None } }]),
+        ]
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        for message in samples() {
+            let frame = encode_frame(&message).unwrap();
+            assert_eq!(decode_frame::<WorkerMessage>(&frame).unwrap(), message);
+        }
+        let generate = CoordinatorMessage::Generate {
+            request_id: RequestId(1),
+            prompt_token_ids: vec![1, 2],
+            params: SamplingParams::greedy(4),
+        };
+        assert_eq!(decode_frame::<CoordinatorMessage>(&encode_frame(&generate).unwrap()).unwrap(), generate);
+    }
+
+    #[test]
+    fn oversized_truncated_and_trailing_frames_are_errors() {
+        let header = ((MAX_FRAME_BYTES + 1) as u32).to_le_bytes();
+        assert!(matches!(frame_len(header), Err(ProtocolError::FrameTooLarge(_))));
+        let frame = encode_frame(&samples()[0]).unwrap();
+        assert!(matches!(decode_frame::<WorkerMessage>(&frame[..frame.len() - 1]), Err(ProtocolError::Truncated { .. })));
+        let mut longer = frame.clone();
+        longer.push(0);
+        assert!(decode_frame::<WorkerMessage>(&longer).is_err());
+        assert!(decode_frame::<WorkerMessage>(&[1, 0]).is_err());
+    }
+
+    #[test]
+    fn a_huge_length_inside_the_payload_does_not_allocate_it() {
+        // Variant 0 (TokenDelta), request id, then a Vec length of 2^60.
+        let mut payload = vec![0u8, 7];
+        payload.push(255); // bincode varint marker for u64
+        payload.extend_from_slice(&(1u64 << 60).to_le_bytes());
+        assert!(decode_payload::<WorkerMessage>(&payload).is_err());
+    }
+
+    proptest! {
+        /// Fuzz: arbitrary bytes never panic the decoder.
+        #[test]
+        fn decoder_never_panics_on_garbage(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode_frame::<WorkerMessage>(&bytes);
+            let _ = decode_frame::<CoordinatorMessage>(&bytes);
+            let _ = decode_payload::<Handshake>(&bytes);
+        }
+
+        /// Fuzz: every corruption of a valid frame is an error or a valid message, never a panic.
+        #[test]
+        fn corrupted_frames_never_panic(index in 0usize..64, value in any::<u8>(), cut in 0usize..64) {
+            for message in samples() {
+                let mut frame = encode_frame(&message).unwrap();
+                let i = index % frame.len();
+                frame[i] = value;
+                let _ = decode_frame::<WorkerMessage>(&frame);
+                let _ = decode_frame::<WorkerMessage>(&frame[..cut.min(frame.len())]);
+            }
+        }
+    }
+}
