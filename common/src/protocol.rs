@@ -36,12 +36,16 @@ pub struct Handshake {
     pub block_size: u32,
     pub kv_capacity_blocks: u64,
     pub max_model_len: u64,
-    pub cluster_secret: String,
+    /// Proof that the worker knows the cluster secret, bound to this TLS
+    /// session (`transport::auth_tag`): the secret itself never travels.
+    pub auth_tag: Vec<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum HandshakeReply {
-    Accepted { worker_id: u64 },
+    /// `auth_tag` proves the coordinator knows the secret too, so a worker
+    /// never serves a man in the middle.
+    Accepted { worker_id: u64, auth_tag: Vec<u8> },
     Refused { reason: String },
 }
 

@@ -1,0 +1,238 @@
+//! QUIC plumbing shared by the coordinator and the workers: TLS configs,
+//! framed message I/O on quinn streams, and the cluster-secret handshake.
+//!
+//! Authentication: the coordinator's certificate is self-signed, so the
+//! worker does not check it against a CA (it still checks the handshake
+//! signature, proving the peer holds the certificate's key). Instead both
+//! sides prove they know the cluster secret with an HMAC over keying
+//! material exported from *this* TLS session (RFC 5705 channel binding). A
+//! man in the middle terminates two different TLS sessions, so it can
+//! neither forward a worker's tag nor forge one; and the secret itself never
+//! crosses the network.
+
+use std::sync::Arc;
+
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::protocol::{self, FRAME_HEADER_BYTES, ProtocolError};
+
+/// ALPN protocol id of the cluster's QUIC connections.
+pub const ALPN: &[u8] = b"tinyvllm/1";
+/// Name the worker asks for in TLS; the self-signed cert carries it.
+pub const SERVER_NAME: &str = "tinyvllm-coordinator";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("stream read: {0}")]
+    Read(#[from] quinn::ReadExactError),
+    #[error("stream write: {0}")]
+    Write(#[from] quinn::WriteError),
+    #[error("TLS setup: {0}")]
+    Tls(String),
+    #[error("certificate generation: {0}")]
+    Cert(#[from] rcgen::Error),
+}
+
+/// Writes one message as a length-prefixed frame.
+pub async fn write_frame<T: Serialize>(send: &mut quinn::SendStream, message: &T) -> Result<(), TransportError> {
+    let frame = protocol::encode_frame(message)?;
+    send.write_all(&frame).await?;
+    Ok(())
+}
+
+/// Reads one frame; `Ok(None)` when the peer finished the stream cleanly
+/// between frames. An oversized length is refused before allocating.
+pub async fn read_frame<T: DeserializeOwned>(recv: &mut quinn::RecvStream) -> Result<Option<T>, TransportError> {
+    let mut header = [0u8; FRAME_HEADER_BYTES];
+    match recv.read_exact(&mut header).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = protocol::frame_len(header)?;
+    let mut payload = vec![0u8; len];
+    recv.read_exact(&mut payload).await?;
+    Ok(Some(protocol::decode_payload(&payload)?))
+}
+
+/// A self-signed certificate and key for the coordinator.
+pub fn self_signed_cert() -> Result<(rustls::pki_types::CertificateDer<'static>, rustls::pki_types::PrivateKeyDer<'static>), TransportError> {
+    let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()])?;
+    let key = rustls::pki_types::PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
+    Ok((cert.cert.der().clone(), key.into()))
+}
+
+fn quic_transport() -> Arc<quinn::TransportConfig> {
+    let mut transport = quinn::TransportConfig::default();
+    // Liveness is also tracked by stats messages; this closes dead peers.
+    transport.keep_alive_interval(Some(std::time::Duration::from_secs(1)));
+    transport.max_idle_timeout(Some(quinn::VarInt::from_u32(10_000).into()));
+    Arc::new(transport)
+}
+
+pub fn server_config(
+    cert: rustls::pki_types::CertificateDer<'static>,
+    key: rustls::pki_types::PrivateKeyDer<'static>,
+) -> Result<quinn::ServerConfig, TransportError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| TransportError::Tls(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(vec![cert], key)
+        .map_err(|e| TransportError::Tls(e.to_string()))?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    config.transport_config(quic_transport());
+    Ok(config)
+}
+
+pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| TransportError::Tls(e.to_string()))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(ChannelBoundVerifier(provider)))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(quic_transport());
+    Ok(config)
+}
+
+/// Accepts the coordinator's self-signed certificate but checks the TLS
+/// handshake signatures; identity comes from the channel-bound HMAC.
+#[derive(Debug)]
+struct ChannelBoundVerifier(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for ChannelBoundVerifier {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// Who computes a tag: the two roles get different tags so a reflected
+/// worker tag is useless as the coordinator's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Worker,
+    Coordinator,
+}
+
+/// 32 bytes of keying material unique to this TLS session.
+pub fn channel_binding(conn: &quinn::Connection) -> Result<[u8; 32], TransportError> {
+    let mut out = [0u8; 32];
+    conn.export_keying_material(&mut out, b"EXPORTER-tinyvllm-cluster-auth", b"")
+        .map_err(|_| TransportError::Tls("cannot export keying material".into()))?;
+    Ok(out)
+}
+
+/// HMAC-SHA256(secret, role || binding).
+pub fn auth_tag(secret: &[u8], role: Role, binding: &[u8; 32]) -> Vec<u8> {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+    let mut ctx = ring::hmac::Context::with_key(&key);
+    ctx.update(role_label(role));
+    ctx.update(binding);
+    ctx.sign().as_ref().to_vec()
+}
+
+/// Constant-time check of a peer's tag.
+pub fn verify_auth_tag(secret: &[u8], role: Role, binding: &[u8; 32], tag: &[u8]) -> bool {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+    let mut message = role_label(role).to_vec();
+    message.extend_from_slice(binding);
+    ring::hmac::verify(&key, &message, tag).is_ok()
+}
+
+fn role_label(role: Role) -> &'static [u8] {
+    match role {
+        Role::Worker => b"tinyvllm worker\0",
+        Role::Coordinator => b"tinyvllm coordinator\0",
+    }
+}
+
+/// A fresh random secret, hex-encoded (for `--cluster-secret-file` when none exists).
+pub fn generate_secret() -> String {
+    let mut bytes = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).expect("OS random source");
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_depend_on_secret_role_and_binding() {
+        let binding = [7u8; 32];
+        let tag = auth_tag(b"s3cret", Role::Worker, &binding);
+        assert!(verify_auth_tag(b"s3cret", Role::Worker, &binding, &tag));
+        assert!(!verify_auth_tag(b"other", Role::Worker, &binding, &tag));
+        assert!(!verify_auth_tag(b"s3cret", Role::Coordinator, &binding, &tag));
+        assert!(!verify_auth_tag(b"s3cret", Role::Worker, &[8u8; 32], &tag));
+        assert_eq!(generate_secret().len(), 64);
+    }
+
+    #[tokio::test]
+    async fn frames_cross_a_real_quic_connection_and_bindings_agree() {
+        let (cert, key) = self_signed_cert().unwrap();
+        let server = quinn::Endpoint::server(server_config(cert, key).unwrap(), "127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr().unwrap();
+        let server_task = tokio::spawn(async move {
+            let conn = server.accept().await.unwrap().await.unwrap();
+            let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+            let msg: crate::protocol::CoordinatorMessage = read_frame(&mut recv).await.unwrap().unwrap();
+            write_frame(&mut send, &msg).await.unwrap();
+            send.finish().unwrap();
+            let binding = channel_binding(&conn).unwrap();
+            conn.closed().await;
+            binding
+        });
+        let mut client = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        client.set_default_client_config(client_config().unwrap());
+        let conn = client.connect(addr, SERVER_NAME).unwrap().await.unwrap();
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let msg = crate::protocol::CoordinatorMessage::Abort { request_id: crate::RequestId(3) };
+        write_frame(&mut send, &msg).await.unwrap();
+        let echoed: crate::protocol::CoordinatorMessage = read_frame(&mut recv).await.unwrap().unwrap();
+        assert_eq!(echoed, msg);
+        assert!(read_frame::<crate::protocol::CoordinatorMessage>(&mut recv).await.unwrap().is_none());
+        let binding = channel_binding(&conn).unwrap();
+        conn.close(0u32.into(), b"done");
+        assert_eq!(server_task.await.unwrap(), binding);
+    }
+}
