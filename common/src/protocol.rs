@@ -27,6 +27,11 @@ pub struct ModelIdentity {
     pub config_hash: u64,
 }
 
+/// `ModelIdentity::config_hash` of a model's config.json bytes.
+pub fn config_hash(config_json: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(config_json)
+}
+
 /// The first frame a worker sends on its control stream.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Handshake {

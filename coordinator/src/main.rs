@@ -1,1 +1,227 @@
-fn main(){}
+//! `tinyvllm-coordinator`: the cluster's front door. Serves HTTP (OpenAI
+//! API, /generate, /health, /metrics), accepts workers over QUIC, and with
+//! `--local-workers N` starts and supervises N workers on this host, so one
+//! command runs a whole cluster.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use coordinator::app::AppState;
+use coordinator::cluster::Cluster;
+use coordinator::text::{ChatTemplate, Tokenizer};
+use worker::models::{ModelFiles, ModelSource};
+
+#[derive(Parser)]
+#[command(name = "tinyvllm-coordinator", version, about = "tinyvllm coordinator: HTTP front door of a worker cluster")]
+struct Args {
+    /// A Hugging Face model directory or hub id (workers must serve the same model).
+    #[arg(long)]
+    model: String,
+    /// HTTP listen address.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    http: SocketAddr,
+    /// QUIC listen address for workers.
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    quic: SocketAddr,
+    /// Start and supervise this many workers on this host.
+    #[arg(long, default_value_t = 0)]
+    local_workers: usize,
+    /// Extra argument for local workers (repeatable), e.g. --worker-arg=--kv-cache-memory=1000000000
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on the API.
+    #[arg(long, env = "TINYVLLM_API_KEY")]
+    api_key: Option<String>,
+    /// Model name in the API (default: the model directory's base name, or the hub id).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// The cluster secret workers must know; created (mode 0600) if missing.
+    #[arg(long, default_value = "tinyvllm-cluster-secret")]
+    cluster_secret_file: PathBuf,
+    /// Most requests in flight before new ones get 429.
+    #[arg(long, default_value_t = 1024)]
+    max_queued_requests: usize,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Context length (default: the model's max_position_embeddings).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// How long in-flight requests may take to finish on SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout_secs: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let source = ModelSource::parse(&args.model)?;
+    let files = tokio::task::spawn_blocking(move || ModelFiles::resolve(&source)).await??;
+    let tokenizer_path = files.tokenizer_json.clone().with_context(|| format!("{} has no tokenizer.json", files.name))?;
+    let model_dir = tokenizer_path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir)?);
+    let chat_template = ChatTemplate::from_tokenizer(&tokenizer)?;
+    let served_model_name = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.model));
+    let max_model_len = args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
+    let secret = load_or_create_secret(&args.cluster_secret_file)?;
+
+    let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests);
+    let (cert, key) = common::transport::self_signed_cert()?;
+    let endpoint = quinn::Endpoint::server(common::transport::server_config(cert, key)?, args.quic)
+        .with_context(|| format!("binding QUIC on {}", args.quic))?;
+    let quic_addr = endpoint.local_addr()?;
+    tokio::spawn(cluster.clone().accept_workers(endpoint.clone()));
+    tokio::spawn(cluster.clone().watchdog());
+
+    let listener = tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
+    let http_addr = listener.local_addr()?;
+    let app = Arc::new(AppState::new(
+        cluster.clone(),
+        tokenizer,
+        chat_template,
+        served_model_name.clone(),
+        max_model_len,
+        args.api_key.clone(),
+        args.max_body_bytes,
+    ));
+    // One line tests and scripts can parse.
+    println!("tinyvllm-coordinator listening http={http_addr} quic={quic_addr} model={served_model_name}");
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let supervisor = (args.local_workers > 0).then(|| {
+        let connect = SocketAddr::new(if quic_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { quic_addr.ip() }, quic_addr.port());
+        tokio::spawn(supervise_local_workers(
+            args.local_workers,
+            args.model.clone(),
+            connect,
+            args.cluster_secret_file.clone(),
+            args.worker_args.clone(),
+            stop_rx.clone(),
+        ))
+    });
+    let server = tokio::spawn(coordinator::http::serve(listener, app.clone(), stop_rx.clone()));
+
+    shutdown_signal().await;
+    eprintln!("coordinator: shutting down; finishing in-flight requests");
+    app.begin_shutdown();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.shutdown_timeout_secs);
+    while cluster.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    cluster.drain_all();
+    if let Some(supervisor) = supervisor {
+        let _ = tokio::time::timeout(Duration::from_secs(10), supervisor).await;
+    }
+    endpoint.close(0u32.into(), b"shutdown");
+    Ok(())
+}
+
+fn default_served_name(model: &str) -> String {
+    let path = Path::new(model);
+    if path.is_dir() {
+        if let Some(name) = path.canonicalize().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())) {
+            return name;
+        }
+    }
+    model.to_string()
+}
+
+/// Reads the secret, or creates one readable only by this user.
+fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
+    if path.exists() {
+        let secret = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string();
+        anyhow::ensure!(!secret.is_empty(), "{} is empty", path.display());
+        return Ok(secret);
+    }
+    let secret = common::transport::generate_secret();
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut file = options.open(path).with_context(|| format!("creating {}", path.display()))?;
+    std::io::Write::write_all(&mut file, secret.as_bytes())?;
+    eprintln!("coordinator: wrote a new cluster secret to {} (give this file to remote workers)", path.display());
+    Ok(secret)
+}
+
+/// Keeps `n` local workers running, restarting any that exit (with backoff),
+/// until shutdown; then stops them with SIGTERM (they drain).
+async fn supervise_local_workers(
+    n: usize,
+    model: String,
+    coordinator: SocketAddr,
+    secret_file: PathBuf,
+    extra: Vec<String>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let exe = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("tinyvllm-worker")));
+    let Some(exe) = exe.filter(|p| p.exists()) else {
+        eprintln!("coordinator: tinyvllm-worker not found next to this binary; cannot start local workers");
+        return;
+    };
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (exe, model, secret_file, extra, mut stop) = (exe.clone(), model.clone(), secret_file.clone(), extra.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(500);
+            loop {
+                let mut child = match tokio::process::Command::new(&exe)
+                    .args(["serve", "--model", &model, "--coordinator", &coordinator.to_string(), "--name", &format!("local-{i}")])
+                    .arg("--cluster-secret-file")
+                    .arg(&secret_file)
+                    .args(&extra)
+                    .kill_on_drop(true)
+                    .spawn()
+                {
+                    Ok(child) => child,
+                    Err(e) => {
+                        eprintln!("coordinator: starting local worker {i}: {e}");
+                        return;
+                    }
+                };
+                tokio::select! {
+                    status = child.wait() => {
+                        eprintln!("coordinator: local worker {i} exited ({status:?}); restarting in {backoff:?}");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(10));
+                    }
+                    _ = stop.changed() => {
+                        if let Some(pid) = child.id() {
+                            // SIGTERM: the worker drains, then exits.
+                            let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+                        }
+                        let _ = tokio::time::timeout(Duration::from_secs(8), child.wait()).await;
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+    let _ = stop.changed().await;
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,1 +1,167 @@
+//! Hot paths of the worker, each with a naive reference it is tested against.
+//!
+//! Paged attention (vLLM v1 style) over a flattened varlen batch: every
+//! sequence brings `q_len >= 1` new tokens (a whole prompt, a prompt chunk
+//! on top of a cached prefix, or one decode token) and attends causally to
+//! its context through its block table. Three implementations share one API:
+//! * [`reference`]: naive host loops, obviously right;
+//! * [`cpu`]: multi-threaded, online softmax, reads K/V in place block by block;
+//! * [`portable`]: candle ops only (gather, matmul, softmax), any device.
+//!
+//! KV layout, per layer: `k_cache`, `v_cache`: `[num_blocks, block_size,
+//! num_kv_heads, head_dim]`. One token's key for one kv head is a contiguous
+//! `head_dim` vector (what a query is dotted with), one block is one
+//! contiguous chunk (what the CPU kernel streams), and the pool viewed as
+//! `[num_slots, num_kv_heads * head_dim]` is what the portable path gathers
+//! from and scatters into (slot = block * block_size + offset).
 
+use candle_core::{Device, Tensor};
+
+pub mod cpu;
+pub mod portable;
+pub mod reference;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("invalid attention input: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// Where each sequence's queries, context and new slots are.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AttentionMetadata {
+    /// Prefix sums of new-token counts, len num_seqs + 1: sequence s's query
+    /// rows are `query_start_loc[s]..query_start_loc[s + 1]`.
+    pub query_start_loc: Vec<u32>,
+    /// Per sequence: tokens in the cache after this step's write (cached
+    /// prefix + new tokens). New tokens sit at positions `context_len - q_len..context_len`.
+    pub context_lens: Vec<u32>,
+    /// Per sequence: physical blocks covering positions `0..context_len`.
+    pub block_tables: Vec<Vec<u32>>,
+    /// Per new token: slot = block_id * block_size + offset_in_block.
+    pub slot_mapping: Vec<u32>,
+    pub block_size: usize,
+    /// Mistral-style window: a query at position p sees keys at positions
+    /// > p - window. `None` is full causal attention.
+    pub sliding_window: Option<usize>,
+}
+
+impl AttentionMetadata {
+    pub fn num_seqs(&self) -> usize {
+        self.context_lens.len()
+    }
+
+    /// Query rows of sequence `s`.
+    pub fn query_range(&self, s: usize) -> std::ops::Range<usize> {
+        self.query_start_loc[s] as usize..self.query_start_loc[s + 1] as usize
+    }
+
+    /// Whether a query at `q_pos` sees the key at `k_pos`.
+    #[inline]
+    pub fn visible(&self, q_pos: usize, k_pos: usize) -> bool {
+        k_pos <= q_pos && self.sliding_window.is_none_or(|w| k_pos + w > q_pos)
+    }
+}
+
+/// Shapes of one attention call, checked once.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub num_tokens: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+/// Validates shapes and metadata so no implementation can index out of bounds.
+pub(crate) fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata) -> Result<Dims> {
+    let bad = |m: String| Err(KernelError::Invalid(m));
+    let (num_tokens, num_heads, head_dim) = q.dims3()?;
+    let (num_blocks, block_size, num_kv_heads, kd) = k_cache.dims4()?;
+    if v_cache.dims() != k_cache.dims() {
+        return bad(format!("v_cache {:?} differs from k_cache {:?}", v_cache.dims(), k_cache.dims()));
+    }
+    if kd != head_dim {
+        return bad(format!("head_dim of q ({head_dim}) and cache ({kd}) differ"));
+    }
+    if q.dtype() != k_cache.dtype() || v_cache.dtype() != k_cache.dtype() {
+        return bad(format!("dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k_cache.dtype(), v_cache.dtype()));
+    }
+    if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return bad(format!("{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"));
+    }
+    if block_size != meta.block_size {
+        return bad(format!("cache block size {block_size} != metadata block size {}", meta.block_size));
+    }
+    let n = meta.num_seqs();
+    if meta.query_start_loc.len() != n + 1 || meta.block_tables.len() != n {
+        return bad("query_start_loc / block_tables do not match context_lens".into());
+    }
+    if meta.query_start_loc.first() != Some(&0) || *meta.query_start_loc.last().unwrap_or(&0) as usize != num_tokens {
+        return bad(format!("query_start_loc must run from 0 to {num_tokens}"));
+    }
+    for s in 0..n {
+        let (start, end) = (meta.query_start_loc[s], meta.query_start_loc[s + 1]);
+        if end < start {
+            return bad(format!("query_start_loc decreases at sequence {s}"));
+        }
+        let (q_len, ctx) = ((end - start) as usize, meta.context_lens[s] as usize);
+        if q_len > ctx {
+            return bad(format!("sequence {s}: {q_len} new tokens but context length {ctx}"));
+        }
+        let table = &meta.block_tables[s];
+        if table.len() * block_size < ctx {
+            return bad(format!("sequence {s}: {} blocks cannot hold {ctx} tokens", table.len()));
+        }
+        if let Some(&b) = table[..ctx.div_ceil(block_size)].iter().find(|&&b| b as usize >= num_blocks) {
+            return bad(format!("sequence {s}: block {b} out of range ({num_blocks} blocks)"));
+        }
+    }
+    Ok(Dims { num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size })
+}
+
+/// Checks a KV write: k/v `[T, kv_heads, head_dim]` into `[blocks, block_size, kv_heads, head_dim]`.
+pub(crate) fn check_cache_write(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slots: &[u32]) -> Result<usize> {
+    let bad = |m: String| Err(KernelError::Invalid(m));
+    let (t, kvh, d) = k.dims3()?;
+    let (nb, bs, ckvh, cd) = k_cache.dims4()?;
+    if v.dims() != k.dims() || v_cache.dims() != k_cache.dims() {
+        return bad("k/v or k_cache/v_cache shapes differ".into());
+    }
+    if (ckvh, cd) != (kvh, d) {
+        return bad(format!("new k/v [{t}, {kvh}, {d}] do not fit the cache [{nb}, {bs}, {ckvh}, {cd}]"));
+    }
+    if k.dtype() != k_cache.dtype() || v.dtype() != v_cache.dtype() {
+        return bad(format!("dtype {:?} written into a {:?} cache", k.dtype(), k_cache.dtype()));
+    }
+    if slots.len() != t {
+        return bad(format!("{} slots for {t} tokens", slots.len()));
+    }
+    if let Some(&s) = slots.iter().find(|&&s| s as usize >= nb * bs) {
+        return bad(format!("slot {s} out of range ({} slots)", nb * bs));
+    }
+    Ok(nb * bs)
+}
+
+/// Paged attention with the implementation suited to the device.
+/// q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`.
+pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+    match q.device() {
+        Device::Cpu => cpu::paged_attention(q, k_cache, v_cache, meta, scale),
+        _ => portable::paged_attention(q, k_cache, v_cache, meta, scale),
+    }
+}
+
+/// Writes a step's new K/V into their slots, in place, in one batched write
+/// per tensor.
+pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+    match k.device() {
+        Device::Cpu => cpu::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
+        _ => portable::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
+    }
+}

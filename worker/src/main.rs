@@ -1,1 +1,334 @@
-fn main(){}
+//! `tinyvllm-worker`: run a model locally (`generate`), or measure it (`bench`).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use candle_core::{DType, Device};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use common::{RequestId, SamplingParams};
+use worker::kv_cache::KvBudget;
+use worker::models::{ModelFiles, ModelSource};
+use worker::{Engine, EngineConfig};
+
+#[derive(Parser)]
+#[command(name = "tinyvllm-worker", version, about = "tinyvllm worker: a vLLM-style engine on candle")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of one prompt, streamed to stdout.
+    Generate(GenerateArgs),
+    /// Offline throughput benchmark (vLLM's benchmark_throughput style).
+    Bench(BenchArgs),
+    /// Join a cluster: dial the coordinator over QUIC and serve its requests.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// The coordinator's QUIC address, HOST:PORT.
+    #[arg(long)]
+    coordinator: String,
+    /// This worker's name in logs, metrics and /v1/workers (default: host name and pid).
+    #[arg(long)]
+    name: Option<String>,
+    /// File holding the cluster secret (the coordinator writes one at start).
+    #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE")]
+    cluster_secret_file: std::path::PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DTypeArg {
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DeviceArg {
+    Auto,
+    Cpu,
+    Metal,
+}
+
+#[derive(Args)]
+struct EngineArgs {
+    /// A Hugging Face model directory, a hub id (e.g. Qwen/Qwen3-0.6B), or random:<preset>
+    /// (tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b) for seeded random weights.
+    #[arg(long)]
+    model: String,
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DTypeArg,
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// KV cache size in bytes (default: a quarter of the available memory).
+    #[arg(long)]
+    kv_cache_memory: Option<u64>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Token budget of one step.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Context length (default: the model's max_position_embeddings).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    #[arg(long)]
+    no_prefix_caching: bool,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Prompt text (tokenized with the model's tokenizer.json, BOS added as configured).
+    #[arg(long, conflicts_with = "prompt_token_ids", required_unless_present = "prompt_token_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,403,407.
+    #[arg(long, value_delimiter = ',')]
+    prompt_token_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 64)]
+    max_tokens: u32,
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[arg(long, default_value_t = 16)]
+    num_prompts: usize,
+    #[arg(long, default_value_t = 128)]
+    input_len: usize,
+    #[arg(long, default_value_t = 64)]
+    output_len: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Generate(args) => generate(args),
+        Command::Bench(args) => bench(args),
+        Command::Serve(args) => serve(args),
+    }
+}
+
+fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles)> {
+    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?)?;
+    if files.random_weights {
+        eprintln!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
+    }
+    let device = match args.device {
+        DeviceArg::Auto | DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Metal => bail!("this build has no Metal support (Metal workers need a macOS build on Apple Silicon)"),
+    };
+    let dtype = resolve_dtype(args.dtype, &files, &device);
+    let config = EngineConfig {
+        device,
+        dtype,
+        block_size: args.block_size,
+        kv_budget: args.kv_cache_memory.map_or(KvBudget::FractionOfAvailable(0.25), KvBudget::Bytes),
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len: args.max_model_len,
+        enable_prefix_caching: !args.no_prefix_caching,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
+    let stats = engine.stats();
+    eprintln!("loaded {} ({dtype:?}), KV cache: {} blocks of {}", files.name, stats.kv_blocks_total, args.block_size);
+    Ok((engine, files))
+}
+
+/// `auto` keeps the checkpoint's precision, except that bf16 runs as f32 on
+/// the CPU (candle has no bf16 CPU matmul and widens the weight on every
+/// call); random presets use f16, the precision of the llama.cpp baseline.
+fn resolve_dtype(arg: DTypeArg, files: &ModelFiles, device: &Device) -> DType {
+    match arg {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::F16 => DType::F16,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::Auto if files.random_weights => DType::F16,
+        DTypeArg::Auto => match files.config.weights_dtype.as_deref() {
+            Some("float16") => DType::F16,
+            Some("bfloat16") if !device.is_cpu() => DType::BF16,
+            _ => DType::F32,
+        },
+    }
+}
+
+fn load_tokenizer(files: &ModelFiles) -> anyhow::Result<tokenizers::Tokenizer> {
+    let path = files.tokenizer_json.as_deref().with_context(|| format!("{} has no tokenizer.json", files.name))?;
+    tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("{}: {e}", Path::new(path).display()))
+}
+
+fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let (mut engine, files) = build_engine(&args.engine)?;
+    let tokenizer = if files.tokenizer_json.is_some() { Some(load_tokenizer(&files)?) } else { None };
+    let prompt_ids = match (&args.prompt, &args.prompt_token_ids) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(text), None) => {
+            let tok = tokenizer.as_ref().context("--prompt needs a tokenizer.json; use --prompt-token-ids")?;
+            tok.encode(text.as_str(), true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?.get_ids().to_vec()
+        }
+        (None, None) => bail!("give --prompt or --prompt-token-ids"),
+    };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        ignore_eos: args.ignore_eos,
+        ..SamplingParams::default()
+    };
+    engine.add_request(RequestId(0), prompt_ids, params, 0)?;
+    let mut generated = Vec::new();
+    let mut printed = 0; // bytes of decoded text already written
+    let mut stdout = std::io::stdout();
+    while engine.has_unfinished() {
+        for out in engine.step()? {
+            generated.extend_from_slice(&out.new_token_ids);
+        }
+        if let (Some(tok), false) = (&tokenizer, args.json) {
+            // Re-decode and print what is new; hold back a trailing partial
+            // UTF-8 character (shown as U+FFFD) until its last byte arrives.
+            let text = tok.decode(&generated, false).map_err(|e| anyhow::anyhow!("{e}"))?;
+            if text.len() > printed && !text.ends_with('\u{FFFD}') {
+                if let Some(new) = text.get(printed..) {
+                    write!(stdout, "{new}")?;
+                    stdout.flush()?;
+                }
+                printed = text.len();
+            }
+        }
+    }
+    let text = match &tokenizer {
+        Some(tok) => tok.decode(&generated, true).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => String::new(),
+    };
+    if args.json {
+        println!("{}", serde_json::json!({ "token_ids": generated, "text": text }));
+    } else if tokenizer.is_none() {
+        println!("{generated:?}");
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let (mut engine, files) = build_engine(&args.engine)?;
+    let bench_args = worker::bench::BenchArgs {
+        num_prompts: args.num_prompts,
+        input_len: args.input_len,
+        output_len: args.output_len,
+        seed: args.seed,
+    };
+    let report = worker::bench::run(&mut engine, &bench_args)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": files.name, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                "elapsed_s": report.elapsed.as_secs_f64(), "requests_per_s": report.requests_per_s,
+                "output_tok_per_s": report.output_tok_per_s, "total_tok_per_s": report.total_tok_per_s,
+                "ttft_ms": {"mean": report.ttft.mean_ms, "p50": report.ttft.p50_ms, "p99": report.ttft.p99_ms},
+                "tpot_ms": {"mean": report.tpot.mean_ms, "p50": report.tpot.p50_ms, "p99": report.tpot.p99_ms},
+                "peak_kv_blocks_used": report.peak_kv_blocks_used, "kv_blocks_total": report.kv_blocks_total,
+            })
+        );
+    } else {
+        println!("model: {}{}", files.name, if files.random_weights { " (random weights)" } else { "" });
+        println!("{report}");
+    }
+    Ok(())
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    use worker::service::{self, ServeConfig};
+    let secret = std::fs::read_to_string(&args.cluster_secret_file)
+        .with_context(|| format!("reading the cluster secret from {}", args.cluster_secret_file.display()))?
+        .trim()
+        .to_string();
+    anyhow::ensure!(!secret.is_empty(), "{} is empty", args.cluster_secret_file.display());
+    let (engine, files) = build_engine(&args.engine)?;
+    let name = args.name.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
+        format!("{host}-{}", std::process::id())
+    });
+    let stats = engine.stats();
+    let config = ServeConfig {
+        coordinator: args.coordinator.clone(),
+        name,
+        secret,
+        model: files.identity(),
+        block_size: args.engine.block_size as u32,
+        max_model_len: engine.scheduler().config().max_model_len as u64,
+    };
+    let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
+    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine_thread = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || service::engine_loop(engine, cmd_rx, out_tx))?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let drain = cmd_tx.clone();
+    let result = runtime.block_on(async move {
+        // SIGTERM drains: running requests finish and stream out, new ones
+        // are refused, then the engine stops and serve() returns.
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            eprintln!("signal received: draining");
+            let _ = drain.send(service::EngineCommand::Drain);
+        });
+        service::serve(config, stats.kv_blocks_total as u64, cmd_tx, out_rx).await
+    });
+    let _ = engine_thread.join();
+    Ok(result?)
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}

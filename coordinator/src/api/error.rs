@@ -1,0 +1,90 @@
+//! Errors as OpenAI's API returns them:
+//! `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
+
+use hyper::StatusCode;
+use serde::Serialize;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds, for 429.
+    pub retry_after: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+    }
+
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { param: Some(param.into()), ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message) }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist."))
+        }
+    }
+
+    pub fn not_found(path: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("No route for {path}"))
+    }
+
+    pub fn method_not_allowed() -> Self {
+        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "Method not allowed")
+    }
+
+    pub fn unauthorized() -> Self {
+        Self {
+            code: Some("invalid_api_key"),
+            ..Self::new(StatusCode::UNAUTHORIZED, "authentication_error", "Missing or incorrect API key.")
+        }
+    }
+
+    pub fn too_large(limit: usize) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("Request body exceeds {limit} bytes."))
+    }
+
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self { retry_after: Some(1), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message) }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    pub fn body(&self) -> String {
+        serde_json::to_string(&Body {
+            error: Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code },
+        })
+        .unwrap_or_else(|_| r#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#.into())
+    }
+}

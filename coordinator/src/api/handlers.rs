@@ -1,0 +1,386 @@
+//! The endpoints: `/generate`, `/v1/completions`, `/v1/chat/completions`
+//! (with SSE streaming), `/v1/models`, `/health`, `/v1/workers`. Response
+//! shapes follow OpenAI's; `/generate` is tinyvllm's simple API.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use common::protocol::WireLogprobs;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::run::{self, ChoiceEnd, ChoiceSpec, Collected, Update};
+use super::types::{ChatRequest, CompletionRequest, GenerateRequest, PromptInput, top_n};
+use crate::app::AppState;
+use crate::http::Reply;
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))
+}
+
+fn check_model(app: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        None => Ok(()),
+        Some(m) if m == app.served_model_name => Ok(()),
+        Some(m) => Err(ApiError::model_not_found(m)),
+    }
+}
+
+/// Refuses prompts the model cannot extend.
+fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    }
+    if ids.len() >= app.max_model_len {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("This model's maximum context length is {} tokens; the prompt has {} tokens.", app.max_model_len, ids.len()),
+        ));
+    }
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= app.tokenizer.vocab_size()) {
+        return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary")));
+    }
+    Ok(())
+}
+
+fn usage(ends: &[&ChoiceEnd]) -> Value {
+    let prompt = ends.first().map_or(0, |e| e.prompt_tokens);
+    let completion: u32 = ends.iter().map(|e| e.completion_tokens).sum();
+    let cached = ends.first().map_or(0, |e| e.cached_tokens);
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// `POST /generate`.
+pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: GenerateRequest = parse(body)?;
+    let prompt_ids = match (&req.prompt, &req.prompt_token_ids) {
+        (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give prompt or prompt_token_ids, not both")),
+        (Some(text), None) => app.tokenizer.encode(text, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => return Err(ApiError::invalid("prompt", "prompt or prompt_token_ids is required")),
+    };
+    check_prompt(&app, &prompt_ids)?;
+    let logprobs = top_n("logprobs", req.logprobs)?;
+    let params = req.sampling.to_params(16, logprobs)?;
+    let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };
+    let rx = run::launch(&app, vec![spec])?;
+    if req.sampling.stream() {
+        return Ok(Reply::sse(stream_generate(app, rx)));
+    }
+    let mut choices = run::collect(rx, 1).await?;
+    let c = choices.remove(0);
+    let end = c.end.as_ref().ok_or_else(|| ApiError::internal("missing end"))?;
+    let mut out = json!({
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": end.finish_reason,
+        "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens, "cached_tokens": end.cached_tokens},
+        "worker": end.worker,
+    });
+    if logprobs.is_some() {
+        out["logprobs"] = json!(c.logprobs.iter().zip(&c.token_ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect::<Vec<_>>());
+    }
+    Ok(Reply::json(out))
+}
+
+fn logprob_entry(app: &AppState, id: u32, l: &WireLogprobs) -> Value {
+    json!({
+        "token_id": id,
+        "token": app.tokenizer.token_text(id),
+        "logprob": l.logprob,
+        "top_logprobs": l.top.iter().map(|&(t, lp)| json!({"token_id": t, "token": app.tokenizer.token_text(t), "logprob": lp})).collect::<Vec<_>>(),
+    })
+}
+
+fn stream_generate(app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) -> mpsc::Receiver<String> {
+    let (tx, out) = mpsc::channel(64);
+    tokio::spawn(async move {
+        while let Some(update) = rx.recv().await {
+            let event = match update {
+                Update::Delta { text, token_ids, logprobs, .. } => {
+                    let mut e = json!({"text": text, "token_ids": token_ids});
+                    if !logprobs.is_empty() {
+                        e["logprobs"] = json!(logprobs.iter().zip(&token_ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect::<Vec<_>>());
+                    }
+                    e
+                }
+                Update::End(end) => json!({
+                    "text": "", "token_ids": [], "finish_reason": end.finish_reason, "worker": end.worker,
+                    "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens, "cached_tokens": end.cached_tokens},
+                }),
+                Update::Failed { message, .. } => json!({"error": {"message": message, "type": "server_error"}}),
+            };
+            let done = event.get("finish_reason").is_some() || event.get("error").is_some();
+            if tx.send(format!("data: {event}\n\n")).await.is_err() {
+                return; // client gone; dropping rx aborts the request
+            }
+            if done {
+                break;
+            }
+        }
+        let _ = tx.send("data: [DONE]\n\n".to_string()).await;
+    });
+    out
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: CompletionRequest = parse(body)?;
+    check_model(&app, req.model.as_deref())?;
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        PromptInput::Text(t) => vec![app.tokenizer.encode(t, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?],
+        PromptInput::Texts(ts) => ts
+            .iter()
+            .map(|t| app.tokenizer.encode(t, true).map_err(|e| ApiError::invalid("prompt", e.to_string())))
+            .collect::<Result<_, _>>()?,
+        PromptInput::Tokens(ids) => vec![ids.clone()],
+        PromptInput::TokenLists(lists) => lists.clone(),
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt list is empty"));
+    }
+    for p in &prompts {
+        check_prompt(&app, p)?;
+    }
+    let logprobs = top_n("logprobs", req.logprobs)?;
+    let n = req.sampling.n()?;
+    let stops = req.sampling.stop_strings()?;
+    let params = req.sampling.to_params(16, logprobs)?;
+    let echo = req.echo.unwrap_or(false);
+    let mut specs = Vec::new();
+    for p in &prompts {
+        for i in 0..n {
+            let mut params = params.clone();
+            // n > 1 with one seed must still give n different samples.
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            specs.push(ChoiceSpec { prompt_ids: p.clone(), params, stops: stops.clone() });
+        }
+    }
+    let count = specs.len();
+    let prompt_texts: Vec<String> = prompts.iter().map(|p| app.tokenizer.decode(p, true)).collect();
+    let rx = run::launch(&app, specs)?;
+    let id = format!("cmpl-{}", app.next_id());
+    if req.sampling.stream() {
+        let include_usage = req.sampling.include_usage();
+        return Ok(Reply::sse(stream_openai(app, rx, id, count, include_usage, Kind::Completion)));
+    }
+    let choices = run::collect(rx, count).await?;
+    let ends: Vec<&ChoiceEnd> = choices.iter().filter_map(|c| c.end.as_ref()).collect();
+    let mut usage = usage(&ends);
+    // Usage counts each prompt once.
+    let prompt_total: usize = prompts.iter().map(Vec::len).sum();
+    usage["prompt_tokens"] = json!(prompt_total);
+    usage["total_tokens"] = json!(prompt_total as u64 + usage["completion_tokens"].as_u64().unwrap_or(0));
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let prefix = if echo { prompt_texts[i / n].clone() } else { String::new() };
+            json!({
+                "index": i,
+                "text": prefix + &c.text,
+                "logprobs": logprobs.map(|_| completion_logprobs(&app, c)),
+                "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
+                "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
+            })
+        })
+        .collect();
+    Ok(Reply::json(json!({
+        "id": id, "object": "text_completion", "created": now(), "model": app.served_model_name,
+        "choices": choices, "usage": usage,
+    })))
+}
+
+/// OpenAI's legacy completions logprobs object.
+fn completion_logprobs(app: &AppState, c: &Collected) -> Value {
+    let mut offset = 0;
+    let mut tokens = Vec::new();
+    let mut offsets = Vec::new();
+    for &id in &c.token_ids {
+        let t = app.tokenizer.token_text(id);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+    }
+    json!({
+        "tokens": tokens,
+        "token_logprobs": c.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": c.logprobs.iter().map(|l| {
+            l.top.iter().map(|&(t, lp)| (app.tokenizer.token_text(t), json!(lp))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: ChatRequest = parse(body)?;
+    check_model(&app, req.model.as_deref())?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must not be empty"));
+    }
+    let template = app.chat_template.as_ref().ok_or_else(|| {
+        ApiError::bad_request("This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions")
+    })?;
+    let text = template.render(&req.messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    // The template already wrote BOS where the model wants it.
+    let prompt_ids = app.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    check_prompt(&app, &prompt_ids)?;
+    let logprobs = if req.logprobs.unwrap_or(false) { Some(top_n("top_logprobs", req.top_logprobs)?.unwrap_or(0)) } else { None };
+    let n = req.sampling.n()?;
+    let stops = req.sampling.stop_strings()?;
+    let default_max = (app.max_model_len - prompt_ids.len()) as u32;
+    let params = req.sampling.to_params(default_max, logprobs)?;
+    let specs = (0..n)
+        .map(|i| {
+            let mut params = params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            ChoiceSpec { prompt_ids: prompt_ids.clone(), params, stops: stops.clone() }
+        })
+        .collect();
+    let rx = run::launch(&app, specs)?;
+    let id = format!("chatcmpl-{}", app.next_id());
+    if req.sampling.stream() {
+        let include_usage = req.sampling.include_usage();
+        return Ok(Reply::sse(stream_openai(app, rx, id, n, include_usage, Kind::Chat)));
+    }
+    let choices = run::collect(rx, n).await?;
+    let ends: Vec<&ChoiceEnd> = choices.iter().filter_map(|c| c.end.as_ref()).collect();
+    let usage = usage(&ends);
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs.map(|_| chat_logprobs(&app, &c.token_ids, &c.logprobs)),
+                "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
+                "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
+            })
+        })
+        .collect();
+    Ok(Reply::json(json!({
+        "id": id, "object": "chat.completion", "created": now(), "model": app.served_model_name,
+        "choices": choices, "usage": usage,
+    })))
+}
+
+fn chat_logprobs(app: &AppState, ids: &[u32], lps: &[WireLogprobs]) -> Value {
+    let content: Vec<Value> = ids
+        .iter()
+        .zip(lps)
+        .map(|(&id, l)| {
+            let token = app.tokenizer.token_text(id);
+            json!({
+                "token": token, "logprob": l.logprob, "bytes": token.as_bytes(),
+                "top_logprobs": l.top.iter().map(|&(t, lp)| {
+                    let tt = app.tokenizer.token_text(t);
+                    json!({"token": tt, "logprob": lp, "bytes": tt.as_bytes()})
+                }).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// OpenAI SSE chunks, ending with `data: [DONE]`.
+fn stream_openai(
+    app: Arc<AppState>,
+    mut rx: mpsc::UnboundedReceiver<Update>,
+    id: String,
+    n: usize,
+    include_usage: bool,
+    kind: Kind,
+) -> mpsc::Receiver<String> {
+    let (tx, out) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let created = now();
+        let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk = |choice: Value| json!({"id": id, "object": object, "created": created, "model": app.served_model_name, "choices": [choice]});
+        let mut started = vec![false; n];
+        let mut ends: Vec<ChoiceEnd> = Vec::new();
+        while ends.len() < n {
+            let Some(update) = rx.recv().await else { break };
+            let value = match update {
+                Update::Delta { index, text, token_ids, logprobs } => {
+                    if text.is_empty() && (kind == Kind::Chat && started[index]) {
+                        continue; // held back by a stop-string candidate; nothing to show yet
+                    }
+                    let lp = (!logprobs.is_empty()).then(|| match kind {
+                        Kind::Chat => chat_logprobs(&app, &token_ids, &logprobs),
+                        Kind::Completion => completion_logprobs(&app, &Collected { text: text.clone(), token_ids: token_ids.clone(), logprobs: logprobs.clone(), end: None }),
+                    });
+                    let choice = match kind {
+                        Kind::Chat => {
+                            let delta = if started[index] { json!({"content": text}) } else { json!({"role": "assistant", "content": text}) };
+                            json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null})
+                        }
+                        Kind::Completion => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}),
+                    };
+                    started[index] = true;
+                    chunk(choice)
+                }
+                Update::End(end) => {
+                    let choice = match kind {
+                        Kind::Chat => json!({"index": end.index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop}),
+                        Kind::Completion => json!({"index": end.index, "text": "", "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop}),
+                    };
+                    ends.push(end);
+                    chunk(choice)
+                }
+                Update::Failed { message, .. } => {
+                    let _ = tx.send(format!("data: {}\n\n", json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}}))).await;
+                    break;
+                }
+            };
+            if tx.send(format!("data: {value}\n\n")).await.is_err() {
+                return; // client gone: dropping rx aborts every choice
+            }
+        }
+        if include_usage && ends.len() == n {
+            let refs: Vec<&ChoiceEnd> = ends.iter().collect();
+            let usage_chunk = json!({"id": id, "object": object, "created": created, "model": app.served_model_name, "choices": [], "usage": usage(&refs)});
+            let _ = tx.send(format!("data: {usage_chunk}\n\n")).await;
+        }
+        let _ = tx.send("data: [DONE]\n\n".to_string()).await;
+    });
+    out
+}
+
+/// `GET /v1/models`.
+pub fn models(app: &AppState) -> Reply {
+    Reply::json(json!({
+        "object": "list",
+        "data": [{"id": app.served_model_name, "object": "model", "created": app.started_at, "owned_by": "tinyvllm", "max_model_len": app.max_model_len}],
+    }))
+}
+
+/// `GET /health`: 200 only with at least one ready worker.
+pub fn health(app: &AppState) -> Reply {
+    let workers = app.cluster.workers();
+    let ready = app.cluster.is_ready();
+    let body = json!({"status": if ready { "ok" } else { "no ready worker" }, "workers": workers.len()});
+    if ready { Reply::json(body) } else { Reply::json_status(hyper::StatusCode::SERVICE_UNAVAILABLE, body) }
+}
+
+/// `GET /v1/workers`.
+pub fn workers(app: &AppState) -> Reply {
+    Reply::json(json!({"object": "list", "data": app.cluster.workers(), "in_flight": app.cluster.in_flight(), "redispatches": app.cluster.redispatches()}))
+}

@@ -1,0 +1,195 @@
+//! Drives the choices of one HTTP request: submits each to the cluster,
+//! turns the worker's token deltas into text (incremental detokenization,
+//! stop strings with hold-back) and hands updates to the response writer.
+//! If the writer goes away (the client disconnected), the request is
+//! aborted on its worker, which frees its blocks within a step.
+
+use std::sync::Arc;
+
+use common::protocol::{WireFinishReason, WireLogprobs};
+use common::{RequestId, SamplingParams};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use crate::app::AppState;
+use crate::cluster::{Cluster, RequestEvent, SubmitError};
+use crate::text::{IncrementalDetokenizer, StopStrings};
+
+pub struct ChoiceSpec {
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub stops: Vec<String>,
+}
+
+#[derive(Debug)]
+pub enum Update {
+    Delta { index: usize, text: String, token_ids: Vec<u32>, logprobs: Vec<WireLogprobs> },
+    End(ChoiceEnd),
+    Failed { index: usize, message: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct ChoiceEnd {
+    pub index: usize,
+    pub finish_reason: &'static str,
+    /// The stop string that ended the choice, if one did.
+    pub stop: Option<String>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+    pub worker: String,
+}
+
+/// Aborts the request on its worker unless disarmed (dropped early = the
+/// client is gone).
+struct AbortGuard {
+    cluster: Cluster,
+    id: RequestId,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.cluster.abort(self.id);
+        }
+    }
+}
+
+/// Submits every choice; fails as a whole (429/503) before anything streams.
+pub fn launch(app: &Arc<AppState>, specs: Vec<ChoiceSpec>) -> Result<mpsc::UnboundedReceiver<Update>, ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut submitted = Vec::with_capacity(specs.len());
+    for spec in specs {
+        match app.cluster.submit(spec.prompt_ids.clone(), spec.params.clone()) {
+            Ok((id, worker, events)) => submitted.push((spec, id, worker, events)),
+            Err(e) => {
+                for (_, id, _, _) in submitted {
+                    app.cluster.abort(id);
+                }
+                return Err(match e {
+                    SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
+                    SubmitError::NoWorker => ApiError::unavailable(e.to_string()),
+                });
+            }
+        }
+    }
+    for (index, (spec, id, worker, events)) in submitted.into_iter().enumerate() {
+        let app = app.clone();
+        let tx = tx.clone();
+        tokio::spawn(drive_choice(app, index, spec, id, worker, events, tx));
+    }
+    Ok(rx)
+}
+
+async fn drive_choice(
+    app: Arc<AppState>,
+    index: usize,
+    spec: ChoiceSpec,
+    id: RequestId,
+    first_worker: u64,
+    mut events: mpsc::UnboundedReceiver<RequestEvent>,
+    tx: mpsc::UnboundedSender<Update>,
+) {
+    let mut guard = AbortGuard { cluster: app.cluster.clone(), id, armed: true };
+    let mut detok = IncrementalDetokenizer::new(app.tokenizer.clone(), &spec.prompt_ids, true);
+    let mut stops = StopStrings::new(spec.stops.clone());
+    let mut completion_tokens = 0u32;
+    let worker_name = |app: &AppState| {
+        let worker = app.cluster.request_worker(id).unwrap_or(first_worker);
+        app.cluster.worker_name(worker).unwrap_or_else(|| format!("worker-{worker}"))
+    };
+    let mut worker = worker_name(&app);
+    while let Some(event) = events.recv().await {
+        match event {
+            RequestEvent::Tokens { ids, logprobs } => {
+                completion_tokens += ids.len() as u32;
+                worker = worker_name(&app);
+                let text = detok.push(&ids);
+                let out = stops.push(&text);
+                if tx.send(Update::Delta { index, text: out.text, token_ids: ids, logprobs }).is_err() {
+                    return; // client gone: the guard aborts
+                }
+                if let Some(stop) = out.stopped {
+                    app.cluster.abort(id);
+                    guard.armed = false;
+                    let end = ChoiceEnd {
+                        index,
+                        finish_reason: "stop",
+                        stop: Some(stop),
+                        prompt_tokens: spec.prompt_ids.len() as u32,
+                        completion_tokens,
+                        cached_tokens: 0,
+                        worker,
+                    };
+                    let _ = tx.send(Update::End(end));
+                    return;
+                }
+            }
+            RequestEvent::Finished { reason, prompt_tokens, cached_tokens } => {
+                guard.armed = false;
+                let rest = stops.push(&detok.flush());
+                let tail = if rest.stopped.is_some() { rest.text } else { rest.text + &stops.flush() };
+                if !tail.is_empty() {
+                    let _ = tx.send(Update::Delta { index, text: tail, token_ids: Vec::new(), logprobs: Vec::new() });
+                }
+                let finish_reason = match (reason, rest.stopped.is_some()) {
+                    (_, true) | (WireFinishReason::Stop, _) => "stop",
+                    (WireFinishReason::Length, _) => "length",
+                    (WireFinishReason::Abort, _) => "abort",
+                };
+                let end = ChoiceEnd {
+                    index,
+                    finish_reason,
+                    stop: rest.stopped,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                    worker,
+                };
+                let _ = tx.send(Update::End(end));
+                return;
+            }
+            RequestEvent::Failed { message } => {
+                guard.armed = false;
+                let _ = tx.send(Update::Failed { index, message });
+                return;
+            }
+        }
+    }
+    guard.armed = false;
+    let _ = tx.send(Update::Failed { index, message: "request ended without a result".into() });
+}
+
+/// Everything one choice produced, for non-streaming responses.
+#[derive(Debug, Default, Clone)]
+pub struct Collected {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<WireLogprobs>,
+    pub end: Option<ChoiceEnd>,
+}
+
+/// Waits for every choice to end.
+pub async fn collect(mut rx: mpsc::UnboundedReceiver<Update>, n: usize) -> Result<Vec<Collected>, ApiError> {
+    let mut choices = vec![Collected::default(); n];
+    let mut ended = 0;
+    while ended < n {
+        match rx.recv().await {
+            Some(Update::Delta { index, text, token_ids, logprobs }) => {
+                let c = &mut choices[index];
+                c.text.push_str(&text);
+                c.token_ids.extend(token_ids);
+                c.logprobs.extend(logprobs);
+            }
+            Some(Update::End(end)) => {
+                let index = end.index;
+                choices[index].end = Some(end);
+                ended += 1;
+            }
+            Some(Update::Failed { message, .. }) => return Err(ApiError::unavailable(message)),
+            None => return Err(ApiError::internal("generation stopped unexpectedly")),
+        }
+    }
+    Ok(choices)
+}

@@ -1,0 +1,226 @@
+//! Request bodies of `/generate`, `/v1/completions` and
+//! `/v1/chat/completions`, and their translation into sampling parameters.
+//! Numbers are read wide (i64/f64) so that out-of-range values get a clear
+//! 400 naming the parameter instead of a serde type error.
+
+use common::SamplingParams;
+use serde::Deserialize;
+
+use super::error::ApiError;
+
+/// `stop`: a string or a list of strings.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Sampling fields shared by every endpoint (vLLM's extra fields included).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub min_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopInput>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Largest `n` accepted.
+pub const MAX_N: i64 = 16;
+pub const MAX_STOP_STRINGS: usize = 16;
+
+impl SamplingFields {
+    /// Checks ranges and builds the worker's parameters. `default_max_tokens`
+    /// applies when the request gives none; `logprobs` is the top-n asked for.
+    pub fn to_params(&self, default_max_tokens: u32, logprobs: Option<u32>) -> Result<SamplingParams, ApiError> {
+        let max_tokens = self.max_tokens.or(self.max_completion_tokens);
+        let max_tokens = match max_tokens {
+            None => default_max_tokens,
+            Some(m) if m >= 1 && m <= u32::MAX as i64 => m as u32,
+            Some(m) => return Err(ApiError::invalid("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
+        };
+        let min_tokens = match self.min_tokens {
+            None => 0,
+            Some(m) if m >= 0 && m <= max_tokens as i64 => m as u32,
+            Some(m) => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be in [0, max_tokens], got {m}"))),
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=100.0).contains(&temperature) {
+            return Err(ApiError::invalid("temperature", format!("temperature must be >= 0, got {temperature}")));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
+            Some(k) => return Err(ApiError::invalid("top_k", format!("top_k must be -1 (off) or positive, got {k}"))),
+        };
+        let min_p = self.min_p.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(ApiError::invalid("min_p", format!("min_p must be in [0, 1], got {min_p}")));
+        }
+        let penalty = |name: &str, v: Option<f64>| -> Result<f32, ApiError> {
+            let v = v.unwrap_or(0.0);
+            if (-2.0..=2.0).contains(&v) { Ok(v as f32) } else { Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v}"))) }
+        };
+        let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
+        if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
+            return Err(ApiError::invalid("repetition_penalty", format!("repetition_penalty must be in (0, 10], got {repetition_penalty}")));
+        }
+        let seed = match self.seed {
+            None => None,
+            Some(s) => Some(s as u64),
+        };
+        Ok(SamplingParams {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            min_p: min_p as f32,
+            repetition_penalty: repetition_penalty as f32,
+            presence_penalty: penalty("presence_penalty", self.presence_penalty)?,
+            frequency_penalty: penalty("frequency_penalty", self.frequency_penalty)?,
+            seed,
+            max_tokens,
+            min_tokens,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            logprobs,
+        })
+    }
+
+    pub fn stop_strings(&self) -> Result<Vec<String>, ApiError> {
+        let stops = match &self.stop {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        };
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid("stop", format!("at most {MAX_STOP_STRINGS} stop strings")));
+        }
+        if stops.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+        }
+        Ok(stops)
+    }
+
+    pub fn n(&self) -> Result<usize, ApiError> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if (1..=MAX_N).contains(&n) => Ok(n as usize),
+            Some(n) => Err(ApiError::invalid("n", format!("n must be in [1, {MAX_N}], got {n}"))),
+        }
+    }
+
+    pub fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+/// A prompt: text, token ids, or (completions only) a list of either.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<serde_json::Value>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `POST /generate`: the simple API.
+#[derive(Clone, Debug, Deserialize)]
+pub struct GenerateRequest {
+    pub prompt: Option<String>,
+    pub prompt_token_ids: Option<Vec<u32>>,
+    pub logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `logprobs` as top-n: 0..=20.
+pub fn top_n(param: &str, n: Option<i64>) -> Result<Option<u32>, ApiError> {
+    match n {
+        None => Ok(None),
+        Some(n) if (0..=common::sampling::MAX_LOGPROBS as i64).contains(&n) => Ok(Some(n as u32)),
+        Some(n) => Err(ApiError::invalid(param, format!("{param} must be in [0, 20], got {n}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(json: &str) -> SamplingFields {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn ranges_are_checked_with_the_param_named() {
+        for (json, param) in [
+            (r#"{"max_tokens": -1}"#, "max_tokens"),
+            (r#"{"temperature": -0.5}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_p": 1.5}"#, "top_p"),
+            (r#"{"min_p": 2}"#, "min_p"),
+            (r#"{"presence_penalty": 3}"#, "presence_penalty"),
+        ] {
+            let err = fields(json).to_params(16, None).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{json}");
+            assert_eq!(err.status, hyper::StatusCode::BAD_REQUEST);
+        }
+        assert_eq!(fields(r#"{"n": 0}"#).n().unwrap_err().param.as_deref(), Some("n"));
+        assert!(top_n("logprobs", Some(21)).is_err());
+    }
+
+    #[test]
+    fn defaults_follow_openai() {
+        let p = fields("{}").to_params(16, None).unwrap();
+        assert_eq!((p.max_tokens, p.temperature, p.top_p, p.top_k), (16, 1.0, 1.0, 0));
+        let p = fields(r#"{"top_k": -1, "seed": 7, "stop": "x"}"#).to_params(16, None).unwrap();
+        assert_eq!((p.top_k, p.seed), (0, Some(7)));
+        assert_eq!(fields(r#"{"stop": ["a", "b"]}"#).stop_strings().unwrap(), vec!["a", "b"]);
+    }
+}

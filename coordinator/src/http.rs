@@ -1,0 +1,167 @@
+//! The HTTP server (hyper 1.x): routing, API-key check, body-size limit,
+//! queue bound, and the response type (JSON or a server-sent-event stream).
+//! `handle` is a plain function of a request, so tests can call it without
+//! a socket; `serve` runs it on a real listener.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use tokio::sync::{mpsc, watch};
+
+use crate::api::{ApiError, handlers};
+use crate::app::AppState;
+
+/// A response body: a whole buffer, or SSE events as they come.
+pub enum ReplyBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<String>),
+}
+
+impl Body for ReplyBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            ReplyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            ReplyBody::Stream(rx) => rx.poll_recv(cx).map(|event| event.map(|e| Ok(Frame::data(Bytes::from(e))))),
+        }
+    }
+}
+
+pub struct Reply {
+    status: StatusCode,
+    body: ReplyBody,
+    sse: bool,
+    retry_after: Option<u64>,
+}
+
+impl Reply {
+    pub fn json(value: serde_json::Value) -> Self {
+        Self::json_status(StatusCode::OK, value)
+    }
+
+    pub fn json_status(status: StatusCode, value: serde_json::Value) -> Self {
+        Self { status, body: ReplyBody::Full(Some(Bytes::from(value.to_string()))), sse: false, retry_after: None }
+    }
+
+    pub fn sse(events: mpsc::Receiver<String>) -> Self {
+        Self { status: StatusCode::OK, body: ReplyBody::Stream(events), sse: true, retry_after: None }
+    }
+
+    fn text(status: StatusCode, body: String) -> Self {
+        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), sse: false, retry_after: None }
+    }
+
+    fn error(e: &ApiError) -> Self {
+        Self { status: e.status, body: ReplyBody::Full(Some(Bytes::from(e.body()))), sse: false, retry_after: e.retry_after }
+    }
+
+    fn into_response(self) -> Response<ReplyBody> {
+        let content_type = if self.sse { "text/event-stream" } else { "application/json" };
+        let mut builder = Response::builder().status(self.status).header("content-type", content_type);
+        if self.sse {
+            builder = builder.header("cache-control", "no-cache");
+        }
+        if let Some(seconds) = self.retry_after {
+            builder = builder.header("retry-after", seconds.to_string());
+        }
+        builder.body(self.body).unwrap_or_else(|_| Response::new(ReplyBody::Full(None)))
+    }
+}
+
+/// Routes one request. Never panics on input; every failure is a JSON error.
+pub async fn handle(app: Arc<AppState>, req: Request<Incoming>) -> Result<Response<ReplyBody>, Infallible> {
+    let started = std::time::Instant::now();
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let reply = match route(app.clone(), req).await {
+        Ok(reply) => reply,
+        Err(e) => {
+            app.metrics.rejected(&e);
+            Reply::error(&e)
+        }
+    };
+    app.metrics.http_request(&path, reply.status.as_u16(), started.elapsed());
+    let _ = method;
+    Ok(reply.into_response())
+}
+
+async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiError> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    // Health and metrics stay open to probes; the API needs the key.
+    match (&method, path.as_str()) {
+        (&Method::GET, "/health") => return Ok(handlers::health(&app)),
+        (&Method::GET, "/metrics") => return Ok(Reply::text(StatusCode::OK, app.metrics.render(&app))),
+        _ => {}
+    }
+    if let Some(key) = &app.api_key {
+        let given = req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return Err(ApiError::unauthorized());
+        }
+    }
+    match (&method, path.as_str()) {
+        (&Method::GET, "/v1/models") => Ok(handlers::models(&app)),
+        (&Method::GET, "/v1/workers") => Ok(handlers::workers(&app)),
+        (&Method::POST, "/generate" | "/v1/completions" | "/v1/chat/completions") => {
+            if app.shutting_down() {
+                return Err(ApiError::unavailable("the server is shutting down"));
+            }
+            let body = read_body(req, app.max_body_bytes).await?;
+            match path.as_str() {
+                "/generate" => handlers::generate(app, &body).await,
+                "/v1/completions" => handlers::completions(app, &body).await,
+                _ => handlers::chat(app, &body).await,
+            }
+        }
+        (_, "/health" | "/metrics" | "/v1/models" | "/v1/workers" | "/generate" | "/v1/completions" | "/v1/chat/completions") => {
+            Err(ApiError::method_not_allowed())
+        }
+        _ => Err(ApiError::not_found(&path)),
+    }
+}
+
+async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
+    if let Some(len) = req.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok()) {
+        if len > limit {
+            return Err(ApiError::too_large(limit));
+        }
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::bad_request(format!("reading the body: {e}"))),
+    }
+}
+
+/// Serves HTTP on `listener` until `shutdown` turns true, then lets open
+/// connections finish (bounded by the caller).
+pub async fn serve(listener: tokio::net::TcpListener, app: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let app = app.clone();
+                let service = hyper::service::service_fn(move |req| handle(app.clone(), req));
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = shutdown.changed() => break,
+        }
+    }
+    graceful.shutdown().await;
+}
+

@@ -1,0 +1,9 @@
+//! tinyvllm's coordinator: HTTP front door, tokenization and detokenization,
+//! and the cluster of workers behind it.
+
+pub mod api;
+pub mod app;
+pub mod cluster;
+pub mod http;
+pub mod metrics;
+pub mod text;

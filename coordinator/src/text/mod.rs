@@ -1,0 +1,12 @@
+//! Text handling in the coordinator: tokenizer, incremental detokenizer,
+//! stop strings, chat templates.
+
+pub mod chat_template;
+pub mod detokenizer;
+pub mod stop;
+pub mod tokenizer;
+
+pub use chat_template::ChatTemplate;
+pub use detokenizer::IncrementalDetokenizer;
+pub use stop::{StopOutput, StopStrings};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,47 @@
+//! The KV write on the CPU: copies each new token's K (or V) row straight
+//! into its slot of the pool, in place, one op per tensor per layer.
+
+use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
+
+use crate::{Result, check_cache_write};
+
+struct WriteSlots<'a> {
+    slots: &'a [u32],
+    /// Elements per slot: kv_heads * head_dim.
+    row: usize,
+}
+
+fn copy_rows<T: Copy>(dst: &mut [T], dst_layout: &Layout, src: &[T], src_layout: &Layout, op: &WriteSlots) -> candle_core::Result<()> {
+    let (Some((d0, d1)), Some((s0, s1))) = (dst_layout.contiguous_offsets(), src_layout.contiguous_offsets()) else {
+        candle_core::bail!("reshape_and_cache needs contiguous tensors");
+    };
+    let (dst, src) = (&mut dst[d0..d1], &src[s0..s1]);
+    for (t, &slot) in op.slots.iter().enumerate() {
+        dst[slot as usize * op.row..][..op.row].copy_from_slice(&src[t * op.row..][..op.row]);
+    }
+    Ok(())
+}
+
+impl InplaceOp2 for WriteSlots<'_> {
+    fn name(&self) -> &'static str {
+        "reshape-and-cache"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
+        match (dst, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => copy_rows(d, dl, s, sl, self),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => copy_rows(d, dl, s, sl, self),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => copy_rows(d, dl, s, sl, self),
+            _ => candle_core::bail!("reshape_and_cache: unsupported or mismatched dtypes"),
+        }
+    }
+}
+
+pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+    check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+    let (_, kvh, hd) = k.dims3()?;
+    let op = WriteSlots { slots: slot_mapping, row: kvh * hd };
+    k_cache.inplace_op2(&k.contiguous()?, &op)?;
+    v_cache.inplace_op2(&v.contiguous()?, &op)?;
+    Ok(())
+}

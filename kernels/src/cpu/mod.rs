@@ -1,0 +1,48 @@
+//! CPU kernels: paged attention and the KV-cache write.
+
+mod attention;
+mod cache;
+
+pub use attention::paged_attention;
+pub use cache::reshape_and_cache;
+
+use half::{bf16, f16};
+
+/// Element types the CPU kernels read, widened to f32 for arithmetic.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}

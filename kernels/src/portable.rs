@@ -1,0 +1,74 @@
+//! Paged attention from candle ops only, so it runs on any candle device
+//! (Metal included): per sequence, gather its K/V rows through the block
+//! table, then masked softmax(q k^T) v with batched matmuls. Computes in f32.
+
+use candle_core::{D, DType, Tensor};
+
+use crate::{AttentionMetadata, Result, check, check_cache_write};
+
+pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+    let d = check(q, k_cache, v_cache, meta)?;
+    let device = q.device();
+    let group = d.num_heads / d.num_kv_heads;
+    let slots = d.num_blocks * d.block_size;
+    // The pools as rows of slots: [num_slots, kv_heads, head_dim].
+    let k_rows = k_cache.reshape((slots, d.num_kv_heads, d.head_dim))?;
+    let v_rows = v_cache.reshape((slots, d.num_kv_heads, d.head_dim))?;
+    let mut outs = Vec::with_capacity(meta.num_seqs());
+    for s in 0..meta.num_seqs() {
+        let rows = meta.query_range(s);
+        let (q_len, ctx) = (rows.len(), meta.context_lens[s] as usize);
+        if q_len == 0 {
+            continue;
+        }
+        let table = &meta.block_tables[s];
+        let slot_ids: Vec<u32> =
+            (0..ctx).map(|p| table[p / d.block_size] * d.block_size as u32 + (p % d.block_size) as u32).collect();
+        let index = Tensor::from_vec(slot_ids, ctx, device)?;
+        // [kv_heads, ctx, head_dim]
+        let k = k_rows.index_select(&index, 0)?.to_dtype(DType::F32)?.transpose(0, 1)?.contiguous()?;
+        let v = v_rows.index_select(&index, 0)?.to_dtype(DType::F32)?.transpose(0, 1)?.contiguous()?;
+        // q: [q_len, heads, hd] -> [kv_heads, group * q_len, hd]; row r = j * q_len + i.
+        let qs = q.narrow(0, rows.start, q_len)?.to_dtype(DType::F32)?.transpose(0, 1)?.contiguous()?;
+        let qs = qs.reshape((d.num_kv_heads, group * q_len, d.head_dim))?;
+        let scores = (qs.matmul(&k.t()?)? * scale as f64)?; // [kv_heads, group * q_len, ctx]
+        // Causal (and window) mask, the same for every head.
+        let first_pos = ctx - q_len;
+        let mut mask = Vec::with_capacity(group * q_len * ctx);
+        for _ in 0..group {
+            for i in 0..q_len {
+                mask.extend((0..ctx).map(|p| if meta.visible(first_pos + i, p) { 0f32 } else { f32::NEG_INFINITY }));
+            }
+        }
+        let mask = Tensor::from_vec(mask, (1, group * q_len, ctx), device)?;
+        let scores = scores.broadcast_add(&mask)?;
+        let max = scores.max_keepdim(D::Minus1)?;
+        let exp = scores.broadcast_sub(&max)?.exp()?;
+        let probs = exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?;
+        let out = probs.matmul(&v)?; // [kv_heads, group * q_len, hd]
+        let out = out.reshape((d.num_heads, q_len, d.head_dim))?.transpose(0, 1)?; // [q_len, heads, hd]
+        outs.push(out);
+    }
+    if outs.is_empty() {
+        return Ok(Tensor::zeros((0, d.num_heads, d.head_dim), q.dtype(), device)?);
+    }
+    Ok(Tensor::cat(&outs, 0)?.to_dtype(q.dtype())?.contiguous()?)
+}
+
+/// One in-place scatter per cache: rows of `[num_slots, kv_heads * head_dim]`.
+pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+    let num_slots = check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+    let (t, kvh, hd) = k.dims3()?;
+    if t == 0 {
+        return Ok(());
+    }
+    let width = kvh * hd;
+    let index = Tensor::from_slice(slot_mapping, (t, 1), k.device())?.broadcast_as((t, width))?.contiguous()?;
+    for (new, cache) in [(k, k_cache), (v, v_cache)] {
+        // A reshape of the contiguous pool shares its storage, so the
+        // scatter lands in the pool itself.
+        let rows = cache.reshape((num_slots, width))?;
+        rows.scatter_set(&index, &new.reshape((t, width))?.contiguous()?, 0)?;
+    }
+    Ok(())
+}

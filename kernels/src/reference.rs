@@ -1,0 +1,64 @@
+//! Naive paged attention and KV write: host loops in f64 with a two-pass
+//! softmax. Slow and obviously right; the other paths are tested against it.
+
+use candle_core::{DType, Tensor};
+
+use crate::{AttentionMetadata, Result, check, check_cache_write};
+
+pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+    let d = check(q, k_cache, v_cache, meta)?;
+    let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+    let (qv, kv, vv) = (host(q)?, host(k_cache)?, host(v_cache)?);
+    let group = d.num_heads / d.num_kv_heads;
+    let hd = d.head_dim;
+    // Element offset of (slot, kv_head) in a cache.
+    let at = |slot: usize, kvh: usize| (slot * d.num_kv_heads + kvh) * hd;
+    let mut out = vec![0f32; d.num_tokens * d.num_heads * hd];
+    for s in 0..meta.num_seqs() {
+        let rows = meta.query_range(s);
+        let ctx = meta.context_lens[s] as usize;
+        let first_pos = ctx - rows.len();
+        for (i, row) in rows.enumerate() {
+            let q_pos = first_pos + i;
+            for h in 0..d.num_heads {
+                let kvh = h / group;
+                let qh = &qv[(row * d.num_heads + h) * hd..][..hd];
+                let keys: Vec<usize> = (0..ctx).filter(|&p| meta.visible(q_pos, p)).collect();
+                let slot = |p: usize| meta.block_tables[s][p / d.block_size] as usize * d.block_size + p % d.block_size;
+                let scores: Vec<f64> = keys
+                    .iter()
+                    .map(|&p| {
+                        let k = &kv[at(slot(p), kvh)..][..hd];
+                        qh.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                let o = &mut out[(row * d.num_heads + h) * hd..][..hd];
+                for (j, value) in o.iter_mut().enumerate() {
+                    let acc: f64 = keys.iter().zip(&weights).map(|(&p, w)| w * vv[at(slot(p), kvh) + j] as f64).sum();
+                    *value = (acc / total) as f32;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(out, (d.num_tokens, d.num_heads, hd), q.device())?.to_dtype(q.dtype())?)
+}
+
+/// Rebuilds each cache on the host with the new rows and writes it back in place.
+pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+    check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+    for (new, cache) in [(k, k_cache), (v, v_cache)] {
+        let dims = cache.dims().to_vec();
+        let row = dims[2] * dims[3];
+        let mut host = cache.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let rows = new.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        for (t, &slot) in slot_mapping.iter().enumerate() {
+            host[slot as usize * row..][..row].copy_from_slice(&rows[t * row..][..row]);
+        }
+        let updated = Tensor::from_vec(host, dims.as_slice(), cache.device())?.to_dtype(cache.dtype())?;
+        cache.slice_set(&updated, 0, 0)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,120 @@
+//! Offline throughput benchmark in the style of vLLM's
+//! `benchmark_throughput`: N prompts of random tokens with fixed input and
+//! output lengths (`ignore_eos`), all submitted at once, run to completion.
+
+use std::time::{Duration, Instant};
+
+use common::{RequestId, SamplingParams};
+
+use crate::Engine;
+use crate::error::Result;
+
+#[derive(Clone, Debug)]
+pub struct BenchArgs {
+    pub num_prompts: usize,
+    pub input_len: usize,
+    pub output_len: usize,
+    pub seed: u64,
+}
+
+/// mean / p50 / p99 of a latency, in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Summary {
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl Summary {
+    fn of(mut values: Vec<Duration>) -> Self {
+        if values.is_empty() {
+            return Self::default();
+        }
+        values.sort();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let pct = |p: f64| ms(values[((values.len() - 1) as f64 * p).round() as usize]);
+        Self { mean_ms: values.iter().map(|&d| ms(d)).sum::<f64>() / values.len() as f64, p50_ms: pct(0.5), p99_ms: pct(0.99) }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchReport {
+    pub args: BenchArgs,
+    pub elapsed: Duration,
+    pub requests_per_s: f64,
+    pub output_tok_per_s: f64,
+    pub total_tok_per_s: f64,
+    pub ttft: Summary,
+    /// Time per output token after the first, per request.
+    pub tpot: Summary,
+    pub peak_kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub steps: usize,
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let a = &self.args;
+        writeln!(f, "prompts {} x (input {} + output {}), {} steps in {:.2} s", a.num_prompts, a.input_len, a.output_len, self.steps, self.elapsed.as_secs_f64())?;
+        writeln!(f, "throughput: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s", self.requests_per_s, self.output_tok_per_s, self.total_tok_per_s)?;
+        writeln!(f, "TTFT ms:  mean {:.1}  p50 {:.1}  p99 {:.1}", self.ttft.mean_ms, self.ttft.p50_ms, self.ttft.p99_ms)?;
+        writeln!(f, "TPOT ms:  mean {:.2}  p50 {:.2}  p99 {:.2}  (decode {:.1} tok/s per request)", self.tpot.mean_ms, self.tpot.p50_ms, self.tpot.p99_ms, 1e3 / self.tpot.mean_ms.max(1e-9))?;
+        write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)
+    }
+}
+
+/// Runs the benchmark on `engine`, which should be idle.
+pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
+    let vocab = engine.model_config().vocab_size as u64;
+    let mut state = args.seed;
+    let start = Instant::now();
+    let mut first_token = vec![None; args.num_prompts];
+    let mut last_token = vec![start; args.num_prompts];
+    for i in 0..args.num_prompts {
+        // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
+        let prompt = (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len as u32) };
+        engine.add_request(RequestId(i as u64), prompt, params, 0)?;
+    }
+    let mut steps = 0;
+    let mut peak = 0;
+    while engine.has_unfinished() {
+        let outputs = engine.step()?;
+        steps += 1;
+        let now = Instant::now();
+        peak = peak.max(engine.stats().kv_blocks_used);
+        for out in outputs {
+            let i = out.id.0 as usize;
+            first_token[i].get_or_insert(now);
+            last_token[i] = now;
+        }
+    }
+    let elapsed = start.elapsed();
+    let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();
+    let tpot: Vec<Duration> = (0..args.num_prompts)
+        .filter(|_| args.output_len > 1)
+        .map(|i| (last_token[i] - first_token[i].unwrap_or(start)) / (args.output_len as u32 - 1))
+        .collect();
+    let secs = elapsed.as_secs_f64();
+    let out_tokens = (args.num_prompts * args.output_len) as f64;
+    Ok(BenchReport {
+        args: args.clone(),
+        elapsed,
+        requests_per_s: args.num_prompts as f64 / secs,
+        output_tok_per_s: out_tokens / secs,
+        total_tok_per_s: (args.num_prompts * (args.input_len + args.output_len)) as f64 / secs,
+        ttft: Summary::of(ttft),
+        tpot: Summary::of(tpot),
+        peak_kv_blocks_used: peak,
+        kv_blocks_total: engine.stats().kv_blocks_total,
+        steps,
+    })
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

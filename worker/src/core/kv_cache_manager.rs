@@ -1,0 +1,161 @@
+//! Which blocks each request holds (vLLM v1's `KVCacheManager`):
+//! `get_computed_blocks` finds a prompt's cached prefix, `allocate_slots`
+//! grows a request's block table for the tokens it is about to compute and
+//! registers its newly full blocks in the prefix cache, `free` returns them.
+
+use std::collections::HashMap;
+
+use common::{BlockId, KvEventRecord, RequestId};
+
+use super::block_pool::BlockPool;
+use super::request::Request;
+
+/// Prefix-cache counters, in tokens (vLLM's `prefix_cache_queries/hits`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    pub queries: u64,
+    pub hits: u64,
+}
+
+pub struct KvCacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    enable_caching: bool,
+    /// Each request's block table, in position order.
+    req_blocks: HashMap<RequestId, Vec<BlockId>>,
+    /// How many leading blocks of each request are already in the cache.
+    num_cached_blocks: HashMap<RequestId, usize>,
+    pub prefix_stats: PrefixCacheStats,
+}
+
+impl KvCacheManager {
+    pub fn new(num_blocks: usize, block_size: usize, enable_caching: bool) -> Self {
+        Self {
+            pool: BlockPool::new(num_blocks, enable_caching),
+            block_size,
+            enable_caching,
+            req_blocks: HashMap::new(),
+            num_cached_blocks: HashMap::new(),
+            prefix_stats: PrefixCacheStats::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Blocks referenced by at least one request.
+    pub fn num_used_blocks(&self) -> usize {
+        self.pool.num_blocks() - self.pool.num_free()
+    }
+
+    pub fn block_table(&self, id: RequestId) -> &[BlockId] {
+        self.req_blocks.get(&id).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// The longest cached prefix of `req` in whole blocks, and its length in
+    /// tokens (the caller records the query in `prefix_stats` once the
+    /// request is admitted). At least one token is always left to compute, because the
+    /// last one's logits are needed. `req.block_hashes` must be up to date.
+    pub fn get_computed_blocks(&mut self, req: &Request) -> (Vec<BlockId>, usize) {
+        if !self.enable_caching {
+            return (Vec::new(), 0);
+        }
+        let max_hit_blocks = (req.num_tokens() - 1) / self.block_size;
+        let mut hits = Vec::new();
+        for (i, &hash) in req.block_hashes.iter().take(max_hit_blocks).enumerate() {
+            let parent = i.checked_sub(1).map(|p| req.block_hashes[p]);
+            let tokens = &req.token_ids[i * self.block_size..(i + 1) * self.block_size];
+            match self.pool.lookup(hash, parent, tokens) {
+                Some(block) => hits.push(block),
+                None => break,
+            }
+        }
+        let num_tokens = hits.len() * self.block_size;
+        (hits, num_tokens)
+    }
+
+    /// Gives `req` blocks for `num_new_tokens` more tokens on top of its
+    /// computed ones and of `new_computed` (cache hits found just now).
+    /// `None`, with nothing changed, if the pool is short.
+    pub fn allocate_slots(&mut self, req: &Request, num_new_tokens: usize, new_computed: &[BlockId]) -> Option<()> {
+        let bs = self.block_size;
+        let held = self.req_blocks.get(&req.id).map_or(0, Vec::len);
+        let total_tokens = req.num_computed_tokens + new_computed.len() * bs + num_new_tokens;
+        let needed = total_tokens.div_ceil(bs).saturating_sub(held + new_computed.len());
+        // Reviving a cache hit that sits in the free queue also uses a free block.
+        let revived = new_computed.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        if needed + revived > self.pool.num_free() {
+            return None;
+        }
+        self.pool.touch(new_computed);
+        let new_blocks = self.pool.get_new_blocks(needed)?;
+        let blocks = self.req_blocks.entry(req.id).or_default();
+        blocks.extend_from_slice(new_computed);
+        blocks.extend(new_blocks);
+        // Hits only come before a request's first block, and are cached already.
+        debug_assert!(new_computed.is_empty() || held == 0);
+        *self.num_cached_blocks.entry(req.id).or_insert(0) += new_computed.len();
+        if self.enable_caching {
+            self.cache_full_blocks(req, total_tokens);
+        }
+        Some(())
+    }
+
+    /// Registers every block of `req` that is full once `num_tokens` tokens
+    /// are computed (their hashes only depend on known tokens).
+    fn cache_full_blocks(&mut self, req: &Request, num_tokens: usize) {
+        let full = (num_tokens / self.block_size).min(req.block_hashes.len());
+        let start = self.num_cached_blocks.get(&req.id).copied().unwrap_or(0);
+        let Some(blocks) = self.req_blocks.get(&req.id) else { return };
+        for i in start..full {
+            let parent = i.checked_sub(1).map(|p| req.block_hashes[p]);
+            let tokens = &req.token_ids[i * self.block_size..(i + 1) * self.block_size];
+            self.pool.cache_block(blocks[i], req.block_hashes[i], parent, tokens);
+        }
+        if full > start {
+            self.num_cached_blocks.insert(req.id, full);
+        }
+    }
+
+    /// Returns all of a request's blocks, tail first so that its own tail is
+    /// evicted before the prefix it may share with others.
+    pub fn free(&mut self, id: RequestId) {
+        if let Some(blocks) = self.req_blocks.remove(&id) {
+            self.pool.free(blocks.into_iter().rev());
+        }
+        self.num_cached_blocks.remove(&id);
+    }
+
+    pub fn drain_events(&mut self) -> Vec<KvEventRecord> {
+        self.pool.drain_events()
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Pool invariants plus: the reference counts equal the number of block
+    /// tables naming each block. With no request alive, every block is free
+    /// (cached or not) with ref_cnt 0.
+    pub fn check_invariants(&self) {
+        self.pool.check_invariants();
+        let mut refs = vec![0u32; self.pool.num_blocks()];
+        for blocks in self.req_blocks.values() {
+            for b in blocks {
+                refs[b.0 as usize] += 1;
+            }
+        }
+        for (i, &r) in refs.iter().enumerate() {
+            assert_eq!(self.pool.ref_cnt(BlockId(i as u32)), r, "block {i}: ref_cnt vs block tables");
+        }
+    }
+}

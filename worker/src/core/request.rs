@@ -1,0 +1,107 @@
+//! A request as the engine core sees it: token ids and progress counters,
+//! no tensors. Like vLLM v1 there is no prefill or decode "phase": a request
+//! has `num_tokens` (prompt + output) of which `num_computed_tokens` already
+//! have KV in the cache, and each step computes some of the rest.
+
+use common::{BlockHash, RequestId, SamplingParams, hash_block_tokens};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    /// Lost its blocks to a higher-priority request; waits to recompute.
+    Preempted,
+    Finished(FinishReason),
+}
+
+/// Why a request ended, in OpenAI's words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum FinishReason {
+    /// EOS or a stop token.
+    Stop,
+    /// `max_tokens` or the model's context length.
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub id: RequestId,
+    pub params: SamplingParams,
+    /// Lower values are served first (vLLM's convention); ties by arrival.
+    pub priority: i32,
+    pub arrival: u64,
+    /// Prompt then output token ids.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    /// Tokens whose KV is in the cache (or will be once this step runs).
+    pub num_computed_tokens: usize,
+    /// Prompt tokens found in the prefix cache when first scheduled.
+    pub num_cached_tokens: Option<usize>,
+    /// Chained hashes of every full block of `token_ids`, grown lazily.
+    pub block_hashes: Vec<BlockHash>,
+    /// Seed of this request's sampling stream.
+    pub sampling_seed: u64,
+    pub status: RequestStatus,
+    pub num_preemptions: u32,
+}
+
+impl Request {
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams, priority: i32, arrival: u64, sampling_seed: u64) -> Self {
+        Self {
+            id,
+            params,
+            priority,
+            arrival,
+            num_prompt_tokens: prompt.len(),
+            token_ids: prompt,
+            num_computed_tokens: 0,
+            num_cached_tokens: None,
+            block_hashes: Vec::new(),
+            sampling_seed,
+            status: RequestStatus::Waiting,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    pub fn prompt_token_ids(&self) -> &[u32] {
+        &self.token_ids[..self.num_prompt_tokens]
+    }
+
+    pub fn output_token_ids(&self) -> &[u32] {
+        &self.token_ids[self.num_prompt_tokens..]
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, RequestStatus::Finished(_))
+    }
+
+    /// Extends `block_hashes` to cover every full block of `token_ids`.
+    pub fn update_block_hashes(&mut self, block_size: usize) {
+        let full = self.token_ids.len() / block_size;
+        while self.block_hashes.len() < full {
+            let i = self.block_hashes.len();
+            let parent = i.checked_sub(1).map(|p| self.block_hashes[p]);
+            let tokens = &self.token_ids[i * block_size..(i + 1) * block_size];
+            self.block_hashes.push(hash_block_tokens(parent, tokens, &[]));
+        }
+    }
+}

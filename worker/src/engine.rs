@@ -1,0 +1,192 @@
+//! The engine: `step()` = schedule -> run the model -> sample -> update
+//! (nano-vllm's loop). A synchronous library API with no I/O; the service
+//! shell runs it on its own thread and talks to it through channels.
+
+use candle_core::{DType, Device};
+use common::{KvEventRecord, RequestId, SamplingParams};
+
+use crate::core::{
+    RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerStats, SchedulingPolicy, TokenLogprobs,
+};
+use crate::error::{Result, WorkerError};
+use crate::kv_cache::{self, KvBudget};
+use crate::model_runner::ModelRunner;
+use crate::models::ModelFiles;
+use crate::sampler::{self, SeqSamplingInput};
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub device: Device,
+    pub dtype: DType,
+    pub block_size: usize,
+    pub kv_budget: KvBudget,
+    /// Overrides `kv_budget` with an exact block count (tests use it to force preemption).
+    pub num_blocks: Option<usize>,
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    /// Defaults to the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    pub enable_prefix_caching: bool,
+    pub policy: SchedulingPolicy,
+    pub logprobs_mode: LogprobsMode,
+}
+
+/// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogprobsMode {
+    /// log-softmax of the model's logits, before any sampling processing.
+    #[default]
+    RawLogprobs,
+    /// The model's logits themselves (for checking against a reference).
+    RawLogits,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            block_size: kv_cache::DEFAULT_BLOCK_SIZE,
+            kv_budget: KvBudget::FractionOfAvailable(0.25),
+            num_blocks: None,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 64,
+            max_model_len: None,
+            enable_prefix_caching: true,
+            policy: SchedulingPolicy::Fcfs,
+            logprobs_mode: LogprobsMode::RawLogprobs,
+        }
+    }
+}
+
+pub struct Engine {
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    vocab_size: usize,
+    eos_token_ids: Vec<u32>,
+    logprobs_mode: LogprobsMode,
+}
+
+impl Engine {
+    /// Loads the model and allocates the KV cache.
+    pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
+        let model = files.load(config.dtype, &config.device)?;
+        let cfg = model.config().clone();
+        let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
+        let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
+        let num_blocks = match config.num_blocks {
+            Some(n) => n,
+            None => kv_cache::num_blocks_for_budget(&cfg, config.block_size, config.dtype, config.kv_budget, max_useful)?,
+        };
+        let caches = kv_cache::allocate(&cfg, num_blocks, config.block_size, config.dtype, &config.device)?;
+        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), config.dtype);
+        let scheduler = Scheduler::new(SchedulerConfig {
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            max_num_seqs: config.max_num_seqs,
+            max_model_len,
+            block_size: config.block_size,
+            num_blocks,
+            enable_prefix_caching: config.enable_prefix_caching,
+            policy: config.policy,
+            eos_token_ids: files.eos_token_ids.clone(),
+        });
+        Ok(Self { scheduler, runner, vocab_size: cfg.vocab_size, eos_token_ids: files.eos_token_ids.clone(), logprobs_mode: config.logprobs_mode })
+    }
+
+    /// Queues a request. Fails (and queues nothing) on an empty or too long
+    /// prompt, a duplicate id, invalid parameters, or a token id outside the vocabulary.
+    pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams, priority: i32) -> Result<()> {
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(WorkerError::InvalidRequest {
+                id,
+                message: format!("token id {bad} is outside the vocabulary (size {})", self.vocab_size),
+            });
+        }
+        let seed = params.seed.unwrap_or_else(random_seed);
+        self.scheduler
+            .add_request(id, prompt, params, priority, seed)
+            .map_err(|e| WorkerError::InvalidRequest { id, message: e.to_string() })
+    }
+
+    /// Stops a request and frees its blocks now; `None` if it is unknown (or already finished).
+    pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
+        self.scheduler.abort(id)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        self.scheduler.stats()
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn model_config(&self) -> &crate::models::ModelConfig {
+        self.runner.model().config()
+    }
+
+    pub fn drain_kv_events(&mut self) -> Vec<KvEventRecord> {
+        self.scheduler.kv_cache_manager_mut().drain_events()
+    }
+
+    /// One step: computes the scheduled tokens of all running requests in
+    /// one forward pass and returns each sampling request's new token.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        let step = self.scheduler.schedule();
+        if step.scheduled.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
+        let logits = self.runner.execute(&batch)?;
+        let inputs: Vec<SeqSamplingInput> = step
+            .scheduled
+            .iter()
+            .filter(|s| s.samples)
+            .map(|s| {
+                let req = self.scheduler.request(s.id).expect("scheduled request exists");
+                SeqSamplingInput {
+                    params: &req.params,
+                    prompt_token_ids: req.prompt_token_ids(),
+                    output_token_ids: req.output_token_ids(),
+                    seed: req.sampling_seed,
+                    eos_token_ids: &self.eos_token_ids,
+                }
+            })
+            .collect();
+        let sampled = sampler::sample_batch(&logits, self.vocab_size, &inputs);
+        let vocab = self.vocab_size;
+        let raw_logits = self.logprobs_mode == LogprobsMode::RawLogits;
+        let sampled: Vec<SampledToken> = sampled
+            .into_iter()
+            .zip(&inputs)
+            .enumerate()
+            .map(|(row, (s, input))| {
+                let logprobs = input.params.logprobs.map(|_| {
+                    if raw_logits {
+                        // Same order as logprobs (softmax is monotonic), other values.
+                        let logit = |id: u32| logits[row * vocab + id as usize];
+                        TokenLogprobs {
+                            logprob: logit(s.token_id),
+                            top: s.top_logprobs.iter().map(|&(id, _)| (id, logit(id))).collect(),
+                        }
+                    } else {
+                        TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }
+                    }
+                });
+                SampledToken { token_id: s.token_id, logprobs }
+            })
+            .collect();
+        drop(inputs);
+        Ok(self.scheduler.update_from_output(&step, sampled))
+    }
+}
+
+/// A seed for requests that gave none: different per request and per run.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
+}

@@ -1,0 +1,99 @@
+//! Turns a scheduler step into one batched forward pass: the new tokens of
+//! every scheduled request flattened into one varlen batch (no padding),
+//! with positions, slot mapping and block tables for paged attention. Owns
+//! the model and the KV block pools; knows nothing of queues or sockets.
+
+use candle_core::{DType, Device, Tensor};
+use common::RequestId;
+use kernels::AttentionMetadata;
+
+use crate::core::{Request, SchedulerOutput};
+use crate::error::Result;
+use crate::kv_cache::LayerKvCache;
+use crate::models::CausalLm;
+
+pub struct ModelRunner {
+    model: CausalLm,
+    kv_caches: Vec<LayerKvCache>,
+    block_size: usize,
+    device: Device,
+    dtype: DType,
+}
+
+/// The flattened inputs of one step, on the host.
+#[derive(Debug, Default, PartialEq)]
+pub struct BatchInputs {
+    pub input_ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub meta: AttentionMetadata,
+    /// Row of each sampling request's last new token.
+    pub logits_indices: Vec<u32>,
+}
+
+impl ModelRunner {
+    pub fn new(model: CausalLm, kv_caches: Vec<LayerKvCache>, block_size: usize, device: Device, dtype: DType) -> Self {
+        Self { model, kv_caches, block_size, device, dtype }
+    }
+
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Builds the step's flattened batch from the scheduler's decisions.
+    pub fn prepare<'a>(&self, step: &SchedulerOutput, request: impl Fn(RequestId) -> &'a Request) -> BatchInputs {
+        let bs = self.block_size;
+        let mut b = BatchInputs {
+            meta: AttentionMetadata {
+                query_start_loc: vec![0],
+                block_size: bs,
+                sliding_window: self.model.config().sliding_window,
+                ..AttentionMetadata::default()
+            },
+            ..BatchInputs::default()
+        };
+        for sched in &step.scheduled {
+            let req = request(sched.id);
+            let end = sched.num_computed_tokens + sched.num_new_tokens;
+            for pos in sched.num_computed_tokens..end {
+                b.input_ids.push(req.token_ids[pos]);
+                b.positions.push(pos as u32);
+                b.meta.slot_mapping.push(sched.block_ids[pos / bs].0 * bs as u32 + (pos % bs) as u32);
+            }
+            b.meta.query_start_loc.push(b.input_ids.len() as u32);
+            b.meta.context_lens.push(end as u32);
+            b.meta.block_tables.push(sched.block_ids.iter().map(|blk| blk.0).collect());
+            if sched.samples {
+                b.logits_indices.push(b.input_ids.len() as u32 - 1);
+            }
+        }
+        b
+    }
+
+    /// Runs the model on a prepared batch; returns the sampled rows' logits,
+    /// row-major [logits_indices.len(), vocab] in f32.
+    pub fn execute(&mut self, batch: &BatchInputs) -> Result<Vec<f32>> {
+        if batch.input_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = batch.input_ids.len();
+        let input_ids = Tensor::from_slice(&batch.input_ids, t, &self.device)?;
+        let positions = Tensor::from_slice(&batch.positions, t, &self.device)?;
+        // A step of prompt chunks only still runs the layers to fill the KV
+        // cache; it computes one row of logits that nobody reads.
+        let wanted = if batch.logits_indices.is_empty() { vec![t as u32 - 1] } else { batch.logits_indices.clone() };
+        let logits_indices = Tensor::from_slice(&wanted, wanted.len(), &self.device)?;
+        let logits = self.model.forward(&input_ids, &positions, &self.kv_caches, &batch.meta, &logits_indices)?;
+        if batch.logits_indices.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(logits.flatten_all()?.to_vec1::<f32>()?)
+    }
+}

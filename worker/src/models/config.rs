@@ -1,0 +1,281 @@
+//! A model's `config.json`, read into one normalised description of a
+//! Llama-family decoder. Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2 and Qwen3
+//! differ only in the flags below, so they share one implementation (as
+//! vLLM's `qwen2.py` and `mistral` reuse `llama.py`).
+
+use serde::Deserialize;
+
+use crate::error::{Result, WorkerError};
+
+/// The architectures we can run, from `config.json`'s `architectures[0]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+impl Architecture {
+    pub fn from_hf_name(name: &str) -> Result<Self> {
+        match name {
+            "LlamaForCausalLM" => Ok(Self::Llama),
+            "MistralForCausalLM" => Ok(Self::Mistral),
+            "Qwen2ForCausalLM" => Ok(Self::Qwen2),
+            "Qwen3ForCausalLM" => Ok(Self::Qwen3),
+            other => Err(WorkerError::UnsupportedArchitecture(other.to_string())),
+        }
+    }
+
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+}
+
+/// `rope_scaling` as Hugging Face writes it. Only `llama3` changes the
+/// frequencies; `default` (or none) keeps them.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    #[serde(default)]
+    pub factor: Option<f64>,
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+/// The raw `config.json` fields we read (serde ignores the rest).
+#[derive(Clone, Debug, Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    #[serde(default = "default_rms_norm_eps")]
+    rms_norm_eps: f64,
+    #[serde(default = "default_rope_theta")]
+    rope_theta: f64,
+    #[serde(default)]
+    rope_scaling: Option<RopeScaling>,
+    #[serde(default = "default_max_position_embeddings")]
+    max_position_embeddings: usize,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    use_sliding_window: Option<bool>,
+    #[serde(default)]
+    hidden_act: Option<String>,
+    #[serde(default)]
+    torch_dtype: Option<String>,
+    #[serde(default)]
+    dtype: Option<String>,
+}
+
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+fn default_max_position_embeddings() -> usize {
+    4096
+}
+
+/// Everything the model code needs, checked once here.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v projections (Qwen2, some Llama variants).
+    pub qkv_bias: bool,
+    /// Bias on the o projection (Llama `attention_bias`).
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Mistral v0.1-style sliding-window attention.
+    pub sliding_window: Option<usize>,
+    /// The dtype the checkpoint was saved in (`torch_dtype`), if given.
+    pub weights_dtype: Option<String>,
+}
+
+impl ModelConfig {
+    pub fn from_json(text: &str) -> Result<Self> {
+        let hf: HfConfig = serde_json::from_str(text).map_err(|e| WorkerError::InvalidConfig(e.to_string()))?;
+        let arch_name = hf
+            .architectures
+            .first()
+            .ok_or_else(|| WorkerError::InvalidConfig("`architectures` is missing or empty".into()))?;
+        let architecture = Architecture::from_hf_name(arch_name)?;
+        if let Some(act) = &hf.hidden_act {
+            if act != "silu" {
+                return Err(WorkerError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
+            }
+        }
+        if hf.num_attention_heads == 0 || hf.num_hidden_layers == 0 || hf.hidden_size == 0 {
+            return Err(WorkerError::InvalidConfig("sizes must be positive".into()));
+        }
+        let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+        if num_kv_heads == 0 || hf.num_attention_heads % num_kv_heads != 0 {
+            return Err(WorkerError::InvalidConfig(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_kv_heads})",
+                hf.num_attention_heads
+            )));
+        }
+        let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads);
+        if head_dim % 2 != 0 {
+            return Err(WorkerError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
+        }
+        if let Some(scaling) = &hf.rope_scaling {
+            let kind = scaling.rope_type.as_str();
+            if kind != "default" && kind != "llama3" {
+                return Err(WorkerError::InvalidConfig(format!("rope_scaling type {kind:?} is not supported")));
+            }
+        }
+        // Qwen2 configs carry a sliding_window that only applies when
+        // use_sliding_window is true; Mistral applies it whenever it is set.
+        let sliding_window = match architecture {
+            Architecture::Mistral => hf.sliding_window,
+            Architecture::Qwen2 | Architecture::Qwen3 => {
+                if hf.use_sliding_window == Some(true) { hf.sliding_window } else { None }
+            }
+            Architecture::Llama => None,
+        };
+        Ok(Self {
+            architecture,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_layers: hf.num_hidden_layers,
+            num_heads: hf.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: hf.vocab_size,
+            rms_norm_eps: hf.rms_norm_eps,
+            rope_theta: hf.rope_theta,
+            rope_scaling: hf.rope_scaling.filter(|s| s.rope_type != "default"),
+            max_position_embeddings: hf.max_position_embeddings,
+            tie_word_embeddings: hf.tie_word_embeddings,
+            qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
+            o_bias: architecture != Architecture::Qwen2 && hf.attention_bias,
+            mlp_bias: hf.mlp_bias,
+            qk_norm: architecture == Architecture::Qwen3,
+            sliding_window,
+            weights_dtype: hf.torch_dtype.or(hf.dtype),
+        })
+    }
+
+    /// Bytes of K and V for one token across all layers, at `dtype_size` bytes per element.
+    pub fn kv_bytes_per_token(&self, dtype_size: usize) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+    }
+
+    /// Inverse RoPE frequencies, one per rotated pair, with `llama3` scaling
+    /// applied as transformers' `_compute_llama3_parameters` does.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let dim = self.head_dim;
+        let base: Vec<f64> =
+            (0..dim / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64)).collect();
+        let Some(scaling) = self.rope_scaling.as_ref().filter(|s| s.rope_type == "llama3") else {
+            return base;
+        };
+        let factor = scaling.factor.unwrap_or(8.0);
+        let low = scaling.low_freq_factor.unwrap_or(1.0);
+        let high = scaling.high_freq_factor.unwrap_or(4.0);
+        let old_len = scaling.original_max_position_embeddings.unwrap_or(8192) as f64;
+        let low_freq_wavelen = old_len / low;
+        let high_freq_wavelen = old_len / high;
+        base.into_iter()
+            .map(|inv| {
+                let wavelen = 2.0 * std::f64::consts::PI / inv;
+                if wavelen < high_freq_wavelen {
+                    inv
+                } else if wavelen > low_freq_wavelen {
+                    inv / factor
+                } else {
+                    let smooth = (old_len / wavelen - low) / (high - low);
+                    (1.0 - smooth) * inv / factor + smooth * inv
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(path: &str) -> String {
+        let p = format!("{}/../../shared/models/{path}", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
+    }
+
+    #[test]
+    fn reads_every_shared_model() {
+        let qwen3 = ModelConfig::from_json(&shared("tiny-qwen3/config.json")).unwrap();
+        assert!(qwen3.qk_norm && qwen3.tie_word_embeddings && !qwen3.qkv_bias);
+        assert_eq!((qwen3.num_heads, qwen3.num_kv_heads, qwen3.head_dim), (4, 2, 32));
+        let qwen2 = ModelConfig::from_json(&shared("tiny-qwen2/config.json")).unwrap();
+        assert!(qwen2.qkv_bias && !qwen2.o_bias && !qwen2.tie_word_embeddings);
+        let mistral = ModelConfig::from_json(&shared("tiny-mistral/config.json")).unwrap();
+        assert_eq!((mistral.num_kv_heads, mistral.sliding_window), (1, None));
+        let stories = ModelConfig::from_json(&shared("stories260K/config.json")).unwrap();
+        assert_eq!((stories.hidden_size, stories.head_dim, stories.num_layers), (64, 8, 5));
+    }
+
+    #[test]
+    fn llama3_scaling_matches_the_documented_pairs() {
+        // ../shared/models/README.md: pairs 0-7 unchanged, pair 8 scaled by
+        // 0.3037, pairs 9-15 by 1/32.
+        let cfg = ModelConfig::from_json(&shared("tiny-llama3/config.json")).unwrap();
+        let unscaled = ModelConfig { rope_scaling: None, ..cfg.clone() }.rope_inv_freq();
+        let scaled = cfg.rope_inv_freq();
+        for i in 0..8 {
+            assert_eq!(scaled[i], unscaled[i]);
+        }
+        assert!((scaled[8] / unscaled[8] - 0.3037).abs() < 1e-3, "{}", scaled[8] / unscaled[8]);
+        for i in 9..16 {
+            assert!((scaled[i] / unscaled[i] - 1.0 / 32.0).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn rejects_unknown_architectures_and_bad_shapes() {
+        let bad = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":4}"#;
+        assert!(matches!(ModelConfig::from_json(bad), Err(WorkerError::UnsupportedArchitecture(_))));
+        let bad = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2,"vocab_size":4}"#;
+        assert!(matches!(ModelConfig::from_json(bad), Err(WorkerError::InvalidConfig(_))));
+    }
+}

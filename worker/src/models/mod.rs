@@ -1,0 +1,9 @@
+//! Model architectures and their loading.
+
+pub mod config;
+pub mod llama;
+pub mod loader;
+
+pub use config::{Architecture, ModelConfig};
+pub use llama::CausalLm;
+pub use loader::{ModelFiles, ModelSource};

@@ -1,0 +1,272 @@
+//! `tinyvllm-worker serve`: the service shell around the engine. The
+//! engine runs on its own thread and owns its state; the network side (a
+//! tokio current-thread runtime, the lowest-latency choice for one QUIC
+//! connection) talks to it through channels. If the coordinator goes away,
+//! in-flight requests are aborted (the coordinator re-dispatches them) and
+//! the worker dials again with exponential backoff.
+
+use std::net::SocketAddr;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use common::protocol::{
+    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireFinishReason, WireLogprobs,
+    WorkerMessage, WorkerStats,
+};
+use common::transport::{self, Role};
+use common::{RequestId, SamplingParams};
+use tokio::sync::mpsc;
+
+use crate::core::{FinishReason, RequestOutput, SchedulerStats};
+use crate::engine::Engine;
+
+/// How often stats are reported (the coordinator declares a worker lost after 3 missed).
+pub const STATS_INTERVAL: Duration = Duration::from_secs(1);
+
+pub struct ServeConfig {
+    pub coordinator: String,
+    pub name: String,
+    pub secret: String,
+    pub model: ModelIdentity,
+    pub block_size: u32,
+    pub max_model_len: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("coordinator address {0:?}: {1}")]
+    Address(String, String),
+    #[error("the coordinator refused this worker: {0}")]
+    Refused(String),
+    #[error("the coordinator failed to prove it knows the cluster secret")]
+    CoordinatorNotAuthenticated,
+    #[error(transparent)]
+    Transport(#[from] common::transport::TransportError),
+    #[error("connection: {0}")]
+    Connection(String),
+    #[error("engine thread stopped")]
+    EngineStopped,
+}
+
+/// Commands from the network side to the engine thread.
+#[derive(Debug)]
+pub enum EngineCommand {
+    Generate { request_id: RequestId, prompt: Vec<u32>, params: SamplingParams },
+    Abort(RequestId),
+    /// The coordinator connection dropped: abort everything in flight.
+    AbortAll,
+    Drain,
+    Shutdown,
+}
+
+/// Runs the engine loop on the current thread until `Shutdown` or until
+/// every sender is gone. Messages for the coordinator go to `out`.
+pub fn engine_loop(mut engine: Engine, commands: std_mpsc::Receiver<EngineCommand>, out: mpsc::UnboundedSender<WorkerMessage>) {
+    let mut draining = false;
+    let mut last_stats = Instant::now() - STATS_INTERVAL;
+    let mut live: Vec<RequestId> = Vec::new();
+    loop {
+        // Block only when idle; otherwise take what arrived and step.
+        let first = if engine.has_unfinished() {
+            commands.try_recv().ok()
+        } else {
+            match commands.recv_timeout(STATS_INTERVAL) {
+                Ok(cmd) => Some(cmd),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        for cmd in first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())) {
+            match cmd {
+                EngineCommand::Generate { request_id, prompt, params } => {
+                    if draining {
+                        let _ = out.send(WorkerMessage::Rejected { request_id, message: "worker is draining".into() });
+                    } else if let Err(e) = engine.add_request(request_id, prompt, params, 0) {
+                        let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
+                    } else {
+                        live.push(request_id);
+                    }
+                }
+                EngineCommand::Abort(id) => {
+                    if engine.abort(id).is_some() {
+                        live.retain(|&r| r != id);
+                    }
+                }
+                EngineCommand::AbortAll => {
+                    for id in live.drain(..) {
+                        engine.abort(id);
+                    }
+                }
+                EngineCommand::Drain => draining = true,
+                EngineCommand::Shutdown => return,
+            }
+        }
+        if engine.has_unfinished() {
+            match engine.step() {
+                Ok(outputs) => {
+                    for output in outputs {
+                        if output.finish_reason.is_some() {
+                            live.retain(|&r| r != output.id);
+                        }
+                        let _ = out.send(token_delta(output));
+                    }
+                }
+                Err(e) => {
+                    // A failed forward pass fails the requests of that step, not the worker.
+                    eprintln!("engine step failed: {e}; aborting in-flight requests");
+                    for id in live.drain(..) {
+                        if let Some(o) = engine.abort(id) {
+                            let _ = out.send(token_delta(o));
+                        }
+                    }
+                }
+            }
+        }
+        let events = engine.drain_kv_events();
+        if !events.is_empty() {
+            let _ = out.send(WorkerMessage::KvEvents(events));
+        }
+        if last_stats.elapsed() >= STATS_INTERVAL {
+            last_stats = Instant::now();
+            let _ = out.send(WorkerMessage::Stats(wire_stats(&engine.stats())));
+        }
+        if draining && !engine.has_unfinished() {
+            return;
+        }
+    }
+}
+
+fn token_delta(o: RequestOutput) -> WorkerMessage {
+    WorkerMessage::TokenDelta {
+        request_id: o.id,
+        new_token_ids: o.new_token_ids,
+        logprobs: o.logprobs.into_iter().map(|l| WireLogprobs { logprob: l.logprob, top: l.top }).collect(),
+        finish_reason: o.finish_reason.map(|r| match r {
+            FinishReason::Stop => WireFinishReason::Stop,
+            FinishReason::Length => WireFinishReason::Length,
+            FinishReason::Abort => WireFinishReason::Abort,
+        }),
+        num_prompt_tokens: o.num_prompt_tokens as u32,
+        num_cached_tokens: o.num_cached_tokens as u32,
+    }
+}
+
+pub fn wire_stats(s: &SchedulerStats) -> WorkerStats {
+    WorkerStats {
+        num_running: s.num_running as u32,
+        num_waiting: s.num_waiting as u32,
+        kv_blocks_total: s.kv_blocks_total as u64,
+        kv_blocks_used: s.kv_blocks_used as u64,
+        kv_blocks_cached: s.kv_blocks_cached as u64,
+        prefix_cache_queries: s.prefix_cache.queries,
+        prefix_cache_hits: s.prefix_cache.hits,
+        num_preemptions: s.num_preemptions,
+    }
+}
+
+/// Connects, serves, and reconnects with backoff until the engine stops
+/// or the coordinator refuses this worker (wrong secret or version: retrying
+/// cannot help).
+pub async fn serve(
+    config: ServeConfig,
+    kv_capacity_blocks: u64,
+    commands: std_mpsc::Sender<EngineCommand>,
+    mut from_engine: mpsc::UnboundedReceiver<WorkerMessage>,
+) -> Result<(), ServiceError> {
+    let addr = resolve(&config.coordinator).await?;
+    let bind: SocketAddr = if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().expect("literal address");
+    let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| ServiceError::Connection(e.to_string()))?;
+    endpoint.set_default_client_config(transport::client_config()?);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match session(&endpoint, addr, &config, kv_capacity_blocks, &commands, &mut from_engine).await {
+            Ok(SessionEnd::EngineStopped) => return Ok(()),
+            Ok(SessionEnd::Disconnected(why)) => {
+                eprintln!("worker {}: lost the coordinator ({why}); reconnecting", config.name);
+                backoff = Duration::from_millis(100);
+            }
+            Err(e @ (ServiceError::Refused(_) | ServiceError::CoordinatorNotAuthenticated)) => return Err(e),
+            Err(e) => eprintln!("worker {}: {e}; retrying in {backoff:?}", config.name),
+        }
+        commands.send(EngineCommand::AbortAll).map_err(|_| ServiceError::EngineStopped)?;
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+enum SessionEnd {
+    EngineStopped,
+    Disconnected(String),
+}
+
+async fn session(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    config: &ServeConfig,
+    kv_capacity_blocks: u64,
+    commands: &std_mpsc::Sender<EngineCommand>,
+    from_engine: &mut mpsc::UnboundedReceiver<WorkerMessage>,
+) -> Result<SessionEnd, ServiceError> {
+    let conn = endpoint
+        .connect(addr, transport::SERVER_NAME)
+        .map_err(|e| ServiceError::Connection(e.to_string()))?
+        .await
+        .map_err(|e| ServiceError::Connection(e.to_string()))?;
+    let binding = transport::channel_binding(&conn)?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| ServiceError::Connection(e.to_string()))?;
+    let hello = Handshake {
+        protocol_version: PROTOCOL_VERSION,
+        worker_name: config.name.clone(),
+        model: config.model.clone(),
+        block_size: config.block_size,
+        kv_capacity_blocks,
+        max_model_len: config.max_model_len,
+        auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
+    };
+    transport::write_frame(&mut send, &hello).await?;
+    match transport::read_frame::<HandshakeReply>(&mut recv).await? {
+        Some(HandshakeReply::Accepted { worker_id, auth_tag }) => {
+            if !transport::verify_auth_tag(config.secret.as_bytes(), Role::Coordinator, &binding, &auth_tag) {
+                return Err(ServiceError::CoordinatorNotAuthenticated);
+            }
+            eprintln!("worker {}: registered with {addr} as worker {worker_id}", config.name);
+        }
+        Some(HandshakeReply::Refused { reason }) => return Err(ServiceError::Refused(reason)),
+        None => return Ok(SessionEnd::Disconnected("closed during the handshake".into())),
+    }
+    // Anything the engine produced while disconnected belongs to aborted requests.
+    while from_engine.try_recv().is_ok() {}
+    loop {
+        tokio::select! {
+            frame = transport::read_frame::<CoordinatorMessage>(&mut recv) => {
+                let cmd = match frame {
+                    Ok(Some(CoordinatorMessage::Generate { request_id, prompt_token_ids, params })) => {
+                        EngineCommand::Generate { request_id, prompt: prompt_token_ids, params }
+                    }
+                    Ok(Some(CoordinatorMessage::Abort { request_id })) => EngineCommand::Abort(request_id),
+                    Ok(Some(CoordinatorMessage::Drain)) => EngineCommand::Drain,
+                    Ok(Some(CoordinatorMessage::Shutdown)) => EngineCommand::Shutdown,
+                    Ok(Some(CoordinatorMessage::RequestKvSnapshot)) => continue,
+                    Ok(None) => return Ok(SessionEnd::Disconnected("coordinator closed the stream".into())),
+                    Err(e) => return Ok(SessionEnd::Disconnected(e.to_string())),
+                };
+                if commands.send(cmd).is_err() {
+                    return Ok(SessionEnd::EngineStopped);
+                }
+            }
+            message = from_engine.recv() => {
+                let Some(message) = message else { return Ok(SessionEnd::EngineStopped) };
+                if let Err(e) = transport::write_frame(&mut send, &message).await {
+                    return Ok(SessionEnd::Disconnected(e.to_string()));
+                }
+            }
+        }
+    }
+}
+
+async fn resolve(host_port: &str) -> Result<SocketAddr, ServiceError> {
+    let mut addrs = tokio::net::lookup_host(host_port)
+        .await
+        .map_err(|e| ServiceError::Address(host_port.to_string(), e.to_string()))?;
+    addrs.next().ok_or_else(|| ServiceError::Address(host_port.to_string(), "no address".into()))
+}

@@ -1,0 +1,168 @@
+//! The engine on a real model (stories260K): batching, prefix caching,
+//! preemption and aborts never change what a request produces.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use common::{RequestId, SamplingParams};
+use worker::core::FinishReason;
+use worker::models::{ModelFiles, ModelSource};
+use worker::{Engine, EngineConfig};
+
+fn model() -> ModelFiles {
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models/stories260K"));
+    ModelFiles::resolve(&ModelSource::Dir(dir)).unwrap()
+}
+
+fn engine(config: EngineConfig) -> Engine {
+    Engine::new(&model(), config).unwrap()
+}
+
+fn default_engine() -> Engine {
+    engine(EngineConfig { num_blocks: Some(1024), ..EngineConfig::default() })
+}
+
+/// Runs requests to completion; returns each one's tokens and finish reason.
+fn run(engine: &mut Engine, requests: &[(Vec<u32>, SamplingParams)]) -> HashMap<u64, (Vec<u32>, Option<FinishReason>)> {
+    for (i, (prompt, params)) in requests.iter().enumerate() {
+        engine.add_request(RequestId(i as u64), prompt.clone(), params.clone(), 0).unwrap();
+    }
+    let mut out: HashMap<u64, (Vec<u32>, Option<FinishReason>)> = HashMap::new();
+    while engine.has_unfinished() {
+        for o in engine.step().unwrap() {
+            let e = out.entry(o.id.0).or_default();
+            e.0.extend(o.new_token_ids);
+            e.1 = o.finish_reason;
+        }
+    }
+    engine.scheduler().check_invariants();
+    out
+}
+
+/// 16 prompts of different lengths (a TinyStories-like vocabulary slice).
+fn prompts() -> Vec<Vec<u32>> {
+    (0..16u32).map(|i| std::iter::once(1).chain((0..(3 + i * 9)).map(|t| 260 + (t * 7 + i * 13) % 240)).collect()).collect()
+}
+
+#[test]
+fn concurrent_requests_match_each_alone_greedy() {
+    let requests: Vec<_> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10 + 3 * i as u32) }))
+        .collect();
+    let together = run(&mut default_engine(), &requests);
+    for (i, request) in requests.iter().enumerate() {
+        let alone = run(&mut default_engine(), std::slice::from_ref(request));
+        assert_eq!(together[&(i as u64)], alone[&0], "request {i}");
+        assert_eq!(alone[&0].0.len(), 10 + 3 * i);
+    }
+}
+
+#[test]
+fn seeded_sampling_does_not_depend_on_the_batch() {
+    let sampled = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    };
+    let mut requests: Vec<_> = prompts().into_iter().enumerate().map(|(i, p)| (p, sampled(i as u64))).collect();
+    // Mix in greedy and differently parametrised neighbours.
+    requests[3].1 = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(30) };
+    requests[5].1.repetition_penalty = 1.3;
+    let together = run(&mut default_engine(), &requests);
+    for i in [0, 1, 7, 15] {
+        let alone = run(&mut default_engine(), &[requests[i].clone()]);
+        assert_eq!(together[&(i as u64)], alone[&0], "request {i}");
+    }
+    // Same seed, same output; another seed, another output.
+    let again = run(&mut default_engine(), &[requests[0].clone()]);
+    assert_eq!(together[&0], again[&0]);
+    let other = run(&mut default_engine(), &[(requests[0].0.clone(), sampled(12345))]);
+    assert_ne!(together[&0].0, other[&0].0);
+}
+
+#[test]
+fn shared_prefix_is_cached_and_changes_nothing() {
+    let prefix: Vec<u32> = std::iter::once(1).chain((0..99).map(|t| 260 + (t * 11) % 240)).collect();
+    let with_suffix = |s: &[u32]| -> Vec<u32> { prefix.iter().chain(s).copied().collect() };
+    let params = SamplingParams { ignore_eos: true, logprobs: Some(2), ..SamplingParams::greedy(16) };
+    let first = (with_suffix(&[300, 301, 302]), params.clone());
+    let second = (with_suffix(&[400, 401]), params.clone());
+
+    let mut cached = default_engine();
+    run(&mut cached, &[first.clone()]);
+    cached.add_request(RequestId(7), second.0.clone(), second.1.clone(), 0).unwrap();
+    let mut tokens = Vec::new();
+    let mut num_cached = 0;
+    while cached.has_unfinished() {
+        for o in cached.step().unwrap() {
+            tokens.extend(o.new_token_ids);
+            num_cached = o.num_cached_tokens;
+        }
+    }
+    assert!(num_cached >= 96, "cached {num_cached} prompt tokens");
+    assert!(cached.stats().prefix_cache.hits >= 96);
+
+    let mut uncached = engine(EngineConfig { num_blocks: Some(1024), enable_prefix_caching: false, ..EngineConfig::default() });
+    let reference = run(&mut uncached, &[second]);
+    assert_eq!(tokens, reference[&0].0);
+}
+
+#[test]
+fn preemption_under_a_tiny_kv_budget_keeps_outputs() {
+    let requests: Vec<_> = prompts()
+        .into_iter()
+        .take(8)
+        .map(|p| (p, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) }))
+        .collect();
+    let reference = run(&mut default_engine(), &requests);
+    // 8 requests need up to 8 blocks each; 24 blocks make them take turns.
+    let mut small = engine(EngineConfig { num_blocks: Some(24), ..EngineConfig::default() });
+    let out = run(&mut small, &requests);
+    assert!(small.stats().num_preemptions > 0, "no preemption happened");
+    assert_eq!(out, reference);
+    assert_eq!(small.stats().kv_blocks_used, 0);
+}
+
+#[test]
+fn aborts_free_every_block() {
+    let mut e = default_engine();
+    for (i, p) in prompts().into_iter().enumerate() {
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(50) };
+        e.add_request(RequestId(i as u64), p, params, 0).unwrap();
+    }
+    for _ in 0..5 {
+        e.step().unwrap();
+    }
+    assert!(e.stats().kv_blocks_used > 0);
+    for i in 0..16 {
+        let out = e.abort(RequestId(i)).unwrap();
+        assert_eq!(out.finish_reason, Some(FinishReason::Abort));
+    }
+    assert!(!e.has_unfinished());
+    assert_eq!(e.stats().kv_blocks_used, 0);
+    e.scheduler().check_invariants();
+}
+
+#[test]
+fn stop_tokens_end_a_request_and_bad_requests_are_refused() {
+    let mut e = default_engine();
+    // stories260K (llama2.c) ends a story with BOS (1), not EOS.
+    let params = SamplingParams { stop_token_ids: vec![1], ..SamplingParams::greedy(400) };
+    let out = run(&mut e, &[(vec![1], params)]);
+    let (tokens, reason) = &out[&0];
+    assert_eq!(reason, &Some(FinishReason::Stop), "{tokens:?}");
+    assert_eq!(tokens.last(), Some(&1));
+    assert!(tokens.len() < 400);
+
+    let too_long = vec![1; 600];
+    let err = e.add_request(RequestId(1), too_long, SamplingParams::greedy(4), 0).unwrap_err().to_string();
+    assert!(err.contains("maximum context length"), "{err}");
+    let err = e.add_request(RequestId(2), vec![1, 9999], SamplingParams::greedy(4), 0).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    assert!(!e.has_unfinished());
+}

@@ -1,0 +1,156 @@
+//! The worker against Hugging Face transformers: every golden case of every
+//! model in ../shared/golden must give the same 48 greedy tokens, and the
+//! same top-5 logits (1e-3) at the recorded steps; alone, all cases of a
+//! model in one batch, and with prompts prefilled in chunks of 32 tokens.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use common::{RequestId, SamplingParams};
+use serde::Deserialize;
+use worker::engine::LogprobsMode;
+use worker::models::{ModelFiles, ModelSource};
+use worker::{Engine, EngineConfig};
+
+fn shared() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"))
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    model: String,
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize, Clone)]
+struct Case {
+    id: String,
+    prompt_ids: Vec<u32>,
+    generated_ids: Vec<u32>,
+    top_logits: Vec<TopLogits>,
+}
+
+#[derive(Deserialize, Clone)]
+struct TopLogits {
+    step: usize,
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+fn load_golden(file: &str) -> Golden {
+    let path = shared().join("golden").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn engine(model: &str, max_num_batched_tokens: usize) -> Engine {
+    let dir = shared().join("models").join(model);
+    let files = ModelFiles::resolve(&ModelSource::Dir(dir)).unwrap();
+    let config = EngineConfig {
+        num_blocks: Some(512),
+        max_num_batched_tokens,
+        logprobs_mode: LogprobsMode::RawLogits,
+        ..EngineConfig::default()
+    };
+    Engine::new(&files, config).unwrap()
+}
+
+/// Per request: generated ids and, per step, the top-20 (id, logit) pairs.
+type Run = HashMap<u64, (Vec<u32>, Vec<Vec<(u32, f32)>>)>;
+
+fn run_cases(engine: &mut Engine, cases: &[Case]) -> Run {
+    for (i, case) in cases.iter().enumerate() {
+        let params = SamplingParams {
+            max_tokens: case.generated_ids.len() as u32,
+            ignore_eos: true,
+            logprobs: Some(20),
+            ..SamplingParams::greedy(0)
+        };
+        engine.add_request(RequestId(i as u64), case.prompt_ids.clone(), params, 0).unwrap();
+    }
+    let mut run: Run = HashMap::new();
+    while engine.has_unfinished() {
+        for out in engine.step().unwrap() {
+            let entry = run.entry(out.id.0).or_default();
+            entry.0.extend(&out.new_token_ids);
+            entry.1.extend(out.logprobs.iter().map(|lp| lp.top.clone()));
+        }
+    }
+    engine.scheduler().check_invariants();
+    run
+}
+
+fn check(model: &str, what: &str, cases: &[Case], run: &Run) {
+    for (i, case) in cases.iter().enumerate() {
+        let (ids, tops) = &run[&(i as u64)];
+        assert_eq!(ids, &case.generated_ids, "{model} {what} case {}: greedy tokens differ", case.id);
+        for expected in &case.top_logits {
+            let ours = &tops[expected.step];
+            for (id, logit) in expected.ids.iter().zip(&expected.logits) {
+                let found = ours.iter().find(|(o, _)| o == id).map(|&(_, l)| l);
+                let Some(got) = found else {
+                    panic!("{model} {what} case {} step {}: token {id} not in our top 20", case.id, expected.step)
+                };
+                assert!(
+                    (got - logit).abs() < 1e-3,
+                    "{model} {what} case {} step {} token {id}: logit {got} vs reference {logit}",
+                    case.id,
+                    expected.step
+                );
+            }
+        }
+    }
+}
+
+fn check_model(golden_file: &str) {
+    let golden = load_golden(golden_file);
+    let model = golden.model.clone();
+    // Each case alone.
+    let mut e = engine(&model, 2048);
+    for case in &golden.cases {
+        let run = run_cases(&mut e, std::slice::from_ref(case));
+        check(&model, "alone", std::slice::from_ref(case), &run);
+    }
+    // All cases of the model as one batch (shared prefixes hit the cache).
+    let mut e = engine(&model, 2048);
+    let run = run_cases(&mut e, &golden.cases);
+    check(&model, "batched", &golden.cases, &run);
+    // Prompts prefilled in chunks of 32 tokens, alone and batched.
+    let mut e = engine(&model, 32);
+    let longest = golden.cases.iter().max_by_key(|c| c.prompt_ids.len()).unwrap().clone();
+    assert!(longest.prompt_ids.len() > 32);
+    let run = run_cases(&mut e, std::slice::from_ref(&longest));
+    check(&model, "chunked", std::slice::from_ref(&longest), &run);
+    let run = run_cases(&mut e, &golden.cases);
+    check(&model, "chunked batch", &golden.cases, &run);
+}
+
+#[test]
+fn stories260k_matches_transformers() {
+    check_model("stories260K.json");
+}
+
+#[test]
+fn tiny_qwen3_matches_transformers() {
+    check_model("tiny-qwen3.json");
+}
+
+#[test]
+fn tiny_qwen3_chat_prompts_match_transformers() {
+    check_model("tiny-qwen3-chat.json");
+}
+
+#[test]
+fn tiny_qwen2_matches_transformers() {
+    check_model("tiny-qwen2.json");
+}
+
+#[test]
+fn tiny_llama3_matches_transformers() {
+    check_model("tiny-llama3.json");
+}
+
+#[test]
+fn tiny_mistral_matches_transformers() {
+    check_model("tiny-mistral.json");
+}
