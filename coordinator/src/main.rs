@@ -176,7 +176,7 @@ async fn supervise_local_workers(
             let mut backoff = Duration::from_millis(500);
             loop {
                 let mut child = match tokio::process::Command::new(&exe)
-                    .args(["serve", "--model", &model, "--coordinator", &coordinator.to_string(), "--name", &format!("local-{i}")])
+                    .args(["serve", "--exit-with-parent", "--model", &model, "--coordinator", &coordinator.to_string(), "--name", &format!("local-{i}")])
                     .arg("--cluster-secret-file")
                     .arg(&secret_file)
                     .args(&extra)

@@ -95,9 +95,13 @@ pub(crate) fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &Atten
     if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
         return bad(format!("{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"));
     }
-    if block_size != meta.block_size {
+    if block_size == 0 || block_size != meta.block_size {
         return bad(format!("cache block size {block_size} != metadata block size {}", meta.block_size));
     }
+    if meta.sliding_window == Some(0) {
+        return bad("a sliding window of 0 hides every key".into());
+    }
+    check_pool(q, k_cache, v_cache)?;
     let n = meta.num_seqs();
     if meta.query_start_loc.len() != n + 1 || meta.block_tables.len() != n {
         return bad("query_start_loc / block_tables do not match context_lens".into());
@@ -125,6 +129,18 @@ pub(crate) fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &Atten
     Ok(Dims { num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size })
 }
 
+/// The kernels index the pools as flat slices and write them in place, so
+/// both must be contiguous (a start offset is fine) and on `x`'s device.
+fn check_pool(x: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
+    if !k_cache.is_contiguous() || !v_cache.is_contiguous() {
+        return Err(KernelError::Invalid("k_cache and v_cache must be contiguous".into()));
+    }
+    if !x.device().same_device(k_cache.device()) || !x.device().same_device(v_cache.device()) {
+        return Err(KernelError::Invalid("inputs and caches are on different devices".into()));
+    }
+    Ok(())
+}
+
 /// Checks a KV write: k/v `[T, kv_heads, head_dim]` into `[blocks, block_size, kv_heads, head_dim]`.
 pub(crate) fn check_cache_write(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slots: &[u32]) -> Result<usize> {
     let bad = |m: String| Err(KernelError::Invalid(m));
@@ -139,6 +155,7 @@ pub(crate) fn check_cache_write(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cach
     if k.dtype() != k_cache.dtype() || v.dtype() != v_cache.dtype() {
         return bad(format!("dtype {:?} written into a {:?} cache", k.dtype(), k_cache.dtype()));
     }
+    check_pool(k, k_cache, v_cache)?;
     if slots.len() != t {
         return bad(format!("{} slots for {t} tokens", slots.len()));
     }
@@ -163,5 +180,40 @@ pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Ten
     match k.device() {
         Device::Cpu => cpu::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
         _ => portable::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn visibility_is_causal_and_windowed() {
+        let mut meta = AttentionMetadata::default();
+        assert!(meta.visible(5, 0) && meta.visible(5, 5) && !meta.visible(5, 6));
+        meta.sliding_window = Some(3); // position 5 sees 3, 4, 5
+        let seen: Vec<usize> = (0..8).filter(|&k| meta.visible(5, k)).collect();
+        assert_eq!(seen, [3, 4, 5]);
+    }
+
+    #[test]
+    fn check_accepts_a_consistent_batch_and_rejects_a_zero_block_size() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((3, 4, 8), candle_core::DType::F32, &dev)?;
+        let cache = Tensor::zeros((4, 2, 2, 8), candle_core::DType::F32, &dev)?;
+        let meta = AttentionMetadata {
+            query_start_loc: vec![0, 1, 3],
+            context_lens: vec![3, 2],
+            block_tables: vec![vec![3, 0], vec![1]],
+            slot_mapping: vec![2, 2, 3],
+            block_size: 2,
+            sliding_window: None,
+        };
+        let d = check(&q, &cache, &cache, &meta)?;
+        assert_eq!((d.num_tokens, d.num_heads, d.num_kv_heads, d.head_dim, d.num_blocks), (3, 4, 2, 8, 4));
+        let empty = Tensor::zeros((4, 0, 2, 8), candle_core::DType::F32, &dev)?;
+        let meta0 = AttentionMetadata { block_size: 0, ..meta };
+        assert!(check(&q, &empty, &empty, &meta0).is_err());
+        Ok(())
     }
 }

@@ -72,3 +72,22 @@ pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Ten
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// The in-place write relies on a reshape of a contiguous tensor sharing
+    /// its storage; if candle ever copied there, the write would be lost.
+    #[test]
+    fn scatter_through_a_reshaped_view_lands_in_the_pool() -> Result<()> {
+        let pool = Tensor::zeros((2, 2, 1, 3), DType::F32, &Device::Cpu)?; // 4 slots of 3
+        let k = Tensor::new(&[[[1f32, 2., 3.]]], &Device::Cpu)?;
+        reshape_and_cache(&k, &k, &pool, &pool.copy()?, &[2])?;
+        let all: Vec<f32> = pool.flatten_all()?.to_vec1()?;
+        assert_eq!(all, [0., 0., 0., 0., 0., 0., 1., 2., 3., 0., 0., 0.]);
+        Ok(())
+    }
+}

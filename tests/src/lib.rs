@@ -43,3 +43,141 @@ pub fn golden(file: &str) -> serde_json::Value {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("golden JSON")
 }
+
+/// A coordinator process on loopback (ports chosen by the OS), optionally
+/// with local workers; stopped with SIGTERM (then SIGKILL) when dropped.
+pub struct Coordinator {
+    pub child: std::process::Child,
+    pub http: String,
+    pub quic: String,
+    pub secret_file: PathBuf,
+    _dir: TempDir,
+}
+
+/// A directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tinyvllm-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn terminate(child: &mut std::process::Child) {
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    for _ in 0..100 {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+impl Coordinator {
+    /// Starts `tinyvllm-coordinator` on `model` with `extra` arguments and
+    /// waits until it listens (and, with local workers, until they are ready).
+    pub fn start(model: &str, local_workers: usize, extra: &[&str]) -> Self {
+        use std::io::BufRead;
+        let dir = TempDir::new("cluster");
+        let secret_file = dir.0.join("secret");
+        let mut child = Command::new(binary("tinyvllm-coordinator"))
+            .args(["--model", model_dir(model).to_str().expect("utf-8 path"), "--http", "127.0.0.1:0", "--quic", "127.0.0.1:0"])
+            .args(["--local-workers", &local_workers.to_string()])
+            .arg("--cluster-secret-file")
+            .arg(&secret_file)
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting the coordinator");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut line).expect("coordinator's first line");
+        let field = |name: &str| {
+            line.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or_else(|| panic!("no {name} in {line:?}")).to_string()
+        };
+        let coordinator = Self { http: field("http="), quic: field("quic="), secret_file, child, _dir: dir };
+        if local_workers > 0 {
+            coordinator.wait_for_workers(local_workers);
+        }
+        coordinator
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+
+    /// Waits until `n` workers are registered and ready.
+    pub fn wait_for_workers(&self, n: usize) {
+        // /health needs no API key and counts the registered workers.
+        for _ in 0..600 {
+            if let Ok(resp) = ureq::get(&self.url("/health")).call() {
+                let v: serde_json::Value = resp.into_json().expect("json");
+                if v["workers"].as_u64() == Some(n as u64) {
+                    return;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("{n} workers never became ready");
+    }
+
+    /// Starts a worker process of our own that joins this cluster.
+    pub fn start_worker(&self, model: &str, name: &str, secret_file: &Path) -> std::process::Child {
+        Command::new(binary("tinyvllm-worker"))
+            .args(["serve", "--model", model_dir(model).to_str().expect("utf-8 path"), "--coordinator", &self.quic, "--name", name])
+            .arg("--cluster-secret-file")
+            .arg(secret_file)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting a worker")
+    }
+
+    pub fn workers(&self) -> serde_json::Value {
+        ureq::get(&self.url("/v1/workers")).call().expect("GET /v1/workers").into_json().expect("json")
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        terminate(&mut self.child);
+    }
+}
+
+/// POSTs JSON; returns the status and the body as JSON (errors included).
+pub fn post_json(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    match ureq::post(url).send_json(body.clone()) {
+        Ok(resp) => (resp.status(), resp.into_json().expect("json body")),
+        Err(ureq::Error::Status(code, resp)) => (code, resp.into_json().unwrap_or(serde_json::Value::Null)),
+        Err(e) => panic!("POST {url}: {e}"),
+    }
+}
+
+/// POSTs a streaming request; returns the `data:` payloads (without `[DONE]`)
+/// and whether `[DONE]` ended the stream.
+pub fn post_sse(url: &str, body: &serde_json::Value) -> (Vec<serde_json::Value>, bool) {
+    use std::io::BufRead;
+    let resp = ureq::post(url).send_json(body.clone()).expect("streaming POST");
+    assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+    let mut events = Vec::new();
+    for line in std::io::BufReader::new(resp.into_reader()).lines() {
+        let line = line.expect("SSE line");
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            return (events, true);
+        }
+        events.push(serde_json::from_str(data).expect("SSE JSON"));
+    }
+    (events, false)
+}

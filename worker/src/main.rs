@@ -41,6 +41,10 @@ struct ServeArgs {
     /// File holding the cluster secret (the coordinator writes one at start).
     #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE")]
     cluster_secret_file: std::path::PathBuf,
+    /// Exit when the process that started this worker exits (set by the
+    /// coordinator for its local workers, so none outlive it).
+    #[arg(long)]
+    exit_with_parent: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -285,6 +289,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .trim()
         .to_string();
     anyhow::ensure!(!secret.is_empty(), "{} is empty", args.cluster_secret_file.display());
+    if args.exit_with_parent {
+        watch_parent();
+    }
     let (engine, files) = build_engine(&args.engine)?;
     let name = args.name.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
@@ -316,8 +323,26 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         });
         service::serve(config, stats.kv_blocks_total as u64, cmd_tx, out_rx).await
     });
+    // Dropping the runtime drops the signal task's sender too, so the engine
+    // thread sees its channel close and stops.
+    drop(runtime);
     let _ = engine_thread.join();
     Ok(result?)
+}
+
+/// Exits once this process is re-parented (its parent died).
+fn watch_parent() {
+    #[cfg(unix)]
+    {
+        let parent = std::os::unix::process::parent_id();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            if std::os::unix::process::parent_id() != parent {
+                eprintln!("parent process exited; stopping");
+                std::process::exit(0);
+            }
+        });
+    }
 }
 
 async fn shutdown_signal() {

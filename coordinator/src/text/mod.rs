@@ -3,10 +3,11 @@
 
 pub mod chat_template;
 pub mod detokenizer;
+mod jinja_compat;
 pub mod stop;
 pub mod tokenizer;
 
-pub use chat_template::ChatTemplate;
+pub use chat_template::{ChatTemplate, RenderOptions, TemplateError};
 pub use detokenizer::IncrementalDetokenizer;
 pub use stop::{StopOutput, StopStrings};
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{Tokenizer, TokenizerError};

@@ -1,64 +1,85 @@
-//! A model's tokenizer (`tokenizer.json`) with the special tokens and chat
-//! template of its `tokenizer_config.json`.
+//! A model's tokenizer as transformers' `AutoTokenizer` sees it: the
+//! `tokenizers` pipeline of `tokenizer.json`, plus the special tokens, chat
+//! template and length limit of `tokenizer_config.json`, and the EOS ids of
+//! `generation_config.json` (falling back to `config.json`).
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+
+use serde_json::Value;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("{path}: {message}")]
-    File { path: PathBuf, message: String },
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
+    #[error("reading {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not valid JSON: {source}")]
+    Json { path: PathBuf, source: serde_json::Error },
+    #[error("{path} is not a usable tokenizer: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("{path}: `{field}` is invalid: {message}")]
+    Field { path: PathBuf, field: &'static str, message: String },
+    #[error("encoding failed: {0}")]
+    Encode(String),
 }
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    pub bos_token: Option<String>,
-    pub eos_token: Option<String>,
-    pub chat_template: Option<String>,
-}
-
-/// `"<s>"` or `{"content": "<s>", ...}`.
-fn token_string(value: Option<&serde_json::Value>) -> Option<String> {
-    match value? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
-        _ => None,
-    }
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    eos_token_ids: Vec<u32>,
+    chat_template: Option<String>,
+    model_max_length: Option<usize>,
+    /// `<0xHH>` pieces: the ByteFallback decoder joins runs of these into
+    /// one UTF-8 string, so their text is not final until the run ends.
+    byte_ids: HashSet<u32>,
+    /// Added tokens marked special: what `skip_special_tokens` drops.
+    special_ids: HashSet<u32>,
 }
 
 impl Tokenizer {
+    /// Loads `tokenizer.json` (required) and, when present,
+    /// `tokenizer_config.json`, `generation_config.json` and `config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| TokenizerError::File { path: path.clone(), message: e.to_string() })?;
+        let bytes = std::fs::read(&path).map_err(|source| TokenizerError::Io { path: path.clone(), source })?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Load { path: path.clone(), message: e.to_string() })?;
+
         let config_path = dir.join("tokenizer_config.json");
-        let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
-            Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| TokenizerError::File { path: config_path.clone(), message: e.to_string() })?,
-            Err(_) => serde_json::Value::Null,
-        };
-        let chat_template = match config.get("chat_template") {
-            Some(serde_json::Value::String(t)) => Some(t.clone()),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template")?.as_str().map(String::from)),
-            _ => None,
-        };
-        Ok(Self {
-            inner,
-            bos_token: token_string(config.get("bos_token")),
-            eos_token: token_string(config.get("eos_token")),
-            chat_template,
-        })
+        let config = read_json(&config_path)?.unwrap_or(Value::Null);
+        let field =
+            |field: &'static str, message: &str| TokenizerError::Field { path: config_path.clone(), field, message: message.to_string() };
+        let bos_token = token_string(config.get("bos_token")).map_err(|m| field("bos_token", m))?;
+        let eos_token = token_string(config.get("eos_token")).map_err(|m| field("eos_token", m))?;
+        let chat_template = chat_template(config.get("chat_template")).map_err(|m| field("chat_template", m))?;
+        let model_max_length = config.get("model_max_length").and_then(max_length);
+
+        let mut eos_token_ids = Vec::new();
+        for name in ["generation_config.json", "config.json"] {
+            let path = dir.join(name);
+            if let Some(value) = read_json(&path)?.as_ref().and_then(|c| c.get("eos_token_id")).filter(|v| !v.is_null()) {
+                eos_token_ids =
+                    token_ids(value).map_err(|m| TokenizerError::Field { path, field: "eos_token_id", message: m.to_string() })?;
+                break;
+            }
+        }
+        if eos_token_ids.is_empty() {
+            eos_token_ids.extend(eos_token.as_deref().and_then(|t| inner.token_to_id(t)));
+        }
+
+        let byte_ids = (0..=255u8).filter_map(|b| inner.token_to_id(&format!("<0x{b:02X}>"))).collect();
+        let special_ids = inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        Ok(Self { inner, bos_token, eos_token, eos_token_ids, chat_template, model_max_length, byte_ids, special_ids })
     }
 
+    /// `add_special_tokens` runs the post-processor (e.g. prepends BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        let encoding = self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
     }
 
+    /// Ids outside the vocabulary are ignored, as `tokenizers` does; the
+    /// decoders of real tokenizers cannot fail, so an error decodes to "".
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
         self.inner.decode(ids, skip_special_tokens).unwrap_or_default()
     }
@@ -72,7 +93,240 @@ impl Tokenizer {
         }
     }
 
+    /// Including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// Every id that ends generation (a model may have several, e.g. Llama 3's
+    /// `<|eot_id|>` and `<|end_of_text|>`).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    /// The Jinja source of the default chat template, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// `None` when unset or one of transformers' "no limit" sentinels (1e30).
+    pub fn model_max_length(&self) -> Option<usize> {
+        self.model_max_length
+    }
+
+    pub(crate) fn is_byte_token(&self, id: u32) -> bool {
+        self.byte_ids.contains(&id)
+    }
+
+    pub(crate) fn is_special(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+}
+
+/// `Ok(None)` when the file does not exist: every file but `tokenizer.json`
+/// is optional in a Hugging Face model directory.
+fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(TokenizerError::Io { path: path.to_path_buf(), source }),
+    };
+    serde_json::from_str(&text).map(Some).map_err(|source| TokenizerError::Json { path: path.to_path_buf(), source })
+}
+
+/// `"<s>"`, or an `AddedToken` written out as `{"content": "<s>", ...}`.
+fn token_string(value: Option<&Value>) -> Result<Option<String>, &'static str> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Object(o)) => match o.get("content") {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            _ => Err("an object without a string `content`"),
+        },
+        Some(_) => Err("expected a string or an object with `content`"),
+    }
+}
+
+/// A string, or a list of `{"name", "template"}` of which "default" is used.
+fn chat_template(value: Option<&Value>) -> Result<Option<String>, &'static str> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(list)) => {
+            let default = list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
+            match default.map(|t| t.get("template")) {
+                None => Ok(None),
+                Some(Some(Value::String(s))) => Ok(Some(s.clone())),
+                Some(_) => Err("the \"default\" entry has no string `template`"),
+            }
+        }
+        Some(_) => Err("expected a string or a list of {name, template}"),
+    }
+}
+
+/// An int or a list of ints.
+fn token_ids(value: &Value) -> Result<Vec<u32>, &'static str> {
+    let one = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or("expected token ids (u32)");
+    match value {
+        Value::Null => Ok(Vec::new()),
+        Value::Array(list) => list.iter().map(one).collect(),
+        v => Ok(vec![one(v)?]),
+    }
+}
+
+/// transformers writes `int(1e30)` for "no limit"; anything past 2^53 is
+/// treated as unset.
+fn max_length(value: &Value) -> Option<usize> {
+    let n = value.as_u64().or_else(|| value.as_f64().filter(|f| f.is_finite() && *f >= 0.0).map(|f| f as u64))?;
+    (n < 1 << 53).then(|| usize::try_from(n).ok()).flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared");
+
+    fn model(name: &str) -> Tokenizer {
+        Tokenizer::from_dir(&Path::new(SHARED).join("models").join(name)).expect("load tokenizer")
+    }
+
+    fn golden(name: &str) -> Value {
+        let path = Path::new(SHARED).join("golden").join(name);
+        serde_json::from_str(&std::fs::read_to_string(path).expect("read golden")).expect("golden json")
+    }
+
+    fn ids(v: &Value) -> Vec<u32> {
+        v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    }
+
+    #[test]
+    fn stories260k_golden_encode_and_decode() {
+        let tok = model("stories260K");
+        let golden = golden("stories260K.json");
+        let cases = golden["cases"].as_array().expect("cases");
+        assert_eq!(cases.len(), 9);
+        for case in cases {
+            let name = case["id"].as_str().unwrap_or("?");
+            let prompt = case["prompt_text"].as_str().expect("prompt_text");
+            let prompt_ids = ids(&case["prompt_ids"]);
+            assert_eq!(tok.encode(prompt, true).expect("encode"), prompt_ids, "{name}: prompt ids");
+            let generated = ids(&case["generated_ids"]);
+            assert_eq!(tok.decode(&generated, false), case["generated_text"].as_str().expect("text"), "{name}: generated text");
+            let all: Vec<u32> = prompt_ids.iter().chain(&generated).copied().collect();
+            assert_eq!(tok.decode(&all, true), case["full_text"].as_str().expect("full"), "{name}: full text");
+        }
+    }
+
+    #[test]
+    fn every_golden_model_encodes_its_prompts() {
+        for name in ["tiny-qwen3", "tiny-qwen2", "tiny-llama3", "tiny-mistral"] {
+            let tok = model(name);
+            for case in golden(&format!("{name}.json"))["cases"].as_array().expect("cases") {
+                let prompt = case["prompt_text"].as_str().expect("prompt_text");
+                assert_eq!(tok.encode(prompt, true).expect("encode"), ids(&case["prompt_ids"]), "{name} {}", case["id"]);
+            }
+        }
+    }
+
+    #[test]
+    fn special_tokens_and_limits_from_configs() {
+        let tok = model("tiny-qwen3");
+        assert_eq!(tok.bos_token(), Some("<s>"));
+        assert_eq!(tok.eos_token(), Some("</s>"));
+        assert_eq!(tok.eos_token_ids(), &[2]);
+        assert_eq!(tok.model_max_length(), Some(1024));
+        assert!(tok.chat_template().is_some_and(|t| t.contains("add_generation_prompt")));
+        assert_eq!(model("stories260K").chat_template(), None);
+        assert_eq!(model("stories260K").model_max_length(), Some(512));
+        // Llama 2's vocabulary has all 256 byte pieces; <s> and </s> are special.
+        assert_eq!(tok.byte_ids.len(), 256);
+        assert!(tok.is_special(1) && tok.is_special(2) && !tok.is_special(1404));
+        assert_eq!(tok.encode("<s>user", false).expect("encode"), vec![1, 1404]);
+    }
+
+    #[test]
+    fn config_value_shapes() {
+        assert_eq!(token_string(Some(&json!("<s>"))), Ok(Some("<s>".into())));
+        assert_eq!(token_string(Some(&json!({"content": "<|eot|>", "lstrip": false}))), Ok(Some("<|eot|>".into())));
+        assert_eq!(token_string(Some(&Value::Null)), Ok(None));
+        assert!(token_string(Some(&json!(3))).is_err());
+        let list = json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
+        assert_eq!(chat_template(Some(&list)), Ok(Some("D".into())));
+        assert_eq!(chat_template(Some(&json!([{"name": "rag", "template": "R"}]))), Ok(None));
+        assert!(chat_template(Some(&json!(7))).is_err());
+        assert_eq!(token_ids(&json!(2)), Ok(vec![2]));
+        assert_eq!(token_ids(&json!([128001, 128009])), Ok(vec![128001, 128009]));
+        assert!(token_ids(&json!(-1)).is_err());
+        assert!(token_ids(&json!(["x"])).is_err());
+        assert_eq!(max_length(&json!(4096)), Some(4096));
+        assert_eq!(max_length(&json!(1e30)), None);
+        assert_eq!(max_length(&json!(1000000000000000019884624838656u128 as f64)), None);
+    }
+
+    /// A scratch model directory with only the files a test writes.
+    fn scratch_dir(tag: &str, files: &[(&str, &str)]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tinyvllm-tok-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).expect("write");
+        }
+        dir
+    }
+
+    #[test]
+    fn errors_name_the_file() {
+        let tokenizer_json = std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
+        let missing = scratch_dir("missing", &[]);
+        let err = Tokenizer::from_dir(&missing).err().expect("missing tokenizer.json");
+        assert!(matches!(err, TokenizerError::Io { .. }) && err.to_string().contains("tokenizer.json"), "{err}");
+
+        let garbage = scratch_dir("garbage", &[("tokenizer.json", "{\"not\": \"a tokenizer\"}")]);
+        let err = Tokenizer::from_dir(&garbage).err().expect("bad tokenizer.json");
+        assert!(matches!(err, TokenizerError::Load { .. }) && err.to_string().contains("tokenizer.json"), "{err}");
+
+        let bad_config = scratch_dir("badcfg", &[("tokenizer.json", &tokenizer_json), ("tokenizer_config.json", "{oops")]);
+        let err = Tokenizer::from_dir(&bad_config).err().expect("bad config");
+        assert!(matches!(err, TokenizerError::Json { .. }) && err.to_string().contains("tokenizer_config.json"), "{err}");
+
+        let bad_eos =
+            scratch_dir("badeos", &[("tokenizer.json", &tokenizer_json), ("generation_config.json", "{\"eos_token_id\": \"x\"}")]);
+        let err = Tokenizer::from_dir(&bad_eos).err().expect("bad eos");
+        assert!(err.to_string().contains("generation_config.json") && err.to_string().contains("eos_token_id"), "{err}");
+
+        for dir in [missing, garbage, bad_config, bad_eos] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    #[test]
+    fn eos_fallbacks() {
+        let tokenizer_json = std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
+        // config.json when generation_config.json has none; a list is kept whole.
+        let dir = scratch_dir("cfg", &[("tokenizer.json", &tokenizer_json), ("config.json", "{\"eos_token_id\": [2, 5]}")]);
+        assert_eq!(Tokenizer::from_dir(&dir).expect("load").eos_token_ids(), &[2, 5]);
+        let _ = std::fs::remove_dir_all(&dir);
+        // Only the eos_token string: its id.
+        let dir = scratch_dir(
+            "str",
+            &[("tokenizer.json", &tokenizer_json), ("tokenizer_config.json", "{\"eos_token\": {\"content\": \"</s>\"}}")],
+        );
+        let tok = Tokenizer::from_dir(&dir).expect("load");
+        assert_eq!((tok.eos_token(), tok.eos_token_ids(), tok.bos_token()), (Some("</s>"), &[2u32][..], None));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -71,38 +71,42 @@ impl PagedAttention<'_> {
         let mut sum = vec![0f32; n];
         let last_pos = item.pos0 + item.rows - 1;
         let table = &self.meta.block_tables[item.seq];
+        // Widening buffers for f16/bf16 caches.
         let mut kb = vec![0f32; bs * hd];
-        let mut vb = vec![0f32; bs * hd];
-        let mut scores = vec![0f32; n * bs];
-        let first_key = match self.meta.sliding_window {
-            Some(w) => (item.pos0 + 1).saturating_sub(w),
-            None => 0,
-        };
-        for b in first_key / bs..=last_pos / bs {
-            let block = table[b] as usize;
+        let mut vb = kb.clone();
+        let mut scores = vec![0f32; bs];
+        let window_start = |pos: usize| self.meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let first_key = window_start(item.pos0);
+        for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(first_key / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
-            // Widen this block's K and V rows for our kv head.
-            for t in 0..len {
-                let src = ((block * bs + t) * d.num_kv_heads + item.kv_head) * hd;
-                for (dst, &x) in kb[t * hd..][..hd].iter_mut().zip(&k[src..src + hd]) {
-                    *dst = x.to_f32();
+            // This block's K and V rows for our kv head: f32 caches are read in
+            // place (rows `stride` apart), others widened once for all q heads.
+            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
+            let row_stride = d.num_kv_heads * hd;
+            let (kr, vr, stride) = match (T::as_f32(&k[base..]), T::as_f32(&v[base..])) {
+                (Some(kr), Some(vr)) => (kr, vr, row_stride),
+                _ => {
+                    for t in 0..len {
+                        widen(&k[base + t * row_stride..][..hd], &mut kb[t * hd..][..hd]);
+                        widen(&v[base + t * row_stride..][..hd], &mut vb[t * hd..][..hd]);
+                    }
+                    (&kb[..], &vb[..], hd)
                 }
-                for (dst, &x) in vb[t * hd..][..hd].iter_mut().zip(&v[src..src + hd]) {
-                    *dst = x.to_f32();
-                }
-            }
+            };
             for r in 0..n {
+                // Keys t0..t1 of this block are visible to this query.
                 let q_pos = item.pos0 + r / group;
+                let t0 = window_start(q_pos).saturating_sub(start);
+                let t1 = len.min((q_pos + 1).saturating_sub(start));
+                if t0 >= t1 {
+                    continue;
+                }
                 let qr = &qf[r * hd..][..hd];
                 let mut block_max = f32::NEG_INFINITY;
-                for t in 0..len {
-                    let s = if self.meta.visible(q_pos, start + t) { dot(qr, &kb[t * hd..][..hd]) } else { f32::NEG_INFINITY };
-                    scores[r * bs + t] = s;
-                    block_max = block_max.max(s);
-                }
-                if block_max == f32::NEG_INFINITY {
-                    continue;
+                for t in t0..t1 {
+                    scores[t] = dot(qr, &kr[t * stride..][..hd]);
+                    block_max = block_max.max(scores[t]);
                 }
                 // Online softmax: rescale what was accumulated to the new max.
                 let new_max = max[r].max(block_max);
@@ -113,13 +117,10 @@ impl PagedAttention<'_> {
                     sum[r] *= correction;
                     a.iter_mut().for_each(|x| *x *= correction);
                 }
-                for t in 0..len {
-                    let w = (scores[r * bs + t] - new_max).exp();
-                    if w == 0.0 {
-                        continue;
-                    }
+                for t in t0..t1 {
+                    let w = (scores[t] - new_max).exp();
                     sum[r] += w;
-                    for (x, &vv) in a.iter_mut().zip(&vb[t * hd..][..hd]) {
+                    for (x, &vv) in a.iter_mut().zip(&vr[t * stride..][..hd]) {
                         *x += w * vv;
                     }
                 }
@@ -154,20 +155,24 @@ impl PagedAttention<'_> {
 }
 
 #[inline]
+fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = x.to_f32();
+    }
+}
+
+#[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent lanes let the compiler vectorise the reduction.
     let mut lanes = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
         for l in 0..8 {
-            lanes[l] += a[c * 8 + l] * b[c * 8 + l];
+            lanes[l] += x[l] * y[l];
         }
     }
-    let mut total: f32 = lanes.iter().sum();
-    for i in chunks * 8..a.len() {
-        total += a[i] * b[i];
-    }
-    total
+    lanes.iter().sum::<f32>() + tail
 }
 
 fn slice<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
@@ -213,4 +218,48 @@ pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &At
     let dims = check(q, k_cache, v_cache, meta)?;
     let op = PagedAttention { meta, dims, scale };
     Ok(q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_tile_every_query_row_once_per_kv_head() {
+        // Sequence 0: a 40-token chunk at positions 60..100; sequence 1: one decode token.
+        let meta = AttentionMetadata {
+            query_start_loc: vec![0, 40, 41],
+            context_lens: vec![100, 7],
+            block_tables: vec![vec![0; 7], vec![0]],
+            slot_mapping: vec![0; 41],
+            block_size: 16,
+            sliding_window: None,
+        };
+        let dims = Dims { num_tokens: 41, num_heads: 4, num_kv_heads: 2, head_dim: 8, num_blocks: 1, block_size: 16 };
+        let items = PagedAttention { meta: &meta, dims, scale: 1.0 }.items();
+        let spans: Vec<_> = items.iter().map(|i| (i.seq, i.kv_head, i.row0, i.rows, i.pos0)).collect();
+        assert_eq!(
+            spans,
+            [
+                (0, 0, 0, 16, 60),
+                (0, 0, 16, 16, 76),
+                (0, 0, 32, 8, 92),
+                (0, 1, 0, 16, 60),
+                (0, 1, 16, 16, 76),
+                (0, 1, 32, 8, 92),
+                (1, 0, 40, 1, 6),
+                (1, 1, 40, 1, 6),
+            ]
+        );
+    }
+
+    #[test]
+    fn dot_handles_lengths_off_the_lane_width() {
+        for n in [1, 7, 8, 9, 64, 67] {
+            let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            let b: Vec<f32> = (0..n).map(|i| 1.0 - i as f32 * 0.5).collect();
+            let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            assert!((dot(&a, &b) - want).abs() <= 1e-3 * want.abs().max(1.0), "n {n}");
+        }
+    }
 }

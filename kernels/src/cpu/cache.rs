@@ -45,3 +45,24 @@ pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Ten
     v_cache.inplace_op2(&v.contiguous()?, &op)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+
+    use super::*;
+
+    /// The pool may start partway into its storage; writes must honour that
+    /// offset and touch nothing else.
+    #[test]
+    fn writes_at_the_layout_offset() -> Result<()> {
+        let storage = Tensor::zeros((3, 2, 1, 2), DType::F32, &Device::Cpu)?; // 3 blocks of 2 slots
+        let pool = storage.narrow(0, 1, 2)?; // blocks 1 and 2 of the storage
+        let k = Tensor::new(&[[[1f32, 2.]], [[3., 4.]]], &Device::Cpu)?; // [2 tokens, 1 kv head, 2]
+        reshape_and_cache(&k, &k, &pool, &pool.copy()?, &[3, 0])?;
+        let all: Vec<f32> = storage.flatten_all()?.to_vec1()?;
+        // Slot 0 of the pool is storage slot 2, slot 3 is storage slot 5.
+        assert_eq!(all, [0., 0., 0., 0., 3., 4., 0., 0., 0., 0., 1., 2.]);
+        Ok(())
+    }
+}

@@ -2,6 +2,7 @@
 
 mod attention;
 mod cache;
+pub mod matmul;
 
 pub use attention::paged_attention;
 pub use cache::reshape_and_cache;
@@ -12,9 +13,16 @@ use half::{bf16, f16};
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// The slice itself when it already is f32, so it can be read without a copy.
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Elem for f32 {
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self

@@ -9,10 +9,11 @@
 //! and decode tokens of many requests (vLLM v1's model runner does the same).
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear, VarBuilder};
+use candle_nn::{Embedding, VarBuilder};
 use kernels::AttentionMetadata;
 
 use super::config::ModelConfig;
+use super::linear::{Linear, linear};
 use crate::error::Result;
 use crate::kv_cache::LayerKvCache;
 
@@ -93,10 +94,10 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: candle_nn::linear_b(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: candle_nn::linear_b(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: candle_nn::linear_b(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: candle_nn::linear_b(q_dim, h, cfg.o_bias, vb.pp("o_proj"))?,
+            q_proj: linear(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: linear(q_dim, h, cfg.o_bias, vb.pp("o_proj"))?,
             q_norm,
             k_norm,
             num_heads: cfg.num_heads,
@@ -143,9 +144,9 @@ impl Mlp {
     fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate_proj: candle_nn::linear_b(h, i, cfg.mlp_bias, vb.pp("gate_proj"))?,
-            up_proj: candle_nn::linear_b(h, i, cfg.mlp_bias, vb.pp("up_proj"))?,
-            down_proj: candle_nn::linear_b(i, h, cfg.mlp_bias, vb.pp("down_proj"))?,
+            gate_proj: linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"))?,
+            up_proj: linear(h, i, cfg.mlp_bias, vb.pp("up_proj"))?,
+            down_proj: linear(i, h, cfg.mlp_bias, vb.pp("down_proj"))?,
         })
     }
 
@@ -198,9 +199,9 @@ impl CausalLm {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_weight, None)
+            Linear::new(embed_weight, None)?
         } else {
-            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"))?
         };
         let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, dtype, &device)?;
         Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone() })

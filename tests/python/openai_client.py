@@ -1,0 +1,49 @@
+"""Drives a tinyvllm coordinator with the official `openai` Python client.
+
+Usage: python openai_client.py BASE_URL MODEL
+Exits non-zero (with a message) on the first mismatch.
+"""
+import sys
+
+from openai import OpenAI
+
+base_url, model = sys.argv[1], sys.argv[2]
+client = OpenAI(base_url=base_url, api_key="test-key")
+
+models = client.models.list()
+assert [m.id for m in models.data] == [model], models
+
+# Completions, then the same request streamed.
+c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0)
+text = c.choices[0].text
+assert c.object == "text_completion" and text, c
+assert c.usage.completion_tokens == 24, c.usage
+assert c.choices[0].finish_reason == "length", c
+stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True)
+assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text
+
+# n and seed: two choices with one call.
+c2 = client.completions.create(model=model, prompt="Once", max_tokens=8, n=2, seed=7, logprobs=2)
+assert len(c2.choices) == 2 and c2.choices[0].logprobs.token_logprobs, c2
+
+# Chat, then streamed, with usage in the last chunk.
+messages = [{"role": "user", "content": "Hello!"}]
+r = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+reply = r.choices[0].message.content
+assert r.object == "chat.completion" and r.choices[0].message.role == "assistant" and reply, r
+assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 16, r.usage
+chunks = list(client.chat.completions.create(
+    model=model, messages=messages, max_tokens=16, temperature=0, stream=True,
+    stream_options={"include_usage": True}))
+streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+assert streamed == reply, (streamed, reply)
+assert chunks[-1].usage.completion_tokens == 16, chunks[-1]
+
+# Errors come back as the client's exceptions with OpenAI's shape.
+try:
+    client.completions.create(model=model, prompt="x", max_tokens=-1)
+    raise SystemExit("expected a 400")
+except Exception as e:  # openai.BadRequestError
+    assert getattr(e, "status_code", None) == 400, e
+
+print("openai client: ok")

@@ -1,0 +1,246 @@
+//! The whole cluster as users run it: a coordinator process, workers over
+//! QUIC on loopback, HTTP clients. Model: the real stories260K.
+
+use std::io::{BufRead, Read};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tinyvllm_tests::{Coordinator, TempDir, golden, post_json, post_sse, terminate};
+
+fn cases() -> Vec<Value> {
+    golden("stories260K.json")["cases"].as_array().expect("cases").clone()
+}
+
+fn greedy(prompt: &str, max_tokens: u64) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+#[test]
+fn two_workers_reproduce_the_golden_tokens_streamed_or_not() {
+    let cluster = Coordinator::start("stories260K", 2, &[]);
+    for case in cases() {
+        let prompt = case["prompt_text"].as_str().unwrap();
+        let (status, out) = post_json(&cluster.url("/generate"), &greedy(prompt, 48));
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["token_ids"], case["generated_ids"], "case {}", case["id"]);
+        assert_eq!(out["usage"]["completion_tokens"], 48);
+        assert!(out["worker"].as_str().unwrap().starts_with("local-"));
+
+        let (status, completion) = post_json(&cluster.url("/v1/completions"), &greedy(prompt, 48));
+        assert_eq!(status, 200);
+        let text = completion["choices"][0]["text"].as_str().unwrap().to_string();
+        assert_eq!(text, out["text"].as_str().unwrap(), "case {}", case["id"]);
+        assert_eq!(completion["choices"][0]["finish_reason"], "length");
+        assert_eq!(completion["usage"]["prompt_tokens"], case["prompt_ids"].as_array().unwrap().len());
+
+        let mut body = greedy(prompt, 48);
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let (events, done) = post_sse(&cluster.url("/v1/completions"), &body);
+        assert!(done, "stream ended with [DONE]");
+        let streamed: String = events.iter().filter_map(|e| e["choices"].get(0)?["text"].as_str()).collect();
+        assert_eq!(streamed, text, "streamed == non-streamed for {}", case["id"]);
+        assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], 48);
+    }
+}
+
+#[test]
+fn thirty_two_concurrent_streams_all_complete() {
+    let cluster = Coordinator::start("stories260K", 2, &[]);
+    let prompts = ["Once upon a time", "The dog", "Lily and Ben", "One day, a big"];
+    let expected: Vec<String> = prompts
+        .iter()
+        .map(|p| post_json(&cluster.url("/v1/completions"), &greedy(p, 40)).1["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    let handles: Vec<_> = (0..32)
+        .map(|i| {
+            let url = cluster.url("/v1/completions");
+            let prompt = prompts[i % prompts.len()];
+            std::thread::spawn(move || {
+                let mut body = greedy(prompt, 40);
+                body["stream"] = json!(true);
+                let (events, done) = post_sse(&url, &body);
+                assert!(done);
+                events.iter().filter_map(|e| e["choices"].get(0)?["text"].as_str()).collect::<String>()
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().unwrap(), expected[i % prompts.len()], "stream {i}");
+    }
+}
+
+#[test]
+fn killing_a_worker_mid_stream_loses_and_repeats_nothing() {
+    let cluster = Coordinator::start("stories260K", 0, &[]);
+    let mut a = cluster.start_worker("stories260K", "a", &cluster.secret_file);
+    let mut b = cluster.start_worker("stories260K", "b", &cluster.secret_file);
+    cluster.wait_for_workers(2);
+    let prompts: Vec<String> = (0..8).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i % 4])).collect();
+    let reference: Vec<String> = prompts
+        .iter()
+        .map(|p| post_json(&cluster.url("/v1/completions"), &greedy(p, 300)).1["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    // Start 8 streams, wait until all have produced text, then kill -9 one worker.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let url = cluster.url("/v1/completions");
+            let tx = tx.clone();
+            let mut body = greedy(p, 300);
+            body["stream"] = json!(true);
+            std::thread::spawn(move || {
+                let resp = ureq::post(&url).send_json(body).expect("stream");
+                let mut text = String::new();
+                let mut told = false;
+                for line in std::io::BufReader::new(resp.into_reader()).lines() {
+                    let line = line.expect("line");
+                    let Some(data) = line.strip_prefix("data: ") else { continue };
+                    if data == "[DONE]" {
+                        break;
+                    }
+                    let event: Value = serde_json::from_str(data).expect("json");
+                    text += event["choices"][0]["text"].as_str().unwrap_or("");
+                    if !told && text.len() > 10 {
+                        tx.send(()).unwrap();
+                        told = true;
+                    }
+                }
+                text
+            })
+        })
+        .collect();
+    for _ in 0..8 {
+        rx.recv_timeout(Duration::from_secs(60)).expect("every stream started");
+    }
+    a.kill().unwrap(); // SIGKILL
+    a.wait().unwrap();
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().unwrap(), reference[i], "stream {i} after the kill");
+    }
+    let workers = cluster.workers();
+    assert_eq!(workers["data"].as_array().unwrap().len(), 1);
+    terminate(&mut b);
+}
+
+#[test]
+fn a_client_disconnect_frees_its_blocks() {
+    let cluster = Coordinator::start("stories260K", 1, &[]);
+    let mut body = greedy("Once upon a time", 450);
+    body["stream"] = json!(true);
+    let resp = ureq::post(&cluster.url("/v1/completions")).send_json(body).unwrap();
+    let mut reader = resp.into_reader();
+    let mut first = [0u8; 64];
+    reader.read_exact(&mut first).unwrap();
+    let used = |c: &Coordinator| c.workers()["data"][0]["stats"]["kv_blocks_used"].as_u64().unwrap();
+    let in_flight = |c: &Coordinator| c.workers()["in_flight"].as_u64().unwrap();
+    assert_eq!(in_flight(&cluster), 1);
+    drop(reader); // hang up
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (in_flight(&cluster) > 0 || used(&cluster) > 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(in_flight(&cluster), 0, "request still in flight");
+    assert_eq!(used(&cluster), 0, "blocks still held");
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_disturbs_no_one() {
+    let cluster = Coordinator::start("stories260K", 1, &["--api-key", "sekret", "--max-body-bytes", "10000"]);
+    let url = cluster.url("/v1/completions");
+    // A well-formed request streams concurrently with all the bad ones.
+    let good = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            ureq::post(&url)
+                .set("Authorization", "Bearer sekret")
+                .send_json(greedy("Once upon a time", 200))
+                .map(|r| r.into_json::<Value>().unwrap())
+        })
+    };
+    let send = |path: &str, body: &str, key: Option<&str>| -> (u16, Value) {
+        let mut req = ureq::post(&cluster.url(path)).set("content-type", "application/json");
+        if let Some(key) = key {
+            req = req.set("Authorization", &format!("Bearer {key}"));
+        }
+        match req.send_string(body) {
+            Ok(r) => (r.status(), r.into_json().unwrap()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap_or(Value::Null)),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let key = Some("sekret");
+    let long_prompt = format!(r#"{{"prompt": {}, "max_tokens": 5}}"#, serde_json::to_string(&vec![1u32; 600]).unwrap());
+    let big = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(20_000));
+    let cases: Vec<(&str, String, Option<&str>, u16, Option<&str>)> = vec![
+        ("/v1/completions", "{not json".into(), key, 400, None),
+        ("/v1/completions", r#"{"prompt": 42}"#.into(), key, 400, None),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": -1}"#.into(), key, 400, Some("max_tokens")),
+        ("/v1/completions", r#"{"prompt": "hi", "temperature": -1}"#.into(), key, 400, Some("temperature")),
+        ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#.into(), key, 400, Some("top_p")),
+        ("/v1/completions", r#"{"prompt": "hi", "top_p": 1.5}"#.into(), key, 400, Some("top_p")),
+        ("/v1/completions", long_prompt, key, 400, Some("prompt")),
+        ("/v1/completions", r#"{"prompt": "hi", "model": "gpt-9"}"#.into(), key, 404, Some("model")),
+        ("/v1/completions", big, key, 413, None),
+        ("/v1/completions", r#"{"prompt": "hi"}"#.into(), None, 401, None),
+        ("/v1/completions", r#"{"prompt": "hi"}"#.into(), Some("wrong"), 401, None),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "hi"}]}"#.into(), key, 400, None),
+        ("/generate", r#"{"prompt_token_ids": [1, 99999]}"#.into(), key, 400, Some("prompt")),
+        ("/nope", "{}".into(), key, 404, None),
+    ];
+    for (path, body, key, status, param) in cases {
+        let (got, err) = send(path, &body, key);
+        assert_eq!(got, status, "{path} {}: {err}", &body[..body.len().min(60)]);
+        let e = &err["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{err}");
+        assert!(e["type"].is_string() && e.get("param").is_some() && e.get("code").is_some(), "{err}");
+        if let Some(param) = param {
+            assert_eq!(e["param"], param, "{err}");
+        }
+    }
+    let good = good.join().unwrap().expect("the concurrent request succeeded");
+    assert_eq!(good["usage"]["completion_tokens"], 200);
+}
+
+#[test]
+fn too_many_queued_requests_get_429_with_retry_after() {
+    let cluster = Coordinator::start("stories260K", 1, &["--max-queued-requests", "2"]);
+    let url = cluster.url("/v1/completions");
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || post_json(&url, &greedy("Once upon a time", 450)).0)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cluster.workers()["in_flight"].as_u64() != Some(2) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    match ureq::post(&url).send_json(greedy("hi", 5)) {
+        Err(ureq::Error::Status(429, resp)) => assert!(resp.header("retry-after").is_some()),
+        other => panic!("expected 429, got {:?}", other.map(|r| r.status())),
+    }
+    for h in slow {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+}
+
+#[test]
+fn a_worker_with_the_wrong_secret_is_refused() {
+    let cluster = Coordinator::start("stories260K", 0, &[]);
+    let dir = TempDir::new("wrong-secret");
+    let wrong = dir.0.join("secret");
+    std::fs::write(&wrong, "not-the-secret").unwrap();
+    let mut worker = cluster.start_worker("stories260K", "intruder", &wrong);
+    let status = worker.wait().unwrap();
+    assert!(!status.success());
+    let mut stderr = String::new();
+    worker.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(stderr.contains("wrong cluster secret"), "{stderr}");
+    assert_eq!(cluster.workers()["data"].as_array().unwrap().len(), 0);
+    assert_eq!(ureq::get(&cluster.url("/health")).call().map(|r| r.status()).unwrap_or_else(|e| match e {
+        ureq::Error::Status(c, _) => c,
+        _ => 0,
+    }), 503);
+}
