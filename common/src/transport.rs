@@ -64,6 +64,19 @@ pub fn self_signed_cert() -> Result<(rustls::pki_types::CertificateDer<'static>,
     Ok((cert.cert.der().clone(), key.into()))
 }
 
+/// A certificate chain and key from PEM files (`--tls-cert`, `--tls-key`).
+pub fn pem_cert(
+    cert_path: &std::path::Path,
+    key_path: &std::path::Path,
+) -> Result<(rustls::pki_types::CertificateDer<'static>, rustls::pki_types::PrivateKeyDer<'static>), TransportError> {
+    use rustls::pki_types::pem::PemObject;
+    let cert = rustls::pki_types::CertificateDer::from_pem_file(cert_path)
+        .map_err(|e| TransportError::Tls(format!("{}: {e}", cert_path.display())))?;
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key_path)
+        .map_err(|e| TransportError::Tls(format!("{}: {e}", key_path.display())))?;
+    Ok((cert, key))
+}
+
 fn quic_transport() -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
     // Liveness is also tracked by stats messages; this closes dead peers.

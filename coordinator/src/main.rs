@@ -51,6 +51,12 @@ struct Args {
     /// Context length (default: the model's max_position_embeddings).
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// PEM certificate for QUIC (default: a self-signed one generated at start).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key matching --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// How long in-flight requests may take to finish on SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout_secs: u64,
@@ -74,7 +80,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let secret = load_or_create_secret(&args.cluster_secret_file)?;
 
     let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests);
-    let (cert, key) = common::transport::self_signed_cert()?;
+    let (cert, key) = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
+        _ => common::transport::self_signed_cert()?,
+    };
     let endpoint = quinn::Endpoint::server(common::transport::server_config(cert, key)?, args.quic)
         .with_context(|| format!("binding QUIC on {}", args.quic))?;
     let quic_addr = endpoint.local_addr()?;
