@@ -198,6 +198,27 @@ fn role_label(role: Role) -> &'static [u8] {
     }
 }
 
+/// Resolves on SIGTERM or Ctrl-C: both binaries drain on either.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        // If the handler cannot be installed, Ctrl-C still works.
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
 /// A fresh random secret, hex-encoded (for `--cluster-secret-file` when none exists).
 pub fn generate_secret() -> String {
     let mut bytes = [0u8; 32];

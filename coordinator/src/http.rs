@@ -80,7 +80,6 @@ impl Reply {
 pub async fn handle(app: Arc<AppState>, req: Request<Incoming>) -> Result<Response<ReplyBody>, Infallible> {
     let started = std::time::Instant::now();
     let path = req.uri().path().to_string();
-    let method = req.method().clone();
     let reply = match route(app.clone(), req).await {
         Ok(reply) => reply,
         Err(e) => {
@@ -89,7 +88,6 @@ pub async fn handle(app: Arc<AppState>, req: Request<Incoming>) -> Result<Respon
         }
     };
     app.metrics.http_request(&path, reply.status.as_u16(), started.elapsed());
-    let _ = method;
     Ok(reply.into_response())
 }
 

@@ -118,7 +118,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     });
     let server = tokio::spawn(coordinator::http::serve(listener, app.clone(), stop_rx.clone()));
 
-    shutdown_signal().await;
+    common::transport::shutdown_signal().await;
     eprintln!("coordinator: shutting down; finishing in-flight requests");
     app.begin_shutdown();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.shutdown_timeout_secs);
@@ -220,17 +220,4 @@ async fn supervise_local_workers(
     for t in tasks {
         let _ = t.await;
     }
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
 }

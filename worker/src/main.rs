@@ -317,7 +317,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         // SIGTERM drains: running requests finish and stream out, new ones
         // are refused, then the engine stops and serve() returns.
         tokio::spawn(async move {
-            shutdown_signal().await;
+            common::transport::shutdown_signal().await;
             eprintln!("signal received: draining");
             let _ = drain.send(service::EngineCommand::Drain);
         });
@@ -343,17 +343,4 @@ fn watch_parent() {
             }
         });
     }
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
 }
