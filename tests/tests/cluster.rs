@@ -244,3 +244,40 @@ fn a_worker_with_the_wrong_secret_is_refused() {
         _ => 0,
     }), 503);
 }
+
+#[test]
+fn workers_reconnect_when_the_coordinator_restarts() {
+    use std::process::Command;
+    let mut first = Coordinator::start("stories260K", 0, &[]);
+    let mut worker = first.start_worker("stories260K", "w", &first.secret_file);
+    first.wait_for_workers(1);
+    // Keep the secret across the restart, as a real deployment does.
+    let dir = TempDir::new("restart");
+    let secret = dir.0.join("secret");
+    std::fs::copy(&first.secret_file, &secret).unwrap();
+    let quic = first.quic.clone();
+    first.child.kill().unwrap(); // a crash, not a drain
+    first.child.wait().unwrap();
+    // A new coordinator on the same QUIC address.
+    let mut second = Command::new(tinyvllm_tests::binary("tinyvllm-coordinator"))
+        .args(["--model", tinyvllm_tests::model_dir("stories260K").to_str().unwrap(), "--http", "127.0.0.1:0", "--quic", &quic])
+        .arg("--cluster-secret-file")
+        .arg(&secret)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(second.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let http = line.split_whitespace().find_map(|w| w.strip_prefix("http=")).unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut ready = false;
+    while Instant::now() < deadline && !ready {
+        ready = ureq::get(&format!("http://{http}/health")).call().is_ok();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(ready, "the worker did not come back");
+    let (status, out) = post_json(&format!("http://{http}/generate"), &greedy("Once upon a time", 8));
+    assert_eq!(status, 200, "{out}");
+    terminate(&mut second);
+    terminate(&mut worker);
+}
