@@ -72,14 +72,15 @@ impl Engine {
     pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
         let model = files.load(config.dtype, &config.device)?;
         let cfg = model.config().clone();
+        let kv_dtype = model.activation_dtype();
         let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
         let num_blocks = match config.num_blocks {
             Some(n) => n,
-            None => kv_cache::num_blocks_for_budget(&cfg, config.block_size, config.dtype, config.kv_budget, max_useful)?,
+            None => kv_cache::num_blocks_for_budget(&cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?,
         };
-        let caches = kv_cache::allocate(&cfg, num_blocks, config.block_size, config.dtype, &config.device)?;
-        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), config.dtype);
+        let caches = kv_cache::allocate(&cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
+        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_dtype);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,

@@ -166,3 +166,17 @@ fn stop_tokens_end_a_request_and_bad_requests_are_refused() {
     assert!(err.contains("outside the vocabulary"), "{err}");
     assert!(!e.has_unfinished());
 }
+
+#[test]
+fn half_precision_weights_follow_the_f32_model() {
+    // f16/bf16 weights with f32 activations: the first tokens of a story
+    // (large logit margins) must equal the f32 run.
+    let prompt = vec![1, 403, 407, 261, 378]; // "Once upon a time"
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(24) };
+    let reference = run(&mut default_engine(), &[(prompt.clone(), params.clone())]);
+    for dtype in [candle_core::DType::F16, candle_core::DType::BF16] {
+        let mut e = engine(EngineConfig { num_blocks: Some(256), dtype, ..EngineConfig::default() });
+        let out = run(&mut e, &[(prompt.clone(), params.clone())]);
+        assert_eq!(out[&0].0, reference[&0].0, "{dtype:?}");
+    }
+}

@@ -47,6 +47,13 @@ impl RotaryEmbedding {
     }
 }
 
+/// The dtype activations (and the KV cache) use. On the CPU they stay f32
+/// whatever the weights are: the linear layers widen f16/bf16 weights in
+/// registers anyway, and f32 activations avoid a conversion around every op.
+pub fn activation_dtype(weights: DType, device: &Device) -> DType {
+    if device.is_cpu() { DType::F32 } else { weights }
+}
+
 /// Applies HF's `rotate_half` RoPE to x: [T, heads, head_dim].
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let x = x.unsqueeze(0)?.contiguous()?; // [1, T, heads, head_dim]
@@ -60,7 +67,8 @@ struct RmsNorm {
 
 impl RmsNorm {
     fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Self { weight: vb.get(dim, "weight")?, eps: eps as f32 })
+        let act = activation_dtype(vb.dtype(), vb.device());
+        Ok(Self { weight: vb.get(dim, "weight")?.to_dtype(act)?, eps: eps as f32 })
     }
 
     /// Normalises the last dimension.
@@ -182,6 +190,8 @@ pub struct CausalLm {
     lm_head: Linear,
     rotary: RotaryEmbedding,
     cfg: ModelConfig,
+    /// Dtype of activations and of the KV cache.
+    act: DType,
 }
 
 impl CausalLm {
@@ -189,8 +199,8 @@ impl CausalLm {
     /// (`model.layers.N.self_attn.q_proj.weight`, ...). A missing tensor or a
     /// shape mismatch fails here, naming the tensor.
     pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
-        let dtype = vb.dtype();
         let device = vb.device().clone();
+        let act = activation_dtype(vb.dtype(), &device);
         let model = vb.pp("model");
         let embed_weight = model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight")?;
         let embed_tokens = Embedding::new(embed_weight.clone(), cfg.hidden_size);
@@ -203,12 +213,17 @@ impl CausalLm {
         } else {
             linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"))?
         };
-        let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, dtype, &device)?;
-        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone() })
+        let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device)?;
+        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone(), act })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Dtype of activations, and so of the KV cache this model needs.
+    pub fn activation_dtype(&self) -> DType {
+        self.act
     }
 
     /// One step over a flattened batch.
@@ -229,7 +244,7 @@ impl CausalLm {
         logits_indices: &Tensor,
     ) -> Result<Tensor> {
         let (cos, sin) = self.rotary.at(positions)?;
-        let mut x = self.embed_tokens.forward(input_ids)?; // [T, hidden]
+        let mut x = self.embed_tokens.forward(input_ids)?.to_dtype(self.act)?; // [T, hidden]
         for (layer, kv) in self.layers.iter().zip(kv_caches) {
             let residual = &x;
             let h = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &cos, &sin, kv, meta)?;
