@@ -6,9 +6,9 @@ pub mod block_hash;
 pub mod ids;
 pub mod kv_events;
 pub mod protocol;
+pub mod sampling;
 #[cfg(feature = "transport")]
 pub mod transport;
-pub mod sampling;
 
 pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
 pub use ids::{BlockId, RequestId};

@@ -50,15 +50,26 @@ pub struct Handshake {
 pub enum HandshakeReply {
     /// `auth_tag` proves the coordinator knows the secret too, so a worker
     /// never serves a man in the middle.
-    Accepted { worker_id: u64, auth_tag: Vec<u8> },
-    Refused { reason: String },
+    Accepted {
+        worker_id: u64,
+        auth_tag: Vec<u8>,
+    },
+    Refused {
+        reason: String,
+    },
 }
 
 /// Coordinator -> worker.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum CoordinatorMessage {
-    Generate { request_id: RequestId, prompt_token_ids: Vec<u32>, params: SamplingParams },
-    Abort { request_id: RequestId },
+    Generate {
+        request_id: RequestId,
+        prompt_token_ids: Vec<u32>,
+        params: SamplingParams,
+    },
+    Abort {
+        request_id: RequestId,
+    },
     /// Send every cached block hash again (after an event-id gap).
     RequestKvSnapshot,
     /// Finish in-flight requests, accept no new ones.
@@ -106,12 +117,18 @@ pub enum WorkerMessage {
         num_cached_tokens: u32,
     },
     /// The worker could not accept a request (bad input, draining).
-    Rejected { request_id: RequestId, message: String },
+    Rejected {
+        request_id: RequestId,
+        message: String,
+    },
     Stats(WorkerStats),
     KvEvents(Vec<KvEventRecord>),
     /// Every hash the worker's prefix cache holds, after `RequestKvSnapshot`;
     /// `last_event_id` is the id of the last event it reflects.
-    KvSnapshot { last_event_id: Option<u64>, hashes: Vec<(crate::BlockHash, Option<crate::BlockHash>)> },
+    KvSnapshot {
+        last_event_id: Option<u64>,
+        hashes: Vec<(crate::BlockHash, Option<crate::BlockHash>)>,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -199,7 +216,10 @@ mod tests {
                 num_cached_tokens: 0,
             },
             WorkerMessage::Stats(WorkerStats { num_running: 3, kv_blocks_total: 100, ..WorkerStats::default() }),
-            WorkerMessage::KvEvents(vec![KvEventRecord { id: 4, event: KvEvent::Stored { hash: BlockHash(9), parent: None } }]),
+            WorkerMessage::KvEvents(vec![KvEventRecord {
+                id: 4,
+                event: KvEvent::Stored { hash: BlockHash(9), parent: None },
+            }]),
         ]
     }
 
@@ -222,7 +242,10 @@ mod tests {
         let header = ((MAX_FRAME_BYTES + 1) as u32).to_le_bytes();
         assert!(matches!(frame_len(header), Err(ProtocolError::FrameTooLarge(_))));
         let frame = encode_frame(&samples()[0]).unwrap();
-        assert!(matches!(decode_frame::<WorkerMessage>(&frame[..frame.len() - 1]), Err(ProtocolError::Truncated { .. })));
+        assert!(matches!(
+            decode_frame::<WorkerMessage>(&frame[..frame.len() - 1]),
+            Err(ProtocolError::Truncated { .. })
+        ));
         let mut longer = frame.clone();
         longer.push(0);
         assert!(decode_frame::<WorkerMessage>(&longer).is_err());

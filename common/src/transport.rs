@@ -58,7 +58,8 @@ pub async fn read_frame<T: DeserializeOwned>(recv: &mut quinn::RecvStream) -> Re
 }
 
 /// A self-signed certificate and key for the coordinator.
-pub fn self_signed_cert() -> Result<(rustls::pki_types::CertificateDer<'static>, rustls::pki_types::PrivateKeyDer<'static>), TransportError> {
+pub fn self_signed_cert()
+-> Result<(rustls::pki_types::CertificateDer<'static>, rustls::pki_types::PrivateKeyDer<'static>), TransportError> {
     let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()])?;
     let key = rustls::pki_types::PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
     Ok((cert.cert.der().clone(), key.into()))
@@ -97,7 +98,8 @@ pub fn server_config(
         .with_single_cert(vec![cert], key)
         .map_err(|e| TransportError::Tls(e.to_string()))?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
+    let crypto =
+        quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(quic_transport());
     Ok(config)
@@ -112,7 +114,8 @@ pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
         .with_custom_certificate_verifier(Arc::new(ChannelBoundVerifier(provider)))
         .with_no_client_auth();
     tls.alpn_protocols = vec![ALPN.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
+    let crypto =
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(quic_transport());
     Ok(config)
@@ -244,7 +247,8 @@ mod tests {
     #[tokio::test]
     async fn frames_cross_a_real_quic_connection_and_bindings_agree() {
         let (cert, key) = self_signed_cert().unwrap();
-        let server = quinn::Endpoint::server(server_config(cert, key).unwrap(), "127.0.0.1:0".parse().unwrap()).unwrap();
+        let server =
+            quinn::Endpoint::server(server_config(cert, key).unwrap(), "127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = server.local_addr().unwrap();
         let server_task = tokio::spawn(async move {
             let conn = server.accept().await.unwrap().await.unwrap();

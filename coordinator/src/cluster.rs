@@ -160,13 +160,16 @@ impl Cluster {
         let worker = pick_worker(&state, None).ok_or(SubmitError::NoWorker)?;
         let id = RequestId(state.next_request_id);
         state.next_request_id += 1;
-        let message = CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.clone(), params: params.clone() };
+        let message =
+            CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.clone(), params: params.clone() };
         let entry = state.workers.get_mut(&worker).expect("picked worker exists");
         if entry.tx.send(message).is_err() {
             return Err(SubmitError::NoWorker);
         }
         entry.in_flight += 1;
-        state.requests.insert(id, InFlight { prompt, params, generated: Vec::new(), worker, events: tx, cached_tokens: None });
+        state
+            .requests
+            .insert(id, InFlight { prompt, params, generated: Vec::new(), worker, events: tx, cached_tokens: None });
         Ok((id, worker, rx))
     }
 
@@ -199,7 +202,14 @@ impl Cluster {
     fn on_worker_message(&self, worker: u64, message: WorkerMessage) {
         let mut state = self.lock();
         match message {
-            WorkerMessage::TokenDelta { request_id, new_token_ids, logprobs, finish_reason, num_prompt_tokens: _, num_cached_tokens } => {
+            WorkerMessage::TokenDelta {
+                request_id,
+                new_token_ids,
+                logprobs,
+                finish_reason,
+                num_prompt_tokens: _,
+                num_cached_tokens,
+            } => {
                 let Some(req) = state.requests.get_mut(&request_id) else { return };
                 if req.worker != worker {
                     return; // a late delta from a worker we gave up on
@@ -245,12 +255,15 @@ impl Cluster {
         let mut state = self.lock();
         let Some(entry) = state.workers.remove(&worker) else { return };
         eprintln!("coordinator: worker {} ({}) lost: {why}", entry.name, entry.address);
-        let orphans: Vec<RequestId> = state.requests.iter().filter(|(_, r)| r.worker == worker).map(|(&id, _)| id).collect();
+        let orphans: Vec<RequestId> =
+            state.requests.iter().filter(|(_, r)| r.worker == worker).map(|(&id, _)| id).collect();
         for id in orphans {
             let target = pick_worker(&state, Some(worker));
             let req = state.requests.get_mut(&id).expect("orphan exists");
             let Some(target) = target else {
-                let _ = req.events.send(RequestEvent::Failed { message: "the worker serving this request was lost and no other worker is available".into() });
+                let _ = req.events.send(RequestEvent::Failed {
+                    message: "the worker serving this request was lost and no other worker is available".into(),
+                });
                 state.requests.remove(&id);
                 continue;
             };
@@ -373,7 +386,10 @@ impl Cluster {
 
     fn refusal(&self, hello: &Handshake, binding: &[u8; 32]) -> Option<String> {
         if hello.protocol_version != PROTOCOL_VERSION {
-            return Some(format!("protocol version {} (this coordinator speaks {PROTOCOL_VERSION})", hello.protocol_version));
+            return Some(format!(
+                "protocol version {} (this coordinator speaks {PROTOCOL_VERSION})",
+                hello.protocol_version
+            ));
         }
         if !transport::verify_auth_tag(self.secret.as_bytes(), Role::Worker, binding, &hello.auth_tag) {
             return Some("wrong cluster secret".into());

@@ -60,7 +60,12 @@ impl Reply {
     }
 
     fn error(e: &ApiError) -> Self {
-        Self { status: e.status, body: ReplyBody::Full(Some(Bytes::from(e.body()))), sse: false, retry_after: e.retry_after }
+        Self {
+            status: e.status,
+            body: ReplyBody::Full(Some(Bytes::from(e.body()))),
+            sse: false,
+            retry_after: e.retry_after,
+        }
     }
 
     fn into_response(self) -> Response<ReplyBody> {
@@ -101,7 +106,8 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
         _ => {}
     }
     if let Some(key) = &app.api_key {
-        let given = req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given =
+            req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         if given != Some(key.as_str()) {
             return Err(ApiError::unauthorized());
         }
@@ -120,15 +126,24 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
                 _ => handlers::chat(app, &body).await,
             }
         }
-        (_, "/health" | "/metrics" | "/v1/models" | "/v1/workers" | "/generate" | "/v1/completions" | "/v1/chat/completions") => {
-            Err(ApiError::method_not_allowed())
-        }
+        (
+            _,
+            "/health"
+            | "/metrics"
+            | "/v1/models"
+            | "/v1/workers"
+            | "/generate"
+            | "/v1/completions"
+            | "/v1/chat/completions",
+        ) => Err(ApiError::method_not_allowed()),
         _ => Err(ApiError::not_found(&path)),
     }
 }
 
 async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
-    if let Some(len) = req.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok()) {
+    if let Some(len) =
+        req.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
+    {
         if len > limit {
             return Err(ApiError::too_large(limit));
         }
@@ -162,4 +177,3 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Arc<AppState>, mut sh
     }
     graceful.shutdown().await;
 }
-

@@ -71,12 +71,14 @@ fn main() -> anyhow::Result<()> {
 async fn run(args: Args) -> anyhow::Result<()> {
     let source = ModelSource::parse(&args.model)?;
     let files = tokio::task::spawn_blocking(move || ModelFiles::resolve(&source)).await??;
-    let tokenizer_path = files.tokenizer_json.clone().with_context(|| format!("{} has no tokenizer.json", files.name))?;
+    let tokenizer_path =
+        files.tokenizer_json.clone().with_context(|| format!("{} has no tokenizer.json", files.name))?;
     let model_dir = tokenizer_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir)?);
     let chat_template = ChatTemplate::from_tokenizer(&tokenizer)?;
     let served_model_name = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.model));
-    let max_model_len = args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
+    let max_model_len =
+        args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
     let secret = load_or_create_secret(&args.cluster_secret_file)?;
 
     let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests);
@@ -90,7 +92,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tokio::spawn(cluster.clone().accept_workers(endpoint.clone()));
     tokio::spawn(cluster.clone().watchdog());
 
-    let listener = tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
+    let listener =
+        tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
     let http_addr = listener.local_addr()?;
     let app = Arc::new(AppState::new(
         cluster.clone(),
@@ -106,7 +109,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let supervisor = (args.local_workers > 0).then(|| {
-        let connect = SocketAddr::new(if quic_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { quic_addr.ip() }, quic_addr.port());
+        let connect = SocketAddr::new(
+            if quic_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { quic_addr.ip() },
+            quic_addr.port(),
+        );
         tokio::spawn(supervise_local_workers(
             args.local_workers,
             args.model.clone(),
@@ -138,7 +144,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
 fn default_served_name(model: &str) -> String {
     let path = Path::new(model);
     if path.is_dir() {
-        if let Some(name) = path.canonicalize().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())) {
+        if let Some(name) =
+            path.canonicalize().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        {
             return name;
         }
     }
@@ -148,7 +156,8 @@ fn default_served_name(model: &str) -> String {
 /// Reads the secret, or creates one readable only by this user.
 fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     if path.exists() {
-        let secret = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string();
+        let secret =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string();
         anyhow::ensure!(!secret.is_empty(), "{} is empty", path.display());
         return Ok(secret);
     }
@@ -180,12 +189,22 @@ async fn supervise_local_workers(
     };
     let mut tasks = Vec::new();
     for i in 0..n {
-        let (exe, model, secret_file, extra, mut stop) = (exe.clone(), model.clone(), secret_file.clone(), extra.clone(), stop.clone());
+        let (exe, model, secret_file, extra, mut stop) =
+            (exe.clone(), model.clone(), secret_file.clone(), extra.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut backoff = Duration::from_millis(500);
             loop {
                 let mut child = match tokio::process::Command::new(&exe)
-                    .args(["serve", "--exit-with-parent", "--model", &model, "--coordinator", &coordinator.to_string(), "--name", &format!("local-{i}")])
+                    .args([
+                        "serve",
+                        "--exit-with-parent",
+                        "--model",
+                        &model,
+                        "--coordinator",
+                        &coordinator.to_string(),
+                        "--name",
+                        &format!("local-{i}"),
+                    ])
                     .arg("--cluster-secret-file")
                     .arg(&secret_file)
                     .args(&extra)

@@ -26,8 +26,11 @@ impl Metrics {
         )
         .expect("valid metric");
         let http_latency = HistogramVec::new(
-            HistogramOpts::new("tinyvllm_http_request_duration_seconds", "Time to the response head (streams: to the first byte)")
-                .buckets(vec![0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]),
+            HistogramOpts::new(
+                "tinyvllm_http_request_duration_seconds",
+                "Time to the response head (streams: to the first byte)",
+            )
+            .buckets(vec![0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]),
             &["endpoint"],
         )
         .expect("valid metric");
@@ -36,9 +39,11 @@ impl Metrics {
             &["reason"],
         )
         .expect("valid metric");
-        let workers = IntGaugeVec::new(Opts::new("tinyvllm_workers", "Workers by state"), &["state"]).expect("valid metric");
-        let in_flight = IntGaugeVec::new(Opts::new("tinyvllm_requests_in_flight", "Requests dispatched and not finished"), &[])
-            .expect("valid metric");
+        let workers =
+            IntGaugeVec::new(Opts::new("tinyvllm_workers", "Workers by state"), &["state"]).expect("valid metric");
+        let in_flight =
+            IntGaugeVec::new(Opts::new("tinyvllm_requests_in_flight", "Requests dispatched and not finished"), &[])
+                .expect("valid metric");
         for c in [
             Box::new(http_requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(http_latency.clone()),

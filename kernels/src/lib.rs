@@ -142,7 +142,13 @@ fn check_pool(x: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
 }
 
 /// Checks a KV write: k/v `[T, kv_heads, head_dim]` into `[blocks, block_size, kv_heads, head_dim]`.
-pub(crate) fn check_cache_write(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slots: &[u32]) -> Result<usize> {
+pub(crate) fn check_cache_write(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slots: &[u32],
+) -> Result<usize> {
     let bad = |m: String| Err(KernelError::Invalid(m));
     let (t, kvh, d) = k.dims3()?;
     let (nb, bs, ckvh, cd) = k_cache.dims4()?;
@@ -167,7 +173,13 @@ pub(crate) fn check_cache_write(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cach
 
 /// Paged attention with the implementation suited to the device.
 /// q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`.
-pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+pub fn paged_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+    scale: f32,
+) -> Result<Tensor> {
     match q.device() {
         Device::Cpu => cpu::paged_attention(q, k_cache, v_cache, meta, scale),
         _ => portable::paged_attention(q, k_cache, v_cache, meta, scale),
@@ -176,7 +188,13 @@ pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &At
 
 /// Writes a step's new K/V into their slots, in place, in one batched write
 /// per tensor.
-pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+pub fn reshape_and_cache(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slot_mapping: &[u32],
+) -> Result<()> {
     match k.device() {
         Device::Cpu => cpu::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
         _ => portable::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),

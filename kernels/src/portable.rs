@@ -6,7 +6,13 @@ use candle_core::{D, DType, Tensor};
 
 use crate::{AttentionMetadata, Result, check, check_cache_write};
 
-pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+pub fn paged_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+    scale: f32,
+) -> Result<Tensor> {
     let d = check(q, k_cache, v_cache, meta)?;
     let device = q.device();
     let group = d.num_heads / d.num_kv_heads;
@@ -56,7 +62,13 @@ pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &At
 }
 
 /// One in-place scatter per cache: rows of `[num_slots, kv_heads * head_dim]`.
-pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+pub fn reshape_and_cache(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slot_mapping: &[u32],
+) -> Result<()> {
     let num_slots = check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
     let (t, kvh, hd) = k.dims3()?;
     if t == 0 {

@@ -5,7 +5,13 @@ use candle_core::{DType, Tensor};
 
 use crate::{AttentionMetadata, Result, check, check_cache_write};
 
-pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+pub fn paged_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+    scale: f32,
+) -> Result<Tensor> {
     let d = check(q, k_cache, v_cache, meta)?;
     let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
     let (qv, kv, vv) = (host(q)?, host(k_cache)?, host(v_cache)?);
@@ -47,7 +53,13 @@ pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &At
 }
 
 /// Rebuilds each cache on the host with the new rows and writes it back in place.
-pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+pub fn reshape_and_cache(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slot_mapping: &[u32],
+) -> Result<()> {
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
     for (new, cache) in [(k, k_cache), (v, v_cache)] {
         let dims = cache.dims().to_vec();
@@ -91,8 +103,9 @@ mod tests {
         let want = [10., (e1 * 10. + e2 * 20.) / (e1 + e2)];
         assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{out:?}");
         // A window of 1 leaves each query only itself.
-        let out: Vec<f32> =
-            paged_attention(&q, &k, &v, &AttentionMetadata { sliding_window: Some(1), ..meta }, 1.0)?.flatten_all()?.to_vec1()?;
+        let out: Vec<f32> = paged_attention(&q, &k, &v, &AttentionMetadata { sliding_window: Some(1), ..meta }, 1.0)?
+            .flatten_all()?
+            .to_vec1()?;
         assert_eq!(out, [10., 20.]);
         Ok(())
     }

@@ -41,7 +41,8 @@ fn make_case(rng: &mut StdRng, seqs: &[(usize, usize)], g: Geometry) -> Case {
     let num_blocks = blocks_needed + 7; // spare blocks stay untouched
     let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
     ids.shuffle(rng);
-    let mut meta = AttentionMetadata { query_start_loc: vec![0], block_size, sliding_window: window, ..Default::default() };
+    let mut meta =
+        AttentionMetadata { query_start_loc: vec![0], block_size, sliding_window: window, ..Default::default() };
     let mut next = 0;
     for &(q_len, ctx) in seqs {
         let n = ctx.div_ceil(block_size);
@@ -179,8 +180,11 @@ fn dispatcher_picks_the_cpu_kernel_on_cpu() {
 }
 
 type WriteFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &[u32]) -> kernels::Result<()>;
-const WRITERS: [(&str, WriteFn); 3] =
-    [("cpu", cpu::reshape_and_cache), ("portable", portable::reshape_and_cache), ("dispatch", kernels::reshape_and_cache)];
+const WRITERS: [(&str, WriteFn); 3] = [
+    ("cpu", cpu::reshape_and_cache),
+    ("portable", portable::reshape_and_cache),
+    ("dispatch", kernels::reshape_and_cache),
+];
 
 #[test]
 fn cache_writes_land_in_their_slots_only() {

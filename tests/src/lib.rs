@@ -93,7 +93,14 @@ impl Coordinator {
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
         let mut child = Command::new(binary("tinyvllm-coordinator"))
-            .args(["--model", model_dir(model).to_str().expect("utf-8 path"), "--http", "127.0.0.1:0", "--quic", "127.0.0.1:0"])
+            .args([
+                "--model",
+                model_dir(model).to_str().expect("utf-8 path"),
+                "--http",
+                "127.0.0.1:0",
+                "--quic",
+                "127.0.0.1:0",
+            ])
             .args(["--local-workers", &local_workers.to_string()])
             .arg("--cluster-secret-file")
             .arg(&secret_file)
@@ -105,7 +112,10 @@ impl Coordinator {
         let mut line = String::new();
         std::io::BufReader::new(stdout).read_line(&mut line).expect("coordinator's first line");
         let field = |name: &str| {
-            line.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or_else(|| panic!("no {name} in {line:?}")).to_string()
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+                .to_string()
         };
         let coordinator = Self { http: field("http="), quic: field("quic="), secret_file, child, _dir: dir };
         if local_workers > 0 {
@@ -136,7 +146,15 @@ impl Coordinator {
     /// Starts a worker process of our own that joins this cluster.
     pub fn start_worker(&self, model: &str, name: &str, secret_file: &Path) -> std::process::Child {
         Command::new(binary("tinyvllm-worker"))
-            .args(["serve", "--model", model_dir(model).to_str().expect("utf-8 path"), "--coordinator", &self.quic, "--name", name])
+            .args([
+                "serve",
+                "--model",
+                model_dir(model).to_str().expect("utf-8 path"),
+                "--coordinator",
+                &self.quic,
+                "--name",
+                name,
+            ])
             .arg("--cluster-secret-file")
             .arg(secret_file)
             .stderr(std::process::Stdio::piped())

@@ -50,7 +50,12 @@ fn thirty_two_concurrent_streams_all_complete() {
     let prompts = ["Once upon a time", "The dog", "Lily and Ben", "One day, a big"];
     let expected: Vec<String> = prompts
         .iter()
-        .map(|p| post_json(&cluster.url("/v1/completions"), &greedy(p, 40)).1["choices"][0]["text"].as_str().unwrap().to_string())
+        .map(|p| {
+            post_json(&cluster.url("/v1/completions"), &greedy(p, 40)).1["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     let handles: Vec<_> = (0..32)
         .map(|i| {
@@ -76,10 +81,16 @@ fn killing_a_worker_mid_stream_loses_and_repeats_nothing() {
     let mut a = cluster.start_worker("stories260K", "a", &cluster.secret_file);
     let mut b = cluster.start_worker("stories260K", "b", &cluster.secret_file);
     cluster.wait_for_workers(2);
-    let prompts: Vec<String> = (0..8).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i % 4])).collect();
+    let prompts: Vec<String> =
+        (0..8).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i % 4])).collect();
     let reference: Vec<String> = prompts
         .iter()
-        .map(|p| post_json(&cluster.url("/v1/completions"), &greedy(p, 300)).1["choices"][0]["text"].as_str().unwrap().to_string())
+        .map(|p| {
+            post_json(&cluster.url("/v1/completions"), &greedy(p, 300)).1["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     // Start 8 streams, wait until all have produced text, then kill -9 one worker.
     let (tx, rx) = std::sync::mpsc::channel();
@@ -239,10 +250,13 @@ fn a_worker_with_the_wrong_secret_is_refused() {
     worker.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
     assert!(stderr.contains("wrong cluster secret"), "{stderr}");
     assert_eq!(cluster.workers()["data"].as_array().unwrap().len(), 0);
-    assert_eq!(ureq::get(&cluster.url("/health")).call().map(|r| r.status()).unwrap_or_else(|e| match e {
-        ureq::Error::Status(c, _) => c,
-        _ => 0,
-    }), 503);
+    assert_eq!(
+        ureq::get(&cluster.url("/health")).call().map(|r| r.status()).unwrap_or_else(|e| match e {
+            ureq::Error::Status(c, _) => c,
+            _ => 0,
+        }),
+        503
+    );
 }
 
 #[test]
@@ -260,7 +274,14 @@ fn workers_reconnect_when_the_coordinator_restarts() {
     first.child.wait().unwrap();
     // A new coordinator on the same QUIC address.
     let mut second = Command::new(tinyvllm_tests::binary("tinyvllm-coordinator"))
-        .args(["--model", tinyvllm_tests::model_dir("stories260K").to_str().unwrap(), "--http", "127.0.0.1:0", "--quic", &quic])
+        .args([
+            "--model",
+            tinyvllm_tests::model_dir("stories260K").to_str().unwrap(),
+            "--http",
+            "127.0.0.1:0",
+            "--quic",
+            &quic,
+        ])
         .arg("--cluster-secret-file")
         .arg(&secret)
         .stdout(std::process::Stdio::piped())

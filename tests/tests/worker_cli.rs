@@ -14,9 +14,16 @@ fn generate_json_reproduces_the_golden_tokens() {
     let case = golden["cases"].as_array().unwrap().iter().find(|c| c["id"] == "once_upon").unwrap();
     let model = model_dir("stories260K");
     let out = generate(&[
-        "--model", model.to_str().unwrap(),
-        "--prompt", case["prompt_text"].as_str().unwrap(),
-        "--max-tokens", "48", "--temperature", "0", "--ignore-eos", "--json",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        case["prompt_text"].as_str().unwrap(),
+        "--max-tokens",
+        "48",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -27,7 +34,16 @@ fn generate_json_reproduces_the_golden_tokens() {
 #[test]
 fn generate_streams_text_from_token_ids() {
     let model = model_dir("stories260K");
-    let out = generate(&["--model", model.to_str().unwrap(), "--prompt-token-ids", "1,403,407,261,378", "--max-tokens", "20", "--temperature", "0"]);
+    let out = generate(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-token-ids",
+        "1,403,407,261,378",
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.starts_with(", there was a little girl named Lily"), "{text:?}");

@@ -33,7 +33,11 @@ impl Summary {
         values.sort();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let pct = |p: f64| ms(values[((values.len() - 1) as f64 * p).round() as usize]);
-        Self { mean_ms: values.iter().map(|&d| ms(d)).sum::<f64>() / values.len() as f64, p50_ms: pct(0.5), p99_ms: pct(0.99) }
+        Self {
+            mean_ms: values.iter().map(|&d| ms(d)).sum::<f64>() / values.len() as f64,
+            p50_ms: pct(0.5),
+            p99_ms: pct(0.99),
+        }
     }
 }
 
@@ -55,10 +59,33 @@ pub struct BenchReport {
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let a = &self.args;
-        writeln!(f, "prompts {} x (input {} + output {}), {} steps in {:.2} s", a.num_prompts, a.input_len, a.output_len, self.steps, self.elapsed.as_secs_f64())?;
-        writeln!(f, "throughput: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s", self.requests_per_s, self.output_tok_per_s, self.total_tok_per_s)?;
-        writeln!(f, "TTFT ms:  mean {:.1}  p50 {:.1}  p99 {:.1}", self.ttft.mean_ms, self.ttft.p50_ms, self.ttft.p99_ms)?;
-        writeln!(f, "TPOT ms:  mean {:.2}  p50 {:.2}  p99 {:.2}  (decode {:.1} tok/s per request)", self.tpot.mean_ms, self.tpot.p50_ms, self.tpot.p99_ms, 1e3 / self.tpot.mean_ms.max(1e-9))?;
+        writeln!(
+            f,
+            "prompts {} x (input {} + output {}), {} steps in {:.2} s",
+            a.num_prompts,
+            a.input_len,
+            a.output_len,
+            self.steps,
+            self.elapsed.as_secs_f64()
+        )?;
+        writeln!(
+            f,
+            "throughput: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s",
+            self.requests_per_s, self.output_tok_per_s, self.total_tok_per_s
+        )?;
+        writeln!(
+            f,
+            "TTFT ms:  mean {:.1}  p50 {:.1}  p99 {:.1}",
+            self.ttft.mean_ms, self.ttft.p50_ms, self.ttft.p99_ms
+        )?;
+        writeln!(
+            f,
+            "TPOT ms:  mean {:.2}  p50 {:.2}  p99 {:.2}  (decode {:.1} tok/s per request)",
+            self.tpot.mean_ms,
+            self.tpot.p50_ms,
+            self.tpot.p99_ms,
+            1e3 / self.tpot.mean_ms.max(1e-9)
+        )?;
         write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)
     }
 }

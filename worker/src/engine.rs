@@ -73,7 +73,8 @@ impl Engine {
         let model = files.load(config.dtype, &config.device)?;
         let cfg = model.config().clone();
         let kv_dtype = model.activation_dtype();
-        let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
+        let max_model_len =
+            config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
         let num_blocks = match config.num_blocks {
             Some(n) => n,
@@ -91,12 +92,24 @@ impl Engine {
             policy: config.policy,
             eos_token_ids: files.eos_token_ids.clone(),
         });
-        Ok(Self { scheduler, runner, vocab_size: cfg.vocab_size, eos_token_ids: files.eos_token_ids.clone(), logprobs_mode: config.logprobs_mode })
+        Ok(Self {
+            scheduler,
+            runner,
+            vocab_size: cfg.vocab_size,
+            eos_token_ids: files.eos_token_ids.clone(),
+            logprobs_mode: config.logprobs_mode,
+        })
     }
 
     /// Queues a request. Fails (and queues nothing) on an empty or too long
     /// prompt, a duplicate id, invalid parameters, or a token id outside the vocabulary.
-    pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams, priority: i32) -> Result<()> {
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        priority: i32,
+    ) -> Result<()> {
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
             return Err(WorkerError::InvalidRequest {
                 id,

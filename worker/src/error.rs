@@ -6,7 +6,9 @@ use std::path::PathBuf;
 pub enum WorkerError {
     #[error("{path}: {message}")]
     ModelFile { path: PathBuf, message: String },
-    #[error("unsupported architecture {0:?}: supported are LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")]
+    #[error(
+        "unsupported architecture {0:?}: supported are LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    )]
     UnsupportedArchitecture(String),
     #[error("invalid model config: {0}")]
     InvalidConfig(String),

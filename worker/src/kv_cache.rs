@@ -62,7 +62,13 @@ pub fn num_blocks_for_budget(
 }
 
 /// Allocates zeroed block pools for every layer.
-pub fn allocate(cfg: &ModelConfig, num_blocks: usize, block_size: usize, dtype: DType, device: &Device) -> Result<Vec<LayerKvCache>> {
+pub fn allocate(
+    cfg: &ModelConfig,
+    num_blocks: usize,
+    block_size: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Vec<LayerKvCache>> {
     let shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim);
     (0..cfg.num_layers)
         .map(|_| Ok(LayerKvCache { k: Tensor::zeros(shape, dtype, device)?, v: Tensor::zeros(shape, dtype, device)? }))

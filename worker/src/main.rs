@@ -155,7 +155,9 @@ fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles)> {
     }
     let device = match args.device {
         DeviceArg::Auto | DeviceArg::Cpu => Device::Cpu,
-        DeviceArg::Metal => bail!("this build has no Metal support (Metal workers need a macOS build on Apple Silicon)"),
+        DeviceArg::Metal => {
+            bail!("this build has no Metal support (Metal workers need a macOS build on Apple Silicon)")
+        }
     };
     let dtype = resolve_dtype(args.dtype, &files, &device);
     let config = EngineConfig {
@@ -204,7 +206,10 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {
             let tok = tokenizer.as_ref().context("--prompt needs a tokenizer.json; use --prompt-token-ids")?;
-            tok.encode(text.as_str(), true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?.get_ids().to_vec()
+            tok.encode(text.as_str(), true)
+                .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+                .get_ids()
+                .to_vec()
         }
         (None, None) => bail!("give --prompt or --prompt-token-ids"),
     };
@@ -294,7 +299,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let (engine, files) = build_engine(&args.engine)?;
     let name = args.name.clone().unwrap_or_else(|| {
-        let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
+        let host =
+            std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
         format!("{host}-{}", std::process::id())
     });
     let stats = engine.stats();
@@ -335,11 +341,13 @@ fn watch_parent() {
     #[cfg(unix)]
     {
         let parent = std::os::unix::process::parent_id();
-        std::thread::spawn(move || loop {
-            std::thread::sleep(std::time::Duration::from_millis(500));
-            if std::os::unix::process::parent_id() != parent {
-                eprintln!("parent process exited; stopping");
-                std::process::exit(0);
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                if std::os::unix::process::parent_id() != parent {
+                    eprintln!("parent process exited; stopping");
+                    std::process::exit(0);
+                }
             }
         });
     }

@@ -51,7 +51,11 @@ pub enum ServiceError {
 /// Commands from the network side to the engine thread.
 #[derive(Debug)]
 pub enum EngineCommand {
-    Generate { request_id: RequestId, prompt: Vec<u32>, params: SamplingParams },
+    Generate {
+        request_id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    },
     Abort(RequestId),
     /// The coordinator connection dropped: abort everything in flight.
     AbortAll,
@@ -61,7 +65,11 @@ pub enum EngineCommand {
 
 /// Runs the engine loop on the current thread until `Shutdown` or until
 /// every sender is gone. Messages for the coordinator go to `out`.
-pub fn engine_loop(mut engine: Engine, commands: std_mpsc::Receiver<EngineCommand>, out: mpsc::UnboundedSender<WorkerMessage>) {
+pub fn engine_loop(
+    mut engine: Engine,
+    commands: std_mpsc::Receiver<EngineCommand>,
+    out: mpsc::UnboundedSender<WorkerMessage>,
+) {
     let mut draining = false;
     let mut last_stats = Instant::now() - STATS_INTERVAL;
     let mut live: Vec<RequestId> = Vec::new();

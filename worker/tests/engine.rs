@@ -41,7 +41,9 @@ fn run(engine: &mut Engine, requests: &[(Vec<u32>, SamplingParams)]) -> HashMap<
 
 /// 16 prompts of different lengths (a TinyStories-like vocabulary slice).
 fn prompts() -> Vec<Vec<u32>> {
-    (0..16u32).map(|i| std::iter::once(1).chain((0..(3 + i * 9)).map(|t| 260 + (t * 7 + i * 13) % 240)).collect()).collect()
+    (0..16u32)
+        .map(|i| std::iter::once(1).chain((0..(3 + i * 9)).map(|t| 260 + (t * 7 + i * 13) % 240)).collect())
+        .collect()
 }
 
 #[test]
@@ -107,7 +109,8 @@ fn shared_prefix_is_cached_and_changes_nothing() {
     assert!(num_cached >= 96, "cached {num_cached} prompt tokens");
     assert!(cached.stats().prefix_cache.hits >= 96);
 
-    let mut uncached = engine(EngineConfig { num_blocks: Some(1024), enable_prefix_caching: false, ..EngineConfig::default() });
+    let mut uncached =
+        engine(EngineConfig { num_blocks: Some(1024), enable_prefix_caching: false, ..EngineConfig::default() });
     let reference = run(&mut uncached, &[second]);
     assert_eq!(tokens, reference[&0].0);
 }

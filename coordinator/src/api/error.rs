@@ -66,7 +66,11 @@ impl ApiError {
     }
 
     pub fn too_large(limit: usize) -> Self {
-        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("Request body exceeds {limit} bytes."))
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("Request body exceeds {limit} bytes."),
+        )
     }
 
     pub fn overloaded(message: impl Into<String>) -> Self {

@@ -39,7 +39,11 @@ fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
     if ids.len() >= app.max_model_len {
         return Err(ApiError::invalid(
             "prompt",
-            format!("This model's maximum context length is {} tokens; the prompt has {} tokens.", app.max_model_len, ids.len()),
+            format!(
+                "This model's maximum context length is {} tokens; the prompt has {} tokens.",
+                app.max_model_len,
+                ids.len()
+            ),
         ));
     }
     if let Some(&bad) = ids.iter().find(|&&t| t as usize >= app.tokenizer.vocab_size()) {
@@ -65,7 +69,9 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
     let req: GenerateRequest = parse(body)?;
     let prompt_ids = match (&req.prompt, &req.prompt_token_ids) {
         (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give prompt or prompt_token_ids, not both")),
-        (Some(text), None) => app.tokenizer.encode(text, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        (Some(text), None) => {
+            app.tokenizer.encode(text, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+        }
         (None, Some(ids)) => ids.clone(),
         (None, None) => return Err(ApiError::invalid("prompt", "prompt or prompt_token_ids is required")),
     };
@@ -88,7 +94,8 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
         "worker": end.worker,
     });
     if logprobs.is_some() {
-        out["logprobs"] = json!(c.logprobs.iter().zip(&c.token_ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect::<Vec<_>>());
+        out["logprobs"] =
+            json!(c.logprobs.iter().zip(&c.token_ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect::<Vec<_>>());
     }
     Ok(Reply::json(out))
 }
@@ -110,7 +117,13 @@ fn stream_generate(app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) 
                 Update::Delta { text, token_ids, logprobs, .. } => {
                     let mut e = json!({"text": text, "token_ids": token_ids});
                     if !logprobs.is_empty() {
-                        e["logprobs"] = json!(logprobs.iter().zip(&token_ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect::<Vec<_>>());
+                        e["logprobs"] = json!(
+                            logprobs
+                                .iter()
+                                .zip(&token_ids)
+                                .map(|(l, &id)| logprob_entry(&app, id, l))
+                                .collect::<Vec<_>>()
+                        );
                     }
                     e
                 }
@@ -138,7 +151,9 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     let req: CompletionRequest = parse(body)?;
     check_model(&app, req.model.as_deref())?;
     let prompts: Vec<Vec<u32>> = match &req.prompt {
-        PromptInput::Text(t) => vec![app.tokenizer.encode(t, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?],
+        PromptInput::Text(t) => {
+            vec![app.tokenizer.encode(t, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?]
+        }
         PromptInput::Texts(ts) => ts
             .iter()
             .map(|t| app.tokenizer.encode(t, true).map_err(|e| ApiError::invalid("prompt", e.to_string())))
@@ -230,13 +245,16 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
     let template = app.chat_template.as_ref().ok_or_else(|| {
-        ApiError::bad_request("This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions")
+        ApiError::bad_request(
+            "This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions",
+        )
     })?;
     let text = template.render(&req.messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     // The template already wrote BOS where the model wants it.
     let prompt_ids = app.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     check_prompt(&app, &prompt_ids)?;
-    let logprobs = if req.logprobs.unwrap_or(false) { Some(top_n("top_logprobs", req.top_logprobs)?.unwrap_or(0)) } else { None };
+    let logprobs =
+        if req.logprobs.unwrap_or(false) { Some(top_n("top_logprobs", req.top_logprobs)?.unwrap_or(0)) } else { None };
     let n = req.sampling.n()?;
     let stops = req.sampling.stop_strings()?;
     let default_max = (app.max_model_len - prompt_ids.len()) as u32;
@@ -325,28 +343,51 @@ fn stream_openai(
                     }
                     let lp = (!logprobs.is_empty()).then(|| match kind {
                         Kind::Chat => chat_logprobs(&app, &token_ids, &logprobs),
-                        Kind::Completion => completion_logprobs(&app, &Collected { text: text.clone(), token_ids: token_ids.clone(), logprobs: logprobs.clone(), end: None }),
+                        Kind::Completion => completion_logprobs(
+                            &app,
+                            &Collected {
+                                text: text.clone(),
+                                token_ids: token_ids.clone(),
+                                logprobs: logprobs.clone(),
+                                end: None,
+                            },
+                        ),
                     });
                     let choice = match kind {
                         Kind::Chat => {
-                            let delta = if started[index] { json!({"content": text}) } else { json!({"role": "assistant", "content": text}) };
+                            let delta = if started[index] {
+                                json!({"content": text})
+                            } else {
+                                json!({"role": "assistant", "content": text})
+                            };
                             json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null})
                         }
-                        Kind::Completion => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}),
+                        Kind::Completion => {
+                            json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
+                        }
                     };
                     started[index] = true;
                     chunk(choice)
                 }
                 Update::End(end) => {
                     let choice = match kind {
-                        Kind::Chat => json!({"index": end.index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop}),
-                        Kind::Completion => json!({"index": end.index, "text": "", "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop}),
+                        Kind::Chat => {
+                            json!({"index": end.index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop})
+                        }
+                        Kind::Completion => {
+                            json!({"index": end.index, "text": "", "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop})
+                        }
                     };
                     ends.push(end);
                     chunk(choice)
                 }
                 Update::Failed { message, .. } => {
-                    let _ = tx.send(format!("data: {}\n\n", json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}}))).await;
+                    let _ = tx
+                        .send(format!(
+                            "data: {}\n\n",
+                            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})
+                        ))
+                        .await;
                     break;
                 }
             };
@@ -382,5 +423,7 @@ pub fn health(app: &AppState) -> Reply {
 
 /// `GET /v1/workers`.
 pub fn workers(app: &AppState) -> Reply {
-    Reply::json(json!({"object": "list", "data": app.cluster.workers(), "in_flight": app.cluster.in_flight(), "redispatches": app.cluster.redispatches()}))
+    Reply::json(
+        json!({"object": "list", "data": app.cluster.workers(), "in_flight": app.cluster.in_flight(), "redispatches": app.cluster.redispatches()}),
+    )
 }

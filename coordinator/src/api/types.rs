@@ -60,7 +60,9 @@ impl SamplingFields {
         let min_tokens = match self.min_tokens {
             None => 0,
             Some(m) if m >= 0 && m <= max_tokens as i64 => m as u32,
-            Some(m) => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be in [0, max_tokens], got {m}"))),
+            Some(m) => {
+                return Err(ApiError::invalid("min_tokens", format!("min_tokens must be in [0, max_tokens], got {m}")));
+            }
         };
         let temperature = self.temperature.unwrap_or(1.0);
         if !(0.0..=100.0).contains(&temperature) {
@@ -81,11 +83,18 @@ impl SamplingFields {
         }
         let penalty = |name: &str, v: Option<f64>| -> Result<f32, ApiError> {
             let v = v.unwrap_or(0.0);
-            if (-2.0..=2.0).contains(&v) { Ok(v as f32) } else { Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v}"))) }
+            if (-2.0..=2.0).contains(&v) {
+                Ok(v as f32)
+            } else {
+                Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v}")))
+            }
         };
         let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
         if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
-            return Err(ApiError::invalid("repetition_penalty", format!("repetition_penalty must be in (0, 10], got {repetition_penalty}")));
+            return Err(ApiError::invalid(
+                "repetition_penalty",
+                format!("repetition_penalty must be in (0, 10], got {repetition_penalty}"),
+            ));
         }
         let seed = match self.seed {
             None => None,

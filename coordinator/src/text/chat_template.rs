@@ -80,7 +80,11 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(Raised(message)))
         });
         env.add_template_owned(NAME, source.to_string()).map_err(|e| TemplateError::Syntax(describe(&e)))?;
-        Ok(Self { env, bos_token: bos_token.unwrap_or_default().to_string(), eos_token: eos_token.unwrap_or_default().to_string() })
+        Ok(Self {
+            env,
+            bos_token: bos_token.unwrap_or_default().to_string(),
+            eos_token: eos_token.unwrap_or_default().to_string(),
+        })
     }
 
     /// The tokenizer's template; [`TemplateError::NoTemplate`] without one.
@@ -104,7 +108,8 @@ impl ChatTemplate {
     }
 
     pub fn render_with(&self, messages: &[Value], options: &RenderOptions<'_>) -> Result<String, TemplateError> {
-        let messages = messages.iter().enumerate().map(|(i, m)| normalize_message(i, m)).collect::<Result<Vec<_>, _>>()?;
+        let messages =
+            messages.iter().enumerate().map(|(i, m)| normalize_message(i, m)).collect::<Result<Vec<_>, _>>()?;
         let mut context = options.extra.cloned().unwrap_or_default();
         context.insert("messages".into(), Value::Array(messages));
         context.insert("add_generation_prompt".into(), Value::Bool(options.add_generation_prompt));
@@ -137,7 +142,9 @@ fn normalize_message(index: usize, message: &Value) -> Result<Value, TemplateErr
                 match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(text)) => texts.push(text),
                     (Some("text"), None) => return Err(invalid(format!("content[{j}] has no string `text`"))),
-                    (Some(other), _) => return Err(invalid(format!("content[{j}] of type {other:?} is not supported (text only)"))),
+                    (Some(other), _) => {
+                        return Err(invalid(format!("content[{j}] of type {other:?} is not supported (text only)")));
+                    }
                     (None, _) => return Err(invalid(format!("content[{j}] has no `type`"))),
                 }
             }
@@ -197,7 +204,8 @@ mod tests {
             let messages = case["messages"].as_array().expect("messages");
             let text = template.render(messages, true).expect("render");
             assert_eq!(text, case["prompt_text"].as_str().expect("prompt_text"), "{name}");
-            let ids: Vec<u32> = case["prompt_ids"].as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect();
+            let ids: Vec<u32> =
+                case["prompt_ids"].as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect();
             assert_eq!(tokenizer.encode(&text, false).expect("encode"), ids, "{name}");
         }
     }
@@ -210,9 +218,12 @@ mod tests {
         let cases = read_json(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text/testdata/chat_templates.json"));
         for case in cases.as_array().expect("cases") {
             let name = &case["id"];
-            let template =
-                ChatTemplate::new(case["template"].as_str().expect("template"), case["bos_token"].as_str(), case["eos_token"].as_str())
-                    .expect("compile");
+            let template = ChatTemplate::new(
+                case["template"].as_str().expect("template"),
+                case["bos_token"].as_str(),
+                case["eos_token"].as_str(),
+            )
+            .expect("compile");
             let options = RenderOptions {
                 add_generation_prompt: case["add_generation_prompt"].as_bool().expect("flag"),
                 tools: case["tools"].as_array().map(Vec::as_slice),
@@ -227,8 +238,10 @@ mod tests {
     fn raise_exception_is_its_own_error() {
         let cases = read_json(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text/testdata/chat_templates.json"));
         let llama2 = cases.as_array().and_then(|c| c.iter().find(|c| c["id"] == "llama2_style")).expect("case");
-        let template = ChatTemplate::new(llama2["template"].as_str().expect("template"), Some("<s>"), Some("</s>")).expect("compile");
-        let err = template.render(&[json!({"role": "user", "content": "a"}), json!({"role": "user", "content": "b"})], false);
+        let template = ChatTemplate::new(llama2["template"].as_str().expect("template"), Some("<s>"), Some("</s>"))
+            .expect("compile");
+        let err =
+            template.render(&[json!({"role": "user", "content": "a"}), json!({"role": "user", "content": "b"})], false);
         match err {
             Err(TemplateError::Raised(message)) => {
                 assert_eq!(message, "Conversation roles must alternate user/assistant/user/assistant/...")
@@ -239,7 +252,9 @@ mod tests {
 
     #[test]
     fn content_parts_are_joined() {
-        let template = ChatTemplate::new("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}", None, None).expect("compile");
+        let template =
+            ChatTemplate::new("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}", None, None)
+                .expect("compile");
         let messages = [
             json!({"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}),
             json!({"role": "assistant", "content": null}),
@@ -248,7 +263,10 @@ mod tests {
         assert_eq!(template.render(&messages, false).expect("render"), "[user:one\ntwo][assistant:None][user:]");
         let image = json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
         let err = template.render(&[image], false).expect_err("image part");
-        assert!(matches!(&err, TemplateError::InvalidMessage(m) if m.contains("image_url") && m.contains("messages[0]")), "{err}");
+        assert!(
+            matches!(&err, TemplateError::InvalidMessage(m) if m.contains("image_url") && m.contains("messages[0]")),
+            "{err}"
+        );
         for bad in [
             json!("hi"),
             json!({"content": "no role"}),
@@ -267,7 +285,8 @@ mod tests {
         let extra = json!({"enable_thinking": false, "bos_token": "ignored"});
         let tools = [json!({"type": "function"})];
         let options = RenderOptions { add_generation_prompt: true, tools: Some(&tools), extra: extra.as_object() };
-        let text = template.render_with(&[json!({"role": "user", "content": "  hi there "})], &options).expect("render");
+        let text =
+            template.render_with(&[json!({"role": "user", "content": "  hi there "})], &options).expect("render");
         assert_eq!(text, "<s>||True|HI THERE|True|False|1|None");
     }
 
@@ -279,8 +298,11 @@ mod tests {
             None,
         )
         .expect("compile");
-        let messages =
-            [json!({"role": "user", "content": "a"}), json!({"role": "system", "content": "s"}), json!({"role": "user", "content": "b"})];
+        let messages = [
+            json!({"role": "user", "content": "a"}),
+            json!({"role": "system", "content": "s"}),
+            json!({"role": "user", "content": "b"}),
+        ];
         assert_eq!(template.render(&messages, false).expect("render"), "a\nb\n");
     }
 
@@ -292,6 +314,9 @@ mod tests {
         assert!(ChatTemplate::from_tokenizer(&qwen3()).expect("compiles").is_some());
         assert!(matches!(ChatTemplate::new("{% for m in messages %}", None, None), Err(TemplateError::Syntax(_))));
         let template = ChatTemplate::new("{{ messages[0].content.nope() }}", None, None).expect("compile");
-        assert!(matches!(template.render(&[json!({"role": "user", "content": "x"})], false), Err(TemplateError::Render(_))));
+        assert!(matches!(
+            template.render(&[json!({"role": "user", "content": "x"})], false),
+            Err(TemplateError::Render(_))
+        ));
     }
 }

@@ -161,7 +161,8 @@ mod tests {
     #[test]
     fn golden_sequences_stream_like_decode() {
         let dir = Path::new(SHARED).join("golden");
-        let mut files: Vec<_> = std::fs::read_dir(&dir).expect("golden dir").filter_map(|e| e.ok().map(|e| e.path())).collect();
+        let mut files: Vec<_> =
+            std::fs::read_dir(&dir).expect("golden dir").filter_map(|e| e.ok().map(|e| e.path())).collect();
         files.retain(|p| p.extension().is_some_and(|e| e == "json"));
         files.sort();
         assert!(files.len() >= 6, "golden files: {files:?}");
@@ -207,7 +208,12 @@ mod tests {
                 // Every prefix of the sequence, streamed one token at a time.
                 if round % 10 == 0 {
                     for end in 0..ids.len() {
-                        assert_streams_like_decode(&tok, &ids[..end], &[1], &format!("{model} round {round} prefix {end}"));
+                        assert_streams_like_decode(
+                            &tok,
+                            &ids[..end],
+                            &[1],
+                            &format!("{model} round {round} prefix {end}"),
+                        );
                     }
                 }
             }

@@ -37,8 +37,8 @@ pub fn tojson(value: Value, kwargs: Kwargs) -> Result<String, Error> {
         out: String::new(),
     };
     if let Some(seps) = separators {
-        let [item, key] =
-            <[String; 2]>::try_from(seps).map_err(|_| Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair"))?;
+        let [item, key] = <[String; 2]>::try_from(seps)
+            .map_err(|_| Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair"))?;
         (out.item_sep, out.key_sep) = (item, key);
     }
     kwargs.assert_all_used()?;
@@ -187,8 +187,20 @@ pub fn strftime_now(format: &str) -> String {
 /// flag and `%e`); others are copied through.
 pub fn strftime(format: &str, unix_secs: u64) -> String {
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     let days = (unix_secs / 86_400) as i64;
     let secs_of_day = unix_secs % 86_400;
     let (year, month, day) = civil_from_days(days);
@@ -296,9 +308,15 @@ mod tests {
 
     #[test]
     fn python_float_repr() {
-        for (f, s) in
-            [(1.0, "1.0"), (0.1, "0.1"), (-2.5, "-2.5"), (1e16, "1e+16"), (1.5e-7, "1.5e-07"), (0.0001, "0.0001"), (123456.0, "123456.0")]
-        {
+        for (f, s) in [
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (-2.5, "-2.5"),
+            (1e16, "1e+16"),
+            (1.5e-7, "1.5e-07"),
+            (0.0001, "0.0001"),
+            (123456.0, "123456.0"),
+        ] {
             assert_eq!(python_float(f), s);
         }
         assert_eq!(python_float(f64::NAN), "NaN");
@@ -309,7 +327,10 @@ mod tests {
         // 2024-07-23 14:05:09 UTC, a Tuesday, day 205 of a leap year.
         let t = 1_721_743_509;
         assert_eq!(strftime("%d %b %Y", t), "23 Jul 2024");
-        assert_eq!(strftime("%A %B %-d, %Y %H:%M:%S %p %I %j %y %Z%% %Q", t), "Tuesday July 23, 2024 14:05:09 PM 02 205 24 UTC% %Q");
+        assert_eq!(
+            strftime("%A %B %-d, %Y %H:%M:%S %p %I %j %y %Z%% %Q", t),
+            "Tuesday July 23, 2024 14:05:09 PM 02 205 24 UTC% %Q"
+        );
         assert_eq!(strftime("%F %T %a %-m/%e", 0), "1970-01-01 00:00:00 Thu 1/ 1");
         assert_eq!(strftime("%Y-%m-%d", 951_782_400), "2000-02-29");
         assert_eq!(strftime("trailing %", 0), "trailing %");

@@ -42,13 +42,16 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let path = dir.join("tokenizer.json");
         let bytes = std::fs::read(&path).map_err(|source| TokenizerError::Io { path: path.clone(), source })?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Load { path: path.clone(), message: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| TokenizerError::Load { path: path.clone(), message: e.to_string() })?;
 
         let config_path = dir.join("tokenizer_config.json");
         let config = read_json(&config_path)?.unwrap_or(Value::Null);
-        let field =
-            |field: &'static str, message: &str| TokenizerError::Field { path: config_path.clone(), field, message: message.to_string() };
+        let field = |field: &'static str, message: &str| TokenizerError::Field {
+            path: config_path.clone(),
+            field,
+            message: message.to_string(),
+        };
         let bos_token = token_string(config.get("bos_token")).map_err(|m| field("bos_token", m))?;
         let eos_token = token_string(config.get("eos_token")).map_err(|m| field("eos_token", m))?;
         let chat_template = chat_template(config.get("chat_template")).map_err(|m| field("chat_template", m))?;
@@ -57,9 +60,13 @@ impl Tokenizer {
         let mut eos_token_ids = Vec::new();
         for name in ["generation_config.json", "config.json"] {
             let path = dir.join(name);
-            if let Some(value) = read_json(&path)?.as_ref().and_then(|c| c.get("eos_token_id")).filter(|v| !v.is_null()) {
-                eos_token_ids =
-                    token_ids(value).map_err(|m| TokenizerError::Field { path, field: "eos_token_id", message: m.to_string() })?;
+            if let Some(value) = read_json(&path)?.as_ref().and_then(|c| c.get("eos_token_id")).filter(|v| !v.is_null())
+            {
+                eos_token_ids = token_ids(value).map_err(|m| TokenizerError::Field {
+                    path,
+                    field: "eos_token_id",
+                    message: m.to_string(),
+                })?;
                 break;
             }
         }
@@ -68,13 +75,15 @@ impl Tokenizer {
         }
 
         let byte_ids = (0..=255u8).filter_map(|b| inner.token_to_id(&format!("<0x{b:02X}>"))).collect();
-        let special_ids = inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        let special_ids =
+            inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
         Ok(Self { inner, bos_token, eos_token, eos_token_ids, chat_template, model_max_length, byte_ids, special_ids })
     }
 
     /// `add_special_tokens` runs the post-processor (e.g. prepends BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        let encoding = self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let encoding =
+            self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -225,7 +234,11 @@ mod tests {
             let prompt_ids = ids(&case["prompt_ids"]);
             assert_eq!(tok.encode(prompt, true).expect("encode"), prompt_ids, "{name}: prompt ids");
             let generated = ids(&case["generated_ids"]);
-            assert_eq!(tok.decode(&generated, false), case["generated_text"].as_str().expect("text"), "{name}: generated text");
+            assert_eq!(
+                tok.decode(&generated, false),
+                case["generated_text"].as_str().expect("text"),
+                "{name}: generated text"
+            );
             let all: Vec<u32> = prompt_ids.iter().chain(&generated).copied().collect();
             assert_eq!(tok.decode(&all, true), case["full_text"].as_str().expect("full"), "{name}: full text");
         }
@@ -237,7 +250,12 @@ mod tests {
             let tok = model(name);
             for case in golden(&format!("{name}.json"))["cases"].as_array().expect("cases") {
                 let prompt = case["prompt_text"].as_str().expect("prompt_text");
-                assert_eq!(tok.encode(prompt, true).expect("encode"), ids(&case["prompt_ids"]), "{name} {}", case["id"]);
+                assert_eq!(
+                    tok.encode(prompt, true).expect("encode"),
+                    ids(&case["prompt_ids"]),
+                    "{name} {}",
+                    case["id"]
+                );
             }
         }
     }
@@ -290,7 +308,8 @@ mod tests {
 
     #[test]
     fn errors_name_the_file() {
-        let tokenizer_json = std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
+        let tokenizer_json =
+            std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
         let missing = scratch_dir("missing", &[]);
         let err = Tokenizer::from_dir(&missing).err().expect("missing tokenizer.json");
         assert!(matches!(err, TokenizerError::Io { .. }) && err.to_string().contains("tokenizer.json"), "{err}");
@@ -299,14 +318,23 @@ mod tests {
         let err = Tokenizer::from_dir(&garbage).err().expect("bad tokenizer.json");
         assert!(matches!(err, TokenizerError::Load { .. }) && err.to_string().contains("tokenizer.json"), "{err}");
 
-        let bad_config = scratch_dir("badcfg", &[("tokenizer.json", &tokenizer_json), ("tokenizer_config.json", "{oops")]);
+        let bad_config =
+            scratch_dir("badcfg", &[("tokenizer.json", &tokenizer_json), ("tokenizer_config.json", "{oops")]);
         let err = Tokenizer::from_dir(&bad_config).err().expect("bad config");
-        assert!(matches!(err, TokenizerError::Json { .. }) && err.to_string().contains("tokenizer_config.json"), "{err}");
+        assert!(
+            matches!(err, TokenizerError::Json { .. }) && err.to_string().contains("tokenizer_config.json"),
+            "{err}"
+        );
 
-        let bad_eos =
-            scratch_dir("badeos", &[("tokenizer.json", &tokenizer_json), ("generation_config.json", "{\"eos_token_id\": \"x\"}")]);
+        let bad_eos = scratch_dir(
+            "badeos",
+            &[("tokenizer.json", &tokenizer_json), ("generation_config.json", "{\"eos_token_id\": \"x\"}")],
+        );
         let err = Tokenizer::from_dir(&bad_eos).err().expect("bad eos");
-        assert!(err.to_string().contains("generation_config.json") && err.to_string().contains("eos_token_id"), "{err}");
+        assert!(
+            err.to_string().contains("generation_config.json") && err.to_string().contains("eos_token_id"),
+            "{err}"
+        );
 
         for dir in [missing, garbage, bad_config, bad_eos] {
             let _ = std::fs::remove_dir_all(dir);
@@ -315,15 +343,20 @@ mod tests {
 
     #[test]
     fn eos_fallbacks() {
-        let tokenizer_json = std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
+        let tokenizer_json =
+            std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
         // config.json when generation_config.json has none; a list is kept whole.
-        let dir = scratch_dir("cfg", &[("tokenizer.json", &tokenizer_json), ("config.json", "{\"eos_token_id\": [2, 5]}")]);
+        let dir =
+            scratch_dir("cfg", &[("tokenizer.json", &tokenizer_json), ("config.json", "{\"eos_token_id\": [2, 5]}")]);
         assert_eq!(Tokenizer::from_dir(&dir).expect("load").eos_token_ids(), &[2, 5]);
         let _ = std::fs::remove_dir_all(&dir);
         // Only the eos_token string: its id.
         let dir = scratch_dir(
             "str",
-            &[("tokenizer.json", &tokenizer_json), ("tokenizer_config.json", "{\"eos_token\": {\"content\": \"</s>\"}}")],
+            &[
+                ("tokenizer.json", &tokenizer_json),
+                ("tokenizer_config.json", "{\"eos_token\": {\"content\": \"</s>\"}}"),
+            ],
         );
         let tok = Tokenizer::from_dir(&dir).expect("load");
         assert_eq!((tok.eos_token(), tok.eos_token_ids(), tok.bos_token()), (Some("</s>"), &[2u32][..], None));

@@ -137,7 +137,8 @@ impl PagedAttention<'_> {
         let d = self.dims;
         let group = d.num_heads / d.num_kv_heads;
         let items = self.items();
-        let results: Vec<(Item, Vec<f32>)> = items.par_iter().map(|&item| (item, self.run_item(item, q, k, v))).collect();
+        let results: Vec<(Item, Vec<f32>)> =
+            items.par_iter().map(|&item| (item, self.run_item(item, q, k, v))).collect();
         let mut out = vec![T::from_f32(0.0); d.num_tokens * d.num_heads * d.head_dim];
         for (item, acc) in results {
             for i in 0..item.rows {
@@ -214,7 +215,13 @@ impl CustomOp3 for PagedAttention<'_> {
 }
 
 /// q: `[T, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]`.
-pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata, scale: f32) -> Result<Tensor> {
+pub fn paged_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+    scale: f32,
+) -> Result<Tensor> {
     let dims = check(q, k_cache, v_cache, meta)?;
     let op = PagedAttention { meta, dims, scale };
     Ok(q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)?)

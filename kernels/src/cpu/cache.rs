@@ -11,7 +11,13 @@ struct WriteSlots<'a> {
     row: usize,
 }
 
-fn copy_rows<T: Copy>(dst: &mut [T], dst_layout: &Layout, src: &[T], src_layout: &Layout, op: &WriteSlots) -> candle_core::Result<()> {
+fn copy_rows<T: Copy>(
+    dst: &mut [T],
+    dst_layout: &Layout,
+    src: &[T],
+    src_layout: &Layout,
+    op: &WriteSlots,
+) -> candle_core::Result<()> {
     let (Some((d0, d1)), Some((s0, s1))) = (dst_layout.contiguous_offsets(), src_layout.contiguous_offsets()) else {
         candle_core::bail!("reshape_and_cache needs contiguous tensors");
     };
@@ -37,7 +43,13 @@ impl InplaceOp2 for WriteSlots<'_> {
     }
 }
 
-pub fn reshape_and_cache(k: &Tensor, v: &Tensor, k_cache: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]) -> Result<()> {
+pub fn reshape_and_cache(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slot_mapping: &[u32],
+) -> Result<()> {
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
     let (_, kvh, hd) = k.dims3()?;
     let op = WriteSlots { slots: slot_mapping, row: kvh * hd };

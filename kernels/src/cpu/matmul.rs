@@ -103,10 +103,7 @@ static BACKEND: LazyLock<Backend> = LazyLock::new(detect_backend);
 fn detect_backend() -> Backend {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             return Backend::Avx2;
         }
     }
@@ -184,15 +181,7 @@ pub fn reference_matmul_xwt<W: WeightElem>(
     }
 }
 
-fn check_shapes(
-    x_len: usize,
-    m: usize,
-    k: usize,
-    w_len: usize,
-    n: usize,
-    bias_len: Option<usize>,
-    y_len: usize,
-) {
+fn check_shapes(x_len: usize, m: usize, k: usize, w_len: usize, n: usize, bias_len: Option<usize>, y_len: usize) {
     assert_eq!(x_len, m * k, "matmul_xwt: x.len() != m * k");
     assert_eq!(w_len, n * k, "matmul_xwt: w.len() != n * k");
     assert_eq!(y_len, m * n, "matmul_xwt: y.len() != m * n");
@@ -658,7 +647,6 @@ mod avx2 {
             _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
         }
     }
-
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -804,8 +792,7 @@ mod tests {
                 reference_matmul_xwt(&x, m, k, &w, n, bias.as_deref(), &mut want);
                 for mi in 0..m {
                     for ni in 0..n {
-                        let mag: f32 =
-                            (0..k).map(|ki| (x[mi * k + ki] * w[ni * k + ki].to_f32()).abs()).sum();
+                        let mag: f32 = (0..k).map(|ki| (x[mi * k + ki] * w[ni * k + ki].to_f32()).abs()).sum();
                         let (got, exp) = (y[mi * n + ni], want[mi * n + ni]);
                         assert!(
                             (got - exp).abs() <= 1e-5 * mag + 1e-6,

@@ -46,7 +46,10 @@ pub struct BlockPool {
 impl BlockPool {
     pub fn new(num_blocks: usize, enable_caching: bool) -> Self {
         let mut pool = Self {
-            blocks: vec![BlockMeta { ref_cnt: 0, cached: None, prev: NIL, next: NIL, in_free_queue: false }; num_blocks],
+            blocks: vec![
+                BlockMeta { ref_cnt: 0, cached: None, prev: NIL, next: NIL, in_free_queue: false };
+                num_blocks
+            ],
             free_head: NIL,
             free_tail: NIL,
             num_free: 0,
@@ -179,7 +182,13 @@ impl BlockPool {
         assert_eq!(prev, self.free_tail);
         assert_eq!(seen, self.num_free, "free count");
         for (i, meta) in self.blocks.iter().enumerate() {
-            assert_eq!(meta.in_free_queue, meta.ref_cnt == 0, "block {i}: ref_cnt {} in_free {}", meta.ref_cnt, meta.in_free_queue);
+            assert_eq!(
+                meta.in_free_queue,
+                meta.ref_cnt == 0,
+                "block {i}: ref_cnt {} in_free {}",
+                meta.ref_cnt,
+                meta.in_free_queue
+            );
             if let Some(key) = &meta.cached {
                 assert_eq!(self.cache.get(&key.hash), Some(&BlockId(i as u32)), "block {i} cached but not in map");
             }
@@ -222,8 +231,16 @@ impl BlockPool {
             debug_assert!(meta.in_free_queue);
             (meta.prev, meta.next)
         };
-        if prev == NIL { self.free_head = next } else { self.blocks[prev as usize].next = next }
-        if next == NIL { self.free_tail = prev } else { self.blocks[next as usize].prev = prev }
+        if prev == NIL {
+            self.free_head = next
+        } else {
+            self.blocks[prev as usize].next = next
+        }
+        if next == NIL {
+            self.free_tail = prev
+        } else {
+            self.blocks[next as usize].prev = prev
+        }
         let meta = &mut self.blocks[id as usize];
         meta.prev = NIL;
         meta.next = NIL;

@@ -57,7 +57,14 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams, priority: i32, arrival: u64, sampling_seed: u64) -> Self {
+    pub fn new(
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        priority: i32,
+        arrival: u64,
+        sampling_seed: u64,
+    ) -> Self {
         Self {
             id,
             params,

@@ -466,7 +466,8 @@ mod tests {
 
     #[test]
     fn preemption_keeps_every_output_identical() {
-        let prompts: Vec<Vec<u32>> = (0..8).map(|i| (0..(30 + 7 * i)).map(|t| (t * (i + 1)) % 45 + 3).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            (0..8).map(|i| (0..(30 + 7 * i)).map(|t| (t * (i + 1)) % 45 + 3).collect()).collect();
         let reference = {
             let mut s = Scheduler::new(config(1000));
             for (i, p) in prompts.iter().enumerate() {
@@ -525,7 +526,10 @@ mod tests {
             Err(AddRequestError::PromptTooLong { prompt: 64, max_model_len: 64 })
         ));
         s.add_request(RequestId(1), vec![3; 10], params(1), 0, 0).unwrap();
-        assert_eq!(s.add_request(RequestId(1), vec![3; 10], params(1), 0, 0), Err(AddRequestError::DuplicateId(RequestId(1))));
+        assert_eq!(
+            s.add_request(RequestId(1), vec![3; 10], params(1), 0, 0),
+            Err(AddRequestError::DuplicateId(RequestId(1)))
+        );
         let bad = SamplingParams { top_p: 2.0, ..params(1) };
         assert!(matches!(s.add_request(RequestId(2), vec![3], bad, 0, 0), Err(AddRequestError::InvalidParams(_))));
     }

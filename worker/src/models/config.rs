@@ -170,7 +170,11 @@ impl ModelConfig {
         let sliding_window = match architecture {
             Architecture::Mistral => hf.sliding_window,
             Architecture::Qwen2 | Architecture::Qwen3 => {
-                if hf.use_sliding_window == Some(true) { hf.sliding_window } else { None }
+                if hf.use_sliding_window == Some(true) {
+                    hf.sliding_window
+                } else {
+                    None
+                }
             }
             Architecture::Llama => None,
         };
@@ -206,8 +210,7 @@ impl ModelConfig {
     /// applied as transformers' `_compute_llama3_parameters` does.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
         let dim = self.head_dim;
-        let base: Vec<f64> =
-            (0..dim / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64)).collect();
+        let base: Vec<f64> = (0..dim / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64)).collect();
         let Some(scaling) = self.rope_scaling.as_ref().filter(|s| s.rope_type == "llama3") else {
             return base;
         };

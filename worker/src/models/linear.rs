@@ -56,7 +56,9 @@ impl Linear {
                 candle_core::bail!("linear: activations must be contiguous f32 on the CPU");
             };
             let xv = &xv[x0..x1];
-            let Some((w0, w1)) = wl.contiguous_offsets() else { candle_core::bail!("linear: weight must be contiguous") };
+            let Some((w0, w1)) = wl.contiguous_offsets() else {
+                candle_core::bail!("linear: weight must be contiguous")
+            };
             let bias = self.bias_f32.as_deref();
             match &*ws {
                 Storage::Cpu(CpuStorage::F32(w)) => run_chunked(xv, m, k, &w[w0..w1], n, bias, &mut y),
@@ -118,7 +120,11 @@ mod tests {
                 let lin = Linear::new(w, Some(b)).unwrap();
                 let ours = lin.kernel_forward(&x).unwrap().to_dtype(DType::F32).unwrap();
                 let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-                let want = f32(&x).matmul(&f32(lin.weight()).t().unwrap()).unwrap().broadcast_add(&f32(lin.bias.as_ref().unwrap())).unwrap();
+                let want = f32(&x)
+                    .matmul(&f32(lin.weight()).t().unwrap())
+                    .unwrap()
+                    .broadcast_add(&f32(lin.bias.as_ref().unwrap()))
+                    .unwrap();
                 let diff: f32 = (ours - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
                 let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
                 assert!(diff < tol, "{dtype:?} m={m}: {diff}");

@@ -129,8 +129,14 @@ impl Attention {
         let k = self.k_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?;
         let v = self.v_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?.contiguous()?;
         // 2. Qwen3 normalises each head before RoPE.
-        let q = match &self.q_norm { Some(n) => n.forward(&q)?, None => q };
-        let k = match &self.k_norm { Some(n) => n.forward(&k)?, None => k };
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
         // 3. Rotate by absolute position.
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
@@ -176,7 +182,11 @@ impl DecoderLayer {
         Ok(Self {
             input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
-            post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            post_attention_layernorm: RmsNorm::new(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
             mlp: Mlp::new(cfg, vb.pp("mlp"))?,
         })
     }
@@ -259,4 +269,3 @@ impl CausalLm {
         Ok(logits.to_dtype(DType::F32)?.contiguous()?)
     }
 }
-

@@ -158,7 +158,8 @@ impl ModelFiles {
 }
 
 fn read_file(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|e| WorkerError::ModelFile { path: path.to_path_buf(), message: e.to_string() })
+    std::fs::read_to_string(path)
+        .map_err(|e| WorkerError::ModelFile { path: path.to_path_buf(), message: e.to_string() })
 }
 
 fn parse_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
@@ -194,7 +195,10 @@ fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             if path.is_file() {
                 Ok(path)
             } else {
-                Err(WorkerError::ModelFile { path, message: format!("shard listed in {} is missing", index_path.display()) })
+                Err(WorkerError::ModelFile {
+                    path,
+                    message: format!("shard listed in {} is missing", index_path.display()),
+                })
             }
         })
         .collect()
@@ -204,7 +208,8 @@ fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// HF_HOME and HF_TOKEN), with a progress bar, and returns the snapshot dir.
 fn download_from_hub(repo_id: &str) -> Result<PathBuf> {
     let hub_err = |message: String| WorkerError::Hub { repo: repo_id.to_string(), message };
-    let api = hf_hub::api::sync::ApiBuilder::from_env().with_progress(true).build().map_err(|e| hub_err(e.to_string()))?;
+    let api =
+        hf_hub::api::sync::ApiBuilder::from_env().with_progress(true).build().map_err(|e| hub_err(e.to_string()))?;
     let repo = api.model(repo_id.to_string());
     let config = repo.get("config.json").map_err(|e| hub_err(format!("config.json: {e}")))?;
     for optional in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
@@ -213,7 +218,9 @@ fn download_from_hub(repo_id: &str) -> Result<PathBuf> {
     match repo.get("model.safetensors") {
         Ok(_) => {}
         Err(_) => {
-            let index = repo.get("model.safetensors.index.json").map_err(|e| hub_err(format!("no safetensors weights: {e}")))?;
+            let index = repo
+                .get("model.safetensors.index.json")
+                .map_err(|e| hub_err(format!("no safetensors weights: {e}")))?;
             let text = read_file(&index)?;
             let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| hub_err(e.to_string()))?;
             let mut shards: Vec<String> = value["weight_map"]
@@ -234,19 +241,25 @@ fn download_from_hub(repo_id: &str) -> Result<PathBuf> {
 pub fn random_preset(name: &str) -> Result<ModelConfig> {
     let json = match name {
         // TinyLlama/TinyLlama-1.1B-Chat-v1.0
-        "tinyllama-1.1b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":5632,
+        "tinyllama-1.1b" => {
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":5632,
             "num_hidden_layers":22,"num_attention_heads":32,"num_key_value_heads":4,"vocab_size":32000,
-            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":false}"#,
+            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":false}"#
+        }
         // Qwen/Qwen3-0.6B
-        "qwen3-0.6b" => r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"intermediate_size":3072,
+        "qwen3-0.6b" => {
+            r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"intermediate_size":3072,
             "num_hidden_layers":28,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,
-            "rms_norm_eps":1e-6,"rope_theta":1000000.0,"max_position_embeddings":40960,"tie_word_embeddings":true}"#,
+            "rms_norm_eps":1e-6,"rope_theta":1000000.0,"max_position_embeddings":40960,"tie_word_embeddings":true}"#
+        }
         // meta-llama/Llama-3.2-1B
-        "llama-3.2-1b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
+        "llama-3.2-1b" => {
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
             "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":64,"vocab_size":128256,
             "rms_norm_eps":1e-5,"rope_theta":500000.0,"max_position_embeddings":131072,"tie_word_embeddings":true,
             "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
-            "original_max_position_embeddings":8192}}"#,
+            "original_max_position_embeddings":8192}}"#
+        }
         other => return Err(WorkerError::UnknownPreset(other.to_string())),
     };
     ModelConfig::from_json(json)
@@ -268,7 +281,9 @@ pub fn random_weights(cfg: &ModelConfig, dtype: DType, device: &Device, seed: u6
     }
     for l in 0..cfg.num_layers {
         let p = format!("model.layers.{l}");
-        let lin = |name: &str, out: usize, inp: usize| (format!("{p}.{name}.weight"), vec![out, inp], 1.0 / (inp as f32).sqrt());
+        let lin = |name: &str, out: usize, inp: usize| {
+            (format!("{p}.{name}.weight"), vec![out, inp], 1.0 / (inp as f32).sqrt())
+        };
         specs.extend([
             lin("self_attn.q_proj", q, h),
             lin("self_attn.k_proj", kv, h),
