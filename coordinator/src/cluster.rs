@@ -49,9 +49,20 @@ pub struct WorkerInfo {
 /// What an HTTP handler receives for its request.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RequestEvent {
-    Tokens { ids: Vec<u32>, logprobs: Vec<WireLogprobs> },
-    Finished { reason: WireFinishReason, prompt_tokens: u32, cached_tokens: u32 },
-    Failed { message: String },
+    Tokens {
+        ids: Vec<u32>,
+        logprobs: Vec<WireLogprobs>,
+    },
+    /// `worker` names the worker that finished it (it changes on re-dispatch).
+    Finished {
+        reason: WireFinishReason,
+        prompt_tokens: u32,
+        cached_tokens: u32,
+        worker: String,
+    },
+    Failed {
+        message: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -210,6 +221,7 @@ impl Cluster {
                 num_prompt_tokens: _,
                 num_cached_tokens,
             } => {
+                let label = finish_reason.map(|_| worker_label(&state, worker));
                 let Some(req) = state.requests.get_mut(&request_id) else { return };
                 if req.worker != worker {
                     return; // a late delta from a worker we gave up on
@@ -224,6 +236,7 @@ impl Cluster {
                         reason,
                         prompt_tokens: req.prompt.len() as u32,
                         cached_tokens: req.cached_tokens.unwrap_or(0),
+                        worker: label.unwrap_or_default(),
                     };
                     let _ = req.events.send(event);
                     state.requests.remove(&request_id);
@@ -399,6 +412,11 @@ impl Cluster {
         }
         None
     }
+}
+
+/// A worker's name for responses (its id if it is already gone).
+fn worker_label(state: &State, worker: u64) -> String {
+    state.workers.get(&worker).map_or_else(|| format!("worker-{worker}"), |w| w.name.clone())
 }
 
 /// The ready worker with the fewest requests in flight (ties: lowest id).

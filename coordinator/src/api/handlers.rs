@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use common::SamplingParams;
 use common::protocol::WireLogprobs;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -62,6 +63,18 @@ fn usage(ends: &[&ChoiceEnd]) -> Value {
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     })
+}
+
+/// The `n` choices of one prompt. With a seed, choice i uses seed + i, so
+/// n > 1 still gives n different samples, reproducibly.
+fn n_choices(prompt_ids: &[u32], params: &SamplingParams, stops: &[String], n: usize) -> Vec<ChoiceSpec> {
+    (0..n)
+        .map(|i| {
+            let mut params = params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            ChoiceSpec { prompt_ids: prompt_ids.to_vec(), params, stops: stops.to_vec() }
+        })
+        .collect()
 }
 
 /// `POST /generate`.
@@ -174,12 +187,7 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     let echo = req.echo.unwrap_or(false);
     let mut specs = Vec::new();
     for p in &prompts {
-        for i in 0..n {
-            let mut params = params.clone();
-            // n > 1 with one seed must still give n different samples.
-            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            specs.push(ChoiceSpec { prompt_ids: p.clone(), params, stops: stops.clone() });
-        }
+        specs.extend(n_choices(p, &params, &stops, n));
     }
     let count = specs.len();
     let prompt_texts: Vec<String> = prompts.iter().map(|p| app.tokenizer.decode(p, true)).collect();
@@ -259,13 +267,7 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
     let stops = req.sampling.stop_strings()?;
     let default_max = (app.max_model_len - prompt_ids.len()) as u32;
     let params = req.sampling.to_params(default_max, logprobs)?;
-    let specs = (0..n)
-        .map(|i| {
-            let mut params = params.clone();
-            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            ChoiceSpec { prompt_ids: prompt_ids.clone(), params, stops: stops.clone() }
-        })
-        .collect();
+    let specs = n_choices(&prompt_ids, &params, &stops, n);
     let rx = run::launch(&app, specs)?;
     let id = format!("chatcmpl-{}", app.next_id());
     if req.sampling.stream() {

@@ -95,22 +95,19 @@ async fn drive_choice(
     let mut detok = IncrementalDetokenizer::new(app.tokenizer.clone(), &spec.prompt_ids, true);
     let mut stops = StopStrings::new(spec.stops.clone());
     let mut completion_tokens = 0u32;
-    let worker_name = |app: &AppState| {
-        let worker = app.cluster.request_worker(id).unwrap_or(first_worker);
-        app.cluster.worker_name(worker).unwrap_or_else(|| format!("worker-{worker}"))
-    };
-    let mut worker = worker_name(&app);
     while let Some(event) = events.recv().await {
         match event {
             RequestEvent::Tokens { ids, logprobs } => {
                 completion_tokens += ids.len() as u32;
-                worker = worker_name(&app);
                 let text = detok.push(&ids);
                 let out = stops.push(&text);
                 if tx.send(Update::Delta { index, text: out.text, token_ids: ids, logprobs }).is_err() {
                     return; // client gone: the guard aborts
                 }
                 if let Some(stop) = out.stopped {
+                    // Looked up before the abort removes the request.
+                    let worker = app.cluster.request_worker(id).unwrap_or(first_worker);
+                    let worker = app.cluster.worker_name(worker).unwrap_or_else(|| format!("worker-{worker}"));
                     app.cluster.abort(id);
                     guard.armed = false;
                     let end = ChoiceEnd {
@@ -126,7 +123,7 @@ async fn drive_choice(
                     return;
                 }
             }
-            RequestEvent::Finished { reason, prompt_tokens, cached_tokens } => {
+            RequestEvent::Finished { reason, prompt_tokens, cached_tokens, worker } => {
                 guard.armed = false;
                 let rest = stops.push(&detok.flush());
                 let tail = if rest.stopped.is_some() { rest.text } else { rest.text + &stops.flush() };
