@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::{KvEventRecord, RequestId, SamplingParams};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -41,6 +41,9 @@ pub struct Handshake {
     pub block_size: u32,
     pub kv_capacity_blocks: u64,
     pub max_model_len: u64,
+    /// Where the worker serves Prometheus metrics (HOST:PORT), if it does;
+    /// the coordinator lists it for Prometheus service discovery.
+    pub metrics_address: Option<String>,
     /// Proof that the worker knows the cluster secret, bound to this TLS
     /// session (`transport::auth_tag`): the secret itself never travels.
     pub auth_tag: Vec<u8>,

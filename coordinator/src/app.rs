@@ -34,6 +34,7 @@ impl AppState {
     ) -> Self {
         let started_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         Self {
+            metrics: Metrics::new(cluster.routing_metrics()),
             cluster,
             tokenizer,
             chat_template,
@@ -42,7 +43,6 @@ impl AppState {
             api_key,
             max_body_bytes,
             started_at,
-            metrics: Metrics::new(),
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(started_at << 20),
         }

@@ -8,6 +8,10 @@
 //! connection closes, or it misses 3 stats intervals) its requests are sent
 //! to another worker with the prompt plus the tokens already streamed, so
 //! the client's stream goes on with no token lost or repeated.
+//!
+//! Where a request goes is the router's decision (`crate::router`): the
+//! cluster feeds it the workers' KV events, stats and every dispatch, first
+//! token and finish, and asks it for a worker under the same lock.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -19,9 +23,12 @@ use common::protocol::{
     WorkerMessage, WorkerStats,
 };
 use common::transport::{self, Role};
-use common::{RequestId, SamplingParams};
+use common::{BlockHash, RequestId, SamplingParams};
+use prometheus::{IntCounter, IntCounterVec, Opts};
 use serde::Serialize;
 use tokio::sync::mpsc;
+
+use crate::router::{EventOutcome, Policy, Router};
 
 /// A worker that misses this many stats intervals is declared lost.
 pub const MISSED_STATS_LIMIT: u32 = 3;
@@ -40,6 +47,8 @@ pub struct WorkerInfo {
     pub id: u64,
     pub name: String,
     pub address: String,
+    /// Where the worker serves Prometheus metrics, if it does.
+    pub metrics_address: Option<String>,
     pub state: WorkerState,
     pub in_flight_requests: usize,
     pub stats: WorkerStats,
@@ -76,6 +85,7 @@ pub enum SubmitError {
 struct WorkerEntry {
     name: String,
     address: SocketAddr,
+    metrics_address: Option<String>,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
     state: WorkerState,
     stats: WorkerStats,
@@ -94,13 +104,52 @@ struct InFlight {
     cached_tokens: Option<u32>,
 }
 
-#[derive(Default)]
 struct State {
     workers: BTreeMap<u64, WorkerEntry>,
     requests: HashMap<RequestId, InFlight>,
+    router: Router,
     next_worker_id: u64,
     next_request_id: u64,
     redispatches: u64,
+}
+
+/// The routing counters the coordinator exports (registered by `Metrics`).
+#[derive(Clone)]
+pub struct RoutingMetrics {
+    pub decisions: IntCounterVec,
+    pub predicted_cached_tokens: IntCounterVec,
+    pub actual_cached_tokens: IntCounterVec,
+    pub redispatches: IntCounter,
+}
+
+impl RoutingMetrics {
+    fn new() -> Self {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+        };
+        Self {
+            decisions: counter(
+                "tinyvllm_router_decisions_total",
+                "Routing decisions by policy and worker",
+                &["policy", "worker"],
+            ),
+            predicted_cached_tokens: counter(
+                "tinyvllm_router_predicted_cached_tokens_total",
+                "Prompt tokens the router expected the chosen worker to have cached",
+                &["worker"],
+            ),
+            actual_cached_tokens: counter(
+                "tinyvllm_router_actual_cached_tokens_total",
+                "Prompt tokens the worker reported as cache hits",
+                &["worker"],
+            ),
+            redispatches: IntCounter::new(
+                "tinyvllm_redispatches_total",
+                "Requests moved to another worker after theirs was lost",
+            )
+            .expect("valid metric"),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -109,11 +158,38 @@ pub struct Cluster {
     secret: Arc<String>,
     model: ModelIdentity,
     max_in_flight: usize,
+    block_size: usize,
+    metrics: RoutingMetrics,
 }
 
 impl Cluster {
-    pub fn new(secret: String, model: ModelIdentity, max_in_flight: usize) -> Self {
-        Self { state: Arc::default(), secret: Arc::new(secret), model, max_in_flight }
+    /// `block_size` must equal the workers' (they are refused otherwise):
+    /// the router hashes prompts in blocks of that size.
+    pub fn new(secret: String, model: ModelIdentity, max_in_flight: usize, policy: Policy, block_size: usize) -> Self {
+        let state = State {
+            workers: BTreeMap::new(),
+            requests: HashMap::new(),
+            router: Router::new(policy, block_size),
+            next_worker_id: 0,
+            next_request_id: 0,
+            redispatches: 0,
+        };
+        Self {
+            state: Arc::new(Mutex::new(state)),
+            secret: Arc::new(secret),
+            model,
+            max_in_flight,
+            block_size,
+            metrics: RoutingMetrics::new(),
+        }
+    }
+
+    pub fn routing_metrics(&self) -> &RoutingMetrics {
+        &self.metrics
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.lock().router.policy()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -135,6 +211,7 @@ impl Cluster {
                 id,
                 name: w.name.clone(),
                 address: w.address.to_string(),
+                metrics_address: w.metrics_address.clone(),
                 state: w.state,
                 in_flight_requests: w.in_flight,
                 stats: w.stats.clone(),
@@ -156,32 +233,62 @@ impl Cluster {
         self.lock().workers.get(&id).map(|w| w.name.clone())
     }
 
-    /// Sends a request to the least-loaded ready worker. Returns its id, the
+    /// Sends a request to the worker the router picks. Returns its id, the
     /// worker chosen, and the stream of its events.
     pub fn submit(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<(RequestId, u64, mpsc::UnboundedReceiver<RequestEvent>), SubmitError> {
+        // Hashing is pure: do it before taking the lock.
+        let chain = common::hash_prompt_blocks(&prompt, self.block_size);
         let (tx, rx) = mpsc::unbounded_channel();
         let mut state = self.lock();
         if state.requests.len() >= self.max_in_flight {
             return Err(SubmitError::Overloaded(state.requests.len()));
         }
-        let worker = pick_worker(&state, None).ok_or(SubmitError::NoWorker)?;
         let id = RequestId(state.next_request_id);
+        let worker = self.dispatch(&mut state, id, &prompt, &chain, params.clone(), None)?;
         state.next_request_id += 1;
-        let message =
-            CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.clone(), params: params.clone() };
-        let entry = state.workers.get_mut(&worker).expect("picked worker exists");
-        if entry.tx.send(message).is_err() {
-            return Err(SubmitError::NoWorker);
-        }
-        entry.in_flight += 1;
         state
             .requests
             .insert(id, InFlight { prompt, params, generated: Vec::new(), worker, events: tx, cached_tokens: None });
         Ok((id, worker, rx))
+    }
+
+    /// Routes `prompt` (whose hash chain is `chain`) among the ready workers
+    /// other than `exclude`, sends it, and records the dispatch.
+    fn dispatch(
+        &self,
+        state: &mut State,
+        id: RequestId,
+        prompt: &[u32],
+        chain: &[BlockHash],
+        params: SamplingParams,
+        exclude: Option<u64>,
+    ) -> Result<u64, SubmitError> {
+        let eligible: Vec<u64> = state
+            .workers
+            .iter()
+            .filter(|&(&w, entry)| entry.state == WorkerState::Ready && Some(w) != exclude)
+            .map(|(&w, _)| w)
+            .collect();
+        let decision = state.router.route(prompt.len(), chain, &eligible).ok_or(SubmitError::NoWorker)?;
+        let entry = state.workers.get_mut(&decision.worker).ok_or(SubmitError::NoWorker)?;
+        let message = CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.to_vec(), params };
+        if entry.tx.send(message).is_err() {
+            return Err(SubmitError::NoWorker);
+        }
+        entry.in_flight += 1;
+        let name = entry.name.clone();
+        state.router.on_dispatch(id, decision.worker, prompt.len(), decision.predicted_cached_tokens);
+        let policy = state.router.policy().as_str();
+        self.metrics.decisions.with_label_values(&[policy, &name]).inc();
+        self.metrics
+            .predicted_cached_tokens
+            .with_label_values(&[&name])
+            .inc_by(decision.predicted_cached_tokens.into());
+        Ok(decision.worker)
     }
 
     /// Stops a request (client gone, or a stop string matched): the worker
@@ -189,11 +296,22 @@ impl Cluster {
     pub fn abort(&self, id: RequestId) {
         let mut state = self.lock();
         if let Some(req) = state.requests.remove(&id) {
+            state.router.on_finish(id);
             if let Some(w) = state.workers.get_mut(&req.worker) {
                 w.in_flight = w.in_flight.saturating_sub(1);
                 let _ = w.tx.send(CoordinatorMessage::Abort { request_id: id });
             }
         }
+    }
+
+    /// Prompt tokens the request's worker found cached, once it reported.
+    pub fn request_cached_tokens(&self, id: RequestId) -> Option<u32> {
+        self.lock().requests.get(&id).and_then(|r| r.cached_tokens)
+    }
+
+    /// Requests dispatched that have not produced their first token.
+    pub fn queued(&self) -> usize {
+        self.lock().requests.values().filter(|r| r.cached_tokens.is_none()).count()
     }
 
     /// Which worker a request is on now (it changes on re-dispatch).
@@ -211,7 +329,8 @@ impl Cluster {
     }
 
     fn on_worker_message(&self, worker: u64, message: WorkerMessage) {
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let state = &mut *guard;
         match message {
             WorkerMessage::TokenDelta {
                 request_id,
@@ -221,25 +340,31 @@ impl Cluster {
                 num_prompt_tokens: _,
                 num_cached_tokens,
             } => {
-                let label = finish_reason.map(|_| worker_label(&state, worker));
+                let label = worker_label(state, worker);
                 let Some(req) = state.requests.get_mut(&request_id) else { return };
                 if req.worker != worker {
                     return; // a late delta from a worker we gave up on
                 }
-                req.cached_tokens.get_or_insert(num_cached_tokens);
+                if req.cached_tokens.is_none() {
+                    req.cached_tokens = Some(num_cached_tokens);
+                    self.metrics.actual_cached_tokens.with_label_values(&[&label]).inc_by(num_cached_tokens.into());
+                }
                 req.generated.extend_from_slice(&new_token_ids);
-                if !new_token_ids.is_empty() {
+                let n = new_token_ids.len();
+                if n > 0 {
                     let _ = req.events.send(RequestEvent::Tokens { ids: new_token_ids, logprobs });
                 }
+                state.router.on_tokens(request_id, n);
                 if let Some(reason) = finish_reason {
                     let event = RequestEvent::Finished {
                         reason,
                         prompt_tokens: req.prompt.len() as u32,
                         cached_tokens: req.cached_tokens.unwrap_or(0),
-                        worker: label.unwrap_or_default(),
+                        worker: label,
                     };
                     let _ = req.events.send(event);
                     state.requests.remove(&request_id);
+                    state.router.on_finish(request_id);
                     if let Some(w) = state.workers.get_mut(&worker) {
                         w.in_flight = w.in_flight.saturating_sub(1);
                     }
@@ -247,6 +372,7 @@ impl Cluster {
             }
             WorkerMessage::Rejected { request_id, message } => {
                 if let Some(req) = state.requests.remove(&request_id) {
+                    state.router.on_finish(request_id);
                     let _ = req.events.send(RequestEvent::Failed { message });
                     if let Some(w) = state.workers.get_mut(&worker) {
                         w.in_flight = w.in_flight.saturating_sub(1);
@@ -254,32 +380,37 @@ impl Cluster {
                 }
             }
             WorkerMessage::Stats(stats) => {
+                state.router.on_stats(worker, &stats);
                 if let Some(w) = state.workers.get_mut(&worker) {
                     w.stats = stats;
                     w.last_stats = Instant::now();
                 }
             }
-            WorkerMessage::KvEvents(_) | WorkerMessage::KvSnapshot { .. } => {}
+            WorkerMessage::KvEvents(events) => {
+                if state.router.apply_kv_events(worker, &events) == EventOutcome::NeedSnapshot {
+                    eprintln!("coordinator: KV event gap from {}; requesting a snapshot", worker_label(state, worker));
+                    if let Some(w) = state.workers.get(&worker) {
+                        let _ = w.tx.send(CoordinatorMessage::RequestKvSnapshot);
+                    }
+                }
+            }
+            WorkerMessage::KvSnapshot { last_event_id, hashes } => {
+                state.router.apply_kv_snapshot(worker, last_event_id, hashes.into_iter().map(|(hash, _)| hash));
+            }
         }
     }
 
     /// Drops a worker and moves its requests elsewhere.
     fn remove_worker(&self, worker: u64, why: &str) {
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let state = &mut *guard;
         let Some(entry) = state.workers.remove(&worker) else { return };
         eprintln!("coordinator: worker {} ({}) lost: {why}", entry.name, entry.address);
+        state.router.remove_worker(worker);
         let orphans: Vec<RequestId> =
             state.requests.iter().filter(|(_, r)| r.worker == worker).map(|(&id, _)| id).collect();
         for id in orphans {
-            let target = pick_worker(&state, Some(worker));
-            let req = state.requests.get_mut(&id).expect("orphan exists");
-            let Some(target) = target else {
-                let _ = req.events.send(RequestEvent::Failed {
-                    message: "the worker serving this request was lost and no other worker is available".into(),
-                });
-                state.requests.remove(&id);
-                continue;
-            };
+            let req = state.requests.get(&id).expect("orphan exists");
             // Continue from what the client already has: the prompt plus the
             // streamed tokens, with the remaining budget.
             let mut prompt = req.prompt.clone();
@@ -288,12 +419,22 @@ impl Cluster {
             let mut params = req.params.clone();
             params.max_tokens = params.max_tokens.saturating_sub(done).max(1);
             params.min_tokens = params.min_tokens.saturating_sub(done);
-            req.worker = target;
-            let message = CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt, params };
-            state.redispatches += 1;
-            if let Some(w) = state.workers.get_mut(&target) {
-                w.in_flight += 1;
-                let _ = w.tx.send(message);
+            let chain = common::hash_prompt_blocks(&prompt, self.block_size);
+            match self.dispatch(state, id, &prompt, &chain, params, Some(worker)) {
+                Ok(target) => {
+                    state.redispatches += 1;
+                    self.metrics.redispatches.inc();
+                    if let Some(req) = state.requests.get_mut(&id) {
+                        req.worker = target;
+                    }
+                }
+                Err(_) => {
+                    if let Some(req) = state.requests.remove(&id) {
+                        let _ = req.events.send(RequestEvent::Failed {
+                            message: "the worker serving this request was lost and no other worker is available".into(),
+                        });
+                    }
+                }
             }
         }
     }
@@ -362,13 +503,17 @@ impl Cluster {
                 WorkerEntry {
                     name: hello.worker_name.clone(),
                     address,
-                    tx,
+                    metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
+                    tx: tx.clone(),
                     state: WorkerState::Ready,
                     stats: WorkerStats { kv_blocks_total: hello.kv_capacity_blocks, ..WorkerStats::default() },
                     last_stats: Instant::now(),
                     in_flight: 0,
                 },
             );
+            // Its cache may be warm (a reconnect): learn it before trusting events.
+            state.router.add_worker(id);
+            let _ = tx.send(CoordinatorMessage::RequestKvSnapshot);
             id
         };
         let reply = HandshakeReply::Accepted {
@@ -407,6 +552,12 @@ impl Cluster {
         if !transport::verify_auth_tag(self.secret.as_bytes(), Role::Worker, binding, &hello.auth_tag) {
             return Some("wrong cluster secret".into());
         }
+        if hello.block_size as usize != self.block_size {
+            return Some(format!(
+                "block size {} (this coordinator routes with {}; start both with the same --block-size)",
+                hello.block_size, self.block_size
+            ));
+        }
         if hello.model.config_hash != self.model.config_hash {
             return Some(format!("serves model {:?}, the cluster serves {:?}", hello.model.name, self.model.name));
         }
@@ -419,13 +570,11 @@ fn worker_label(state: &State, worker: u64) -> String {
     state.workers.get(&worker).map_or_else(|| format!("worker-{worker}"), |w| w.name.clone())
 }
 
-/// The ready worker with the fewest requests in flight (ties: lowest id).
-/// Prefix-aware routing replaces this in the router.
-fn pick_worker(state: &State, exclude: Option<u64>) -> Option<u64> {
-    state
-        .workers
-        .iter()
-        .filter(|&(&id, w)| w.state == WorkerState::Ready && Some(id) != exclude)
-        .min_by_key(|&(&id, w)| (w.in_flight, id))
-        .map(|(&id, _)| id)
+/// A worker's metrics address as Prometheus can reach it: a worker bound to
+/// an unspecified address (0.0.0.0:9101) is reached at the IP it connected from.
+fn metrics_address(advertised: &str, peer: SocketAddr) -> String {
+    match advertised.parse::<SocketAddr>() {
+        Ok(addr) if addr.ip().is_unspecified() => SocketAddr::new(peer.ip(), addr.port()).to_string(),
+        _ => advertised.to_string(),
+    }
 }

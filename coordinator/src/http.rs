@@ -103,6 +103,7 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
     match (&method, path.as_str()) {
         (&Method::GET, "/health") => return Ok(handlers::health(&app)),
         (&Method::GET, "/metrics") => return Ok(Reply::text(StatusCode::OK, app.metrics.render(&app))),
+        (&Method::GET, "/v1/prometheus/targets") => return Ok(handlers::prometheus_targets(&app)),
         _ => {}
     }
     if let Some(key) = &app.api_key {
@@ -130,6 +131,7 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             _,
             "/health"
             | "/metrics"
+            | "/v1/prometheus/targets"
             | "/v1/models"
             | "/v1/workers"
             | "/generate"

@@ -5,5 +5,8 @@ pub mod api;
 pub mod app;
 pub mod cluster;
 pub mod http;
+pub mod loadgen;
 pub mod metrics;
+pub mod router;
+pub mod sim;
 pub mod text;

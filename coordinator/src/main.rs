@@ -57,6 +57,14 @@ struct Args {
     /// PEM private key matching --tls-cert.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// How requests are spread over workers: prefix_aware (default; cache
+    /// hits weighed against load), least_load, power_of_two, round_robin.
+    #[arg(long, default_value = "prefix_aware")]
+    policy: coordinator::router::Policy,
+    /// Tokens per KV block; workers must use the same (the router hashes
+    /// prompts in blocks of this size).
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
     /// How long in-flight requests may take to finish on SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout_secs: u64,
@@ -81,7 +89,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
     let secret = load_or_create_secret(&args.cluster_secret_file)?;
 
-    let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests);
+    anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
+    let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests, args.policy, args.block_size);
     let (cert, key) = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
         _ => common::transport::self_signed_cert()?,
@@ -105,7 +114,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.max_body_bytes,
     ));
     // One line tests and scripts can parse.
-    println!("tinyvllm-coordinator listening http={http_addr} quic={quic_addr} model={served_model_name}");
+    println!(
+        "tinyvllm-coordinator listening http={http_addr} quic={quic_addr} model={served_model_name} policy={}",
+        args.policy
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let supervisor = (args.local_workers > 0).then(|| {
@@ -118,7 +130,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             args.model.clone(),
             connect,
             args.cluster_secret_file.clone(),
-            args.worker_args.clone(),
+            local_worker_args(&args),
             stop_rx.clone(),
         ))
     });
@@ -139,6 +151,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     endpoint.close(0u32.into(), b"shutdown");
     Ok(())
+}
+
+/// Local workers use the coordinator's block size and serve metrics on an
+/// ephemeral loopback port (listed at /v1/prometheus/targets), unless the
+/// user's --worker-arg says otherwise.
+fn local_worker_args(args: &Args) -> Vec<String> {
+    let mut extra = Vec::new();
+    let given = |flag: &str| args.worker_args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+    if !given("--block-size") {
+        extra.push(format!("--block-size={}", args.block_size));
+    }
+    if !given("--metrics") {
+        extra.push("--metrics=127.0.0.1:0".to_string());
+    }
+    extra.extend(args.worker_args.iter().cloned());
+    extra
 }
 
 fn default_served_name(model: &str) -> String {

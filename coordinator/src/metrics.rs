@@ -3,22 +3,32 @@
 
 use std::time::Duration;
 
-use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 use crate::api::ApiError;
 use crate::app::AppState;
+use crate::cluster::RoutingMetrics;
+
+/// Latency buckets in seconds (vLLM's TTFT buckets, extended for CPU workers).
+const LATENCY_BUCKETS: [f64; 17] =
+    [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0];
 
 pub struct Metrics {
     registry: Registry,
     http_requests: IntCounterVec,
     http_latency: HistogramVec,
+    ttft: HistogramVec,
+    e2e: HistogramVec,
     rejected: IntCounterVec,
     workers: IntGaugeVec,
-    in_flight: IntGaugeVec,
+    in_flight: IntGauge,
+    queue_depth: IntGauge,
 }
 
 impl Metrics {
-    pub fn new() -> Self {
+    pub fn new(routing: &RoutingMetrics) -> Self {
         let registry = Registry::new();
         let http_requests = IntCounterVec::new(
             Opts::new("tinyvllm_http_requests_total", "HTTP requests by endpoint and status"),
@@ -42,18 +52,54 @@ impl Metrics {
         let workers =
             IntGaugeVec::new(Opts::new("tinyvllm_workers", "Workers by state"), &["state"]).expect("valid metric");
         let in_flight =
-            IntGaugeVec::new(Opts::new("tinyvllm_requests_in_flight", "Requests dispatched and not finished"), &[])
+            IntGauge::new("tinyvllm_requests_in_flight", "Requests dispatched and not finished").expect("valid metric");
+        let queue_depth =
+            IntGauge::new("tinyvllm_queue_depth", "Requests dispatched that have not produced their first token")
                 .expect("valid metric");
+        let ttft = HistogramVec::new(
+            HistogramOpts::new("tinyvllm_time_to_first_token_seconds", "Client-seen time to the first token")
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            &["endpoint"],
+        )
+        .expect("valid metric");
+        let e2e = HistogramVec::new(
+            HistogramOpts::new(
+                "tinyvllm_e2e_request_latency_seconds",
+                "Client-seen time from arrival to the last token",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["endpoint"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(http_requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(http_latency.clone()),
+            Box::new(ttft.clone()),
+            Box::new(e2e.clone()),
             Box::new(rejected.clone()),
             Box::new(workers.clone()),
             Box::new(in_flight.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(routing.decisions.clone()),
+            Box::new(routing.predicted_cached_tokens.clone()),
+            Box::new(routing.actual_cached_tokens.clone()),
+            Box::new(routing.redispatches.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
-        Self { registry, http_requests, http_latency, rejected, workers, in_flight }
+        // Series that exist from the start, so dashboards show 0, not "no data".
+        for reason in ["invalid_request", "unauthorized", "not_found", "too_large", "overloaded", "unavailable"] {
+            rejected.with_label_values(&[reason]);
+        }
+        Self { registry, http_requests, http_latency, ttft, e2e, rejected, workers, in_flight, queue_depth }
+    }
+
+    pub fn first_token(&self, endpoint: &str, elapsed: Duration) {
+        self.ttft.with_label_values(&[endpoint]).observe(elapsed.as_secs_f64());
+    }
+
+    pub fn request_finished(&self, endpoint: &str, elapsed: Duration) {
+        self.e2e.with_label_values(&[endpoint]).observe(elapsed.as_secs_f64());
     }
 
     /// Known endpoints by name; anything else is "other" (bounded label values).
@@ -64,6 +110,7 @@ impl Metrics {
             "/v1/chat/completions" => "/v1/chat/completions",
             "/v1/models" => "/v1/models",
             "/v1/workers" => "/v1/workers",
+            "/v1/prometheus/targets" => "/v1/prometheus/targets",
             "/health" => "/health",
             "/metrics" => "/metrics",
             _ => "other",
@@ -95,15 +142,10 @@ impl Metrics {
             let n = workers.iter().filter(|w| format!("{:?}", w.state).to_lowercase() == state).count();
             self.workers.with_label_values(&[state]).set(n as i64);
         }
-        self.in_flight.with_label_values::<&str>(&[]).set(app.cluster.in_flight() as i64);
+        self.in_flight.set(app.cluster.in_flight() as i64);
+        self.queue_depth.set(app.cluster.queued() as i64);
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
     }
 }

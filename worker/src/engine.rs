@@ -65,6 +65,14 @@ pub struct Engine {
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     logprobs_mode: LogprobsMode,
+    last_step: StepInfo,
+}
+
+/// The requests one step computed, and how many tokens in all.
+#[derive(Clone, Debug, Default)]
+pub struct StepInfo {
+    pub scheduled: Vec<RequestId>,
+    pub num_batched_tokens: usize,
 }
 
 impl Engine {
@@ -98,6 +106,7 @@ impl Engine {
             vocab_size: cfg.vocab_size,
             eos_token_ids: files.eos_token_ids.clone(),
             logprobs_mode: config.logprobs_mode,
+            last_step: StepInfo::default(),
         })
     }
 
@@ -147,10 +156,23 @@ impl Engine {
         self.scheduler.kv_cache_manager_mut().drain_events()
     }
 
+    /// What the last `step` scheduled (for per-request timing metrics).
+    pub fn last_step(&self) -> &StepInfo {
+        &self.last_step
+    }
+
+    /// The prefix cache's content, for a router that missed events.
+    pub fn kv_snapshot(&self) -> (Option<u64>, Vec<(common::BlockHash, Option<common::BlockHash>)>) {
+        self.scheduler.kv_cache_manager().kv_snapshot()
+    }
+
     /// One step: computes the scheduled tokens of all running requests in
     /// one forward pass and returns each sampling request's new token.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         let step = self.scheduler.schedule();
+        self.last_step.scheduled.clear();
+        self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
+        self.last_step.num_batched_tokens = step.num_batched_tokens;
         if step.scheduled.is_empty() {
             return Ok(Vec::new());
         }

@@ -8,6 +8,7 @@ pub mod core;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;
+pub mod metrics;
 pub mod model_runner;
 pub mod models;
 pub mod sampler;

@@ -26,6 +26,26 @@ enum Command {
     Bench(BenchArgs),
     /// Join a cluster: dial the coordinator over QUIC and serve its requests.
     Serve(ServeArgs),
+    /// Write a Hugging Face directory with seeded random weights at a real
+    /// model's shape and another model's tokenizer (for cluster benchmarks
+    /// that need realistic compute without downloading a model).
+    ExportRandom(ExportRandomArgs),
+}
+
+#[derive(Args)]
+struct ExportRandomArgs {
+    /// smollm-135m, tinyllama-1.1b, qwen3-0.6b or llama-3.2-1b.
+    #[arg(long)]
+    preset: String,
+    /// A model directory whose tokenizer (and vocabulary size, BOS/EOS) to use.
+    #[arg(long)]
+    tokenizer_from: std::path::PathBuf,
+    #[arg(long)]
+    out: std::path::PathBuf,
+    #[arg(long, value_enum, default_value = "f16")]
+    dtype: DTypeArg,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -41,6 +61,14 @@ struct ServeArgs {
     /// File holding the cluster secret (the coordinator writes one at start).
     #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE")]
     cluster_secret_file: std::path::PathBuf,
+    /// Serve Prometheus metrics (vLLM's names) on HOST:PORT; port 0 picks a
+    /// free one. The coordinator lists it at /v1/prometheus/targets.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    /// The model name in metric labels (default: the model directory's name,
+    /// as the coordinator's default --served-model-name).
+    #[arg(long)]
+    served_model_name: Option<String>,
     /// Exit when the process that started this worker exits (set by the
     /// coordinator for its local workers, so none outlive it).
     #[arg(long)]
@@ -145,6 +173,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate(args),
         Command::Bench(args) => bench(args),
         Command::Serve(args) => serve(args),
+        Command::ExportRandom(args) => export_random(args),
     }
 }
 
@@ -304,6 +333,25 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         format!("{host}-{}", std::process::id())
     });
     let stats = engine.stats();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut metrics = None;
+    let mut metrics_address = None;
+    if let Some(addr) = args.metrics {
+        let listener = runtime
+            .block_on(worker::metrics::bind(addr))
+            .with_context(|| format!("binding the metrics endpoint on {addr}"))?;
+        let bound = listener.local_addr()?;
+        let model_name = args.served_model_name.clone().unwrap_or_else(|| files.name.clone());
+        let engine_metrics = worker::metrics::EngineMetrics::new(&model_name, &name);
+        let registry = engine_metrics.registry().clone();
+        runtime.spawn(worker::metrics::serve_metrics(
+            listener,
+            std::sync::Arc::new(move || worker::metrics::render(&registry)),
+        ));
+        eprintln!("worker {name}: metrics on http://{bound}/metrics");
+        metrics = Some(engine_metrics);
+        metrics_address = Some(bound.to_string());
+    }
     let config = ServeConfig {
         coordinator: args.coordinator.clone(),
         name,
@@ -311,13 +359,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         model: files.identity(),
         block_size: args.engine.block_size as u32,
         max_model_len: engine.scheduler().config().max_model_len as u64,
+        metrics_address,
     };
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();
     let engine_thread = std::thread::Builder::new()
         .name("engine".into())
-        .spawn(move || service::engine_loop(engine, cmd_rx, out_tx))?;
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        .spawn(move || service::engine_loop(engine, cmd_rx, out_tx, metrics))?;
     let drain = cmd_tx.clone();
     let result = runtime.block_on(async move {
         // SIGTERM drains: running requests finish and stream out, new ones
@@ -334,6 +382,44 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     drop(runtime);
     let _ = engine_thread.join();
     Ok(result?)
+}
+
+fn export_random(args: ExportRandomArgs) -> anyhow::Result<()> {
+    use worker::models::loader::{random_preset_json, random_weights};
+    let source: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(args.tokenizer_from.join("config.json"))
+            .with_context(|| format!("reading {}/config.json", args.tokenizer_from.display()))?,
+    )?;
+    let mut config: serde_json::Value = serde_json::from_str(random_preset_json(&args.preset)?)?;
+    for key in ["vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"] {
+        if let Some(v) = source.get(key) {
+            config[key] = v.clone();
+        }
+    }
+    let dtype = match args.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F16 | DTypeArg::Auto => DType::F16,
+    };
+    config["torch_dtype"] = serde_json::json!(match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        _ => "float16",
+    });
+    let cfg = worker::models::ModelConfig::from_json(&config.to_string())?;
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let weights = random_weights(&cfg, dtype, &Device::Cpu, args.seed)?;
+    candle_core::safetensors::save(&weights, args.out.join("model.safetensors"))?;
+    for file in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "tokenizer.model"] {
+        let from = args.tokenizer_from.join(file);
+        if from.exists() {
+            std::fs::copy(&from, args.out.join(file))?;
+        }
+    }
+    let params: usize = weights.values().map(|t| t.elem_count()).sum();
+    println!("wrote {} ({} parameters, {:?})", args.out.display(), params, dtype);
+    Ok(())
 }
 
 /// Exits once this process is re-parented (its parent died).

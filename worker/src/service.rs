@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::core::{FinishReason, RequestOutput, SchedulerStats};
 use crate::engine::Engine;
+use crate::metrics::{EngineMetrics, RequestTimings};
 
 /// How often stats are reported (the coordinator declares a worker lost after 3 missed).
 pub const STATS_INTERVAL: Duration = Duration::from_secs(1);
@@ -30,6 +31,8 @@ pub struct ServeConfig {
     pub model: ModelIdentity,
     pub block_size: u32,
     pub max_model_len: u64,
+    /// The bound address of the worker's metrics endpoint, if any.
+    pub metrics_address: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +60,8 @@ pub enum EngineCommand {
         params: SamplingParams,
     },
     Abort(RequestId),
+    /// Send every cached block hash (the router missed events).
+    KvSnapshot,
     /// The coordinator connection dropped: abort everything in flight.
     AbortAll,
     Drain,
@@ -64,12 +69,15 @@ pub enum EngineCommand {
 }
 
 /// Runs the engine loop on the current thread until `Shutdown` or until
-/// every sender is gone. Messages for the coordinator go to `out`.
+/// every sender is gone. Messages for the coordinator go to `out`; with
+/// `metrics`, the loop also records vLLM's engine metrics.
 pub fn engine_loop(
     mut engine: Engine,
     commands: std_mpsc::Receiver<EngineCommand>,
     out: mpsc::UnboundedSender<WorkerMessage>,
+    mut metrics: Option<EngineMetrics>,
 ) {
+    let mut timings = RequestTimings::default();
     let mut draining = false;
     let mut last_stats = Instant::now() - STATS_INTERVAL;
     let mut live: Vec<RequestId> = Vec::new();
@@ -93,17 +101,34 @@ pub fn engine_loop(
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
                     } else {
                         live.push(request_id);
+                        timings.arrived(request_id, Instant::now());
                     }
                 }
                 EngineCommand::Abort(id) => {
                     if engine.abort(id).is_some() {
                         live.retain(|&r| r != id);
+                        if let Some(m) = &metrics {
+                            timings.aborted(m, id, Instant::now());
+                        }
                     }
                 }
                 EngineCommand::AbortAll => {
                     for id in live.drain(..) {
                         engine.abort(id);
+                        if let Some(m) = &metrics {
+                            timings.aborted(m, id, Instant::now());
+                        }
                     }
+                }
+                EngineCommand::KvSnapshot => {
+                    // Pending events go first: the snapshot covers them, and
+                    // the coordinator skips ids it already has.
+                    let events = engine.drain_kv_events();
+                    if !events.is_empty() {
+                        let _ = out.send(WorkerMessage::KvEvents(events));
+                    }
+                    let (last_event_id, hashes) = engine.kv_snapshot();
+                    let _ = out.send(WorkerMessage::KvSnapshot { last_event_id, hashes });
                 }
                 EngineCommand::Drain => draining = true,
                 EngineCommand::Shutdown => return,
@@ -112,6 +137,14 @@ pub fn engine_loop(
         if engine.has_unfinished() {
             match engine.step() {
                 Ok(outputs) => {
+                    if let Some(m) = &metrics {
+                        let now = Instant::now();
+                        let step = engine.last_step();
+                        timings.stepped(m, &step.scheduled, step.num_batched_tokens, now);
+                        for output in &outputs {
+                            timings.output(m, output, now);
+                        }
+                    }
                     for output in outputs {
                         if output.finish_reason.is_some() {
                             live.retain(|&r| r != output.id);
@@ -124,6 +157,9 @@ pub fn engine_loop(
                     eprintln!("engine step failed: {e}; aborting in-flight requests");
                     for id in live.drain(..) {
                         if let Some(o) = engine.abort(id) {
+                            if let Some(m) = &metrics {
+                                timings.output(m, &o, Instant::now());
+                            }
                             let _ = out.send(token_delta(o));
                         }
                     }
@@ -133,6 +169,10 @@ pub fn engine_loop(
         let events = engine.drain_kv_events();
         if !events.is_empty() {
             let _ = out.send(WorkerMessage::KvEvents(events));
+        }
+        if let Some(m) = &mut metrics {
+            // Cheap (counters only); keeps the gauges fresh at every scrape.
+            m.observe_stats(&engine.stats());
         }
         if last_stats.elapsed() >= STATS_INTERVAL {
             last_stats = Instant::now();
@@ -229,6 +269,7 @@ async fn session(
         block_size: config.block_size,
         kv_capacity_blocks,
         max_model_len: config.max_model_len,
+        metrics_address: config.metrics_address.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
     transport::write_frame(&mut send, &hello).await?;
@@ -254,7 +295,7 @@ async fn session(
                     Ok(Some(CoordinatorMessage::Abort { request_id })) => EngineCommand::Abort(request_id),
                     Ok(Some(CoordinatorMessage::Drain)) => EngineCommand::Drain,
                     Ok(Some(CoordinatorMessage::Shutdown)) => EngineCommand::Shutdown,
-                    Ok(Some(CoordinatorMessage::RequestKvSnapshot)) => continue,
+                    Ok(Some(CoordinatorMessage::RequestKvSnapshot)) => EngineCommand::KvSnapshot,
                     Ok(None) => return Ok(SessionEnd::Disconnected("coordinator closed the stream".into())),
                     Err(e) => return Ok(SessionEnd::Disconnected(e.to_string())),
                 };

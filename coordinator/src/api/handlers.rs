@@ -92,7 +92,7 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
     let logprobs = top_n("logprobs", req.logprobs)?;
     let params = req.sampling.to_params(16, logprobs)?;
     let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };
-    let rx = run::launch(&app, vec![spec])?;
+    let rx = run::launch(&app, "/generate", vec![spec])?;
     if req.sampling.stream() {
         return Ok(Reply::sse(stream_generate(app, rx)));
     }
@@ -191,7 +191,7 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     }
     let count = specs.len();
     let prompt_texts: Vec<String> = prompts.iter().map(|p| app.tokenizer.decode(p, true)).collect();
-    let rx = run::launch(&app, specs)?;
+    let rx = run::launch(&app, "/v1/completions", specs)?;
     let id = format!("cmpl-{}", app.next_id());
     if req.sampling.stream() {
         let include_usage = req.sampling.include_usage();
@@ -215,6 +215,9 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
                 "logprobs": logprobs.map(|_| completion_logprobs(&app, c)),
                 "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
                 "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
+                // tinyvllm extensions: where the choice ran, and its prefix-cache hit.
+                "worker": c.end.as_ref().map(|e| e.worker.clone()),
+                "cached_tokens": c.end.as_ref().map(|e| e.cached_tokens),
             })
         })
         .collect();
@@ -268,7 +271,7 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
     let default_max = (app.max_model_len - prompt_ids.len()) as u32;
     let params = req.sampling.to_params(default_max, logprobs)?;
     let specs = n_choices(&prompt_ids, &params, &stops, n);
-    let rx = run::launch(&app, specs)?;
+    let rx = run::launch(&app, "/v1/chat/completions", specs)?;
     let id = format!("chatcmpl-{}", app.next_id());
     if req.sampling.stream() {
         let include_usage = req.sampling.include_usage();
@@ -287,6 +290,9 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
                 "logprobs": logprobs.map(|_| chat_logprobs(&app, &c.token_ids, &c.logprobs)),
                 "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
                 "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
+                // tinyvllm extensions: where the choice ran, and its prefix-cache hit.
+                "worker": c.end.as_ref().map(|e| e.worker.clone()),
+                "cached_tokens": c.end.as_ref().map(|e| e.cached_tokens),
             })
         })
         .collect();
@@ -374,10 +380,10 @@ fn stream_openai(
                 Update::End(end) => {
                     let choice = match kind {
                         Kind::Chat => {
-                            json!({"index": end.index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop})
+                            json!({"index": end.index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop, "worker": end.worker, "cached_tokens": end.cached_tokens})
                         }
                         Kind::Completion => {
-                            json!({"index": end.index, "text": "", "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop})
+                            json!({"index": end.index, "text": "", "logprobs": null, "finish_reason": end.finish_reason, "stop_reason": end.stop, "worker": end.worker, "cached_tokens": end.cached_tokens})
                         }
                     };
                     ends.push(end);
@@ -428,4 +434,20 @@ pub fn workers(app: &AppState) -> Reply {
     Reply::json(
         json!({"object": "list", "data": app.cluster.workers(), "in_flight": app.cluster.in_flight(), "redispatches": app.cluster.redispatches()}),
     )
+}
+
+/// `GET /v1/prometheus/targets`: the workers' metrics endpoints in
+/// Prometheus `http_sd` format, so a scrape config needs no edit when
+/// workers come and go.
+pub fn prometheus_targets(app: &AppState) -> Reply {
+    let groups: Vec<Value> = app
+        .cluster
+        .workers()
+        .into_iter()
+        .filter_map(|w| {
+            let target = w.metrics_address?;
+            Some(json!({"targets": [target], "labels": {"worker": w.name, "model_name": app.served_model_name}}))
+        })
+        .collect();
+    Reply::json(Value::Array(groups))
 }

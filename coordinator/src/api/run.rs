@@ -57,7 +57,11 @@ impl Drop for AbortGuard {
 }
 
 /// Submits every choice; fails as a whole (429/503) before anything streams.
-pub fn launch(app: &Arc<AppState>, specs: Vec<ChoiceSpec>) -> Result<mpsc::UnboundedReceiver<Update>, ApiError> {
+pub fn launch(
+    app: &Arc<AppState>,
+    endpoint: &'static str,
+    specs: Vec<ChoiceSpec>,
+) -> Result<mpsc::UnboundedReceiver<Update>, ApiError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let mut submitted = Vec::with_capacity(specs.len());
     for spec in specs {
@@ -77,13 +81,15 @@ pub fn launch(app: &Arc<AppState>, specs: Vec<ChoiceSpec>) -> Result<mpsc::Unbou
     for (index, (spec, id, worker, events)) in submitted.into_iter().enumerate() {
         let app = app.clone();
         let tx = tx.clone();
-        tokio::spawn(drive_choice(app, index, spec, id, worker, events, tx));
+        tokio::spawn(drive_choice(app, endpoint, index, spec, id, worker, events, tx));
     }
     Ok(rx)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn drive_choice(
     app: Arc<AppState>,
+    endpoint: &'static str,
     index: usize,
     spec: ChoiceSpec,
     id: RequestId,
@@ -95,9 +101,13 @@ async fn drive_choice(
     let mut detok = IncrementalDetokenizer::new(app.tokenizer.clone(), &spec.prompt_ids, true);
     let mut stops = StopStrings::new(spec.stops.clone());
     let mut completion_tokens = 0u32;
+    let started = std::time::Instant::now();
     while let Some(event) = events.recv().await {
         match event {
             RequestEvent::Tokens { ids, logprobs } => {
+                if completion_tokens == 0 {
+                    app.metrics.first_token(endpoint, started.elapsed());
+                }
                 completion_tokens += ids.len() as u32;
                 let text = detok.push(&ids);
                 let out = stops.push(&text);
@@ -108,15 +118,17 @@ async fn drive_choice(
                     // Looked up before the abort removes the request.
                     let worker = app.cluster.request_worker(id).unwrap_or(first_worker);
                     let worker = app.cluster.worker_name(worker).unwrap_or_else(|| format!("worker-{worker}"));
+                    let cached_tokens = app.cluster.request_cached_tokens(id).unwrap_or(0);
                     app.cluster.abort(id);
                     guard.armed = false;
+                    app.metrics.request_finished(endpoint, started.elapsed());
                     let end = ChoiceEnd {
                         index,
                         finish_reason: "stop",
                         stop: Some(stop),
                         prompt_tokens: spec.prompt_ids.len() as u32,
                         completion_tokens,
-                        cached_tokens: 0,
+                        cached_tokens,
                         worker,
                     };
                     let _ = tx.send(Update::End(end));
@@ -125,6 +137,7 @@ async fn drive_choice(
             }
             RequestEvent::Finished { reason, prompt_tokens, cached_tokens, worker } => {
                 guard.armed = false;
+                app.metrics.request_finished(endpoint, started.elapsed());
                 let rest = stops.push(&detok.flush());
                 let tail = if rest.stopped.is_some() { rest.text } else { rest.text + &stops.flush() };
                 if !tail.is_empty() {

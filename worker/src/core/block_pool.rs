@@ -157,6 +157,15 @@ impl BlockPool {
         true
     }
 
+    /// Every cached (hash, parent) and the id of the last event emitted
+    /// (`None` before the first): what a router needs to rebuild its view
+    /// of this cache after it missed events.
+    pub fn snapshot(&self) -> (Option<u64>, Vec<(BlockHash, Option<BlockHash>)>) {
+        let hashes =
+            self.blocks.iter().filter_map(|meta| meta.cached.as_ref()).map(|key| (key.hash, key.parent)).collect();
+        (self.next_event_id.checked_sub(1), hashes)
+    }
+
     /// Events since the last drain, ids increasing by one.
     pub fn drain_events(&mut self) -> Vec<KvEventRecord> {
         std::mem::take(&mut self.events)

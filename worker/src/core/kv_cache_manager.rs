@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use common::{BlockId, KvEventRecord, RequestId};
+use common::{BlockHash, BlockId, KvEventRecord, RequestId};
 
 use super::block_pool::BlockPool;
 use super::request::Request;
@@ -137,6 +137,10 @@ impl KvCacheManager {
 
     pub fn drain_events(&mut self) -> Vec<KvEventRecord> {
         self.pool.drain_events()
+    }
+
+    pub fn kv_snapshot(&self) -> (Option<u64>, Vec<(BlockHash, Option<BlockHash>)>) {
+        self.pool.snapshot()
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {

@@ -239,7 +239,18 @@ fn download_from_hub(repo_id: &str) -> Result<PathBuf> {
 
 /// Configs of real models, for `random:<preset>`.
 pub fn random_preset(name: &str) -> Result<ModelConfig> {
-    let json = match name {
+    ModelConfig::from_json(random_preset_json(name)?)
+}
+
+/// The config.json text of a preset (HF field names).
+pub fn random_preset_json(name: &str) -> Result<&'static str> {
+    Ok(match name {
+        // HuggingFaceTB/SmolLM-135M
+        "smollm-135m" => {
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":576,"intermediate_size":1536,
+            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,
+            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":true}"#
+        }
         // TinyLlama/TinyLlama-1.1B-Chat-v1.0
         "tinyllama-1.1b" => {
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":5632,
@@ -261,8 +272,7 @@ pub fn random_preset(name: &str) -> Result<ModelConfig> {
             "original_max_position_embeddings":8192}}"#
         }
         other => return Err(WorkerError::UnknownPreset(other.to_string())),
-    };
-    ModelConfig::from_json(json)
+    })
 }
 
 /// Seeded random weights under HF names at `cfg`'s shapes. Linear weights are

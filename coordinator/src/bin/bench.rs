@@ -1,0 +1,220 @@
+//! `tinyvllm-bench`: measures routing.
+//!
+//! - `workload`: an open-loop shared-prefix workload against a running
+//!   cluster (see `coordinator::loadgen`).
+//! - `simulate`: the router's real policies over simulated workers (see
+//!   `coordinator::sim`), for cluster sizes we cannot run here.
+
+use clap::{Parser, Subcommand};
+use coordinator::loadgen::{self, WorkloadConfig};
+use coordinator::router::Policy;
+use coordinator::sim::{self, SimConfig};
+
+#[derive(Parser)]
+#[command(name = "tinyvllm-bench", version, about = "tinyvllm routing benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Shared-prefix workload with Poisson arrivals against a running coordinator.
+    Workload {
+        /// The coordinator's HTTP base URL.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        #[arg(long)]
+        model: Option<String>,
+        /// G: groups, each with its own shared prefix.
+        #[arg(long, default_value_t = 8)]
+        groups: usize,
+        /// P: shared prefix length in tokens.
+        #[arg(long, default_value_t = 512)]
+        prefix_tokens: usize,
+        /// Q: queries per group.
+        #[arg(long, default_value_t = 8)]
+        queries: usize,
+        /// Distinct suffix length per query, in tokens.
+        #[arg(long, default_value_t = 32)]
+        suffix_tokens: usize,
+        /// R: mean arrivals per second (Poisson).
+        #[arg(long, default_value_t = 1.0)]
+        rate: f64,
+        #[arg(long, default_value_t = 16)]
+        max_tokens: usize,
+        /// Token ids are drawn below this (the model's vocabulary size).
+        #[arg(long, default_value_t = 512)]
+        vocab_size: u32,
+        /// And from this up (skips special tokens).
+        #[arg(long, default_value_t = 3)]
+        first_token: u32,
+        #[arg(long, default_value_t = 16)]
+        block_size: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, env = "TINYVLLM_API_KEY")]
+        api_key: Option<String>,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Route a synthetic Zipf workload over simulated workers with each policy.
+    Simulate {
+        #[arg(long, value_delimiter = ',', default_value = "64,256")]
+        workers: Vec<usize>,
+        #[arg(long, default_value_t = 100_000)]
+        requests: usize,
+        #[arg(long, default_value_t = 2_000)]
+        prefixes: usize,
+        #[arg(long, default_value_t = 1.1)]
+        zipf_s: f64,
+        #[arg(long, default_value_t = 32)]
+        prefix_blocks: usize,
+        #[arg(long, default_value_t = 4)]
+        suffix_blocks: usize,
+        /// KV capacity per worker, in blocks.
+        #[arg(long, default_value_t = 4_096)]
+        kv_blocks: usize,
+        #[arg(long, default_value_t = 0.8)]
+        utilization: f64,
+        /// Policies to run (default: all four).
+        #[arg(long, value_delimiter = ',')]
+        policy: Vec<Policy>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Workload {
+            url,
+            model,
+            groups,
+            prefix_tokens,
+            queries,
+            suffix_tokens,
+            rate,
+            max_tokens,
+            vocab_size,
+            first_token,
+            block_size,
+            seed,
+            api_key,
+            json,
+        } => {
+            anyhow::ensure!(rate > 0.0 && block_size > 0 && vocab_size > first_token, "invalid workload parameters");
+            let cfg = WorkloadConfig {
+                url,
+                model,
+                groups,
+                prefix_tokens,
+                queries_per_group: queries,
+                suffix_tokens,
+                rate,
+                max_tokens,
+                vocab_size,
+                first_token,
+                block_size,
+                seed,
+                api_key,
+            };
+            let r = loadgen::run(&cfg);
+            if json {
+                println!("{}", r.to_json());
+            } else {
+                println!(
+                    "workload: G={groups} P={prefix_tokens} Q={queries} suffix={suffix_tokens} R={rate}/s max_tokens={max_tokens}"
+                );
+                println!(
+                    "requests {} (errors {}) in {:.1} s: {:.2} req/s, {:.1} output tok/s",
+                    r.requests, r.errors, r.duration_s, r.requests_per_s, r.output_tok_per_s
+                );
+                println!(
+                    "TTFT p50 {:.0} ms, p99 {:.0} ms, mean {:.0} ms; ITL p50 {:.1} ms, p99 {:.1} ms",
+                    r.ttft_p50_ms, r.ttft_p99_ms, r.ttft_mean_ms, r.itl_p50_ms, r.itl_p99_ms
+                );
+                println!(
+                    "prefix hit rate {:.1}% (best possible {:.1}%: {:.0}% of it)",
+                    r.hit_rate * 100.0,
+                    r.ideal_hit_rate * 100.0,
+                    100.0 * r.hit_rate / r.ideal_hit_rate.max(1e-9)
+                );
+                for (worker, n) in &r.per_worker {
+                    println!("  {worker}: {n} requests");
+                }
+            }
+        }
+        Command::Simulate {
+            workers,
+            requests,
+            prefixes,
+            zipf_s,
+            prefix_blocks,
+            suffix_blocks,
+            kv_blocks,
+            utilization,
+            policy,
+            json,
+        } => {
+            let policies = if policy.is_empty() { Policy::ALL.to_vec() } else { policy };
+            if !json {
+                println!(
+                    "{:>7} {:>13} {:>9} {:>9} {:>10} {:>12} {:>11} {:>11} {:>11}",
+                    "workers",
+                    "policy",
+                    "hit rate",
+                    "of ideal",
+                    "imbalance",
+                    "TTFT mean",
+                    "TTFT p99",
+                    "decide p50",
+                    "decide p99"
+                );
+            }
+            for &n in &workers {
+                let cfg = SimConfig {
+                    workers: n,
+                    requests,
+                    prefixes,
+                    zipf_s,
+                    prefix_blocks,
+                    suffix_blocks,
+                    kv_blocks,
+                    utilization,
+                    ..SimConfig::default()
+                };
+                for &p in &policies {
+                    let r = sim::simulate(&cfg, p);
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({
+                                "workers": n, "policy": p.as_str(), "requests": r.requests,
+                                "hit_rate": r.hit_rate, "ideal_hit_rate": r.ideal_hit_rate,
+                                "load_imbalance": r.load_imbalance, "ttft_mean_ms": r.ttft_mean_ms,
+                                "ttft_p99_ms": r.ttft_p99_ms, "decision_p50_us": r.decision_p50_us,
+                                "decision_p99_us": r.decision_p99_us,
+                            })
+                        );
+                    } else {
+                        println!(
+                            "{:>7} {:>13} {:>8.1}% {:>8.1}% {:>10.2} {:>9.0} ms {:>8.0} ms {:>8.1} µs {:>8.1} µs",
+                            n,
+                            p.as_str(),
+                            r.hit_rate * 100.0,
+                            100.0 * r.hit_rate / r.ideal_hit_rate.max(1e-9),
+                            r.load_imbalance,
+                            r.ttft_mean_ms,
+                            r.ttft_p99_ms,
+                            r.decision_p50_us,
+                            r.decision_p99_us
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! Picks the worker for each request.
+//!
+//! The router is plain synchronous state (no I/O, no clock), so the cluster
+//! calls it under its lock and the simulator (`tinyvllm-bench simulate`)
+//! runs the very same code against thousands of simulated workers. It keeps
+//! the prefix index (from the workers' KV events) and the load ledger; the
+//! policies, one per file, only compare candidates.
+
+mod least_load;
+pub mod ledger;
+mod power_of_two;
+mod prefix_aware;
+pub mod prefix_index;
+mod round_robin;
+
+use common::protocol::WorkerStats;
+use common::{BlockHash, KvEventRecord, RequestId, hash_prompt_blocks};
+
+pub use ledger::{Ledger, WorkerLoad};
+pub use prefix_aware::PREFILL_WEIGHT;
+pub use prefix_index::{EventOutcome, PrefixIndex};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Policy {
+    RoundRobin,
+    LeastLoad,
+    PowerOfTwo,
+    #[default]
+    PrefixAware,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 4] = [Policy::RoundRobin, Policy::LeastLoad, Policy::PowerOfTwo, Policy::PrefixAware];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoad => "least_load",
+            Policy::PowerOfTwo => "power_of_two",
+            Policy::PrefixAware => "prefix_aware",
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Policy::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| {
+            format!("unknown policy {s:?} (one of: round_robin, least_load, power_of_two, prefix_aware)")
+        })
+    }
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A worker the request may go to, as the policies see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub worker: u64,
+    /// Leading blocks of the prompt the worker holds in its prefix cache.
+    pub cached_blocks: usize,
+    pub load: WorkerLoad,
+}
+
+/// The router's choice for one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub worker: u64,
+    /// Prompt tokens the chosen worker should find cached.
+    pub predicted_cached_tokens: u32,
+}
+
+pub struct Router {
+    policy: Policy,
+    block_size: usize,
+    index: PrefixIndex,
+    ledger: Ledger,
+    turn: u64,
+    rng: u64,
+    candidates: Vec<Candidate>,
+}
+
+impl Router {
+    pub fn new(policy: Policy, block_size: usize) -> Self {
+        Self::with_seed(policy, block_size, 0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// `seed` drives `power_of_two`'s draws (fixed, so runs are repeatable).
+    pub fn with_seed(policy: Policy, block_size: usize, seed: u64) -> Self {
+        Self {
+            policy,
+            block_size: block_size.max(1),
+            index: PrefixIndex::default(),
+            ledger: Ledger::new(block_size),
+            turn: 0,
+            rng: seed | 1,
+            candidates: Vec::new(),
+        }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    pub fn load(&self, worker: u64) -> WorkerLoad {
+        self.ledger.load(worker)
+    }
+
+    /// A worker joined. Request its KV snapshot: until it arrives the index
+    /// treats its cache as empty.
+    pub fn add_worker(&mut self, worker: u64) {
+        self.index.add_worker(worker);
+        self.ledger.add_worker(worker);
+    }
+
+    /// A worker was lost: its index entries and ledger go with it.
+    pub fn remove_worker(&mut self, worker: u64) {
+        self.index.remove_worker(worker);
+        self.ledger.remove_worker(worker);
+    }
+
+    pub fn apply_kv_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
+        self.index.apply_events(worker, events)
+    }
+
+    pub fn apply_kv_snapshot(
+        &mut self,
+        worker: u64,
+        last_event_id: Option<u64>,
+        hashes: impl IntoIterator<Item = BlockHash>,
+    ) {
+        self.index.apply_snapshot(worker, last_event_id, hashes);
+    }
+
+    pub fn on_stats(&mut self, worker: u64, stats: &WorkerStats) {
+        self.ledger.on_stats(worker, stats);
+    }
+
+    /// The block-hash chain the router matches a prompt by: the same
+    /// function, over the same token ids, that the workers' caches use.
+    pub fn prompt_chain(&self, prompt: &[u32]) -> Vec<BlockHash> {
+        hash_prompt_blocks(prompt, self.block_size)
+    }
+
+    /// Chooses among `eligible` workers (ascending ids, each added before)
+    /// for a prompt whose hash chain is `chain`. Does not record the
+    /// dispatch: call `on_dispatch` once the request is really sent.
+    pub fn route(&mut self, prompt_len: usize, chain: &[BlockHash], eligible: &[u64]) -> Option<Decision> {
+        self.candidates.clear();
+        for &worker in eligible {
+            self.candidates.push(Candidate { worker, cached_blocks: 0, load: self.ledger.load(worker) });
+        }
+        if self.candidates.is_empty() {
+            return None;
+        }
+        // A fully cached prompt still recomputes its last token (the worker
+        // needs its logits), so at most (len - 1) / block_size blocks hit.
+        let usable = chain.len().min(prompt_len.saturating_sub(1) / self.block_size);
+        let chain = &chain[..usable];
+        let candidates = &mut self.candidates;
+        self.index.overlaps(chain, |worker, blocks| {
+            if let Ok(i) = candidates.binary_search_by_key(&worker, |c| c.worker) {
+                candidates[i].cached_blocks = blocks;
+            }
+        });
+        let prompt_blocks = prompt_len.div_ceil(self.block_size);
+        let chosen = match self.policy {
+            Policy::RoundRobin => round_robin::choose(&self.candidates, self.turn),
+            Policy::LeastLoad => least_load::choose(&self.candidates, self.block_size),
+            Policy::PowerOfTwo => {
+                let draw = self.next_random();
+                power_of_two::choose(&self.candidates, draw, self.block_size)
+            }
+            Policy::PrefixAware => prefix_aware::choose(&self.candidates, prompt_blocks, self.block_size),
+        }?;
+        self.turn += 1;
+        let c = self.candidates[chosen];
+        Some(Decision { worker: c.worker, predicted_cached_tokens: (c.cached_blocks * self.block_size) as u32 })
+    }
+
+    pub fn on_dispatch(&mut self, request: RequestId, worker: u64, prompt_len: usize, predicted_cached_tokens: u32) {
+        self.ledger.on_dispatch(request, worker, prompt_len as u64, predicted_cached_tokens as u64);
+    }
+
+    pub fn on_tokens(&mut self, request: RequestId, new_tokens: usize) {
+        self.ledger.on_tokens(request, new_tokens as u64);
+    }
+
+    pub fn on_finish(&mut self, request: RequestId) {
+        self.ledger.on_finish(request);
+    }
+
+    /// xorshift64*: cheap, seeded, good enough to spread two-choice draws.
+    fn next_random(&mut self) -> u64 {
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,209 @@
+//! The cluster-wide prefix index: which worker holds which cached block,
+//! rebuilt from the workers' KV events.
+//!
+//! Block hashes are chained (each one covers its parent's), so a flat map
+//! from hash to holders is equivalent to a radix tree over hash chains: the
+//! prefix a worker can reuse for a prompt is the run of the prompt's hash
+//! chain, from the first block on, that the worker holds. A worker may hold
+//! a child whose parent was evicted; the walk stops at the first miss,
+//! exactly as the worker's own lookup does.
+//!
+//! Event ids are consecutive per worker. When one is skipped (a lost frame,
+//! a restarted engine) the index stops trusting that worker's entries and
+//! asks for a snapshot; events that arrive before the snapshot are ignored,
+//! because the snapshot reflects them.
+
+use std::collections::{HashMap, HashSet};
+
+use common::{BlockHash, KvEvent, KvEventRecord};
+
+/// What the caller must do after feeding events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventOutcome {
+    Applied,
+    /// An event id was skipped: request a snapshot from this worker.
+    NeedSnapshot,
+}
+
+struct WorkerBlocks {
+    /// Dense index into the per-call overlap scratch.
+    slot: usize,
+    hashes: HashSet<BlockHash>,
+    last_event_id: Option<u64>,
+    awaiting_snapshot: bool,
+}
+
+#[derive(Default)]
+pub struct PrefixIndex {
+    holders: HashMap<BlockHash, Vec<usize>>,
+    workers: HashMap<u64, WorkerBlocks>,
+    slot_owner: Vec<Option<u64>>,
+    /// Reused by `overlaps` so a routing decision allocates nothing.
+    scratch: Vec<usize>,
+}
+
+impl PrefixIndex {
+    /// Starts tracking a worker. Its cache is unknown until its first
+    /// snapshot (it may be a restarted worker with a warm cache), so events
+    /// are ignored until then.
+    pub fn add_worker(&mut self, worker: u64) {
+        self.remove_worker(worker);
+        let slot = match self.slot_owner.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                self.slot_owner.push(None);
+                self.scratch.push(0);
+                self.slot_owner.len() - 1
+            }
+        };
+        self.slot_owner[slot] = Some(worker);
+        self.workers.insert(
+            worker,
+            WorkerBlocks { slot, hashes: HashSet::new(), last_event_id: None, awaiting_snapshot: true },
+        );
+    }
+
+    /// Forgets a lost worker's entries.
+    pub fn remove_worker(&mut self, worker: u64) {
+        let Some(w) = self.workers.remove(&worker) else { return };
+        for hash in &w.hashes {
+            Self::drop_holder(&mut self.holders, *hash, w.slot);
+        }
+        self.slot_owner[w.slot] = None;
+    }
+
+    pub fn apply_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
+        let Some(w) = self.workers.get_mut(&worker) else { return EventOutcome::Applied };
+        for record in events {
+            if w.awaiting_snapshot {
+                return EventOutcome::Applied;
+            }
+            let expected = w.last_event_id.map_or(0, |last| last + 1);
+            if record.id < expected {
+                continue; // already reflected by a snapshot
+            }
+            if record.id > expected {
+                w.awaiting_snapshot = true;
+                return EventOutcome::NeedSnapshot;
+            }
+            w.last_event_id = Some(record.id);
+            match record.event {
+                KvEvent::Stored { hash, .. } => {
+                    if w.hashes.insert(hash) {
+                        self.holders.entry(hash).or_default().push(w.slot);
+                    }
+                }
+                KvEvent::Removed { hash } => {
+                    if w.hashes.remove(&hash) {
+                        Self::drop_holder(&mut self.holders, hash, w.slot);
+                    }
+                }
+                KvEvent::Cleared => {
+                    for hash in w.hashes.drain() {
+                        Self::drop_holder(&mut self.holders, hash, w.slot);
+                    }
+                }
+            }
+        }
+        EventOutcome::Applied
+    }
+
+    /// Replaces a worker's entries with a full snapshot taken after event
+    /// `last_event_id` (`None`: before its first event).
+    pub fn apply_snapshot(
+        &mut self,
+        worker: u64,
+        last_event_id: Option<u64>,
+        hashes: impl IntoIterator<Item = BlockHash>,
+    ) {
+        let Some(w) = self.workers.get_mut(&worker) else { return };
+        for hash in w.hashes.drain() {
+            Self::drop_holder(&mut self.holders, hash, w.slot);
+        }
+        for hash in hashes {
+            if w.hashes.insert(hash) {
+                self.holders.entry(hash).or_default().push(w.slot);
+            }
+        }
+        w.last_event_id = last_event_id;
+        w.awaiting_snapshot = false;
+    }
+
+    /// Calls `f(worker, blocks)` for every worker holding at least the first
+    /// block of `chain`, with the number of leading blocks it holds.
+    pub fn overlaps(&mut self, chain: &[BlockHash], mut f: impl FnMut(u64, usize)) {
+        self.scratch.iter_mut().for_each(|n| *n = 0);
+        let mut reached = 0;
+        for (i, hash) in chain.iter().enumerate() {
+            let Some(slots) = self.holders.get(hash) else { break };
+            let mut advanced = false;
+            for &slot in slots {
+                if self.scratch[slot] == i {
+                    self.scratch[slot] = i + 1;
+                    advanced = true;
+                }
+            }
+            if !advanced {
+                break;
+            }
+            reached = i + 1;
+        }
+        if reached == 0 {
+            return;
+        }
+        for (slot, &blocks) in self.scratch.iter().enumerate() {
+            if let (true, Some(worker)) = (blocks > 0, self.slot_owner[slot]) {
+                f(worker, blocks);
+            }
+        }
+    }
+
+    /// The number of leading blocks of `chain` that `worker` holds.
+    pub fn overlap(&mut self, worker: u64, chain: &[BlockHash]) -> usize {
+        let mut found = 0;
+        self.overlaps(chain, |w, n| {
+            if w == worker {
+                found = n;
+            }
+        });
+        found
+    }
+
+    /// The hashes the index believes `worker` holds (for tests and debugging).
+    pub fn worker_hashes(&self, worker: u64) -> Option<&HashSet<BlockHash>> {
+        self.workers.get(&worker).map(|w| &w.hashes)
+    }
+
+    pub fn is_awaiting_snapshot(&self, worker: u64) -> bool {
+        self.workers.get(&worker).is_some_and(|w| w.awaiting_snapshot)
+    }
+
+    /// Distinct hashes held anywhere.
+    pub fn num_hashes(&self) -> usize {
+        self.holders.len()
+    }
+
+    fn drop_holder(holders: &mut HashMap<BlockHash, Vec<usize>>, hash: BlockHash, slot: usize) {
+        if let Some(slots) = holders.get_mut(&hash) {
+            slots.retain(|&s| s != slot);
+            if slots.is_empty() {
+                holders.remove(&hash);
+            }
+        }
+    }
+
+    /// Panics if the holder map and the per-worker sets disagree.
+    pub fn check_invariants(&self) {
+        let mut counted = 0;
+        for (hash, slots) in &self.holders {
+            assert!(!slots.is_empty(), "empty holder list for {hash:?}");
+            for &slot in slots {
+                let worker = self.slot_owner[slot].expect("holder slot has an owner");
+                assert!(self.workers[&worker].hashes.contains(hash), "worker {worker} listed for {hash:?}");
+                counted += 1;
+            }
+        }
+        let total: usize = self.workers.values().map(|w| w.hashes.len()).sum();
+        assert_eq!(counted, total, "holder entries vs per-worker sets");
+    }
+}
