@@ -281,7 +281,7 @@ impl Cluster {
         }
         entry.in_flight += 1;
         let name = entry.name.clone();
-        state.router.on_dispatch(id, decision.worker, prompt.len(), decision.predicted_cached_tokens);
+        state.router.on_dispatch(id, decision.worker, prompt.len(), chain, decision.predicted_cached_tokens);
         let policy = state.router.policy().as_str();
         self.metrics.decisions.with_label_values(&[policy, &name]).inc();
         self.metrics

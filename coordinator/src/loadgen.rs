@@ -138,7 +138,8 @@ pub fn run(cfg: &WorkloadConfig) -> WorkloadReport {
         itl_p50_ms: crate::sim::percentile(&mut itls, 0.5),
         itl_p99_ms: crate::sim::percentile(&mut itls, 0.99),
         hit_rate: cached as f64 / prompt_tokens.max(1) as f64,
-        ideal_hit_rate: ideal as f64 / prompt_tokens.max(1) as f64,
+        ideal_hit_rate: ideal as f64
+            / (cfg.groups * cfg.queries_per_group * (cfg.prefix_tokens + cfg.suffix_tokens)).max(1) as f64,
         per_worker: per_worker.into_iter().collect(),
     }
 }

@@ -152,7 +152,7 @@ pub fn simulate(cfg: &SimConfig, policy: Policy) -> SimReport {
         let decision = router.route(tokens.len(), &chain, &eligible).expect("workers exist");
         decisions.push(started.elapsed().as_secs_f64() * 1e6);
         let w = decision.worker as usize;
-        router.on_dispatch(RequestId(request), decision.worker, tokens.len(), decision.predicted_cached_tokens);
+        router.on_dispatch(RequestId(request), decision.worker, tokens.len(), &chain, decision.predicted_cached_tokens);
 
         let (blocks, cached_blocks) = admit(&mut workers[w].pool, &tokens, &chain, bs);
         publish(&mut router, &mut workers[w].pool, w);

@@ -285,8 +285,25 @@ async fn session(
     }
     // Anything the engine produced while disconnected belongs to aborted requests.
     while from_engine.try_recv().is_ok() {}
+    // The engine reports stats between steps, and one long prefill step can
+    // outlast the coordinator's patience (3 missed intervals). So the network
+    // side repeats the latest stats on its own clock: silence then means the
+    // process or its connection died, not that a step is long.
+    let mut heartbeat = tokio::time::interval(STATS_INTERVAL);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut latest_stats = WorkerStats { kv_blocks_total: kv_capacity_blocks, ..WorkerStats::default() };
+    let mut last_sent = Instant::now();
     loop {
         tokio::select! {
+            _ = heartbeat.tick() => {
+                if last_sent.elapsed() >= STATS_INTERVAL {
+                    last_sent = Instant::now();
+                    let message = WorkerMessage::Stats(latest_stats.clone());
+                    if let Err(e) = transport::write_frame(&mut send, &message).await {
+                        return Ok(SessionEnd::Disconnected(e.to_string()));
+                    }
+                }
+            }
             frame = transport::read_frame::<CoordinatorMessage>(&mut recv) => {
                 let cmd = match frame {
                     Ok(Some(CoordinatorMessage::Generate { request_id, prompt_token_ids, params })) => {
@@ -305,6 +322,10 @@ async fn session(
             }
             message = from_engine.recv() => {
                 let Some(message) = message else { return Ok(SessionEnd::EngineStopped) };
+                if let WorkerMessage::Stats(stats) = &message {
+                    latest_stats = stats.clone();
+                    last_sent = Instant::now();
+                }
                 if let Err(e) = transport::write_frame(&mut send, &message).await {
                     return Ok(SessionEnd::Disconnected(e.to_string()));
                 }

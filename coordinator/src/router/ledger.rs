@@ -5,10 +5,10 @@
 //! and corrected by the workers' stats, which see what the ledger cannot:
 //! shared blocks, preemption, other clients.
 
-use std::collections::HashMap;
-
 use common::RequestId;
 use common::protocol::WorkerStats;
+
+use super::U64Map;
 
 /// A worker's load as the router scores it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -16,8 +16,9 @@ pub struct WorkerLoad {
     pub requests: u32,
     /// Prompt tokens dispatched but not yet prefilled (no first token yet).
     pub pending_prefill_tokens: u64,
-    /// KV blocks held by running requests: the larger of the ledger's count
-    /// and the worker's last report.
+    /// KV blocks held by requests past their prefill: the larger of the
+    /// ledger's count and the worker's last report. (A request still in
+    /// prefill counts as pending prefill instead, not twice.)
     pub active_blocks: u64,
 }
 
@@ -38,13 +39,13 @@ struct Entry {
 
 pub struct Ledger {
     block_size: u64,
-    workers: HashMap<u64, WorkerLedger>,
-    requests: HashMap<RequestId, Entry>,
+    workers: U64Map<u64, WorkerLedger>,
+    requests: U64Map<RequestId, Entry>,
 }
 
 impl Ledger {
     pub fn new(block_size: usize) -> Self {
-        Self { block_size: block_size.max(1) as u64, workers: HashMap::new(), requests: HashMap::new() }
+        Self { block_size: block_size.max(1) as u64, workers: U64Map::default(), requests: U64Map::default() }
     }
 
     pub fn add_worker(&mut self, worker: u64) {
@@ -66,16 +67,18 @@ impl Ledger {
     }
 
     /// A request was sent to `worker` with `prompt_tokens`, of which the
-    /// router expects `cached_tokens` to be found in its prefix cache.
+    /// router expects `cached_tokens` to be found in its prefix cache. Only
+    /// the uncached part counts as new KV: cached blocks are shared with the
+    /// requests (or the cache) already holding them, as the worker's own
+    /// block count reports them.
     pub fn on_dispatch(&mut self, request: RequestId, worker: u64, prompt_tokens: u64, cached_tokens: u64) {
         self.on_finish(request);
         let prefill_tokens = prompt_tokens.saturating_sub(cached_tokens);
         if let Some(w) = self.workers.get_mut(&worker) {
             w.requests += 1;
             w.pending_prefill_tokens += prefill_tokens;
-            w.active_tokens += prompt_tokens;
         }
-        self.requests.insert(request, Entry { worker, prefill_tokens, tokens: prompt_tokens, started: false });
+        self.requests.insert(request, Entry { worker, prefill_tokens, tokens: prefill_tokens, started: false });
     }
 
     /// `new_tokens` arrived for `request`; the first delivery ends its prefill.
@@ -85,6 +88,7 @@ impl Ledger {
         if !e.started {
             e.started = true;
             w.pending_prefill_tokens = w.pending_prefill_tokens.saturating_sub(e.prefill_tokens);
+            w.active_tokens += e.tokens;
         }
         e.tokens += new_tokens;
         w.active_tokens += new_tokens;
@@ -94,10 +98,11 @@ impl Ledger {
         let Some(e) = self.requests.remove(&request) else { return };
         let Some(w) = self.workers.get_mut(&e.worker) else { return };
         w.requests = w.requests.saturating_sub(1);
-        if !e.started {
+        if e.started {
+            w.active_tokens = w.active_tokens.saturating_sub(e.tokens);
+        } else {
             w.pending_prefill_tokens = w.pending_prefill_tokens.saturating_sub(e.prefill_tokens);
         }
-        w.active_tokens = w.active_tokens.saturating_sub(e.tokens);
     }
 
     pub fn on_stats(&mut self, worker: u64, stats: &WorkerStats) {

@@ -13,12 +13,40 @@ mod prefix_aware;
 pub mod prefix_index;
 mod round_robin;
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
 use common::protocol::WorkerStats;
 use common::{BlockHash, KvEventRecord, RequestId, hash_prompt_blocks};
 
 pub use ledger::{Ledger, WorkerLoad};
-pub use prefix_aware::PREFILL_WEIGHT;
+pub use prefix_aware::NEW_PREFILL_WEIGHT;
 pub use prefix_index::{EventOutcome, PrefixIndex};
+
+/// Hash maps keyed by one u64 (block hashes, worker and request ids): a
+/// Fibonacci multiply instead of SipHash, since block hashes are already
+/// uniform and ids need only spreading. Routing does hundreds of lookups per
+/// decision at 256 workers; this keeps them cheap.
+pub(crate) type U64Map<K, V> = HashMap<K, V, BuildHasherDefault<U64Hasher>>;
+
+#[derive(Default)]
+pub(crate) struct U64Hasher(u64);
+
+impl Hasher for U64Hasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0 ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Policy {
@@ -83,6 +111,8 @@ pub struct Router {
     turn: u64,
     rng: u64,
     candidates: Vec<Candidate>,
+    /// The worker and block chain of each routed, unfinished request.
+    in_flight: U64Map<RequestId, (u64, Vec<BlockHash>)>,
 }
 
 impl Router {
@@ -100,6 +130,7 @@ impl Router {
             turn: 0,
             rng: seed | 1,
             candidates: Vec::new(),
+            in_flight: U64Map::default(),
         }
     }
 
@@ -130,6 +161,7 @@ impl Router {
     pub fn remove_worker(&mut self, worker: u64) {
         self.index.remove_worker(worker);
         self.ledger.remove_worker(worker);
+        self.in_flight.retain(|_, (w, _)| *w != worker);
     }
 
     pub fn apply_kv_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
@@ -170,12 +202,14 @@ impl Router {
         // needs its logits), so at most (len - 1) / block_size blocks hit.
         let usable = chain.len().min(prompt_len.saturating_sub(1) / self.block_size);
         let chain = &chain[..usable];
-        let candidates = &mut self.candidates;
-        self.index.overlaps(chain, |worker, blocks| {
-            if let Ok(i) = candidates.binary_search_by_key(&worker, |c| c.worker) {
-                candidates[i].cached_blocks = blocks;
-            }
-        });
+        if self.policy == Policy::PrefixAware {
+            let candidates = &mut self.candidates;
+            self.index.overlaps(chain, |worker, blocks| {
+                if let Ok(i) = candidates.binary_search_by_key(&worker, |c| c.worker) {
+                    candidates[i].cached_blocks = blocks;
+                }
+            });
+        }
         let prompt_blocks = prompt_len.div_ceil(self.block_size);
         let chosen = match self.policy {
             Policy::RoundRobin => round_robin::choose(&self.candidates, self.turn),
@@ -188,11 +222,26 @@ impl Router {
         }?;
         self.turn += 1;
         let c = self.candidates[chosen];
-        Some(Decision { worker: c.worker, predicted_cached_tokens: (c.cached_blocks * self.block_size) as u32 })
+        // Other policies ignore the cache, but their hits are still predicted (for the metrics).
+        let cached_blocks =
+            if self.policy == Policy::PrefixAware { c.cached_blocks } else { self.index.overlap(c.worker, chain) };
+        Some(Decision { worker: c.worker, predicted_cached_tokens: (cached_blocks * self.block_size) as u32 })
     }
 
-    pub fn on_dispatch(&mut self, request: RequestId, worker: u64, prompt_len: usize, predicted_cached_tokens: u32) {
+    /// The request went to `worker`. `chain` is its prompt's block chain:
+    /// the worker counts as holding it until the request finishes.
+    pub fn on_dispatch(
+        &mut self,
+        request: RequestId,
+        worker: u64,
+        prompt_len: usize,
+        chain: &[BlockHash],
+        predicted_cached_tokens: u32,
+    ) {
+        self.on_finish(request);
         self.ledger.on_dispatch(request, worker, prompt_len as u64, predicted_cached_tokens as u64);
+        self.index.add_pending(worker, chain);
+        self.in_flight.insert(request, (worker, chain.to_vec()));
     }
 
     pub fn on_tokens(&mut self, request: RequestId, new_tokens: usize) {
@@ -201,6 +250,9 @@ impl Router {
 
     pub fn on_finish(&mut self, request: RequestId) {
         self.ledger.on_finish(request);
+        if let Some((worker, chain)) = self.in_flight.remove(&request) {
+            self.index.remove_pending(worker, &chain);
+        }
     }
 
     /// xorshift64*: cheap, seeded, good enough to spread two-choice draws.

@@ -1,28 +1,30 @@
-//! `prefix_aware`: the worker with the lowest cost, where cost is the work a
-//! request would add there, in KV blocks (Dynamo's KV router uses the same
-//! shape of formula):
+//! `prefix_aware`: the worker with the lowest cost, in KV blocks of work
+//! (the shape of Dynamo's KV-router cost, with the request's own prefill
+//! weighted separately):
 //!
 //! ```text
-//! cost = PREFILL_WEIGHT * (new_prefill_blocks + pending_prefill_blocks) + active_blocks
+//! cost = NEW_PREFILL_WEIGHT * new_prefill_blocks + pending_prefill_blocks + active_blocks
 //! ```
 //!
-//! - `new_prefill_blocks`: blocks of this prompt the worker does not hold
-//!   (prompt blocks minus its overlap), i.e. what it would compute;
-//! - `pending_prefill_blocks`: prefill already dispatched there and not done;
-//! - `active_blocks`: KV held by its running requests (decode load).
+//! - `new_prefill_blocks`: blocks of this prompt the worker neither holds
+//!   nor is computing for an earlier request (prompt blocks minus overlap):
+//!   what this request would add to the cluster's compute;
+//! - `pending_prefill_blocks`: prefill already routed there and not done,
+//!   which this request's first token would wait behind;
+//! - `active_blocks`: KV held by its requests past prefill (decode load).
 //!
-//! A cache hit lowers the first term by the blocks it saves, so a worker
-//! holding a prefix wins until its load exceeds another's by more than the
-//! prefill it would save. A popular prefix therefore stays on one worker at
-//! light load and spreads to more workers as their load grows, instead of
-//! melting one. `PREFILL_WEIGHT` = 1 prices a prefill block like a block of
-//! decode load held for the request's lifetime; raise it to favour hits.
+//! `NEW_PREFILL_WEIGHT` = 2 counts a block this request would compute twice:
+//! once as cluster work that a hit avoids entirely, once as its own wait.
+//! So the holder of a prefix wins while its queue and decode load are less
+//! than twice the prefill it saves; past that, the prefix spreads to another
+//! worker (which then holds it too). A popular prefix stays on one worker at
+//! light load and spreads as load grows, instead of melting one worker.
 //! Ties break on fewer requests in flight, then the lowest worker id: never
 //! at random, so a decision can be replayed.
 
 use super::Candidate;
 
-pub const PREFILL_WEIGHT: f64 = 1.0;
+pub const NEW_PREFILL_WEIGHT: f64 = 2.0;
 
 pub fn choose(candidates: &[Candidate], prompt_blocks: usize, block_size: usize) -> Option<usize> {
     candidates
@@ -36,5 +38,5 @@ pub fn choose(candidates: &[Candidate], prompt_blocks: usize, block_size: usize)
 pub fn cost(c: &Candidate, prompt_blocks: usize, block_size: usize) -> f64 {
     let new_prefill = prompt_blocks.saturating_sub(c.cached_blocks) as f64;
     let pending_prefill = c.load.pending_prefill_tokens.div_ceil(block_size.max(1) as u64) as f64;
-    PREFILL_WEIGHT * (new_prefill + pending_prefill) + c.load.active_blocks as f64
+    NEW_PREFILL_WEIGHT * new_prefill + pending_prefill + c.load.active_blocks as f64
 }

@@ -8,14 +8,26 @@
 //! a child whose parent was evicted; the walk stops at the first miss,
 //! exactly as the worker's own lookup does.
 //!
+//! Besides what the events report, the index counts blocks a worker is
+//! about to hold: the chain of every request routed to it and not yet
+//! finished (SGLang's router inserts on routing for the same reason). A
+//! burst of requests for one new prefix then follows the first request to
+//! its worker instead of scattering before the first KV event arrives; and
+//! while a request runs, its blocks cannot be evicted, so the claim holds.
+//!
 //! Event ids are consecutive per worker. When one is skipped (a lost frame,
 //! a restarted engine) the index stops trusting that worker's entries and
 //! asks for a snapshot; events that arrive before the snapshot are ignored,
 //! because the snapshot reflects them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+use std::hash::BuildHasherDefault;
 
 use common::{BlockHash, KvEvent, KvEventRecord};
+
+use super::{U64Hasher, U64Map};
+
+type HashSetU64<T> = HashSet<T, BuildHasherDefault<U64Hasher>>;
 
 /// What the caller must do after feeding events.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,15 +40,18 @@ pub enum EventOutcome {
 struct WorkerBlocks {
     /// Dense index into the per-call overlap scratch.
     slot: usize,
-    hashes: HashSet<BlockHash>,
+    hashes: HashSetU64<BlockHash>,
     last_event_id: Option<u64>,
     awaiting_snapshot: bool,
 }
 
 #[derive(Default)]
 pub struct PrefixIndex {
-    holders: HashMap<BlockHash, Vec<usize>>,
-    workers: HashMap<u64, WorkerBlocks>,
+    holders: U64Map<BlockHash, Vec<usize>>,
+    /// Blocks of in-flight requests, by worker slot, with a count of the
+    /// requests claiming each.
+    pending: U64Map<BlockHash, Vec<(usize, u32)>>,
+    workers: U64Map<u64, WorkerBlocks>,
     slot_owner: Vec<Option<u64>>,
     /// Reused by `overlaps` so a routing decision allocates nothing.
     scratch: Vec<usize>,
@@ -59,7 +74,7 @@ impl PrefixIndex {
         self.slot_owner[slot] = Some(worker);
         self.workers.insert(
             worker,
-            WorkerBlocks { slot, hashes: HashSet::new(), last_event_id: None, awaiting_snapshot: true },
+            WorkerBlocks { slot, hashes: HashSetU64::default(), last_event_id: None, awaiting_snapshot: true },
         );
     }
 
@@ -69,7 +84,41 @@ impl PrefixIndex {
         for hash in &w.hashes {
             Self::drop_holder(&mut self.holders, *hash, w.slot);
         }
+        self.pending.retain(|_, slots| {
+            slots.retain(|&(slot, _)| slot != w.slot);
+            !slots.is_empty()
+        });
         self.slot_owner[w.slot] = None;
+    }
+
+    /// A request with block chain `chain` was routed to `worker`.
+    pub fn add_pending(&mut self, worker: u64, chain: &[BlockHash]) {
+        let Some(w) = self.workers.get(&worker) else { return };
+        for &hash in chain {
+            let slots = self.pending.entry(hash).or_default();
+            match slots.iter_mut().find(|(slot, _)| *slot == w.slot) {
+                Some((_, count)) => *count += 1,
+                None => slots.push((w.slot, 1)),
+            }
+        }
+    }
+
+    /// That request finished (or moved): its claim goes; what it left cached
+    /// is known from the worker's events.
+    pub fn remove_pending(&mut self, worker: u64, chain: &[BlockHash]) {
+        let Some(w) = self.workers.get(&worker) else { return };
+        for hash in chain {
+            let Some(slots) = self.pending.get_mut(hash) else { continue };
+            if let Some(i) = slots.iter().position(|(slot, _)| *slot == w.slot) {
+                slots[i].1 -= 1;
+                if slots[i].1 == 0 {
+                    slots.swap_remove(i);
+                }
+            }
+            if slots.is_empty() {
+                self.pending.remove(hash);
+            }
+        }
     }
 
     pub fn apply_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
@@ -135,9 +184,10 @@ impl PrefixIndex {
         self.scratch.iter_mut().for_each(|n| *n = 0);
         let mut reached = 0;
         for (i, hash) in chain.iter().enumerate() {
-            let Some(slots) = self.holders.get(hash) else { break };
+            let cached = self.holders.get(hash).map_or(&[][..], Vec::as_slice);
+            let pending = self.pending.get(hash).map_or(&[][..], Vec::as_slice);
             let mut advanced = false;
-            for &slot in slots {
+            for slot in cached.iter().copied().chain(pending.iter().map(|&(slot, _)| slot)) {
                 if self.scratch[slot] == i {
                     self.scratch[slot] = i + 1;
                     advanced = true;
@@ -158,20 +208,22 @@ impl PrefixIndex {
         }
     }
 
-    /// The number of leading blocks of `chain` that `worker` holds.
-    pub fn overlap(&mut self, worker: u64, chain: &[BlockHash]) -> usize {
-        let mut found = 0;
-        self.overlaps(chain, |w, n| {
-            if w == worker {
-                found = n;
-            }
-        });
-        found
+    /// The number of leading blocks of `chain` that `worker` holds (or is
+    /// computing for a request in flight).
+    pub fn overlap(&self, worker: u64, chain: &[BlockHash]) -> usize {
+        let Some(slot) = self.workers.get(&worker).map(|w| w.slot) else { return 0 };
+        chain
+            .iter()
+            .take_while(|hash| {
+                self.holders.get(hash).is_some_and(|slots| slots.contains(&slot))
+                    || self.pending.get(hash).is_some_and(|slots| slots.iter().any(|&(s, _)| s == slot))
+            })
+            .count()
     }
 
     /// The hashes the index believes `worker` holds (for tests and debugging).
-    pub fn worker_hashes(&self, worker: u64) -> Option<&HashSet<BlockHash>> {
-        self.workers.get(&worker).map(|w| &w.hashes)
+    pub fn worker_hashes(&self, worker: u64) -> Option<HashSet<BlockHash>> {
+        self.workers.get(&worker).map(|w| w.hashes.iter().copied().collect())
     }
 
     pub fn is_awaiting_snapshot(&self, worker: u64) -> bool {
@@ -183,7 +235,12 @@ impl PrefixIndex {
         self.holders.len()
     }
 
-    fn drop_holder(holders: &mut HashMap<BlockHash, Vec<usize>>, hash: BlockHash, slot: usize) {
+    /// Distinct hashes claimed by in-flight requests.
+    pub fn num_pending_hashes(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn drop_holder(holders: &mut U64Map<BlockHash, Vec<usize>>, hash: BlockHash, slot: usize) {
         if let Some(slots) = holders.get_mut(&hash) {
             slots.retain(|&s| s != slot);
             if slots.is_empty() {

@@ -59,40 +59,60 @@ fn predicted_hits_leave_the_last_token_to_compute() {
 
 #[test]
 fn a_loaded_holder_loses_to_an_idle_worker_once_load_outweighs_the_hit() {
-    let mut r = router(Policy::PrefixAware, &[0, 1]);
     let p = prompt(7, 208); // 13 blocks, 12 reusable
-    hold(&mut r, 0, &p, 12);
-    // Worker 0 runs requests holding 12 blocks: cost 1 + 12 = 13 vs 13 on worker 1; tie -> fewer requests.
-    r.on_dispatch(RequestId(100), 0, 192, 192);
-    r.on_tokens(RequestId(100), 0);
-    assert_eq!(r.load(0).active_blocks, 12);
+    let loaded = |active_tokens: usize| {
+        let mut r = router(Policy::PrefixAware, &[0, 1]);
+        hold(&mut r, 0, &p, 12);
+        r.on_dispatch(RequestId(100), 0, active_tokens, &[], 0);
+        r.on_tokens(RequestId(100), 0);
+        r
+    };
+    // Holder: 2 * 1 + 25 = 27 > idle worker: 2 * 13 = 26.
+    let mut r = loaded(400);
+    assert_eq!(r.load(0).active_blocks, 25);
     assert_eq!(route(&mut r, &p, &[0, 1]).worker, 1);
-    // At 11 blocks of load the hit still wins: 1 + 11 = 12 < 13.
-    let mut r = router(Policy::PrefixAware, &[0, 1]);
-    hold(&mut r, 0, &p, 12);
-    r.on_dispatch(RequestId(100), 0, 176, 176);
-    r.on_tokens(RequestId(100), 0);
+    // Holder: 2 * 1 + 23 = 25 < 26: the hit still wins.
+    let mut r = loaded(368);
     assert_eq!(route(&mut r, &p, &[0, 1]).worker, 0);
 }
 
 #[test]
 fn a_hot_prefix_spreads_as_its_requests_pile_up() {
-    // Eight requests for one prefix arrive before any finishes: the first
-    // goes to the holder, later ones spread as its ledger load grows.
+    // 64 requests for one prefix arrive before any finishes: the first go
+    // to the holder (each adds only its own block there), later ones spread
+    // as its ledger load grows, and every worker ends up serving it.
     let mut r = router(Policy::PrefixAware, &[0, 1, 2, 3]);
     let p = prompt(3, 208);
     hold(&mut r, 0, &p, 12);
     let mut picks = Vec::new();
-    for i in 0..8 {
+    let chain = r.prompt_chain(&p);
+    for i in 0..64 {
         let d = route(&mut r, &p, &[0, 1, 2, 3]);
-        r.on_dispatch(RequestId(i), d.worker, p.len(), d.predicted_cached_tokens);
+        r.on_dispatch(RequestId(i), d.worker, p.len(), &chain, d.predicted_cached_tokens);
         picks.push(d.worker);
     }
-    assert_eq!(picks[0], 0);
+    assert_eq!(picks[..4], [0, 0, 0, 0]);
     let mut used = picks.clone();
     used.sort();
     used.dedup();
     assert_eq!(used, vec![0, 1, 2, 3], "picks {picks:?}");
+}
+
+#[test]
+fn a_burst_for_a_new_prefix_follows_the_first_request() {
+    // No worker holds the prefix yet and no KV event has arrived, but the
+    // first request's worker is about to: the second goes there too.
+    let mut r = router(Policy::PrefixAware, &[0, 1]);
+    let p = prompt(9, 208);
+    let first = route(&mut r, &p, &[0, 1]);
+    let chain = r.prompt_chain(&p);
+    r.on_dispatch(RequestId(1), first.worker, p.len(), &chain, first.predicted_cached_tokens);
+    let second = route(&mut r, &p, &[0, 1]);
+    assert_eq!(second, Decision { worker: first.worker, predicted_cached_tokens: 192 });
+    // Once the request finishes, only what the worker reports counts.
+    r.on_finish(RequestId(1));
+    assert_eq!(r.index().num_pending_hashes(), 0);
+    assert_eq!(route(&mut r, &p, &[0, 1]).predicted_cached_tokens, 0);
 }
 
 #[test]
@@ -102,15 +122,15 @@ fn ties_break_on_requests_then_lowest_id() {
     assert_eq!(route(&mut r, &p, &[5, 7, 9]).worker, 5);
     // Same cost (pending prefill is what differs... make it equal): a
     // request with zero tokens adds a request but no blocks.
-    r.on_dispatch(RequestId(1), 5, 0, 0);
+    r.on_dispatch(RequestId(1), 5, 0, &[], 0);
     assert_eq!(route(&mut r, &p, &[5, 7, 9]).worker, 7);
 }
 
 #[test]
 fn pending_prefill_counts_until_the_first_token() {
     let mut r = router(Policy::PrefixAware, &[0, 1]);
-    r.on_dispatch(RequestId(1), 0, 320, 0);
-    assert_eq!(r.load(0), WorkerLoad { requests: 1, pending_prefill_tokens: 320, active_blocks: 20 });
+    r.on_dispatch(RequestId(1), 0, 320, &[], 0);
+    assert_eq!(r.load(0), WorkerLoad { requests: 1, pending_prefill_tokens: 320, active_blocks: 0 });
     r.on_tokens(RequestId(1), 1);
     assert_eq!(r.load(0), WorkerLoad { requests: 1, pending_prefill_tokens: 0, active_blocks: 21 });
     r.on_finish(RequestId(1));
@@ -132,10 +152,10 @@ fn round_robin_cycles_in_id_order() {
 #[test]
 fn least_load_takes_fewest_requests_then_fewest_blocks() {
     let mut r = router(Policy::LeastLoad, &[0, 1, 2]);
-    r.on_dispatch(RequestId(1), 0, 16, 0);
-    r.on_dispatch(RequestId(2), 1, 160, 0);
-    r.on_dispatch(RequestId(3), 2, 16, 0);
-    r.on_dispatch(RequestId(4), 2, 16, 0);
+    r.on_dispatch(RequestId(1), 0, 16, &[], 0);
+    r.on_dispatch(RequestId(2), 1, 160, &[], 0);
+    r.on_dispatch(RequestId(3), 2, 16, &[], 0);
+    r.on_dispatch(RequestId(4), 2, 16, &[], 0);
     let p = prompt(1, 40);
     assert_eq!(route(&mut r, &p, &[0, 1, 2]).worker, 0);
 }
@@ -230,7 +250,7 @@ fn a_lost_worker_takes_its_entries_and_slot_with_it() {
     let mut r = router(Policy::PrefixAware, &[0, 1]);
     let p = prompt(4, 100);
     hold(&mut r, 0, &p, 6);
-    r.on_dispatch(RequestId(1), 0, 100, 96);
+    r.on_dispatch(RequestId(1), 0, 100, &[], 96);
     r.remove_worker(0);
     assert_eq!(r.index().num_hashes(), 0);
     assert_eq!(r.load(0), WorkerLoad::default());
