@@ -84,7 +84,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let model_dir = tokenizer_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir)?);
     let chat_template = ChatTemplate::from_tokenizer(&tokenizer)?;
-    let served_model_name = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.model));
+    let served_model_name = served_model_name(&args);
     let max_model_len =
         args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
     let secret = load_or_create_secret(&args.cluster_secret_file)?;
@@ -165,8 +165,15 @@ fn local_worker_args(args: &Args) -> Vec<String> {
     if !given("--metrics") {
         extra.push("--metrics=127.0.0.1:0".to_string());
     }
+    if !given("--served-model-name") {
+        extra.push(format!("--served-model-name={}", served_model_name(args)));
+    }
     extra.extend(args.worker_args.iter().cloned());
     extra
+}
+
+fn served_model_name(args: &Args) -> String {
+    args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.model))
 }
 
 fn default_served_name(model: &str) -> String {

@@ -341,7 +341,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .block_on(worker::metrics::bind(addr))
             .with_context(|| format!("binding the metrics endpoint on {addr}"))?;
         let bound = listener.local_addr()?;
-        let model_name = args.served_model_name.clone().unwrap_or_else(|| files.name.clone());
+        let model_name = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.engine.model));
         let engine_metrics = worker::metrics::EngineMetrics::new(&model_name, &name);
         let registry = engine_metrics.registry().clone();
         runtime.spawn(worker::metrics::serve_metrics(
@@ -382,6 +382,17 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     drop(runtime);
     let _ = engine_thread.join();
     Ok(result?)
+}
+
+/// The coordinator's default `--served-model-name`: a directory's base name,
+/// else the model string (hub id) as given.
+fn default_served_name(model: &str) -> String {
+    let path = Path::new(model);
+    path.canonicalize()
+        .ok()
+        .filter(|p| p.is_dir())
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| model.to_string())
 }
 
 fn export_random(args: ExportRandomArgs) -> anyhow::Result<()> {
