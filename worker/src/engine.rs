@@ -29,6 +29,15 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     pub policy: SchedulingPolicy,
     pub logprobs_mode: LogprobsMode,
+    /// Quantize linear weights at load time (CPU only).
+    pub quantization: Option<Quantization>,
+}
+
+/// Weight quantization applied at load time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantization {
+    /// GGML's Q8_0: i8 weights with an f16 scale per 32 (8.5 bits per weight).
+    Q8_0,
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -55,6 +64,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             policy: SchedulingPolicy::Fcfs,
             logprobs_mode: LogprobsMode::RawLogprobs,
+            quantization: None,
         }
     }
 }
@@ -78,7 +88,16 @@ pub struct StepInfo {
 impl Engine {
     /// Loads the model and allocates the KV cache.
     pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
-        let model = files.load(config.dtype, &config.device)?;
+        let mut model = files.load(config.dtype, &config.device)?;
+        if let Some(Quantization::Q8_0) = config.quantization {
+            if !config.device.is_cpu() {
+                return Err(WorkerError::Unsupported("Q8_0 quantization runs on the CPU only".into()));
+            }
+            let (quantized, total) = model.quantize_q8_0()?;
+            eprintln!(
+                "quantized {quantized} of {total} linear layers to Q8_0 (the rest have in-features not a multiple of 32)"
+            );
+        }
         let cfg = model.config().clone();
         let kv_dtype = model.activation_dtype();
         let max_model_len =

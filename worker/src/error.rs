@@ -14,7 +14,7 @@ pub enum WorkerError {
     InvalidConfig(String),
     #[error("loading weights from {source_desc}: {error}")]
     Weights { source_desc: String, error: candle_core::Error },
-    #[error("unknown random model preset {0:?}: try tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b")]
+    #[error("unknown random model preset {0:?}: try smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b")]
     UnknownPreset(String),
     #[error("downloading {repo} from the Hugging Face hub: {message}")]
     Hub { repo: String, message: String },
@@ -22,6 +22,8 @@ pub enum WorkerError {
     InvalidRequest { id: common::RequestId, message: String },
     #[error("KV cache: {0}")]
     KvCache(String),
+    #[error("not supported: {0}")]
+    Unsupported(String),
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
     #[error(transparent)]

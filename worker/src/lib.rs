@@ -14,5 +14,5 @@ pub mod models;
 pub mod sampler;
 pub mod service;
 
-pub use engine::{Engine, EngineConfig, LogprobsMode};
+pub use engine::{Engine, EngineConfig, LogprobsMode, Quantization};
 pub use error::{Result, WorkerError};

@@ -117,6 +117,15 @@ struct EngineArgs {
     max_model_len: Option<usize>,
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Quantize linear weights at load time: q8_0 (GGML's Q8_0; CPU only).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeArg>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum QuantizeArg {
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 #[derive(Args)]
@@ -198,6 +207,7 @@ fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles)> {
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
         enable_prefix_caching: !args.no_prefix_caching,
+        quantization: args.quantize.map(|QuantizeArg::Q8_0| worker::Quantization::Q8_0),
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;

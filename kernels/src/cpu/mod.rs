@@ -3,6 +3,7 @@
 mod attention;
 mod cache;
 pub mod matmul;
+pub mod quant;
 
 pub use attention::paged_attention;
 pub use cache::reshape_and_cache;

@@ -231,6 +231,27 @@ impl CausalLm {
         &self.cfg
     }
 
+    /// Quantizes every linear layer whose input dimension allows it to Q8_0
+    /// in place (a tied lm_head shares the embedding table and stays).
+    /// Returns (quantized, total) layer counts.
+    pub fn quantize_q8_0(&mut self) -> Result<(usize, usize)> {
+        let mut linears: Vec<&mut Linear> = Vec::new();
+        for layer in &mut self.layers {
+            let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+            linears.extend([&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj]);
+            linears.extend([&mut m.gate_proj, &mut m.up_proj, &mut m.down_proj]);
+        }
+        if !self.cfg.tie_word_embeddings {
+            linears.push(&mut self.lm_head);
+        }
+        let total = linears.len();
+        let mut quantized = 0;
+        for linear in linears {
+            quantized += usize::from(linear.quantize_q8_0()?);
+        }
+        Ok((quantized, total))
+    }
+
     /// Dtype of activations, and so of the KV cache this model needs.
     pub fn activation_dtype(&self) -> DType {
         self.act

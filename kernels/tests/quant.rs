@@ -1,0 +1,120 @@
+//! Q8_0: quantization round trip, and the matmul against a naive reference
+//! on random shapes (odd n, tails of the task split, m from 1 to 33).
+
+use half::f16;
+use kernels::cpu::quant::{
+    BlockQ8_0, QK8_0, QuantError, dequantize_row_q8_0, matmul_q8_0, matmul_q8_0_scalar, quantize_matrix_q8_0,
+    quantize_row_q8_0,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn random(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// y = x @ W^T with x quantized and dequantized the same way the kernel does,
+/// summed naively in f64.
+fn reference(x: &[f32], m: usize, k: usize, w: &[BlockQ8_0], n: usize) -> Vec<f32> {
+    let kb = k / QK8_0;
+    let mut wf = vec![0f32; n * k];
+    for j in 0..n {
+        dequantize_row_q8_0(&w[j * kb..(j + 1) * kb], &mut wf[j * k..(j + 1) * k]);
+    }
+    let mut xf = vec![0f32; m * k];
+    for i in 0..m {
+        let mut blocks = vec![BlockQ8_0 { d: f16::ZERO, qs: [0; QK8_0] }; kb];
+        quantize_row_q8_0(&x[i * k..(i + 1) * k], &mut blocks).unwrap();
+        dequantize_row_q8_0(&blocks, &mut xf[i * k..(i + 1) * k]);
+    }
+    let mut y = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let s: f64 = (0..k).map(|t| xf[i * k + t] as f64 * wf[j * k + t] as f64).sum();
+            y[i * n + j] = s as f32;
+        }
+    }
+    y
+}
+
+#[test]
+fn round_trip_error_is_within_half_a_step() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let x = random(&mut rng, 32 * 64, 3.0);
+    let mut blocks = vec![BlockQ8_0 { d: f16::ZERO, qs: [0; QK8_0] }; 64];
+    quantize_row_q8_0(&x, &mut blocks).unwrap();
+    let mut back = vec![0f32; x.len()];
+    dequantize_row_q8_0(&blocks, &mut back);
+    for (chunk, (orig, got)) in blocks.iter().zip(x.chunks(32).zip(back.chunks(32))) {
+        let step = chunk.d.to_f32();
+        for (a, b) in orig.iter().zip(got) {
+            // Half a step, plus the f16 rounding of the scale itself.
+            assert!((a - b).abs() <= 0.5 * step + 127.0 * step * 1e-3, "{a} vs {b} (step {step})");
+        }
+    }
+    // All-zero blocks stay zero (no division by zero).
+    let mut zero = [BlockQ8_0 { d: f16::ONE, qs: [1; QK8_0] }];
+    quantize_row_q8_0(&[0.0; 32], &mut zero).unwrap();
+    assert_eq!(zero[0].qs, [0; 32]);
+}
+
+#[test]
+fn matmul_matches_the_reference_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(7);
+    for &(m, n, k) in &[
+        (1, 1, 32),
+        (1, 5, 64),
+        (2, 67, 96),
+        (3, 129, 2048),
+        (7, 300, 128),
+        (16, 33, 256),
+        (33, 17, 64),
+        (1, 1000, 544),
+    ] {
+        let x = random(&mut rng, m * k, 2.0);
+        let wf = random(&mut rng, n * k, 0.5);
+        let w = quantize_matrix_q8_0(&wf, n, k).unwrap();
+        let expected = reference(&x, m, k, &w, n);
+        type MatmulFn = fn(&[f32], usize, usize, &[BlockQ8_0], usize, &mut [f32]) -> Result<(), QuantError>;
+        let backends: [(&str, MatmulFn); 2] = [("dispatch", matmul_q8_0), ("scalar", matmul_q8_0_scalar)];
+        for (name, f) in backends {
+            let mut y = vec![f32::NAN; m * n];
+            f(&x, m, k, &w, n, &mut y).unwrap();
+            for (idx, (a, b)) in y.iter().zip(&expected).enumerate() {
+                let tol = 1e-4 * (1.0 + b.abs()) + 1e-5 * k as f32;
+                assert!((a - b).abs() <= tol, "{name} m{m} n{n} k{k} at {idx}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn close_to_the_unquantized_product() {
+    // What quantization costs: relative error of a few parts in a thousand.
+    let mut rng = StdRng::seed_from_u64(3);
+    let (m, n, k) = (4, 64, 1024);
+    let x = random(&mut rng, m * k, 1.0);
+    let wf = random(&mut rng, n * k, 1.0);
+    let w = quantize_matrix_q8_0(&wf, n, k).unwrap();
+    let mut y = vec![0f32; m * n];
+    matmul_q8_0(&x, m, k, &w, n, &mut y).unwrap();
+    let (mut err, mut norm) = (0f64, 0f64);
+    for i in 0..m {
+        for j in 0..n {
+            let exact: f64 = (0..k).map(|t| x[i * k + t] as f64 * wf[j * k + t] as f64).sum();
+            err += (y[i * n + j] as f64 - exact).powi(2);
+            norm += exact * exact;
+        }
+    }
+    let rel = (err / norm).sqrt();
+    assert!(rel < 0.02, "relative error {rel}");
+}
+
+#[test]
+fn bad_shapes_are_errors_not_panics() {
+    let w = vec![BlockQ8_0 { d: f16::ONE, qs: [0; QK8_0] }; 2];
+    let mut y = vec![0f32; 2];
+    assert_eq!(matmul_q8_0(&[0.0; 40], 1, 40, &w, 2, &mut y), Err(QuantError::NotBlockAligned(40)));
+    assert!(matches!(matmul_q8_0(&[0.0; 31], 1, 32, &w, 2, &mut y), Err(QuantError::Shape(_))));
+    assert!(matches!(quantize_matrix_q8_0(&[0.0; 64], 3, 32), Err(QuantError::Shape(_))));
+}
