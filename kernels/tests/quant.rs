@@ -3,7 +3,8 @@
 
 use half::f16;
 use kernels::cpu::quant::{
-    BlockQ8_0, QK8_0, QuantError, dequantize_row_q8_0, matmul_q8_0, matmul_q8_0_scalar, quantize_matrix_q8_0,
+    BlockQ4_0, BlockQ8_0, QK8_0, QuantBlock, QuantError, dequantize_row, dequantize_row_q8_0, matmul_q8_0,
+    matmul_q8_0_scalar, matmul_quant, matmul_quant_scalar, quantize_matrix, quantize_matrix_q8_0, quantize_row,
     quantize_row_q8_0,
 };
 use rand::rngs::StdRng;
@@ -15,11 +16,11 @@ fn random(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
 
 /// y = x @ W^T with x quantized and dequantized the same way the kernel does,
 /// summed naively in f64.
-fn reference(x: &[f32], m: usize, k: usize, w: &[BlockQ8_0], n: usize) -> Vec<f32> {
+fn reference<B: QuantBlock>(x: &[f32], m: usize, k: usize, w: &[B], n: usize) -> Vec<f32> {
     let kb = k / QK8_0;
     let mut wf = vec![0f32; n * k];
     for j in 0..n {
-        dequantize_row_q8_0(&w[j * kb..(j + 1) * kb], &mut wf[j * k..(j + 1) * k]);
+        dequantize_row(&w[j * kb..(j + 1) * kb], &mut wf[j * k..(j + 1) * k]);
     }
     let mut xf = vec![0f32; m * k];
     for i in 0..m {
@@ -117,4 +118,54 @@ fn bad_shapes_are_errors_not_panics() {
     assert_eq!(matmul_q8_0(&[0.0; 40], 1, 40, &w, 2, &mut y), Err(QuantError::NotBlockAligned(40)));
     assert!(matches!(matmul_q8_0(&[0.0; 31], 1, 32, &w, 2, &mut y), Err(QuantError::Shape(_))));
     assert!(matches!(quantize_matrix_q8_0(&[0.0; 64], 3, 32), Err(QuantError::Shape(_))));
+}
+
+/// Q4_0 codes are 4-bit, weight j in the low nibble of byte j and weight
+/// j + 16 in its high nibble; the largest-magnitude weight maps to code 0.
+#[test]
+fn q4_0_round_trip_and_layout() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let x = random(&mut rng, 32 * 16, 2.0);
+    let mut blocks = vec![BlockQ4_0::ZERO; 16];
+    quantize_row(&x, &mut blocks).unwrap();
+    let mut back = vec![0f32; x.len()];
+    dequantize_row(&blocks, &mut back);
+    for (block, (orig, got)) in blocks.iter().zip(x.chunks(32).zip(back.chunks(32))) {
+        let step = block.d.to_f32().abs();
+        for (a, b) in orig.iter().zip(got) {
+            // Half a step, except next to -max (the side with only 7 codes,
+            // clamped as in GGML): up to a whole step.
+            assert!((a - b).abs() <= step * 1.01 + 1e-6, "{a} vs {b} (step {step})");
+        }
+    }
+    let mut ramp = [0f32; 32];
+    ramp[0] = -8.0;
+    ramp[17] = 3.0;
+    let b = BlockQ4_0::quantize(&ramp);
+    assert_eq!(b.d.to_f32(), 1.0);
+    assert_eq!(b.qs[0] & 0x0F, 0, "weight 0 = -8 -> code 0");
+    assert_eq!(b.qs[1] >> 4, 11, "weight 17 = 3 -> code 11");
+}
+
+#[test]
+fn q4_0_matmul_matches_the_reference_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(17);
+    for &(m, n, k) in
+        &[(1, 1, 32), (1, 7, 64), (2, 67, 96), (3, 130, 2048), (5, 301, 160), (16, 33, 256), (1, 1000, 544)]
+    {
+        let x = random(&mut rng, m * k, 2.0);
+        let wf = random(&mut rng, n * k, 0.5);
+        let w: Vec<BlockQ4_0> = quantize_matrix(&wf, n, k).unwrap();
+        let expected = reference(&x, m, k, &w, n);
+        type MatmulFn = fn(&[f32], usize, usize, &[BlockQ4_0], usize, &mut [f32]) -> Result<(), QuantError>;
+        let backends: [(&str, MatmulFn); 2] = [("dispatch", matmul_quant), ("scalar", matmul_quant_scalar)];
+        for (name, f) in backends {
+            let mut y = vec![f32::NAN; m * n];
+            f(&x, m, k, &w, n, &mut y).unwrap();
+            for (idx, (a, b)) in y.iter().zip(&expected).enumerate() {
+                let tol = 1e-4 * (1.0 + b.abs()) + 1e-5 * k as f32;
+                assert!((a - b).abs() <= tol, "{name} m{m} n{n} k{k} at {idx}: {a} vs {b}");
+            }
+        }
+    }
 }

@@ -8,6 +8,7 @@ use common::{RequestId, SamplingParams};
 
 use crate::Engine;
 use crate::error::Result;
+use crate::profile::{StepProfile, Totals};
 
 #[derive(Clone, Debug)]
 pub struct BenchArgs {
@@ -15,6 +16,8 @@ pub struct BenchArgs {
     pub input_len: usize,
     pub output_len: usize,
     pub seed: u64,
+    /// Time the parts of each pure decode step (`bench --profile`).
+    pub profile: bool,
 }
 
 /// mean / p50 / p99 of a latency, in milliseconds.
@@ -54,6 +57,8 @@ pub struct BenchReport {
     pub peak_kv_blocks_used: usize,
     pub kv_blocks_total: usize,
     pub steps: usize,
+    /// Set with `BenchArgs::profile`.
+    pub profile: Option<StepProfile>,
 }
 
 impl std::fmt::Display for BenchReport {
@@ -86,7 +91,11 @@ impl std::fmt::Display for BenchReport {
             self.tpot.p99_ms,
             1e3 / self.tpot.mean_ms.max(1e-9)
         )?;
-        write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)
+        write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)?;
+        if let Some(p) = &self.profile {
+            write!(f, "\n{p}")?;
+        }
+        Ok(())
     }
 }
 
@@ -105,8 +114,20 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     }
     let mut steps = 0;
     let mut peak = 0;
+    crate::profile::set_enabled(args.profile);
+    let mut profile = StepProfile::default();
     while engine.has_unfinished() {
+        let (before, t0) = (Totals::now(), Instant::now());
         let outputs = engine.step()?;
+        if args.profile {
+            let info = engine.last_step();
+            // Pure decode steps only: one new token per scheduled request.
+            if info.num_batched_tokens == info.scheduled.len() {
+                profile.steps += 1;
+                profile.wall += t0.elapsed();
+                profile.totals.add(&Totals::now().since(&before));
+            }
+        }
         steps += 1;
         let now = Instant::now();
         peak = peak.max(engine.stats().kv_blocks_used);
@@ -135,6 +156,7 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         peak_kv_blocks_used: peak,
         kv_blocks_total: engine.stats().kv_blocks_total,
         steps,
+        profile: args.profile.then_some(profile),
     })
 }
 

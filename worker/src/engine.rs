@@ -12,6 +12,7 @@ use crate::error::{Result, WorkerError};
 use crate::kv_cache::{self, KvBudget};
 use crate::model_runner::ModelRunner;
 use crate::models::ModelFiles;
+use crate::profile::{self, Section};
 use crate::sampler::{self, SeqSamplingInput};
 
 #[derive(Clone, Debug)]
@@ -38,6 +39,17 @@ pub struct EngineConfig {
 pub enum Quantization {
     /// GGML's Q8_0: i8 weights with an f16 scale per 32 (8.5 bits per weight).
     Q8_0,
+    /// GGML's Q4_0: 4-bit weights with an f16 scale per 32 (4.5 bits per weight).
+    Q4_0,
+}
+
+impl Quantization {
+    pub fn format(self) -> crate::models::linear::QuantFormat {
+        match self {
+            Self::Q8_0 => crate::models::linear::QuantFormat::Q8_0,
+            Self::Q4_0 => crate::models::linear::QuantFormat::Q4_0,
+        }
+    }
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -89,13 +101,14 @@ impl Engine {
     /// Loads the model and allocates the KV cache.
     pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
         let mut model = files.load(config.dtype, &config.device)?;
-        if let Some(Quantization::Q8_0) = config.quantization {
+        if let Some(q) = config.quantization {
             if !config.device.is_cpu() {
-                return Err(WorkerError::Unsupported("Q8_0 quantization runs on the CPU only".into()));
+                return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
             }
-            let (quantized, total) = model.quantize_q8_0()?;
+            let (quantized, total) = model.quantize(q.format())?;
             eprintln!(
-                "quantized {quantized} of {total} linear layers to Q8_0 (the rest have in-features not a multiple of 32)"
+                "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple \
+                 of 32, or were quantized already)"
             );
         }
         let cfg = model.config().clone();
@@ -188,6 +201,7 @@ impl Engine {
     /// One step: computes the scheduled tokens of all running requests in
     /// one forward pass and returns each sampling request's new token.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        let sched_timer = profile::scope(Section::Scheduler);
         let step = self.scheduler.schedule();
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
@@ -196,7 +210,12 @@ impl Engine {
             return Ok(Vec::new());
         }
         let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
-        let logits = self.runner.execute(&batch)?;
+        drop(sched_timer);
+        let logits = {
+            let _t = profile::scope(Section::Forward);
+            self.runner.execute(&batch)?
+        };
+        let sampling_timer = profile::scope(Section::Sampling);
         let inputs: Vec<SeqSamplingInput> = step
             .scheduled
             .iter()
@@ -236,6 +255,8 @@ impl Engine {
             })
             .collect();
         drop(inputs);
+        drop(sampling_timer);
+        let _t = profile::scope(Section::Scheduler);
         Ok(self.scheduler.update_from_output(&step, sampled))
     }
 }

@@ -11,6 +11,7 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod model_runner;
 pub mod models;
+pub mod profile;
 pub mod sampler;
 pub mod service;
 

@@ -30,6 +30,34 @@ enum Command {
     /// model's shape and another model's tokenizer (for cluster benchmarks
     /// that need realistic compute without downloading a model).
     ExportRandom(ExportRandomArgs),
+    /// Write a model (a HF directory or random:<preset>) as one GGUF file,
+    /// so llama.cpp and this engine can run the same weights.
+    ExportGguf(ExportGgufArgs),
+}
+
+#[derive(Args)]
+struct ExportGgufArgs {
+    /// A Hugging Face model directory or random:<preset>.
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    out: std::path::PathBuf,
+    /// Storage of the linear weights (norms stay f32, the embedding f16).
+    #[arg(long, value_enum, default_value = "f16")]
+    r#type: GgufTypeArg,
+    /// Seed of random:<preset> weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum GgufTypeArg {
+    F32,
+    F16,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 #[derive(Args)]
@@ -117,7 +145,8 @@ struct EngineArgs {
     max_model_len: Option<usize>,
     #[arg(long)]
     no_prefix_caching: bool,
-    /// Quantize linear weights at load time: q8_0 (GGML's Q8_0; CPU only).
+    /// Quantize linear weights at load time, in GGML's formats (CPU only):
+    /// q8_0 (8.5 bits per weight) or q4_0 (4.5 bits).
     #[arg(long, value_enum)]
     quantize: Option<QuantizeArg>,
 }
@@ -126,6 +155,8 @@ struct EngineArgs {
 enum QuantizeArg {
     #[value(name = "q8_0")]
     Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 #[derive(Args)]
@@ -175,6 +206,10 @@ struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Also print where a decode step's time goes (matmuls, attention,
+    /// other model ops, sampling, scheduler, other).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -183,6 +218,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => bench(args),
         Command::Serve(args) => serve(args),
         Command::ExportRandom(args) => export_random(args),
+        Command::ExportGguf(args) => export_gguf(args),
     }
 }
 
@@ -207,7 +243,10 @@ fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles)> {
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
         enable_prefix_caching: !args.no_prefix_caching,
-        quantization: args.quantize.map(|QuantizeArg::Q8_0| worker::Quantization::Q8_0),
+        quantization: args.quantize.map(|q| match q {
+            QuantizeArg::Q8_0 => worker::Quantization::Q8_0,
+            QuantizeArg::Q4_0 => worker::Quantization::Q4_0,
+        }),
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
@@ -305,6 +344,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         input_len: args.input_len,
         output_len: args.output_len,
         seed: args.seed,
+        profile: args.profile,
     };
     let report = worker::bench::run(&mut engine, &bench_args)?;
     if args.json {
@@ -458,4 +498,34 @@ fn watch_parent() {
             }
         });
     }
+}
+
+fn export_gguf(args: ExportGgufArgs) -> anyhow::Result<()> {
+    use worker::models::gguf::{ExportType, Vocab};
+    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?)?;
+    let tensors = if files.random_weights {
+        worker::models::loader::random_weights(&files.config, DType::F32, &Device::Cpu, args.seed)?
+    } else {
+        anyhow::ensure!(files.gguf.is_none(), "{} already is a GGUF file", files.name);
+        let mut all = std::collections::HashMap::new();
+        for path in &files.weights {
+            all.extend(candle_core::safetensors::load(path, &Device::Cpu)?);
+        }
+        all
+    };
+    let vocab = Vocab::from_tokenizer_json(
+        files.tokenizer_json.as_deref(),
+        files.config.vocab_size,
+        files.bos_token_id.unwrap_or(1),
+        files.eos_token_ids.first().copied().unwrap_or(2),
+    )?;
+    let ty = match args.r#type {
+        GgufTypeArg::F32 => ExportType::F32,
+        GgufTypeArg::F16 => ExportType::F16,
+        GgufTypeArg::Q8_0 => ExportType::Q8_0,
+        GgufTypeArg::Q4_0 => ExportType::Q4_0,
+    };
+    worker::models::gguf::write(&args.out, &files.config, &tensors, ty, &vocab)?;
+    eprintln!("wrote {} ({ty:?}) from {}", args.out.display(), files.name);
+    Ok(())
 }

@@ -9,7 +9,7 @@
 //!   per call. Output rows n are split into tasks of 16-64 rows on rayon's
 //!   global pool, so both cores stream different rows. Each core reads 4 rows
 //!   at a time, one cache line per row per step, 2 FMA chains per row, and
-//!   software-prefetches each row 2 KiB ahead (worth 10-30% on Zen).
+//!   software-prefetches the 4-row span 16 KiB ahead (worth 20-30% on Zen).
 //! - Larger m is compute bound. Each tile of 4 weight rows is widened to f32 one
 //!   K block (256) at a time into an L1 buffer, then every x row passes over it
 //!   in 4x3 register tiles (12 accumulators of 8 lanes). Conversion then costs
@@ -474,11 +474,14 @@ mod avx2 {
     }
 
     /// Bytes each weight row is prefetched ahead in [`gemv`].
-    const GEMV_PF_BYTES: usize = 2048;
+    /// How far ahead of use [`gemv`] prefetches its weights, in bytes:
+    /// measured best of 2-32 KiB on Zen 3 (16 KiB: 17-18 GB/s, about the
+    /// machine's read bandwidth; 2 KiB per row: 14-15 GB/s).
+    const GEMV_PF_BYTES: usize = 16 << 10;
 
     /// y[0, n0..n1] for m = 1: 4 weight rows at a time, widened straight into
     /// FMAs with 2 accumulator chains per row, one cache line per row per step,
-    /// each row prefetched GEMV_PF_BYTES ahead (past its end: the next tile).
+    /// the 4-row span prefetched GEMV_PF_BYTES ahead as one stream.
     ///
     /// # Safety
     /// As [`panel`], with p.m == 1.
@@ -487,19 +490,22 @@ mod avx2 {
         let k = p.k;
         let line = 64 / size_of::<T>();
         let kl = k - k % line;
-        let pf_elems = GEMV_PF_BYTES / size_of::<T>();
         let x = p.x.as_ptr();
         let mut nr = n0;
         while nr + 4 <= n1 {
             let rows = [nr * k, (nr + 1) * k, (nr + 2) * k, (nr + 3) * k];
             let mut acc = [[_mm256_setzero_ps(); 2]; 4];
             let mut i = 0;
+            // Rows nr..nr + 4 are one contiguous span read as 4 interleaved
+            // streams; prefetch it as one linear stream running ahead (into
+            // the next tile), 4 lines per step as 4 lines are consumed.
+            let span = w.as_ptr().wrapping_add(nr * k).cast::<u8>();
             while i < kl {
-                let ahead = i + pf_elems;
-                let pf = if ahead < k { ahead } else { 4 * k + ahead - k };
+                let at = span.wrapping_add(GEMV_PF_BYTES + 4 * i * size_of::<T>());
+                for r in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * r).cast());
+                }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    // A hint only: never faults, even past the weights.
-                    _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(rows[r] + pf).cast());
                     let mut j = 0;
                     while j < line {
                         // SAFETY: rows[r] + i + j + 8 <= (nr + r + 1) * k <=

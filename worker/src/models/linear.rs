@@ -7,12 +7,20 @@
 //! f32. Other devices, and large f32 batches (where candle's GEMM is
 //! good), use candle's matmul.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
-use kernels::cpu::quant::{BlockQ8_0, QK8_0, matmul_q8_0, quantize_matrix_q8_0};
+use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK, matmul_quant, quantize_matrix};
+
+/// GGML block formats a linear weight can be stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantFormat {
+    Q8_0,
+    Q4_0,
+}
 
 /// Above this many rows f32 weights go to candle's blocked GEMM.
 const F32_KERNEL_MAX_ROWS: usize = 16;
@@ -24,15 +32,111 @@ pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
     bias_f32: Option<Vec<f32>>,
-    q8: Option<Arc<QuantWeight>>,
+    quant: Option<Arc<QuantWeight>>,
 }
 
-/// A Q8_0 weight: `out` rows of `in / 32` blocks.
+/// A quantized weight: `out` rows of `inp / 32` blocks.
 #[derive(Debug)]
-struct QuantWeight {
-    blocks: Vec<BlockQ8_0>,
+pub struct QuantWeight {
+    blocks: QuantBlocks,
     out: usize,
     inp: usize,
+}
+
+#[derive(Debug)]
+enum QuantBlocks {
+    Q8_0(Vec<BlockQ8_0>),
+    Q4_0(Vec<BlockQ4_0>),
+}
+
+impl QuantWeight {
+    /// Quantizes a row-major `[out, inp]` f32 matrix.
+    pub fn quantize(format: QuantFormat, w: &[f32], out: usize, inp: usize) -> candle_core::Result<Self> {
+        let err = |e: kernels::cpu::quant::QuantError| candle_core::Error::Msg(e.to_string());
+        let blocks = match format {
+            QuantFormat::Q8_0 => QuantBlocks::Q8_0(quantize_matrix(w, out, inp).map_err(err)?),
+            QuantFormat::Q4_0 => QuantBlocks::Q4_0(quantize_matrix(w, out, inp).map_err(err)?),
+        };
+        Ok(Self { blocks, out, inp })
+    }
+
+    /// Blocks as stored in a file (GGUF), checked against the shape.
+    pub fn from_q8_0(blocks: Vec<BlockQ8_0>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        Self::check(blocks.len(), out, inp)?;
+        Ok(Self { blocks: QuantBlocks::Q8_0(blocks), out, inp })
+    }
+
+    pub fn from_q4_0(blocks: Vec<BlockQ4_0>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        Self::check(blocks.len(), out, inp)?;
+        Ok(Self { blocks: QuantBlocks::Q4_0(blocks), out, inp })
+    }
+
+    fn check(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()> {
+        if inp % QK != 0 || blocks != out * (inp / QK) {
+            candle_core::bail!("{blocks} quantized blocks do not make a [{out}, {inp}] weight");
+        }
+        Ok(())
+    }
+
+    pub fn format(&self) -> QuantFormat {
+        match self.blocks {
+            QuantBlocks::Q8_0(_) => QuantFormat::Q8_0,
+            QuantBlocks::Q4_0(_) => QuantFormat::Q4_0,
+        }
+    }
+
+    /// `[out, inp]`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+
+    /// Reorders whole output rows: row `r` of the result is row `perm[r]`.
+    pub fn permute_rows(&mut self, perm: &[usize]) {
+        fn apply<B: Copy>(v: &mut Vec<B>, perm: &[usize], kb: usize) {
+            *v = perm.iter().flat_map(|&r| v[r * kb..(r + 1) * kb].iter().copied()).collect();
+        }
+        let kb = self.inp / QK;
+        match &mut self.blocks {
+            QuantBlocks::Q8_0(v) => apply(v, perm, kb),
+            QuantBlocks::Q4_0(v) => apply(v, perm, kb),
+        }
+    }
+
+    fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) -> candle_core::Result<()> {
+        let err = |e: kernels::cpu::quant::QuantError| candle_core::Error::Msg(e.to_string());
+        match &self.blocks {
+            QuantBlocks::Q8_0(b) => matmul_quant(x, m, self.inp, b, self.out, y).map_err(err),
+            QuantBlocks::Q4_0(b) => matmul_quant(x, m, self.inp, b, self.out, y).map_err(err),
+        }
+    }
+
+    /// Bytes of weight streamed per token.
+    pub fn size_in_bytes(&self) -> usize {
+        match &self.blocks {
+            QuantBlocks::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
+            QuantBlocks::Q4_0(b) => std::mem::size_of_val(b.as_slice()),
+        }
+    }
+}
+
+/// Weights that arrive already quantized (from a GGUF file), by HF tensor
+/// name; [`linear`] takes its weight from here when present.
+#[derive(Debug, Default)]
+pub struct Prequantized(Mutex<HashMap<String, QuantWeight>>);
+
+impl Prequantized {
+    pub fn new(weights: HashMap<String, QuantWeight>) -> Self {
+        Self(Mutex::new(weights))
+    }
+
+    fn take(&self, name: &str) -> Option<QuantWeight> {
+        self.0.lock().ok()?.remove(name)
+    }
+
+    /// Names nobody took (a mapping bug, or tensors the model does not use).
+    pub fn remaining(&self) -> Vec<String> {
+        self.0.lock().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+    }
 }
 
 impl Linear {
@@ -42,37 +146,57 @@ impl Linear {
             Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
         };
-        Ok(Self { weight, bias, bias_f32, q8: None })
+        Ok(Self { weight, bias, bias_f32, quant: None })
+    }
+
+    /// A linear layer over an already-quantized weight.
+    pub fn from_quant(weight: QuantWeight, bias: Option<Tensor>) -> candle_core::Result<Self> {
+        let bias_f32 = match &bias {
+            Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let placeholder = Tensor::zeros(0, DType::F32, &candle_core::Device::Cpu)?;
+        Ok(Self { weight: placeholder, bias, bias_f32, quant: Some(Arc::new(weight)) })
+    }
+
+    pub fn quant_format(&self) -> Option<QuantFormat> {
+        self.quant.as_ref().map(|q| q.format())
     }
 
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
 
-    /// Replaces the weight by its Q8_0 quantization (GGML's format: i8 per
-    /// weight, one f16 scale per 32), if it lives on the CPU and its input
-    /// dimension is a multiple of 32. Returns whether it did.
-    pub fn quantize_q8_0(&mut self) -> candle_core::Result<bool> {
+    /// Replaces the weight by its quantization (GGML's block formats: i8 or
+    /// 4-bit codes, one f16 scale per 32), if it lives on the CPU and its
+    /// input dimension is a multiple of 32. Returns whether it did.
+    pub fn quantize(&mut self, format: QuantFormat) -> candle_core::Result<bool> {
+        if self.quant.is_some() {
+            return Ok(false);
+        }
         let (out, inp) = self.weight.dims2()?;
-        if self.q8.is_some() || !self.weight.device().is_cpu() || inp % QK8_0 != 0 {
+        if !self.weight.device().is_cpu() || inp % QK != 0 {
             return Ok(false);
         }
         let w = self.weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let blocks = quantize_matrix_q8_0(&w, out, inp).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        self.q8 = Some(Arc::new(QuantWeight { blocks, out, inp }));
+        self.quant = Some(Arc::new(QuantWeight::quantize(format, &w, out, inp)?));
         self.weight = Tensor::zeros(0, self.weight.dtype(), self.weight.device())?;
         Ok(true)
     }
 
-    /// x: [m, in] -> [m, out] through the Q8_0 kernel.
-    fn q8_forward(&self, q: &QuantWeight, x: &Tensor) -> candle_core::Result<Tensor> {
+    pub fn quantize_q8_0(&mut self) -> candle_core::Result<bool> {
+        self.quantize(QuantFormat::Q8_0)
+    }
+
+    /// x: [m, in] -> [m, out] through the quantized kernel.
+    fn quant_forward(&self, q: &QuantWeight, x: &Tensor) -> candle_core::Result<Tensor> {
         let (m, k) = x.dims2()?;
         if k != q.inp {
             candle_core::bail!("linear: input has {k} features, the weight takes {}", q.inp);
         }
         let x32 = x.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let mut y = vec![0f32; m * q.out];
-        matmul_q8_0(&x32, m, k, &q.blocks, q.out, &mut y).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        q.matmul(&x32, m, &mut y)?;
         if let Some(b) = &self.bias_f32 {
             for row in y.chunks_exact_mut(q.out) {
                 row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
@@ -132,17 +256,31 @@ fn run_chunked<W: WeightElem>(x: &[f32], m: usize, k: usize, w: &[W], n: usize, 
     }
 }
 
-/// `[out, in]` weight (and `[out]` bias) under `vb`, as HF names them.
-pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: candle_nn::VarBuilder) -> candle_core::Result<Linear> {
-    let weight = vb.get((out_dim, in_dim), "weight")?;
+/// `[out, in]` weight (and `[out]` bias) under `vb`, as HF names them; a
+/// weight in `pre` (already quantized) is taken from there.
+pub fn linear(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: candle_nn::VarBuilder,
+    pre: &Prequantized,
+) -> candle_core::Result<Linear> {
     let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
-    Linear::new(weight, bias)
+    let name = format!("{}.weight", vb.prefix());
+    if let Some(q) = pre.take(&name) {
+        if q.dims() != (out_dim, in_dim) {
+            candle_core::bail!("{name}: quantized weight is {:?}, expected [{out_dim}, {in_dim}]", q.dims());
+        }
+        return Linear::from_quant(q, bias);
+    }
+    Linear::new(vb.get((out_dim, in_dim), "weight")?, bias)
 }
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if let Some(q) = &self.q8 {
-            return self.q8_forward(q, x);
+        let _t = crate::profile::scope(crate::profile::Section::Matmul);
+        if let Some(q) = &self.quant {
+            return self.quant_forward(q, x);
         }
         let rows = x.dims().iter().rev().skip(1).product::<usize>();
         let use_kernel = x.device().is_cpu()

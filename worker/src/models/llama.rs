@@ -13,7 +13,7 @@ use candle_nn::{Embedding, VarBuilder};
 use kernels::AttentionMetadata;
 
 use super::config::ModelConfig;
-use super::linear::{Linear, linear};
+use super::linear::{Linear, Prequantized, QuantFormat, linear};
 use crate::error::Result;
 use crate::kv_cache::LayerKvCache;
 
@@ -91,7 +91,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         let (h, q_dim, kv_dim) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
@@ -102,10 +102,10 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: linear(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: linear(q_dim, h, cfg.o_bias, vb.pp("o_proj"))?,
+            q_proj: linear(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"), pre)?,
+            k_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"), pre)?,
+            v_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"), pre)?,
+            o_proj: linear(q_dim, h, cfg.o_bias, vb.pp("o_proj"), pre)?,
             q_norm,
             k_norm,
             num_heads: cfg.num_heads,
@@ -142,8 +142,11 @@ impl Attention {
         let k = apply_rope(&k, cos, sin)?;
         // 4. One batched write of this step's K/V into their slots, then
         //    attention over each sequence's blocks (cached prefix + new).
-        kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
-        let out = kernels::paged_attention(&q, &kv.k, &kv.v, meta, self.scale)?; // [T, H, D]
+        let out = {
+            let _t = crate::profile::scope(crate::profile::Section::Attention);
+            kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
+            kernels::paged_attention(&q, &kv.k, &kv.v, meta, self.scale)? // [T, H, D]
+        };
         Ok(self.o_proj.forward(&out.reshape((t, self.num_heads * self.head_dim))?)?)
     }
 }
@@ -155,12 +158,12 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate_proj: linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"))?,
-            up_proj: linear(h, i, cfg.mlp_bias, vb.pp("up_proj"))?,
-            down_proj: linear(i, h, cfg.mlp_bias, vb.pp("down_proj"))?,
+            gate_proj: linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"), pre)?,
+            up_proj: linear(h, i, cfg.mlp_bias, vb.pp("up_proj"), pre)?,
+            down_proj: linear(i, h, cfg.mlp_bias, vb.pp("down_proj"), pre)?,
         })
     }
 
@@ -178,16 +181,16 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         Ok(Self {
             input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
+            self_attn: Attention::new(cfg, vb.pp("self_attn"), pre)?,
             post_attention_layernorm: RmsNorm::new(
                 cfg.hidden_size,
                 cfg.rms_norm_eps,
                 vb.pp("post_attention_layernorm"),
             )?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            mlp: Mlp::new(cfg, vb.pp("mlp"), pre)?,
         })
     }
 }
@@ -209,19 +212,25 @@ impl CausalLm {
     /// (`model.layers.N.self_attn.q_proj.weight`, ...). A missing tensor or a
     /// shape mismatch fails here, naming the tensor.
     pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_prequantized(cfg, vb, &Prequantized::default())
+    }
+
+    /// As [`CausalLm::new`], taking linear weights found in `pre` (already
+    /// quantized, from a GGUF file) instead of from `vb`.
+    pub fn with_prequantized(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         let device = vb.device().clone();
         let act = activation_dtype(vb.dtype(), &device);
         let model = vb.pp("model");
         let embed_weight = model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight")?;
         let embed_tokens = Embedding::new(embed_weight.clone(), cfg.hidden_size);
         let layers = (0..cfg.num_layers)
-            .map(|i| DecoderLayer::new(cfg, model.pp(format!("layers.{i}"))))
+            .map(|i| DecoderLayer::new(cfg, model.pp(format!("layers.{i}")), pre))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear::new(embed_weight, None)?
         } else {
-            linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"))?
+            linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"), pre)?
         };
         let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device)?;
         Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone(), act })
@@ -231,10 +240,11 @@ impl CausalLm {
         &self.cfg
     }
 
-    /// Quantizes every linear layer whose input dimension allows it to Q8_0
-    /// in place (a tied lm_head shares the embedding table and stays).
-    /// Returns (quantized, total) layer counts.
-    pub fn quantize_q8_0(&mut self) -> Result<(usize, usize)> {
+    /// Quantizes every linear layer whose input dimension allows it in
+    /// place (a tied lm_head shares the embedding table and stays; layers
+    /// that already are quantized stay as they are). Returns (quantized now,
+    /// total) layer counts.
+    pub fn quantize(&mut self, format: QuantFormat) -> Result<(usize, usize)> {
         let mut linears: Vec<&mut Linear> = Vec::new();
         for layer in &mut self.layers {
             let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
@@ -247,7 +257,7 @@ impl CausalLm {
         let total = linears.len();
         let mut quantized = 0;
         for linear in linears {
-            quantized += usize::from(linear.quantize_q8_0()?);
+            quantized += usize::from(linear.quantize(format)?);
         }
         Ok((quantized, total))
     }

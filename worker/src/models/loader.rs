@@ -19,6 +19,8 @@ use crate::error::{Result, WorkerError};
 #[derive(Clone, Debug, PartialEq)]
 pub enum ModelSource {
     Dir(PathBuf),
+    /// A GGUF file (llama.cpp's format).
+    Gguf(PathBuf),
     Hub(String),
     Random(String),
 }
@@ -32,6 +34,12 @@ impl ModelSource {
         let path = Path::new(spec);
         if path.is_dir() {
             return Ok(Self::Dir(path.to_path_buf()));
+        }
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            if path.is_file() {
+                return Ok(Self::Gguf(path.to_path_buf()));
+            }
+            return Err(WorkerError::ModelFile { path: path.to_path_buf(), message: "no such GGUF file".into() });
         }
         let looks_like_hub_id = spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.starts_with('/');
         if looks_like_hub_id {
@@ -64,6 +72,8 @@ pub struct ModelFiles {
     pub name: String,
     pub config: ModelConfig,
     pub weights: Vec<PathBuf>,
+    /// Set when the weights are one GGUF file.
+    pub gguf: Option<PathBuf>,
     pub tokenizer_json: Option<PathBuf>,
     pub tokenizer_config_json: Option<PathBuf>,
     /// EOS ids from generation_config.json (falling back to config.json).
@@ -89,12 +99,30 @@ impl ModelFiles {
                 let dir = download_from_hub(repo)?;
                 Self::from_dir(&dir, repo.clone())
             }
+            ModelSource::Gguf(path) => {
+                let info = super::gguf::read_info(path)?;
+                // A tokenizer.json beside the file serves text prompts.
+                let tokenizer = path.with_file_name("tokenizer.json");
+                Ok(Self {
+                    name: path.display().to_string(),
+                    config: info.config,
+                    weights: Vec::new(),
+                    gguf: Some(path.clone()),
+                    tokenizer_json: tokenizer.is_file().then_some(tokenizer),
+                    tokenizer_config_json: None,
+                    eos_token_ids: info.eos_token_ids,
+                    bos_token_id: info.bos_token_id,
+                    random_weights: false,
+                    config_hash: common::protocol::config_hash(info.config_json.as_bytes()),
+                })
+            }
             ModelSource::Random(preset) => {
                 let config = random_preset(preset)?;
                 Ok(Self {
                     name: format!("random:{preset}"),
                     config,
                     weights: Vec::new(),
+                    gguf: None,
                     tokenizer_json: None,
                     tokenizer_config_json: None,
                     eos_token_ids: vec![2],
@@ -128,6 +156,7 @@ impl ModelFiles {
             name,
             config,
             weights,
+            gguf: None,
             tokenizer_json: optional("tokenizer.json"),
             tokenizer_config_json: optional("tokenizer_config.json"),
             eos_token_ids,
@@ -140,6 +169,9 @@ impl ModelFiles {
     /// Builds the model in `dtype` on `device`. Safetensors files are
     /// memory-mapped; each tensor is read once into its device buffer.
     pub fn load(&self, dtype: DType, device: &Device) -> Result<CausalLm> {
+        if let Some(path) = &self.gguf {
+            return super::gguf::load(path, dtype, device);
+        }
         if self.random_weights {
             let vb = VarBuilder::from_tensors(random_weights(&self.config, dtype, device, 0)?, dtype, device);
             return CausalLm::new(&self.config, vb);

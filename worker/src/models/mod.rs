@@ -1,6 +1,7 @@
 //! Model architectures and their loading.
 
 pub mod config;
+pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod loader;

@@ -1,0 +1,78 @@
+//! Decode-shaped CPU kernel benchmark: memory read bandwidth (the limit for
+//! batch-1 decode) and `x[1, k] @ W[n, k]^T` per weight format, with weights
+//! rotated through more than 512 MiB so they come from DRAM, not cache.
+//!
+//! `cargo bench -p tinyvllm-kernels --bench cpu_decode`
+//! (`RAYON_NUM_THREADS` sets the thread count; default: all cores).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use half::f16;
+use kernels::cpu::matmul::matmul_xwt;
+use kernels::cpu::quant::{BlockQ8_0, QK8_0, matmul_q8_0, quantize_matrix_q8_0};
+use rayon::prelude::*;
+
+/// TinyLlama-1.1B's decode matmuls: (name, n, k).
+const SHAPES: [(&str, usize, usize); 3] =
+    [("qkv/o 2048x2048", 2048, 2048), ("gate/up 5632x2048", 5632, 2048), ("down 2048x5632", 2048, 5632)];
+const ROTATE_BYTES: usize = 768 << 20;
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn read_bandwidth() -> f64 {
+    let words = (1usize << 30) / 8;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
+        black_box(s);
+        times.push(t.elapsed());
+    }
+    (words * 8) as f64 / median(times).as_secs_f64() / 1e9
+}
+
+/// Times `f(copy)` over enough weight copies to defeat the caches; returns
+/// (median time per call, GB/s of weight bytes).
+fn time_rotating(copies: usize, bytes: usize, mut f: impl FnMut(usize)) -> (Duration, f64) {
+    for c in 0..copies {
+        f(c);
+    }
+    let mut times = Vec::new();
+    for it in 0..(copies * 4).max(40) {
+        let t = Instant::now();
+        f(it % copies);
+        times.push(t.elapsed());
+    }
+    let d = median(times);
+    (d, bytes as f64 / d.as_secs_f64() / 1e9)
+}
+
+fn main() {
+    println!("threads: {}", rayon::current_num_threads());
+    println!("read bandwidth: {:.1} GB/s", read_bandwidth());
+    for (name, n, k) in SHAPES {
+        let x: Vec<f32> = (0..k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let mut y = vec![0f32; n];
+        let base: Vec<f32> = (0..n * k).map(|i| ((i * 31) % 997) as f32 / 997.0 - 0.5).collect();
+
+        let bytes = n * k * 2;
+        let copies = ROTATE_BYTES.div_ceil(bytes);
+        let base16: Vec<f16> = base.iter().map(|&v| f16::from_f32(v)).collect();
+        let w16: Vec<Vec<f16>> = (0..copies).map(|_| base16.clone()).collect();
+        let (d, gbs) = time_rotating(copies, bytes, |c| matmul_xwt(&x, 1, k, &w16[c], n, None, &mut y));
+        println!("{name:20} f16   {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
+        drop(w16);
+
+        let bytes = n * k / QK8_0 * size_of::<BlockQ8_0>();
+        let copies = ROTATE_BYTES.div_ceil(bytes);
+        let q = quantize_matrix_q8_0(&base, n, k).expect("aligned");
+        let wq: Vec<Vec<BlockQ8_0>> = (0..copies).map(|_| q.clone()).collect();
+        let (d, gbs) = time_rotating(copies, bytes, |c| matmul_q8_0(&x, 1, k, &wq[c], n, &mut y).expect("shapes"));
+        println!("{name:20} q8_0  {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
+    }
+}
