@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::{KvEventRecord, RequestId, SamplingParams};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -44,6 +44,9 @@ pub struct Handshake {
     /// Where the worker serves Prometheus metrics (HOST:PORT), if it does;
     /// the coordinator lists it for Prometheus service discovery.
     pub metrics_address: Option<String>,
+    /// What the engine runs on, in words ("cpu (avx2, 2 threads)", "metal
+    /// (Apple M2)", or "cpu (Metal requested but unavailable: ...)").
+    pub device: String,
     /// Proof that the worker knows the cluster secret, bound to this TLS
     /// session (`transport::auth_tag`): the secret itself never travels.
     pub auth_tag: Vec<u8>,

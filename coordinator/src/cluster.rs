@@ -49,6 +49,8 @@ pub struct WorkerInfo {
     pub address: String,
     /// Where the worker serves Prometheus metrics, if it does.
     pub metrics_address: Option<String>,
+    /// What the worker's engine runs on, as it reported it.
+    pub device: String,
     pub state: WorkerState,
     pub in_flight_requests: usize,
     pub stats: WorkerStats,
@@ -86,6 +88,7 @@ struct WorkerEntry {
     name: String,
     address: SocketAddr,
     metrics_address: Option<String>,
+    device: String,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
     state: WorkerState,
     stats: WorkerStats,
@@ -212,6 +215,7 @@ impl Cluster {
                 name: w.name.clone(),
                 address: w.address.to_string(),
                 metrics_address: w.metrics_address.clone(),
+                device: w.device.clone(),
                 state: w.state,
                 in_flight_requests: w.in_flight,
                 stats: w.stats.clone(),
@@ -504,6 +508,7 @@ impl Cluster {
                     name: hello.worker_name.clone(),
                     address,
                     metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
+                    device: hello.device.clone(),
                     tx: tx.clone(),
                     state: WorkerState::Ready,
                     stats: WorkerStats { kv_blocks_total: hello.kv_capacity_blocks, ..WorkerStats::default() },

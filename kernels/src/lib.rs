@@ -18,6 +18,8 @@
 use candle_core::{Device, Tensor};
 
 pub mod cpu;
+#[cfg(target_os = "macos")]
+pub mod metal;
 pub mod portable;
 pub mod reference;
 
@@ -182,6 +184,11 @@ pub fn paged_attention(
 ) -> Result<Tensor> {
     match q.device() {
         Device::Cpu => cpu::paged_attention(q, k_cache, v_cache, meta, scale),
+        // Head dims without a Metal kernel take the portable path.
+        #[cfg(target_os = "macos")]
+        Device::Metal(_) if metal::supports(q.dtype(), q.dims().last().copied().unwrap_or(0)) => {
+            metal::paged_attention(q, k_cache, v_cache, meta, scale)
+        }
         _ => portable::paged_attention(q, k_cache, v_cache, meta, scale),
     }
 }
@@ -197,6 +204,10 @@ pub fn reshape_and_cache(
 ) -> Result<()> {
     match k.device() {
         Device::Cpu => cpu::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
+        #[cfg(target_os = "macos")]
+        Device::Metal(_) if metal::supports_dtype(k.dtype()) => {
+            metal::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        }
         _ => portable::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
     }
 }

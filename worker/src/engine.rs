@@ -211,6 +211,28 @@ impl Engine {
         }
         let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
         drop(sched_timer);
+        // On a GPU, a batch of plain greedy requests (no logprobs, penalties
+        // or min_tokens) takes its argmax on the device: only ids come back.
+        let device_greedy = !self.runner.device().is_cpu()
+            && step.scheduled.iter().filter(|s| s.samples).all(|s| {
+                let p = &self.scheduler.request(s.id).expect("scheduled request exists").params;
+                p.is_greedy()
+                    && p.logprobs.is_none()
+                    && p.min_tokens == 0
+                    && p.repetition_penalty == 1.0
+                    && p.presence_penalty == 0.0
+                    && p.frequency_penalty == 0.0
+            });
+        if device_greedy {
+            let ids = {
+                let _t = profile::scope(Section::Forward);
+                self.runner.execute_argmax(&batch)?
+            };
+            let sampled: Vec<SampledToken> =
+                ids.into_iter().map(|token_id| SampledToken { token_id, logprobs: None }).collect();
+            let _t = profile::scope(Section::Scheduler);
+            return Ok(self.scheduler.update_from_output(&step, sampled));
+        }
         let logits = {
             let _t = profile::scope(Section::Forward);
             self.runner.execute(&batch)?

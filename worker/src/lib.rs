@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod core;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;

@@ -7,6 +7,7 @@ use anyhow::{Context, bail};
 use candle_core::{DType, Device};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use common::{RequestId, SamplingParams};
+use worker::device::DeviceChoice;
 use worker::kv_cache::KvBudget;
 use worker::models::{ModelFiles, ModelSource};
 use worker::{Engine, EngineConfig};
@@ -222,17 +223,18 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles)> {
+fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
     let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?)?;
     if files.random_weights {
         eprintln!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
     }
-    let device = match args.device {
-        DeviceArg::Auto | DeviceArg::Cpu => Device::Cpu,
-        DeviceArg::Metal => {
-            bail!("this build has no Metal support (Metal workers need a macOS build on Apple Silicon)")
-        }
-    };
+    let selected = worker::device::select(match args.device {
+        DeviceArg::Auto => DeviceChoice::Auto,
+        DeviceArg::Cpu => DeviceChoice::Cpu,
+        DeviceArg::Metal => DeviceChoice::Metal,
+    })?;
+    eprintln!("device: {}", selected.description);
+    let device = selected.device.clone();
     let dtype = resolve_dtype(args.dtype, &files, &device);
     let config = EngineConfig {
         device,
@@ -252,7 +254,7 @@ fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles)> {
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
     let stats = engine.stats();
     eprintln!("loaded {} ({dtype:?}), KV cache: {} blocks of {}", files.name, stats.kv_blocks_total, args.block_size);
-    Ok((engine, files))
+    Ok((engine, files, selected.description))
 }
 
 /// `auto` keeps the checkpoint's precision, except that bf16 runs as f32 on
@@ -278,7 +280,7 @@ fn load_tokenizer(files: &ModelFiles) -> anyhow::Result<tokenizers::Tokenizer> {
 }
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
-    let (mut engine, files) = build_engine(&args.engine)?;
+    let (mut engine, files, _device) = build_engine(&args.engine)?;
     let tokenizer = if files.tokenizer_json.is_some() { Some(load_tokenizer(&files)?) } else { None };
     let prompt_ids = match (&args.prompt, &args.prompt_token_ids) {
         (_, Some(ids)) => ids.clone(),
@@ -338,7 +340,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let (mut engine, files) = build_engine(&args.engine)?;
+    let (mut engine, files, _device) = build_engine(&args.engine)?;
     let bench_args = worker::bench::BenchArgs {
         num_prompts: args.num_prompts,
         input_len: args.input_len,
@@ -376,7 +378,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.exit_with_parent {
         watch_parent();
     }
-    let (engine, files) = build_engine(&args.engine)?;
+    let (engine, files, device) = build_engine(&args.engine)?;
     let name = args.name.clone().unwrap_or_else(|| {
         let host =
             std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
@@ -410,6 +412,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         block_size: args.engine.block_size as u32,
         max_model_len: engine.scheduler().config().max_model_len as u64,
         metrics_address,
+        device,
     };
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();

@@ -80,8 +80,26 @@ impl ModelRunner {
     /// Runs the model on a prepared batch; returns the sampled rows' logits,
     /// row-major [logits_indices.len(), vocab] in f32.
     pub fn execute(&mut self, batch: &BatchInputs) -> Result<Vec<f32>> {
+        match self.forward(batch)? {
+            Some(logits) => Ok(logits.flatten_all()?.to_vec1::<f32>()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// As [`execute`](Self::execute) for a batch whose every sampling row is
+    /// plain greedy: the argmax is taken on the device, so only the token
+    /// ids cross to the host (what a GPU step should send back).
+    pub fn execute_argmax(&mut self, batch: &BatchInputs) -> Result<Vec<u32>> {
+        match self.forward(batch)? {
+            Some(logits) => Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The sampled rows' logits [S, vocab] on the device; None when no row samples.
+    fn forward(&mut self, batch: &BatchInputs) -> Result<Option<Tensor>> {
         if batch.input_ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let t = batch.input_ids.len();
         let input_ids = Tensor::from_slice(&batch.input_ids, t, &self.device)?;
@@ -92,8 +110,8 @@ impl ModelRunner {
         let logits_indices = Tensor::from_slice(&wanted, wanted.len(), &self.device)?;
         let logits = self.model.forward(&input_ids, &positions, &self.kv_caches, &batch.meta, &logits_indices)?;
         if batch.logits_indices.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
-        Ok(logits.flatten_all()?.to_vec1::<f32>()?)
+        Ok(Some(logits))
     }
 }

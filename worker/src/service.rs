@@ -33,6 +33,8 @@ pub struct ServeConfig {
     pub max_model_len: u64,
     /// The bound address of the worker's metrics endpoint, if any.
     pub metrics_address: Option<String>,
+    /// What the engine runs on, in words (shown in the coordinator's /v1/workers).
+    pub device: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -270,6 +272,7 @@ async fn session(
         kv_capacity_blocks,
         max_model_len: config.max_model_len,
         metrics_address: config.metrics_address.clone(),
+        device: config.device.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
     transport::write_frame(&mut send, &hello).await?;

@@ -50,6 +50,7 @@ fn engine(model: &str, max_num_batched_tokens: usize) -> Engine {
         num_blocks: Some(512),
         max_num_batched_tokens,
         logprobs_mode: LogprobsMode::RawLogits,
+        device: worker::device::test_device(),
         ..EngineConfig::default()
     };
     Engine::new(&files, config).unwrap()

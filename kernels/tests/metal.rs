@@ -1,0 +1,417 @@
+//! The Metal kernels against `reference` (macOS only), on the cases of
+//! tests/attention.rs: scattered and shuffled block tables, ragged lengths,
+//! decode and chunked prefill on a cached prefix, GQA ratios 1 to 8, sliding
+//! windows, contexts crossing decode partitions, f32/f16/bf16, and bad
+//! inputs. Cases are built on the CPU, the reference runs there, the kernels
+//! run on `Device::new_metal(0)`. Without a Metal device every test prints a
+//! note and passes.
+#![cfg(target_os = "macos")]
+
+use candle_core::{DType, Device, Tensor};
+use kernels::metal::{self, PARTITION_SIZE};
+use kernels::{AttentionMetadata, KernelError, reference};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+/// f32 outputs differ from the f64 reference by fast-math exp and another
+/// summation order; f16/bf16 by their own resolution.
+const F32_TOL: f32 = 1e-4;
+const HALF_TOL: f32 = 2e-2;
+
+/// The Metal device, or None (with a note) where there is none. candle
+/// panics rather than erring when no GPU is listed, hence the catch.
+fn metal_device() -> Option<Device> {
+    match std::panic::catch_unwind(|| Device::new_metal(0)) {
+        Ok(Ok(device)) => Some(device),
+        Ok(Err(e)) => {
+            eprintln!("skipping: no Metal device ({e})");
+            None
+        }
+        Err(_) => {
+            eprintln!("skipping: no Metal device");
+            None
+        }
+    }
+}
+
+struct Case {
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+}
+
+impl Case {
+    fn to_device(&self, dev: &Device) -> Case {
+        Case {
+            q: self.q.to_device(dev).unwrap(),
+            k_cache: self.k_cache.to_device(dev).unwrap(),
+            v_cache: self.v_cache.to_device(dev).unwrap(),
+            meta: self.meta.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Geometry {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    window: Option<usize>,
+    dtype: DType,
+}
+
+impl Geometry {
+    fn new(heads: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> Self {
+        Self { heads, kv_heads, head_dim, block_size, window: None, dtype: DType::F32 }
+    }
+}
+
+/// Random q and caches on the CPU, with (q_len, context_len) per sequence;
+/// each sequence's blocks come from a shuffled pool with spares left over.
+fn make_case(rng: &mut StdRng, seqs: &[(usize, usize)], g: Geometry) -> Case {
+    let Geometry { heads, kv_heads, head_dim, block_size, window, dtype } = g;
+    let blocks_needed: usize = seqs.iter().map(|&(_, ctx)| ctx.div_ceil(block_size)).sum();
+    let num_blocks = blocks_needed + 7;
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    ids.shuffle(rng);
+    let mut meta =
+        AttentionMetadata { query_start_loc: vec![0], block_size, sliding_window: window, ..Default::default() };
+    let mut next = 0;
+    for &(q_len, ctx) in seqs {
+        let n = ctx.div_ceil(block_size);
+        let table = ids[next..next + n].to_vec();
+        next += n;
+        for p in ctx - q_len..ctx {
+            meta.slot_mapping.push(table[p / block_size] * block_size as u32 + (p % block_size) as u32);
+        }
+        meta.block_tables.push(table);
+        meta.context_lens.push(ctx as u32);
+        meta.query_start_loc.push(meta.query_start_loc.last().unwrap() + q_len as u32);
+    }
+    let t: usize = seqs.iter().map(|s| s.0).sum();
+    let mut randn = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    let dev = Device::Cpu;
+    // Queries spread over [-3, 3) give peaked softmaxes, so a wrong running max shows.
+    let q: Vec<f32> = randn(t * heads * head_dim).into_iter().map(|x| 3.0 * x).collect();
+    let q = Tensor::from_vec(q, (t, heads, head_dim), &dev).unwrap().to_dtype(dtype).unwrap();
+    let shape = (num_blocks, block_size, kv_heads, head_dim);
+    let n = num_blocks * block_size * kv_heads * head_dim;
+    let k_cache = Tensor::from_vec(randn(n), shape, &dev).unwrap().to_dtype(dtype).unwrap();
+    let v_cache = Tensor::from_vec(randn(n), shape, &dev).unwrap().to_dtype(dtype).unwrap();
+    Case { q, k_cache, v_cache, meta }
+}
+
+fn to_vec(t: &Tensor) -> Vec<f32> {
+    t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let (a, b) = (to_vec(a), to_vec(b));
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|x| x.is_finite()), "non-finite output");
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Runs the Metal kernel on `case` (built on the CPU) and compares it with
+/// the reference on the CPU.
+fn compare(dev: &Device, case: &Case, tol: f32, what: &str) {
+    let scale = 1.0 / (case.q.dim(2).unwrap() as f32).sqrt();
+    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, scale).unwrap();
+    let m = case.to_device(dev);
+    let got = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, scale).unwrap();
+    assert!(got.device().is_metal(), "{what}: output left the GPU");
+    assert_eq!((got.dtype(), got.dims()), (case.q.dtype(), case.q.dims()), "{what}");
+    let err = max_rel_err(&got, &want);
+    assert!(err < tol, "{what}: metal relative error {err}");
+}
+
+#[test]
+fn matches_reference_across_shapes_in_f32() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    let mixes: &[&[(usize, usize)]] = &[
+        &[(1, 1)],
+        &[(1, 15), (1, 16), (1, 17), (1, 32), (1, 33)], // decode on and across boundaries
+        &[(16, 16), (17, 17), (5, 5), (33, 33)],        // whole prompts
+        &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
+        &[(40, 70), (2, 31)],                           // long chunk over several work items
+    ];
+    // GQA ratios 1, 2, 4, 8.
+    for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2)] {
+        for &head_dim in &[32, 64, 128] {
+            for &block_size in &[8, 16] {
+                for (m, seqs) in mixes.iter().enumerate() {
+                    let case = make_case(&mut rng, seqs, Geometry::new(heads, kv_heads, head_dim, block_size));
+                    let what = format!("mix {m} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}");
+                    compare(&dev, &case, F32_TOL, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_head_dim_and_odd_block_sizes() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(29);
+    for &head_dim in &metal::HEAD_DIMS {
+        for &block_size in &[1, 5, 16, 32] {
+            let case = make_case(&mut rng, &[(1, 37), (9, 50), (2, 2)], Geometry::new(8, 2, head_dim, block_size));
+            compare(&dev, &case, F32_TOL, &format!("hd {head_dim} bs {block_size}"));
+        }
+    }
+}
+
+/// Decode contexts on and around partition boundaries, far past them, and
+/// a prefill chunk on a long cached prefix, in one batch.
+#[test]
+fn long_contexts_cross_partitions() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    let p = PARTITION_SIZE;
+    let seqs = [(1, p - 1), (1, p), (1, p + 1), (1, 3 * p + 100), (40, 2 * p + 300), (1, 20)];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tol = if dtype == DType::F32 { F32_TOL } else { HALF_TOL };
+        for window in [None, Some(700), Some(p), Some(33)] {
+            let g = Geometry { window, dtype, ..Geometry::new(8, 2, 128, 16) };
+            compare(&dev, &make_case(&mut rng, &seqs, g), tol, &format!("{dtype:?} window {window:?}"));
+        }
+    }
+    // Only long decodes: every sequence goes through the reduce.
+    let case = make_case(&mut rng, &[(1, 4 * p + 1); 3], Geometry::new(4, 4, 64, 32));
+    compare(&dev, &case, F32_TOL, "decode only, 5 partitions");
+}
+
+#[test]
+fn sliding_window_matches_reference() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    let seqs = [(1, 50), (12, 60), (30, 30), (1, 16), (17, 33)];
+    for window in [1, 5, 16, 17, 40, 1000] {
+        for block_size in [8, 16] {
+            let g = Geometry { window: Some(window), ..Geometry::new(8, 2, 32, block_size) };
+            compare(&dev, &make_case(&mut rng, &seqs, g), F32_TOL, &format!("window {window} bs {block_size}"));
+        }
+    }
+}
+
+#[test]
+fn half_precisions_match_within_their_resolution() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(3);
+    for dtype in [DType::F16, DType::BF16] {
+        for (heads, kv_heads, head_dim, block_size, window) in [
+            (8, 2, 64, 16, None),
+            (8, 8, 64, 8, Some(10)),
+            (32, 4, 128, 16, None),
+            (8, 1, 256, 16, None),
+            (4, 2, 96, 8, None),
+        ] {
+            let g = Geometry { window, dtype, ..Geometry::new(heads, kv_heads, head_dim, block_size) };
+            let case = make_case(&mut rng, &[(1, 33), (9, 40), (16, 16), (1, 8)], g);
+            compare(
+                &dev,
+                &case,
+                HALF_TOL,
+                &format!("{dtype:?} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}"),
+            );
+        }
+    }
+}
+
+/// A strided q and caches that start partway into their storage must be
+/// read where they are.
+#[test]
+fn honours_strides_and_offsets() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(13);
+    let case = make_case(&mut rng, &[(5, 21), (1, 9), (1, 700)], Geometry::new(8, 2, 32, 8));
+    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 0.3).unwrap();
+    // Built on the CPU, moved whole: the layouts (stride, offset) come along.
+    let q = case.q.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
+    let pad = |c: &Tensor| {
+        let junk = (c.ones_like().unwrap() * 100.0).unwrap();
+        Tensor::cat(&[&junk.narrow(0, 0, 3).unwrap(), c], 0).unwrap().narrow(0, 3, c.dim(0).unwrap()).unwrap()
+    };
+    let shifted = Case { q, k_cache: pad(&case.k_cache), v_cache: pad(&case.v_cache), meta: case.meta.clone() };
+    let m = shifted.to_device(&dev);
+    assert!(!m.q.is_contiguous());
+    assert!(m.k_cache.is_contiguous() && m.k_cache.layout().start_offset() > 0);
+    let got = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.3).unwrap();
+    let err = max_rel_err(&got, &want);
+    assert!(err < F32_TOL, "strided q, offset caches: relative error {err}");
+}
+
+#[test]
+fn empty_batch_gives_empty_output() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(17);
+    let m = make_case(&mut rng, &[], Geometry::new(4, 2, 32, 8)).to_device(&dev);
+    let out = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 1.0).unwrap();
+    assert_eq!(out.dims(), &[0, 4, 32]);
+}
+
+/// The dispatcher uses the Metal kernel where it exists and the portable
+/// path for head dims without one.
+#[test]
+fn dispatcher_picks_the_metal_kernel_on_metal() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(19);
+    let m = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 64, 16)).to_device(&dev);
+    let got = kernels::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2).unwrap();
+    let direct = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2).unwrap();
+    assert_eq!(to_vec(&got), to_vec(&direct));
+
+    let case = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 16, 16));
+    let m = case.to_device(&dev);
+    let err = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2);
+    assert!(matches!(err, Err(KernelError::Invalid(_))), "head_dim 16 has no Metal kernel");
+    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 0.2).unwrap();
+    let got = kernels::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2).unwrap();
+    assert!(max_rel_err(&got, &want) < F32_TOL, "portable fallback");
+}
+
+type WriteFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &[u32]) -> kernels::Result<()>;
+const WRITERS: [(&str, WriteFn); 2] = [("metal", metal::reshape_and_cache), ("dispatch", kernels::reshape_and_cache)];
+
+#[test]
+fn cache_writes_land_in_their_slots_only() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    // Rows of 16 elements (fewer than a threadgroup) and of 512 (several passes).
+    for (kv_heads, head_dim) in [(2, 8), (4, 128)] {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let g = Geometry { dtype, ..Geometry::new(kv_heads, kv_heads, head_dim, 8) };
+            let case = make_case(&mut rng, &[(3, 20), (1, 7), (16, 16)], g);
+            let t = case.meta.slot_mapping.len();
+            let new =
+                || Tensor::randn(0f32, 1., (t, kv_heads, head_dim), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let (new_k, new_v) = (new(), new());
+            let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
+            reference::reshape_and_cache(&new_k, &new_v, &want_k, &want_v, &case.meta.slot_mapping).unwrap();
+            let (mk, mv) = (new_k.to_device(&dev).unwrap(), new_v.to_device(&dev).unwrap());
+            for (name, write) in WRITERS {
+                let (k, v) = (case.k_cache.to_device(&dev).unwrap(), case.v_cache.to_device(&dev).unwrap());
+                write(&mk, &mv, &k, &v, &case.meta.slot_mapping).unwrap();
+                assert_eq!(to_vec(&k), to_vec(&want_k), "{name} {dtype:?} row {} k", kv_heads * head_dim);
+                assert_eq!(to_vec(&v), to_vec(&want_v), "{name} {dtype:?} row {} v", kv_heads * head_dim);
+            }
+        }
+    }
+}
+
+/// A prefill step end to end on the GPU: write the prompt's K/V, then
+/// attend over it, with no host round trip in between.
+#[test]
+fn write_then_attend_matches_reference() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(23);
+    let case = make_case(&mut rng, &[(12, 12), (4, 30), (1, 600)], Geometry::new(8, 4, 32, 8));
+    let t = case.meta.slot_mapping.len();
+    let k = Tensor::randn(0f32, 1., (t, 4, 32), &Device::Cpu).unwrap();
+    let v = Tensor::randn(0f32, 1., (t, 4, 32), &Device::Cpu).unwrap();
+    let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
+    reference::reshape_and_cache(&k, &v, &want_k, &want_v, &case.meta.slot_mapping).unwrap();
+    let want = reference::paged_attention(&case.q, &want_k, &want_v, &case.meta, 0.25).unwrap();
+
+    let m = case.to_device(&dev);
+    let (mk, mv) = (k.to_device(&dev).unwrap(), v.to_device(&dev).unwrap());
+    metal::reshape_and_cache(&mk, &mv, &m.k_cache, &m.v_cache, &m.meta.slot_mapping).unwrap();
+    let got = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.25).unwrap();
+    let err = max_rel_err(&got, &want);
+    assert!(err < F32_TOL, "write then attend: relative error {err}");
+}
+
+#[test]
+fn invalid_inputs_are_errors_not_panics() {
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(9);
+    let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 32, 8)).to_device(&dev);
+    let fails = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
+        metal::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
+    };
+    let (q, kc, vc) = (&case.q, &case.k_cache, &case.v_cache);
+    let bad = |edit: fn(&mut AttentionMetadata)| {
+        let mut meta = case.meta.clone();
+        edit(&mut meta);
+        fails(q, kc, vc, &meta)
+    };
+    assert!(
+        bad(|m| {
+            m.block_tables[0].pop();
+        }),
+        "short block table"
+    );
+    assert!(bad(|m| m.block_tables[0][0] = 10_000), "block id out of range");
+    assert!(bad(|m| m.context_lens[0] = 1), "fewer context tokens than new tokens");
+    assert!(bad(|m| m.query_start_loc = vec![0, 5]), "query rows past q");
+    assert!(bad(|m| m.query_start_loc = vec![1, 2]), "query rows not from 0");
+    assert!(bad(|m| m.context_lens.push(3)), "lists of different lengths");
+    assert!(bad(|m| m.block_size = 16), "block size differs from the cache's");
+    assert!(bad(|m| m.sliding_window = Some(0)), "empty window");
+    let zeros = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
+    assert!(fails(&zeros((2, 3, 32), DType::F32), kc, vc, &case.meta), "heads not a multiple of kv heads");
+    assert!(fails(&zeros((2, 4, 64), DType::F32), kc, vc, &case.meta), "head_dim differs");
+    assert!(fails(&q.to_dtype(DType::F16).unwrap(), kc, vc, &case.meta), "dtype differs");
+    assert!(fails(q, kc, &vc.narrow(0, 0, 2).unwrap(), &case.meta), "v_cache shape differs");
+    let strided = kc.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    assert!(fails(q, &strided, vc, &case.meta), "non-contiguous cache");
+    assert!(fails(&q.to_device(&Device::Cpu).unwrap(), kc, vc, &case.meta), "q on another device");
+    let hd16 = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 16, 8)).to_device(&dev);
+    assert!(fails(&hd16.q, &hd16.k_cache, &hd16.v_cache, &hd16.meta), "head_dim without a kernel");
+
+    // Cache writes.
+    let k = zeros((2, 2, 32), DType::F32);
+    for (name, write) in WRITERS {
+        assert!(write(&k, &k, kc, vc, &[0, 100_000]).is_err(), "{name}: slot out of range");
+        assert!(write(&k, &k, kc, vc, &[0]).is_err(), "{name}: too few slots");
+        let f16 = k.to_dtype(DType::F16).unwrap();
+        assert!(write(&f16, &f16, kc, vc, &[0, 1]).is_err(), "{name}: dtype differs");
+        let wide = zeros((2, 2, 64), DType::F32);
+        assert!(write(&wide, &wide, kc, vc, &[0, 1]).is_err(), "{name}: head_dim differs");
+        assert!(write(&k, &k, &strided, vc, &[0, 1]).is_err(), "{name}: non-contiguous cache");
+    }
+    // One dispatch writes both pools, so they must not share memory, nor
+    // may the new rows live in the pool they are written into.
+    assert!(
+        matches!(metal::reshape_and_cache(&k, &k, kc, kc, &[0, 1]), Err(KernelError::Invalid(_))),
+        "k_cache is v_cache"
+    );
+    let inside = kc.flatten_to(1).unwrap().narrow(0, 0, 2).unwrap().reshape((2, 2, 32)).unwrap();
+    assert!(
+        matches!(metal::reshape_and_cache(&inside, &k, kc, vc, &[5, 6]), Err(KernelError::Invalid(_))),
+        "new k inside k_cache"
+    );
+}
+
+/// Decode steps on the GPU: 16 sequences x 512 context and 4 x 4096 (the
+/// partitioned path), 32 heads / 4 kv heads, head_dim 128, f16.
+/// `cargo test --release -p tinyvllm-kernels --test metal -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn decode_step_timing() {
+    use std::time::Instant;
+    let Some(dev) = metal_device() else { return };
+    let mut rng = StdRng::seed_from_u64(1);
+    for (seqs, ctx) in [(16, 512), (4, 4096)] {
+        let g = Geometry { dtype: DType::F16, ..Geometry::new(32, 4, 128, 16) };
+        let m = make_case(&mut rng, &vec![(1, ctx); seqs], g).to_device(&dev);
+        let run = || metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.088).unwrap();
+        run();
+        dev.synchronize().unwrap();
+        let iters = 50;
+        let start = Instant::now();
+        for _ in 0..iters {
+            run();
+        }
+        dev.synchronize().unwrap();
+        let per = start.elapsed() / iters;
+        let bytes = 2 * seqs * ctx * 4 * 128 * 2; // K and V read once per kv head
+        let gbs = bytes as f64 / per.as_secs_f64() / 1e9;
+        println!("{seqs:>3} x {ctx:>5}: {per:?} per decode step, {gbs:.0} GB/s of K/V");
+    }
+}
