@@ -191,6 +191,10 @@ fn one_request(cfg: &WorkloadConfig, prompt: &[u32]) -> Outcome {
         }
     }
     out.e2e = sent.elapsed().as_secs_f64();
+    if out.output_tokens == 0 {
+        // A server without usage in its stream (llama.cpp's): count chunks.
+        out.output_tokens = out.itls.len() + usize::from(last.is_some());
+    }
     if last.is_none() {
         out.error = Some("no tokens streamed".into());
     }

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# CPU benchmarks of issue 8, ours and (optionally) llama.cpp's in one run,
+# on the same GGUF files, same thread count.
+#
+#   tools/bench_cpu.sh GGUF_DIR [LLAMA_CPP_BIN_DIR]
+#
+# GGUF_DIR gets (if missing) random TinyLlama-1.1B-shaped weights written by
+# `tinyvllm-worker export-gguf` (f16, q8_0) and stories260K (f32); give a
+# llama.cpp build's bin/ (llama-bench, llama-batched-bench, llama-server),
+# built by you outside this repository, to measure it on the same files.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF=${1:?usage: tools/bench_cpu.sh GGUF_DIR [LLAMA_CPP_BIN_DIR]}
+LLAMA=${2:-}
+THREADS=${THREADS:-2}
+mkdir -p "$GGUF"
+cargo build --release -q -p tinyvllm-worker -p tinyvllm-coordinator
+W=target/release/tinyvllm-worker
+for t in f16 q8_0; do
+  f="$GGUF/tinyllama-1.1b-random-$t.gguf"
+  [ -f "$f" ] || $W export-gguf --model random:tinyllama-1.1b --type "$t" --out "$f"
+done
+[ -f "$GGUF/stories260K-f32.gguf" ] || $W export-gguf --model ../shared/models/stories260K --type f32 --out "$GGUF/stories260K-f32.gguf"
+# The coordinator needs a tokenizer beside the file; prompts are token ids,
+# so any 32000-token vocabulary will do (tiny-qwen3's).
+cp ../shared/models/tiny-qwen3/tokenizer.json ../shared/models/tiny-qwen3/tokenizer_config.json "$GGUF/"
+export RAYON_NUM_THREADS=$THREADS
+
+echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
+bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|  )"; }
+for t in f16 q8_0; do
+  m="$GGUF/tinyllama-1.1b-random-$t.gguf"
+  echo "== ours $t: batch-1 decode (prompt 16, 64 generated)"; bench --model "$m" --num-prompts 1 --input-len 16 --output-len 64 --profile
+  echo "== ours $t: prefill 512 (TTFT of one 512-token prompt)"; bench --model "$m" --num-prompts 1 --input-len 512 --output-len 1
+  if [ -n "$LLAMA" ]; then
+    echo "== llama.cpp $t: llama-bench"; "$LLAMA/llama-bench" -m "$m" -t "$THREADS" -p 512 -n 64 -r 3 2>/dev/null | grep -E "^\|"
+  fi
+done
+m="$GGUF/tinyllama-1.1b-random-f16.gguf"
+echo "== ours f16: 16 concurrent (prompt 128, 64 generated each)"; bench --model "$m" --num-prompts 16 --input-len 128 --output-len 64
+if [ -n "$LLAMA" ]; then
+  echo "== llama.cpp f16: llama-batched-bench"; "$LLAMA/llama-batched-bench" -m "$m" -t "$THREADS" -c 8192 -npp 128 -ntg 64 -npl 1,16 2>/dev/null | grep -E "^\|"
+fi
+echo "== ours stories260K f32: batch-1 decode"; bench --model "$GGUF/stories260K-f32.gguf" --num-prompts 1 --input-len 16 --output-len 256 --profile
+if [ -n "$LLAMA" ]; then
+  echo "== llama.cpp stories260K f32"; "$LLAMA/llama-bench" -m "$GGUF/stories260K-f32.gguf" -t "$THREADS" -p 0 -n 256 -r 3 2>/dev/null | grep -E "^\|"
+fi
+
+# The server workload: 16 concurrent streams, 103-token prompts, 64 tokens
+# each with ignore_eos, through the whole cluster (coordinator + 1 worker).
+workload() { target/release/tinyvllm-bench workload --url "$1" --groups 16 --queries 1 --prefix-tokens 0 \
+  --suffix-tokens 103 --rate 1000000 --max-tokens 64 --vocab-size 32000 --first-token 3; }
+echo "== ours: server workload through the cluster"
+target/release/tinyvllm-coordinator --model "$m" --http 127.0.0.1:18080 --local-workers 1 \
+  --worker-arg=--kv-cache-memory=2000000000 > /tmp/tinyvllm-bench-coordinator.log 2>&1 &
+COORD=$!
+trap 'kill $COORD 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do curl -sf 127.0.0.1:18080/health >/dev/null 2>&1 && break; sleep 1; done
+workload http://127.0.0.1:18080
+kill $COORD; wait $COORD 2>/dev/null || true
+if [ -n "$LLAMA" ]; then
+  echo "== llama.cpp: server workload (llama-server -np 8 -c 8192 --cont-batching)"
+  "$LLAMA/llama-server" -m "$m" -t "$THREADS" -np 8 -c 8192 --cont-batching --port 18081 > /tmp/llama-server-bench.log 2>&1 &
+  LS=$!
+  for _ in $(seq 1 120); do curl -sf 127.0.0.1:18081/health >/dev/null 2>&1 && break; sleep 1; done
+  workload http://127.0.0.1:18081
+  kill $LS; wait $LS 2>/dev/null || true
+fi
