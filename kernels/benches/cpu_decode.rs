@@ -14,8 +14,14 @@ use kernels::cpu::quant::{BlockQ8_0, QK8_0, matmul_q8_0, quantize_matrix_q8_0};
 use rayon::prelude::*;
 
 /// TinyLlama-1.1B's decode matmuls: (name, n, k).
-const SHAPES: [(&str, usize, usize); 3] =
-    [("qkv/o 2048x2048", 2048, 2048), ("gate/up 5632x2048", 5632, 2048), ("down 2048x5632", 2048, 5632)];
+const SHAPES: [(&str, usize, usize); 4] = [
+    ("q/o 2048x2048", 2048, 2048),
+    ("k/v 256x2048", 256, 2048),
+    ("gate/up 5632x2048", 5632, 2048),
+    ("down 2048x5632", 2048, 5632),
+];
+/// One decoder layer's matmuls in the order the model runs them.
+const LAYER: [usize; 7] = [0, 1, 1, 0, 2, 2, 3];
 const ROTATE_BYTES: usize = 768 << 20;
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -75,4 +81,27 @@ fn main() {
         let (d, gbs) = time_rotating(copies, bytes, |c| matmul_q8_0(&x, 1, k, &wq[c], n, &mut y).expect("shapes"));
         println!("{name:20} q8_0  {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
     }
+    layer_sequence();
+}
+
+/// A whole layer's f16 matmuls back to back, as in a decode step: the
+/// difference from the per-shape figures is per-call overhead (thread
+/// wake-up, prefetch ramp-up on small weights).
+fn layer_sequence() {
+    let weights: Vec<(usize, usize, Vec<f16>)> = SHAPES
+        .iter()
+        .map(|&(_, n, k)| (n, k, (0..n * k).map(|i| f16::from_f32((i % 97) as f32 / 97.0)).collect()))
+        .collect();
+    let bytes: usize = LAYER.iter().map(|&i| weights[i].0 * weights[i].1 * 2).sum();
+    let copies = ROTATE_BYTES.div_ceil(bytes);
+    let layers: Vec<Vec<(usize, usize, Vec<f16>)>> = (0..copies).map(|_| weights.clone()).collect();
+    let x = vec![0.5f32; 5632];
+    let mut y = vec![0f32; 5632];
+    let (d, gbs) = time_rotating(copies, bytes, |c| {
+        for &i in &LAYER {
+            let (n, k, w) = &layers[c][i];
+            matmul_xwt(&x[..*k], 1, *k, w, *n, None, &mut y[..*n]);
+        }
+    });
+    println!("{:20} f16   {:7.3} ms  {gbs:5.1} GB/s", "layer (7 matmuls)", d.as_secs_f64() * 1e3);
 }

@@ -110,3 +110,53 @@ mod tests {
         Ok(())
     }
 }
+
+/// SwiGLU from a fused `[rows, 2 * inter]` gate/up output, in f64.
+pub fn silu_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
+    gate_up
+        .chunks_exact(2 * inter)
+        .flat_map(|row| {
+            (0..inter).map(move |i| {
+                let (g, u) = (row[i] as f64, row[inter + i] as f64);
+                (g / (1.0 + (-g).exp()) * u) as f32
+            })
+        })
+        .collect()
+}
+
+/// Rotary embedding of heads `0..heads` of each `row_len` row, HF's
+/// `rotate_half` form, angles computed from `inv_freq` (not from tables), in
+/// f64; with `head_norm = Some((q_heads, q_weight, k_weight, eps))` each head
+/// is RMS-normalised first.
+pub fn rope(
+    x: &[f32],
+    row_len: usize,
+    heads: usize,
+    head_dim: usize,
+    positions: &[u32],
+    inv_freq: &[f64],
+    head_norm: Option<(usize, &[f32], &[f32], f64)>,
+) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = x.to_vec();
+    for (row, &pos) in out.chunks_exact_mut(row_len).zip(positions) {
+        for h in 0..heads {
+            let head: Vec<f64> = row[h * head_dim..][..head_dim].iter().map(|&v| v as f64).collect();
+            let head: Vec<f64> = match head_norm {
+                Some((q_heads, qw, kw, eps)) => {
+                    let w = if h < q_heads { qw } else { kw };
+                    let ms = head.iter().map(|v| v * v).sum::<f64>() / head_dim as f64;
+                    head.iter().zip(w).map(|(v, &w)| v / (ms + eps).sqrt() * w as f64).collect()
+                }
+                None => head,
+            };
+            for i in 0..half {
+                let angle = pos as f64 * inv_freq[i];
+                let (c, s) = (angle.cos(), angle.sin());
+                row[h * head_dim + i] = (head[i] * c - head[half + i] * s) as f32;
+                row[h * head_dim + half + i] = (head[half + i] * c + head[i] * s) as f32;
+            }
+        }
+    }
+    out
+}

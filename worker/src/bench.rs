@@ -59,6 +59,42 @@ pub struct BenchReport {
     pub steps: usize,
     /// Set with `BenchArgs::profile`.
     pub profile: Option<StepProfile>,
+    /// Set with `BenchArgs::profile` on the CPU: how close batch-1 decode
+    /// comes to what memory bandwidth allows.
+    pub bandwidth: Option<BandwidthLimit>,
+}
+
+/// Batch-1 decode reads every weight once per token, so the machine's read
+/// bandwidth bounds it at `read / weight_bytes` tokens per second.
+#[derive(Clone, Copy, Debug)]
+pub struct BandwidthLimit {
+    /// Measured just before the run, all threads of the pool.
+    pub read_gb_s: f64,
+    pub weight_bytes: usize,
+}
+
+impl BandwidthLimit {
+    pub fn tok_per_s(&self) -> f64 {
+        self.read_gb_s * 1e9 / self.weight_bytes.max(1) as f64
+    }
+}
+
+/// Read bandwidth over a 1 GiB buffer (far beyond the caches) with the
+/// pool's threads, median of 5 passes, in GB/s.
+pub fn measure_read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let words = (1usize << 30) / 8;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let mut secs: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let s: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
+            std::hint::black_box(s);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    secs.sort_by(f64::total_cmp);
+    (words * 8) as f64 / secs[2] / 1e9
 }
 
 impl std::fmt::Display for BenchReport {
@@ -92,6 +128,18 @@ impl std::fmt::Display for BenchReport {
             1e3 / self.tpot.mean_ms.max(1e-9)
         )?;
         write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)?;
+        if let Some(b) = &self.bandwidth {
+            let decode = 1e3 / self.tpot.mean_ms.max(1e-9);
+            write!(
+                f,
+                "\nbandwidth limit: {:.3} GB of weights per decode step at {:.1} GB/s read (measured now) \
+                 = {:.2} tok/s at batch 1; this run decodes at {:.1}% of it",
+                b.weight_bytes as f64 / 1e9,
+                b.read_gb_s,
+                b.tok_per_s(),
+                decode / b.tok_per_s() * 100.0
+            )?;
+        }
         if let Some(p) = &self.profile {
             write!(f, "\n{p}")?;
         }
@@ -102,6 +150,8 @@ impl std::fmt::Display for BenchReport {
 /// Runs the benchmark on `engine`, which should be idle.
 pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let vocab = engine.model_config().vocab_size as u64;
+    let bandwidth = (args.profile && engine.device().is_cpu())
+        .then(|| BandwidthLimit { read_gb_s: measure_read_bandwidth(), weight_bytes: engine.weight_bytes_per_token() });
     let mut state = args.seed;
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];
@@ -157,6 +207,7 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         kv_blocks_total: engine.stats().kv_blocks_total,
         steps,
         profile: args.profile.then_some(profile),
+        bandwidth,
     })
 }
 

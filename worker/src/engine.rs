@@ -180,6 +180,15 @@ impl Engine {
         &self.scheduler
     }
 
+    /// Bytes of weights a decode step streams (see `CausalLm`).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.runner.model().weight_bytes_per_token()
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        self.runner.device()
+    }
+
     pub fn model_config(&self) -> &crate::models::ModelConfig {
         self.runner.model().config()
     }

@@ -47,7 +47,8 @@ fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
             ),
         ));
     }
-    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= app.tokenizer.vocab_size()) {
+    let vocab_size = app.tokenizer.vocab_size();
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary")));
     }
     Ok(())

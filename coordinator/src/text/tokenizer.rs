@@ -24,6 +24,9 @@ pub enum TokenizerError {
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Including added tokens. Computed once: `tokenizers` builds the whole
+    /// vocabulary map to answer it (milliseconds for a 150k vocabulary).
+    vocab_size: usize,
     bos_token: Option<String>,
     eos_token: Option<String>,
     eos_token_ids: Vec<u32>,
@@ -77,7 +80,18 @@ impl Tokenizer {
         let byte_ids = (0..=255u8).filter_map(|b| inner.token_to_id(&format!("<0x{b:02X}>"))).collect();
         let special_ids =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
-        Ok(Self { inner, bos_token, eos_token, eos_token_ids, chat_template, model_max_length, byte_ids, special_ids })
+        let vocab_size = inner.get_vocab_size(true);
+        Ok(Self {
+            inner,
+            vocab_size,
+            bos_token,
+            eos_token,
+            eos_token_ids,
+            chat_template,
+            model_max_length,
+            byte_ids,
+            special_ids,
+        })
     }
 
     /// `add_special_tokens` runs the post-processor (e.g. prepends BOS).
@@ -104,7 +118,7 @@ impl Tokenizer {
 
     /// Including added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

@@ -2,11 +2,15 @@
 
 mod attention;
 mod cache;
+mod fused;
 pub mod matmul;
 pub mod quant;
 
 pub use attention::paged_attention;
 pub use cache::reshape_and_cache;
+pub use fused::{
+    HeadNorm, Rope, add_in_place, add_in_place_op, rope_in_place, rope_in_place_op, silu_mul, silu_mul_op,
+};
 
 use half::{bf16, f16};
 

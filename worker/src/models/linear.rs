@@ -43,7 +43,7 @@ pub struct QuantWeight {
     inp: usize,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum QuantBlocks {
     Q8_0(Vec<BlockQ8_0>),
     Q4_0(Vec<BlockQ4_0>),
@@ -147,6 +147,90 @@ impl Linear {
             None => None,
         };
         Ok(Self { weight, bias, bias_f32, quant: None })
+    }
+
+    /// Stacks layers that read the same input into one whose rows are
+    /// theirs in order (`[out_a + out_b + …, in]`): one kernel call and one
+    /// pass over (and one quantization of) the activations instead of
+    /// several. Gives the parts back when their weights cannot be stacked
+    /// (different formats or dtypes).
+    pub fn stack(parts: Vec<Linear>) -> candle_core::Result<std::result::Result<Linear, Vec<Linear>>> {
+        let Some(first) = parts.first() else { candle_core::bail!("stack: no layers") };
+        let same_kind = parts.iter().all(|p| match (&p.quant, &first.quant) {
+            (Some(a), Some(b)) => a.format() == b.format() && a.inp == b.inp,
+            (None, None) => {
+                p.weight.dtype() == first.weight.dtype()
+                    && p.weight.device().same_device(first.weight.device())
+                    && p.weight.dims2().ok().map(|d| d.1) == first.weight.dims2().ok().map(|d| d.1)
+            }
+            _ => false,
+        });
+        if !same_kind || parts.len() == 1 {
+            return Ok(Err(parts));
+        }
+        let outs: Vec<usize> = parts.iter().map(|p| p.out_features()).collect::<candle_core::Result<_>>()?;
+        // A part without a bias gets zeros, so the stacked bias lines up.
+        let bias = if parts.iter().any(|p| p.bias.is_some()) {
+            let like = parts.iter().find_map(|p| p.bias.as_ref()).map(|b| (b.dtype(), b.device().clone()));
+            let (dtype, device) = like.unwrap_or((DType::F32, candle_core::Device::Cpu));
+            let pieces = parts
+                .iter()
+                .zip(&outs)
+                .map(|(p, &n)| match &p.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Tensor::zeros(n, dtype, &device),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&pieces, 0)?)
+        } else {
+            None
+        };
+        if first.quant.is_some() {
+            let inp = first.quant.as_ref().map_or(0, |q| q.inp);
+            let mut blocks: Option<QuantBlocks> = None;
+            for p in parts {
+                let Some(q) = p.quant else { unreachable!("checked above") };
+                let q = Arc::try_unwrap(q).unwrap_or_else(|shared| QuantWeight {
+                    blocks: shared.blocks.clone(),
+                    out: shared.out,
+                    inp: shared.inp,
+                });
+                blocks = Some(match (blocks, q.blocks) {
+                    (None, b) => b,
+                    (Some(QuantBlocks::Q8_0(mut a)), QuantBlocks::Q8_0(b)) => {
+                        a.extend(b);
+                        QuantBlocks::Q8_0(a)
+                    }
+                    (Some(QuantBlocks::Q4_0(mut a)), QuantBlocks::Q4_0(b)) => {
+                        a.extend(b);
+                        QuantBlocks::Q4_0(a)
+                    }
+                    _ => candle_core::bail!("stack: mixed quantization formats"),
+                });
+            }
+            let Some(blocks) = blocks else { candle_core::bail!("stack: no layers") };
+            let out = outs.iter().sum();
+            return Ok(Ok(Linear::from_quant(QuantWeight { blocks, out, inp }, bias)?));
+        }
+        let weights: Vec<Tensor> = parts.iter().map(|p| p.weight.clone()).collect();
+        Ok(Ok(Linear::new(Tensor::cat(&weights, 0)?, bias)?))
+    }
+
+    /// Bytes of weight (and bias) read by one pass over the layer.
+    pub fn size_in_bytes(&self) -> usize {
+        let weight = match &self.quant {
+            Some(q) => q.size_in_bytes(),
+            None => self.weight.elem_count() * self.weight.dtype().size_in_bytes(),
+        };
+        weight + self.bias.as_ref().map_or(0, |b| b.elem_count() * b.dtype().size_in_bytes())
+    }
+
+    /// Rows of the weight: the width of the output.
+    pub fn out_features(&self) -> candle_core::Result<usize> {
+        match &self.quant {
+            Some(q) => Ok(q.out),
+            None => self.weight.dim(0),
+        }
     }
 
     /// A linear layer over an already-quantized weight.

@@ -17,10 +17,12 @@ use super::linear::{Linear, Prequantized, QuantFormat, linear};
 use crate::error::Result;
 use crate::kv_cache::LayerKvCache;
 
-/// cos/sin tables for every position up to `max_position_embeddings`.
-struct RotaryEmbedding {
-    cos: Tensor, // [max_pos, head_dim / 2]
-    sin: Tensor, // [max_pos, head_dim / 2]
+/// cos/sin tables for every position up to `max_position_embeddings`,
+/// `[max_pos, head_dim / 2]`: host slices on the CPU (read by the fused
+/// in-place kernel), tensors elsewhere.
+enum RotaryEmbedding {
+    Host { cos: Vec<f32>, sin: Vec<f32> },
+    Device { cos: Tensor, sin: Tensor },
 }
 
 impl RotaryEmbedding {
@@ -36,14 +38,66 @@ impl RotaryEmbedding {
                 sin.push(angle.sin() as f32);
             }
         }
+        if fused_cpu_path(dtype, device) {
+            return Ok(Self::Host { cos, sin });
+        }
         let cos = Tensor::from_vec(cos, (max_positions, half), device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (max_positions, half), device)?.to_dtype(dtype)?;
-        Ok(Self { cos, sin })
+        Ok(Self::Device { cos, sin })
+    }
+}
+
+/// Where the rotation of a step comes from: host tables and positions for
+/// the fused CPU kernel, or the step's gathered table rows for candle's op.
+enum StepRope<'a> {
+    Host { cos: &'a [f32], sin: &'a [f32], positions: Vec<u32> },
+    Device { cos: Tensor, sin: Tensor }, // [T, head_dim / 2] each
+}
+
+/// f32 activations on the CPU take the fused kernels (`kernels::cpu`);
+/// other devices and dtypes compose candle ops.
+fn fused_cpu_path(act: DType, device: &Device) -> bool {
+    device.is_cpu() && act == DType::F32
+}
+
+/// Linear layers that read the same input, stacked into one when their
+/// weights allow (q/k/v, gate/up); the output is always their outputs side
+/// by side, `[T, out_a + out_b + …]`.
+enum Projection {
+    Stacked(Linear),
+    Separate(Vec<Linear>),
+}
+
+impl Projection {
+    fn new(parts: Vec<Linear>) -> Result<Self> {
+        Ok(match Linear::stack(parts)? {
+            Ok(stacked) => Self::Stacked(stacked),
+            Err(parts) => Self::Separate(parts),
+        })
     }
 
-    /// The tables at `positions` ([T] u32): ([T, head_dim/2], [T, head_dim/2]).
-    fn at(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((self.cos.index_select(positions, 0)?, self.sin.index_select(positions, 0)?))
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::Stacked(l) => l.forward(x)?,
+            Self::Separate(parts) => {
+                let outs = parts.iter().map(|l| l.forward(x)).collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&outs, 1)?
+            }
+        })
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            Self::Stacked(l) => l.size_in_bytes(),
+            Self::Separate(parts) => parts.iter().map(Linear::size_in_bytes).sum(),
+        }
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            Self::Stacked(l) => vec![l],
+            Self::Separate(parts) => parts.iter_mut().collect(),
+        }
     }
 }
 
@@ -60,15 +114,30 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)?)
 }
 
+/// `residual + h`; on the CPU added into `h` (a fresh layer output that
+/// nothing else holds) instead of into a new buffer.
+fn residual_add(h: Tensor, residual: &Tensor, fused: bool) -> Result<Tensor> {
+    if fused {
+        kernels::cpu::add_in_place_op(&h, residual)?;
+        Ok(h)
+    } else {
+        Ok((residual + h)?)
+    }
+}
+
 struct RmsNorm {
     weight: Tensor, // [dim]
+    /// The weight as f32 on the host, for the fused CPU kernels.
+    host: Option<Vec<f32>>,
     eps: f32,
 }
 
 impl RmsNorm {
     fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
         let act = activation_dtype(vb.dtype(), vb.device());
-        Ok(Self { weight: vb.get(dim, "weight")?.to_dtype(act)?, eps: eps as f32 })
+        let weight = vb.get(dim, "weight")?.to_dtype(act)?;
+        let host = if fused_cpu_path(act, vb.device()) { Some(weight.to_vec1::<f32>()?) } else { None };
+        Ok(Self { weight, host, eps: eps as f32 })
     }
 
     /// Normalises the last dimension.
@@ -78,9 +147,8 @@ impl RmsNorm {
 }
 
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q, k and v projections: `[T, (heads + 2 kv_heads) * head_dim]`.
+    qkv_proj: Projection,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -102,9 +170,11 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: linear(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"), pre)?,
-            k_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"), pre)?,
-            v_proj: linear(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"), pre)?,
+            qkv_proj: Projection::new(vec![
+                linear(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"), pre)?,
+                linear(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"), pre)?,
+                linear(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"), pre)?,
+            ])?,
             o_proj: linear(q_dim, h, cfg.o_bias, vb.pp("o_proj"), pre)?,
             q_norm,
             k_norm,
@@ -118,58 +188,87 @@ impl Attention {
     fn forward(
         &self,
         x: &Tensor, // [T, hidden]
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &StepRope,
         kv: &LayerKvCache,
         meta: &AttentionMetadata,
     ) -> Result<Tensor> {
         let t = x.dim(0)?;
-        // 1. Project: q [T, H, D], k/v [T, KVH, D].
-        let q = self.q_proj.forward(x)?.reshape((t, self.num_heads, self.head_dim))?;
-        let k = self.k_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?;
-        let v = self.v_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?.contiguous()?;
-        // 2. Qwen3 normalises each head before RoPE.
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q)?,
-            None => q,
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        // 1. Project: one [T, (H + 2 KVH) * D] output, q then k then v.
+        let qkv = self.qkv_proj.forward(x)?;
+        // 2. Rotate q and k by absolute position (Qwen3 normalises each head
+        //    first): in place in the qkv buffer on the CPU.
+        let (q, k) = match rope {
+            StepRope::Host { cos, sin, positions } => {
+                let head_norm = match (&self.q_norm, &self.k_norm) {
+                    (Some(qn), Some(kn)) => match (&qn.host, &kn.host) {
+                        (Some(qw), Some(kw)) => {
+                            Some(kernels::cpu::HeadNorm { q_heads: h, q_weight: qw, k_weight: kw, eps: qn.eps })
+                        }
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                let row_len = (h + 2 * kvh) * d;
+                let rope = kernels::cpu::Rope { head_dim: d, heads: h + kvh, row_len, positions, cos, sin, head_norm };
+                kernels::cpu::rope_in_place_op(&qkv, rope)?;
+                (qkv.narrow(1, 0, h * d)?.reshape((t, h, d))?, qkv.narrow(1, h * d, kvh * d)?.reshape((t, kvh, d))?)
+            }
+            StepRope::Device { cos, sin } => {
+                let q = qkv.narrow(1, 0, h * d)?.reshape((t, h, d))?;
+                let k = qkv.narrow(1, h * d, kvh * d)?.reshape((t, kvh, d))?;
+                let q = match &self.q_norm {
+                    Some(n) => n.forward(&q)?,
+                    None => q,
+                };
+                let k = match &self.k_norm {
+                    Some(n) => n.forward(&k)?,
+                    None => k,
+                };
+                (apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?)
+            }
         };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k)?,
-            None => k,
-        };
-        // 3. Rotate by absolute position.
-        let q = apply_rope(&q, cos, sin)?;
-        let k = apply_rope(&k, cos, sin)?;
-        // 4. One batched write of this step's K/V into their slots, then
+        let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?.reshape((t, kvh, d))?;
+        // 3. One batched write of this step's K/V into their slots, then
         //    attention over each sequence's blocks (cached prefix + new).
         let out = {
             let _t = crate::profile::scope(crate::profile::Section::Attention);
             kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
             kernels::paged_attention(&q, &kv.k, &kv.v, meta, self.scale)? // [T, H, D]
         };
-        Ok(self.o_proj.forward(&out.reshape((t, self.num_heads * self.head_dim))?)?)
+        Ok(self.o_proj.forward(&out.reshape((t, h * d))?)?)
     }
 }
 
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// gate and up projections: `[T, 2 * intermediate]`.
+    gate_up_proj: Projection,
     down_proj: Linear,
+    intermediate: usize,
 }
 
 impl Mlp {
     fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate_proj: linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"), pre)?,
-            up_proj: linear(h, i, cfg.mlp_bias, vb.pp("up_proj"), pre)?,
+            gate_up_proj: Projection::new(vec![
+                linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"), pre)?,
+                linear(h, i, cfg.mlp_bias, vb.pp("up_proj"), pre)?,
+            ])?,
             down_proj: linear(i, h, cfg.mlp_bias, vb.pp("down_proj"), pre)?,
+            intermediate: i,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        Ok(self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)?)
+    fn forward(&self, x: &Tensor, fused: bool) -> Result<Tensor> {
+        let gate_up = self.gate_up_proj.forward(x)?; // [T, 2 * I]
+        let act = if fused {
+            kernels::cpu::silu_mul_op(&gate_up)? // SwiGLU in one pass
+        } else {
+            let i = self.intermediate;
+            (candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)? * gate_up.narrow(1, i, i)?)?
+        };
+        Ok(self.down_proj.forward(&act)?)
     }
 }
 
@@ -248,8 +347,10 @@ impl CausalLm {
         let mut linears: Vec<&mut Linear> = Vec::new();
         for layer in &mut self.layers {
             let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
-            linears.extend([&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj]);
-            linears.extend([&mut m.gate_proj, &mut m.up_proj, &mut m.down_proj]);
+            linears.extend(a.qkv_proj.linears_mut());
+            linears.push(&mut a.o_proj);
+            linears.extend(m.gate_up_proj.linears_mut());
+            linears.push(&mut m.down_proj);
         }
         if !self.cfg.tie_word_embeddings {
             linears.push(&mut self.lm_head);
@@ -260,6 +361,21 @@ impl CausalLm {
             quantized += usize::from(linear.quantize(format)?);
         }
         Ok((quantized, total))
+    }
+
+    /// Bytes of weights one decode step reads: every layer's projections and
+    /// norms and the lm_head (of the embedding table, one row per token).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let norm = |n: &RmsNorm| n.weight.elem_count() * n.weight.dtype().size_in_bytes();
+        let mut bytes = norm(&self.norm) + self.lm_head.size_in_bytes();
+        for layer in &self.layers {
+            bytes += norm(&layer.input_layernorm) + norm(&layer.post_attention_layernorm);
+            bytes += layer.self_attn.q_norm.as_ref().map_or(0, norm) + layer.self_attn.k_norm.as_ref().map_or(0, norm);
+            let (a, m) = (&layer.self_attn, &layer.mlp);
+            bytes += a.qkv_proj.size_in_bytes() + m.gate_up_proj.size_in_bytes();
+            bytes += a.o_proj.size_in_bytes() + m.down_proj.size_in_bytes();
+        }
+        bytes
     }
 
     /// Dtype of activations, and so of the KV cache this model needs.
@@ -284,14 +400,19 @@ impl CausalLm {
         meta: &AttentionMetadata,
         logits_indices: &Tensor,
     ) -> Result<Tensor> {
-        let (cos, sin) = self.rotary.at(positions)?;
+        let fused = fused_cpu_path(self.act, positions.device());
+        let rope = match &self.rotary {
+            RotaryEmbedding::Host { cos, sin } => StepRope::Host { cos, sin, positions: positions.to_vec1::<u32>()? },
+            RotaryEmbedding::Device { cos, sin } => {
+                StepRope::Device { cos: cos.index_select(positions, 0)?, sin: sin.index_select(positions, 0)? }
+            }
+        };
         let mut x = self.embed_tokens.forward(input_ids)?.to_dtype(self.act)?; // [T, hidden]
         for (layer, kv) in self.layers.iter().zip(kv_caches) {
-            let residual = &x;
-            let h = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &cos, &sin, kv, meta)?;
-            let x_mid = (residual + h)?;
-            let h = layer.mlp.forward(&layer.post_attention_layernorm.forward(&x_mid)?)?;
-            x = (x_mid + h)?;
+            let h = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &rope, kv, meta)?;
+            let x_mid = residual_add(h, &x, fused)?;
+            let h = layer.mlp.forward(&layer.post_attention_layernorm.forward(&x_mid)?, fused)?;
+            x = residual_add(h, &x_mid, fused)?;
         }
         // Only the rows that sample go through the final norm and lm_head:
         // for a 2,000-token prompt that is 1 row instead of 2,000.

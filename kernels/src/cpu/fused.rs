@@ -1,0 +1,246 @@
+//! Fused element-wise steps of a decoder layer on the CPU, each one pass over
+//! its data instead of the several (and the fresh buffers) that a chain of
+//! tensor ops takes:
+//! * [`silu_mul`]: SwiGLU, `silu(gate) * up` from the fused gate/up output;
+//! * [`rope_in_place`]: rotary embedding of the q and k heads inside the
+//!   fused qkv output, with Qwen3's per-head RMSNorm folded in;
+//! * [`add_in_place`]: the residual add, into a buffer that is dead after it.
+//!
+//! The slice functions are the kernels; the `*_op` functions apply them to
+//! candle tensors (f32 on the CPU, what activations are there). Large inputs
+//! are split by rows over rayon's pool.
+
+use candle_core::{CpuStorage, CustomOp1, InplaceOp1, InplaceOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::{KernelError, Result};
+
+/// Below this many elements a call runs on the calling thread: waking the
+/// pool costs more than the work.
+const PARALLEL_MIN_ELEMS: usize = 1 << 16;
+
+fn rows_per_task(row_len: usize) -> usize {
+    (PARALLEL_MIN_ELEMS / 4 / row_len.max(1)).max(1)
+}
+
+/// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]`, with
+/// `gate_up: [rows, 2 * inter]` and `out: [rows, inter]`.
+pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) -> Result<()> {
+    if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) || out.len() * 2 != gate_up.len() {
+        return Err(KernelError::Invalid(format!(
+            "silu_mul: gate_up has {} elements, out {}, inter {inter}",
+            gate_up.len(),
+            out.len()
+        )));
+    }
+    let row = |(src, dst): (&[f32], &mut [f32])| {
+        let (gate, up) = src.split_at(inter);
+        for ((o, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    };
+    if gate_up.len() < PARALLEL_MIN_ELEMS {
+        gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)).for_each(row);
+    } else {
+        let per = rows_per_task(2 * inter);
+        gate_up.par_chunks(2 * inter * per).zip(out.par_chunks_mut(inter * per)).for_each(|(src, dst)| {
+            src.chunks_exact(2 * inter).zip(dst.chunks_exact_mut(inter)).for_each(row);
+        });
+    }
+    Ok(())
+}
+
+/// `dst += src`, element-wise.
+pub fn add_in_place(dst: &mut [f32], src: &[f32]) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(KernelError::Invalid(format!("add_in_place: {} vs {} elements", dst.len(), src.len())));
+    }
+    let add = |(d, s): (&mut [f32], &[f32])| d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
+    if dst.len() < PARALLEL_MIN_ELEMS {
+        add((dst, src));
+    } else {
+        dst.par_chunks_mut(PARALLEL_MIN_ELEMS / 4).zip(src.par_chunks(PARALLEL_MIN_ELEMS / 4)).for_each(add);
+    }
+    Ok(())
+}
+
+/// Qwen3's RMSNorm of each q and k head before the rotation.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadNorm<'a> {
+    /// Heads `0..q_heads` of a row are query heads (weight `q_weight`), the
+    /// rest of the rotated heads key heads (`k_weight`).
+    pub q_heads: usize,
+    pub q_weight: &'a [f32], // [head_dim]
+    pub k_weight: &'a [f32], // [head_dim]
+    pub eps: f32,
+}
+
+/// What [`rope_in_place`] rotates, and by which angles.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope<'a> {
+    pub head_dim: usize,
+    /// Heads rotated at the start of each row (q heads then k heads in a
+    /// fused qkv row); whatever follows them (v) is left alone.
+    pub heads: usize,
+    /// Elements per row.
+    pub row_len: usize,
+    /// Position of each row.
+    pub positions: &'a [u32],
+    /// `[max_positions, head_dim / 2]` tables.
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    pub head_norm: Option<HeadNorm<'a>>,
+}
+
+impl Rope<'_> {
+    fn check(&self, len: usize) -> Result<()> {
+        let half = self.head_dim / 2;
+        let bad = |what: String| Err(KernelError::Invalid(format!("rope_in_place: {what}")));
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim {} must be even and > 0", self.head_dim));
+        }
+        if self.heads * self.head_dim > self.row_len || len != self.positions.len() * self.row_len {
+            return bad(format!(
+                "{} rows of {} elements do not hold {} heads of {} in {len} elements",
+                self.positions.len(),
+                self.row_len,
+                self.heads,
+                self.head_dim
+            ));
+        }
+        if self.cos.len() != self.sin.len() || !self.cos.len().is_multiple_of(half) {
+            return bad("cos and sin tables must be [max_positions, head_dim / 2]".into());
+        }
+        let max_pos = self.cos.len() / half;
+        if let Some(&p) = self.positions.iter().find(|&&p| p as usize >= max_pos) {
+            return bad(format!("position {p} is beyond the {max_pos} positions of the tables"));
+        }
+        if let Some(n) = self.head_norm
+            && (n.q_heads > self.heads || n.q_weight.len() != self.head_dim || n.k_weight.len() != self.head_dim)
+        {
+            return bad("head norm weights must be [head_dim] and q_heads <= heads".into());
+        }
+        Ok(())
+    }
+
+    /// One row: normalise (optionally) and rotate each head.
+    fn row(&self, x: &mut [f32], pos: u32) {
+        let (hd, half) = (self.head_dim, self.head_dim / 2);
+        let cos = &self.cos[pos as usize * half..][..half];
+        let sin = &self.sin[pos as usize * half..][..half];
+        for (h, head) in x[..self.heads * hd].chunks_exact_mut(hd).enumerate() {
+            if let Some(n) = self.head_norm {
+                let w = if h < n.q_heads { n.q_weight } else { n.k_weight };
+                let ms = head.iter().map(|v| v * v).sum::<f32>() / hd as f32;
+                let inv = 1.0 / (ms + n.eps).sqrt();
+                head.iter_mut().zip(w).for_each(|(v, w)| *v *= inv * w);
+            }
+            // HF's rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+            let (x1, x2) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+}
+
+/// Rotates (and optionally head-normalises) the first `rope.heads` heads of
+/// every row of `x` in place.
+pub fn rope_in_place(x: &mut [f32], rope: &Rope<'_>) -> Result<()> {
+    rope.check(x.len())?;
+    let n = rope.row_len;
+    if x.len() < PARALLEL_MIN_ELEMS {
+        x.chunks_exact_mut(n).zip(rope.positions).for_each(|(r, &p)| rope.row(r, p));
+    } else {
+        let per = rows_per_task(n);
+        x.par_chunks_mut(n * per).zip(rope.positions.par_chunks(per)).for_each(|(rows, pos)| {
+            rows.chunks_exact_mut(n).zip(pos).for_each(|(r, &p)| rope.row(r, p));
+        });
+    }
+    Ok(())
+}
+
+fn contiguous<'a>(data: &'a [f32], layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("{op}: input must be contiguous"),
+    }
+}
+
+struct SiluMul;
+
+impl CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = s else { candle_core::bail!("silu_mul: f32 only") };
+        let (rows, width) = l.shape().dims2()?;
+        let mut out = vec![0f32; rows * width / 2];
+        silu_mul(contiguous(data, l, "silu_mul")?, width / 2, &mut out).map_err(candle_core::Error::wrap)?;
+        Ok((CpuStorage::F32(out), Shape::from((rows, width / 2))))
+    }
+}
+
+/// `[rows, 2 * inter]` f32 (gate then up) -> `[rows, inter]`.
+pub fn silu_mul_op(gate_up: &Tensor) -> Result<Tensor> {
+    let (_, width) = gate_up.dims2()?;
+    if width % 2 != 0 {
+        return Err(KernelError::Invalid(format!("silu_mul: width {width} is odd")));
+    }
+    Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
+}
+
+struct AddInPlace;
+
+impl InplaceOp2 for AddInPlace {
+    fn name(&self) -> &'static str {
+        "add-in-place"
+    }
+
+    fn cpu_fwd(&self, d: &mut CpuStorage, dl: &Layout, s: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
+        let (CpuStorage::F32(d), CpuStorage::F32(s)) = (d, s) else { candle_core::bail!("add_in_place: f32 only") };
+        let Some((d0, d1)) = dl.contiguous_offsets() else { candle_core::bail!("add_in_place: dst not contiguous") };
+        add_in_place(&mut d[d0..d1], contiguous(s, sl, "add_in_place")?).map_err(candle_core::Error::wrap)
+    }
+}
+
+/// `dst += src` for same-shaped f32 tensors; `dst` must own its storage
+/// (a fresh op output), since every view of that storage sees the change.
+pub fn add_in_place_op(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.shape() != src.shape() {
+        return Err(KernelError::Invalid(format!("add_in_place: {:?} vs {:?}", dst.shape(), src.shape())));
+    }
+    Ok(dst.inplace_op2(&src.contiguous()?, &AddInPlace)?)
+}
+
+struct RopeOp<'a>(Rope<'a>);
+
+impl InplaceOp1 for RopeOp<'_> {
+    fn name(&self) -> &'static str {
+        "rope-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(data) = s else { candle_core::bail!("rope_in_place: f32 only") };
+        let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("rope_in_place: not contiguous") };
+        rope_in_place(&mut data[a..b], &self.0).map_err(candle_core::Error::wrap)
+    }
+}
+
+/// [`rope_in_place`] on a contiguous `[rows, row_len]` f32 tensor that owns
+/// its storage.
+pub fn rope_in_place_op(x: &Tensor, rope: Rope<'_>) -> Result<()> {
+    let (rows, row_len) = x.dims2()?;
+    if rows != rope.positions.len() || row_len != rope.row_len {
+        return Err(KernelError::Invalid(format!(
+            "rope_in_place: tensor [{rows}, {row_len}] vs {} positions of {}",
+            rope.positions.len(),
+            rope.row_len
+        )));
+    }
+    Ok(x.inplace_op1(&RopeOp(rope))?)
+}

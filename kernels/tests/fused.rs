@@ -1,0 +1,143 @@
+//! The fused element-wise kernels against their naive references, on random
+//! inputs: odd widths, scattered positions, sizes on both sides of the
+//! parallel threshold, and through the candle tensor bindings.
+
+use candle_core::{Device, Tensor};
+use kernels::cpu::{
+    HeadNorm, Rope, add_in_place, add_in_place_op, rope_in_place, rope_in_place_op, silu_mul, silu_mul_op,
+};
+use kernels::reference;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn random(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}: element {i}: {g} vs {w}");
+    }
+}
+
+#[test]
+fn silu_mul_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(1);
+    // Small (one thread) and large (split over the pool) inputs.
+    for (rows, inter) in [(1, 1), (1, 7), (3, 33), (17, 5632), (64, 1000)] {
+        let gate_up = random(&mut rng, rows * 2 * inter, 6.0);
+        let mut out = vec![0f32; rows * inter];
+        silu_mul(&gate_up, inter, &mut out).unwrap();
+        assert_close(&out, &reference::silu_mul(&gate_up, inter), 1e-5, &format!("{rows}x{inter}"));
+    }
+}
+
+#[test]
+fn silu_mul_rejects_bad_shapes() {
+    let mut out = vec![0f32; 3];
+    assert!(silu_mul(&[0.0; 7], 3, &mut out).is_err());
+    assert!(silu_mul(&[0.0; 6], 0, &mut out).is_err());
+    assert!(silu_mul(&[0.0; 12], 3, &mut out).is_err());
+}
+
+#[test]
+fn add_in_place_adds() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for len in [1, 9, 70_001] {
+        let (a, b) = (random(&mut rng, len, 3.0), random(&mut rng, len, 3.0));
+        let mut got = a.clone();
+        add_in_place(&mut got, &b).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        assert_eq!(got, want);
+    }
+    assert!(add_in_place(&mut [0.0; 2], &[0.0; 3]).is_err());
+}
+
+fn inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)).collect()
+}
+
+/// cos/sin tables as the model builds them.
+fn tables(max_pos: usize, inv_freq: &[f64]) -> (Vec<f32>, Vec<f32>) {
+    let angles = (0..max_pos).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f));
+    let angles: Vec<f64> = angles.collect();
+    (angles.iter().map(|a| a.cos() as f32).collect(), angles.iter().map(|a| a.sin() as f32).collect())
+}
+
+#[test]
+fn rope_matches_reference_on_scattered_positions() {
+    let mut rng = StdRng::seed_from_u64(3);
+    // (rows, q heads, kv heads, head_dim): fused qkv rows hold q, k, then v.
+    for (rows, qh, kvh, hd) in [(1, 4, 2, 8), (5, 3, 1, 64), (33, 32, 4, 64), (300, 16, 8, 128), (7, 2, 2, 2)] {
+        let row_len = (qh + 2 * kvh) * hd;
+        let freq = inv_freq(hd, 10_000.0);
+        let (cos, sin) = tables(4096, &freq);
+        let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..4096)).collect();
+        let x = random(&mut rng, rows * row_len, 2.0);
+        for with_norm in [false, true] {
+            let (qw, kw) = (random(&mut rng, hd, 1.5), random(&mut rng, hd, 1.5));
+            let head_norm = with_norm.then_some(HeadNorm { q_heads: qh, q_weight: &qw, k_weight: &kw, eps: 1e-6 });
+            let rope =
+                Rope { head_dim: hd, heads: qh + kvh, row_len, positions: &positions, cos: &cos, sin: &sin, head_norm };
+            let mut got = x.clone();
+            rope_in_place(&mut got, &rope).unwrap();
+            let norm = with_norm.then_some((qh, &qw[..], &kw[..], 1e-6));
+            let want = reference::rope(&x, row_len, qh + kvh, hd, &positions, &freq, norm);
+            assert_close(&got, &want, 2e-4, &format!("rows {rows} heads {qh}/{kvh} hd {hd} norm {with_norm}"));
+            // v, after the rotated heads, is untouched.
+            for r in 0..rows {
+                let v = (r * row_len + (qh + kvh) * hd)..(r + 1) * row_len;
+                assert_eq!(got[v.clone()], x[v]);
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_rejects_bad_input() {
+    let (cos, sin) = tables(8, &inv_freq(4, 10_000.0));
+    let rope = |positions, heads, head_dim| Rope {
+        head_dim,
+        heads,
+        row_len: 8,
+        positions,
+        cos: &cos,
+        sin: &sin,
+        head_norm: None,
+    };
+    let mut x = vec![0f32; 16];
+    assert!(rope_in_place(&mut x, &rope(&[0, 8], 2, 4)).is_err(), "position past the tables");
+    assert!(rope_in_place(&mut x, &rope(&[0, 1], 3, 4)).is_err(), "more heads than the row holds");
+    assert!(rope_in_place(&mut x, &rope(&[0], 2, 4)).is_err(), "rows and positions disagree");
+    assert!(rope_in_place(&mut x, &rope(&[0, 1], 2, 3)).is_err(), "odd head_dim");
+    assert!(rope_in_place(&mut x, &rope(&[0, 7], 2, 4)).is_ok());
+}
+
+#[test]
+fn tensor_bindings_agree_with_slices() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let dev = Device::Cpu;
+    let gate_up = random(&mut rng, 3 * 2 * 40, 4.0);
+    let t = Tensor::from_vec(gate_up.clone(), (3, 80), &dev).unwrap();
+    let got: Vec<f32> = silu_mul_op(&t).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert_close(&got, &reference::silu_mul(&gate_up, 40), 1e-5, "silu_mul_op");
+
+    let (a, b) = (random(&mut rng, 12, 1.0), random(&mut rng, 12, 1.0));
+    let dst = Tensor::from_vec(a.clone(), (3, 4), &dev).unwrap();
+    add_in_place_op(&dst, &Tensor::from_vec(b.clone(), (3, 4), &dev).unwrap()).unwrap();
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    assert_eq!(dst.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    assert!(add_in_place_op(&dst, &Tensor::zeros((4, 3), candle_core::DType::F32, &dev).unwrap()).is_err());
+
+    let freq = inv_freq(8, 10_000.0);
+    let (cos, sin) = tables(64, &freq);
+    let x = random(&mut rng, 2 * 24, 1.0);
+    let t = Tensor::from_vec(x.clone(), (2, 24), &dev).unwrap();
+    let positions = [5u32, 63];
+    let rope =
+        Rope { head_dim: 8, heads: 2, row_len: 24, positions: &positions, cos: &cos, sin: &sin, head_norm: None };
+    rope_in_place_op(&t, rope).unwrap();
+    let want = reference::rope(&x, 24, 2, 8, &positions, &freq, None);
+    assert_close(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want, 1e-5, "rope_in_place_op");
+}
