@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::{mpsc, watch};
@@ -142,18 +142,45 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
     }
 }
 
+/// An oversized body up to this size is read and dropped before the 413
+/// goes out: closing on a client that is still writing resets the
+/// connection, and the client sees a broken pipe instead of the answer.
+/// Larger ones are refused at once.
+const DRAIN_MAX_BYTES: usize = 16 << 20;
+
 async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
-    if let Some(len) =
-        req.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
+    let declared =
+        req.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+    let mut body = req.into_body();
+    if let Some(len) = declared
+        && len > limit
     {
-        if len > limit {
+        if len <= DRAIN_MAX_BYTES {
+            drain(&mut body, DRAIN_MAX_BYTES).await;
+        }
+        return Err(ApiError::too_large(limit));
+    }
+    let mut data = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ApiError::bad_request(format!("reading the body: {e}")))?;
+        let Ok(chunk) = frame.into_data() else { continue };
+        if data.len() + chunk.len() > limit {
+            drain(&mut body, DRAIN_MAX_BYTES.saturating_sub(data.len() + chunk.len())).await;
             return Err(ApiError::too_large(limit));
         }
+        data.extend_from_slice(&chunk);
     }
-    match Limited::new(req.into_body(), limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
-        Err(e) => Err(ApiError::bad_request(format!("reading the body: {e}"))),
+    Ok(data.freeze())
+}
+
+/// Reads and drops up to `max` more bytes of `body`.
+async fn drain(body: &mut Incoming, max: usize) {
+    let mut read = 0;
+    while read <= max {
+        match body.frame().await {
+            Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len()),
+            _ => return,
+        }
     }
 }
 
