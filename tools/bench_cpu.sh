@@ -27,7 +27,7 @@ cp ../shared/models/tiny-qwen3/tokenizer.json ../shared/models/tiny-qwen3/tokeni
 export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
-bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|  )"; }
+bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|  )"; }
 for t in f16 q8_0; do
   m="$GGUF/tinyllama-1.1b-random-$t.gguf"
   echo "== ours $t: batch-1 decode (prompt 16, 64 generated)"; bench --model "$m" --num-prompts 1 --input-len 16 --output-len 64 --profile

@@ -6,11 +6,13 @@ use candle_core::{DType, Device};
 use common::{KvEventRecord, RequestId, SamplingParams};
 
 use crate::core::{
-    RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerStats, SchedulingPolicy, TokenLogprobs,
+    RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats, SchedulingPolicy,
+    TokenLogprobs,
 };
+use crate::device_sampler::DeviceRow;
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::{self, KvBudget};
-use crate::model_runner::ModelRunner;
+use crate::model_runner::{BatchInputs, ModelRunner};
 use crate::models::ModelFiles;
 use crate::profile::{self, Section};
 use crate::sampler::{self, SeqSamplingInput};
@@ -32,6 +34,9 @@ pub struct EngineConfig {
     pub logprobs_mode: LogprobsMode,
     /// Quantize linear weights at load time (CPU only).
     pub quantization: Option<Quantization>,
+    /// Where tokens are drawn: `None` means on the device for GPUs (only ids
+    /// come back) and on the host for the CPU, where the logits already are.
+    pub device_sampling: Option<bool>,
 }
 
 /// Weight quantization applied at load time.
@@ -77,6 +82,7 @@ impl Default for EngineConfig {
             policy: SchedulingPolicy::Fcfs,
             logprobs_mode: LogprobsMode::RawLogprobs,
             quantization: None,
+            device_sampling: None,
         }
     }
 }
@@ -87,6 +93,7 @@ pub struct Engine {
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     logprobs_mode: LogprobsMode,
+    device_sampling: bool,
     last_step: StepInfo,
 }
 
@@ -138,6 +145,7 @@ impl Engine {
             vocab_size: cfg.vocab_size,
             eos_token_ids: files.eos_token_ids.clone(),
             logprobs_mode: config.logprobs_mode,
+            device_sampling: config.device_sampling.unwrap_or(!config.device.is_cpu()),
             last_step: StepInfo::default(),
         })
     }
@@ -220,27 +228,8 @@ impl Engine {
         }
         let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
         drop(sched_timer);
-        // On a GPU, a batch of plain greedy requests (no logprobs, penalties
-        // or min_tokens) takes its argmax on the device: only ids come back.
-        let device_greedy = !self.runner.device().is_cpu()
-            && step.scheduled.iter().filter(|s| s.samples).all(|s| {
-                let p = &self.scheduler.request(s.id).expect("scheduled request exists").params;
-                p.is_greedy()
-                    && p.logprobs.is_none()
-                    && p.min_tokens == 0
-                    && p.repetition_penalty == 1.0
-                    && p.presence_penalty == 0.0
-                    && p.frequency_penalty == 0.0
-            });
-        if device_greedy {
-            let ids = {
-                let _t = profile::scope(Section::Forward);
-                self.runner.execute_argmax(&batch)?
-            };
-            let sampled: Vec<SampledToken> =
-                ids.into_iter().map(|token_id| SampledToken { token_id, logprobs: None }).collect();
-            let _t = profile::scope(Section::Scheduler);
-            return Ok(self.scheduler.update_from_output(&step, sampled));
+        if self.device_sampling {
+            return self.step_sampling_on_device(&step, &batch);
         }
         let logits = {
             let _t = profile::scope(Section::Forward);
@@ -289,6 +278,82 @@ impl Engine {
         drop(sampling_timer);
         let _t = profile::scope(Section::Scheduler);
         Ok(self.scheduler.update_from_output(&step, sampled))
+    }
+}
+
+impl Engine {
+    /// A step whose tokens are drawn on the model's device: rows that need
+    /// penalties, `min_tokens` masking or logprobs still go through the host
+    /// sampler (their logits alone come back); every other row comes back
+    /// as a token id. Which path a row takes depends on its own request
+    /// only, never on its batch-mates, so seeded output does not depend on
+    /// the batch.
+    fn step_sampling_on_device(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
+        let sampling: Vec<RequestId> = step.scheduled.iter().filter(|s| s.samples).map(|s| s.id).collect();
+        let mut device_rows = Vec::new();
+        let mut host_rows = Vec::new();
+        for (row, &id) in sampling.iter().enumerate() {
+            let req = self.scheduler.request(id).expect("scheduled request exists");
+            let p = &req.params;
+            let host_only = p.logprobs.is_some()
+                || req.output_token_ids().len() < p.min_tokens as usize
+                || p.repetition_penalty != 1.0
+                || p.presence_penalty != 0.0
+                || p.frequency_penalty != 0.0;
+            if host_only {
+                host_rows.push(row as u32);
+            } else {
+                let u = sampler::step_uniform(req.sampling_seed, req.output_token_ids().len() as u64);
+                let temperature = if p.is_greedy() { 0.0 } else { p.temperature };
+                let params = DeviceRow { temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, u };
+                device_rows.push((row as u32, params));
+            }
+        }
+        let (ids, host_logits) = {
+            let _t = profile::scope(Section::Forward);
+            self.runner.execute_on_device(batch, &device_rows, &host_rows)?
+        };
+        let _sampling = profile::scope(Section::Sampling);
+        let mut sampled: Vec<Option<SampledToken>> = vec![None; sampling.len()];
+        for (&(row, _), token_id) in device_rows.iter().zip(ids) {
+            sampled[row as usize] = Some(SampledToken { token_id, logprobs: None });
+        }
+        if !host_rows.is_empty() {
+            let inputs: Vec<SeqSamplingInput> = host_rows
+                .iter()
+                .map(|&row| {
+                    let req = self.scheduler.request(sampling[row as usize]).expect("scheduled request exists");
+                    SeqSamplingInput {
+                        params: &req.params,
+                        prompt_token_ids: req.prompt_token_ids(),
+                        output_token_ids: req.output_token_ids(),
+                        seed: req.sampling_seed,
+                        eos_token_ids: &self.eos_token_ids,
+                    }
+                })
+                .collect();
+            let drawn = sampler::sample_batch(&host_logits, self.vocab_size, &inputs);
+            let raw_logits = self.logprobs_mode == LogprobsMode::RawLogits;
+            let vocab = self.vocab_size;
+            for (i, ((&row, s), input)) in host_rows.iter().zip(drawn).zip(&inputs).enumerate() {
+                let logprobs = input.params.logprobs.map(|_| {
+                    if raw_logits {
+                        let logit = |id: u32| host_logits[i * vocab + id as usize];
+                        TokenLogprobs {
+                            logprob: logit(s.token_id),
+                            top: s.top_logprobs.iter().map(|&(id, _)| (id, logit(id))).collect(),
+                        }
+                    } else {
+                        TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }
+                    }
+                });
+                sampled[row as usize] = Some(SampledToken { token_id: s.token_id, logprobs });
+            }
+        }
+        drop(_sampling);
+        let sampled = sampled.into_iter().map(|s| s.expect("every sampling row is drawn once")).collect();
+        let _t = profile::scope(Section::Scheduler);
+        Ok(self.scheduler.update_from_output(step, sampled))
     }
 }
 

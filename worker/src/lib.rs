@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod core;
 pub mod device;
+pub mod device_sampler;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;

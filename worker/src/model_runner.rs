@@ -8,6 +8,7 @@ use common::RequestId;
 use kernels::AttentionMetadata;
 
 use crate::core::{Request, SchedulerOutput};
+use crate::device_sampler::{self, DeviceRow};
 use crate::error::Result;
 use crate::kv_cache::LayerKvCache;
 use crate::models::CausalLm;
@@ -86,14 +87,31 @@ impl ModelRunner {
         }
     }
 
-    /// As [`execute`](Self::execute) for a batch whose every sampling row is
-    /// plain greedy: the argmax is taken on the device, so only the token
-    /// ids cross to the host (what a GPU step should send back).
-    pub fn execute_argmax(&mut self, batch: &BatchInputs) -> Result<Vec<u32>> {
-        match self.forward(batch)? {
-            Some(logits) => Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?),
-            None => Ok(Vec::new()),
-        }
+    /// Runs the model and samples on the device: the ids of the rows in
+    /// `device_rows` (row index among the sampled rows, parameters), and the
+    /// logits of `host_rows` (row-major, for the host sampler). Only those
+    /// cross to the host.
+    pub fn execute_on_device(
+        &mut self,
+        batch: &BatchInputs,
+        device_rows: &[(u32, DeviceRow)],
+        host_rows: &[u32],
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let Some(logits) = self.forward(batch)? else { return Ok((Vec::new(), Vec::new())) };
+        let pick = |rows: Vec<u32>| Tensor::from_vec(rows.clone(), rows.len(), &self.device);
+        let ids = if device_rows.is_empty() {
+            Vec::new()
+        } else {
+            let rows = logits.index_select(&pick(device_rows.iter().map(|r| r.0).collect())?, 0)?;
+            let params: Vec<DeviceRow> = device_rows.iter().map(|r| r.1).collect();
+            device_sampler::sample(&rows, &params)?
+        };
+        let host = if host_rows.is_empty() {
+            Vec::new()
+        } else {
+            logits.index_select(&pick(host_rows.to_vec())?, 0)?.flatten_all()?.to_vec1::<f32>()?
+        };
+        Ok((ids, host))
     }
 
     /// The sampled rows' logits [S, vocab] on the device; None when no row samples.

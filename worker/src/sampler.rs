@@ -362,7 +362,7 @@ fn raw_logprobs(raw: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
 /// The uniform draw in [0, 1) of the request seeded `seed` after `step`
 /// generated tokens: SplitMix64 seeded by both, hashed apart first so that
 /// nearby seeds and steps give unrelated streams.
-fn step_uniform(seed: u64, step: u64) -> f64 {
+pub(crate) fn step_uniform(seed: u64, step: u64) -> f64 {
     let bits = splitmix64(seed ^ splitmix64(step));
     (bits >> 11) as f64 / (1u64 << 53) as f64
 }

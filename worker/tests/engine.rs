@@ -183,3 +183,39 @@ fn half_precision_weights_follow_the_f32_model() {
         assert_eq!(out[&0].0, reference[&0].0, "{dtype:?}");
     }
 }
+
+/// Device sampling (what a GPU worker does), forced on the CPU device: the
+/// same guarantees as the host sampler, and rows that need the host sampler
+/// (penalties, logprobs) give exactly what it gives.
+#[test]
+fn device_sampling_keeps_the_guarantees() {
+    let device_engine =
+        || engine(EngineConfig { num_blocks: Some(1024), device_sampling: Some(true), ..EngineConfig::default() });
+    let sampled = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        min_p: 0.01,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    };
+    let mut requests: Vec<_> = prompts().into_iter().enumerate().map(|(i, p)| (p, sampled(i as u64))).collect();
+    requests[3].1 = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(30) };
+    requests[5].1.repetition_penalty = 1.3;
+    requests[6].1.logprobs = Some(3);
+    let together = run(&mut device_engine(), &requests);
+    for i in [0, 1, 15] {
+        let alone = run(&mut device_engine(), &[requests[i].clone()]);
+        assert_eq!(together[&(i as u64)], alone[&0], "request {i}");
+        assert_eq!(alone[&0].0.len(), 24);
+    }
+    // Greedy rows are the argmax on either path; host-only rows are the host's.
+    let host = run(&mut default_engine(), &requests);
+    for i in [3, 5, 6] {
+        assert_eq!(together[&(i as u64)], host[&(i as u64)], "request {i}");
+    }
+    // Seeds still matter.
+    let other = run(&mut device_engine(), &[(requests[0].0.clone(), sampled(12345))]);
+    assert_ne!(together[&0].0, other[&0].0);
+}

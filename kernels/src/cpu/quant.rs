@@ -458,7 +458,8 @@ mod avx2 {
                     }
                 }
                 let blocks = [&*w.add(b), &*w.add(kb + b), &*w.add(2 * kb + b), &*w.add(3 * kb + b)];
-                let bits = blocks.iter().enumerate().fold(0u64, |a, (r, blk)| a | (blk.scale().to_bits() as u64) << (16 * r));
+                let bits =
+                    blocks.iter().enumerate().fold(0u64, |a, (r, blk)| a | (blk.scale().to_bits() as u64) << (16 * r));
                 let d4 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)), _mm_broadcast_ss(&*xd.add(b)));
                 let d8 = _mm256_set_m128(d4, d4);
                 let d = [
