@@ -1,24 +1,29 @@
 //! Sampling on the model's device, with tensor ops only, so that a GPU step
-//! sends back token ids rather than `[S, vocab]` logits.
+//! sends back token ids (and the logprobs a request asked for) rather than
+//! `[S, vocab]` logits.
 //!
-//! It does what the host sampler's `draw` does for a row without penalties,
-//! `min_tokens` or logprobs: temperature, then top-k and min-p as floors
-//! below the top token, then top-p, then the token at which the cumulative
-//! weight, in vocabulary order, first exceeds `u` times the kept total (`u`
-//! is the request's per-position uniform, the same one the host uses). GPUs
-//! have no cheap sort, so every threshold is found by bisection over
-//! reductions that keep all rows in flight at once:
+//! It does what the host sampler does, in vLLM's order: `min_tokens`
+//! masking, repetition, frequency and presence penalties, then either the
+//! argmax or temperature, top-k and min-p as floors below the top token,
+//! top-p, and the token at which the cumulative weight, in vocabulary
+//! order, first exceeds `u` times the kept total (`u` is the request's
+//! per-position uniform, the same one the host uses). GPUs have no cheap
+//! sort, so every threshold is found by bisection over reductions that keep
+//! all rows in flight at once:
 //! * top-k: the largest scaled logit `t` with `count(s >= t) >= k`;
 //! * top-p: the largest `t` whose kept mass `Σ w[s >= t]` reaches `p`;
 //! * the draw: the index `j` with `C(j) <= u·total < C(j + 1)`, where
 //!   `C(j) = Σ_{i<j} w_i`.
 //!
-//! Greedy rows take the argmax. The host path remains for rows that need
-//! penalties, `min_tokens` or logprobs.
+//! Penalties count tokens with one scatter-add per step over the rows'
+//! histories; top logprobs are N rounds of argmax-and-mask over the raw row.
 
-use candle_core::{D, DType, Tensor};
+use candle_core::{D, DType, Device, Tensor};
+
+use common::SamplingParams;
 
 use crate::error::Result;
+use crate::sampler::{self, SampledToken};
 
 /// Below this scaled logit a token's weight is 0 in f32 (e^-87).
 const MIN_SCALED: f32 = -87.0;
@@ -26,9 +31,9 @@ const MIN_SCALED: f32 = -87.0;
 /// below f32 resolution near 0.
 const VALUE_STEPS: usize = 30;
 
-/// One sampling row's parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DeviceRow {
+/// One sampling row: its request's parameters and the tokens they look at.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceRow<'a> {
     /// 0 means greedy.
     pub temperature: f32,
     /// 0 means off.
@@ -37,11 +42,83 @@ pub struct DeviceRow {
     pub min_p: f32,
     /// The row's uniform draw in [0, 1).
     pub u: f64,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub prompt_token_ids: &'a [u32],
+    /// Tokens generated so far.
+    pub output_token_ids: &'a [u32],
+    /// Ids that must not be drawn now (stop ids and EOS before `min_tokens`).
+    pub banned_token_ids: Vec<u32>,
+    /// `Some(n)`: the chosen token's log-probability and the `n` most
+    /// likely tokens', from the raw logits.
+    pub logprobs: Option<u32>,
 }
 
-/// Token ids for `logits: [S, vocab]` (any float dtype, on any device), one
-/// row per entry of `rows`.
-pub fn sample(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
+impl<'a> DeviceRow<'a> {
+    /// The row of a request that has generated `output` so far, drawing
+    /// with the same per-position uniform as the host sampler.
+    pub fn for_request(
+        p: &SamplingParams,
+        prompt: &'a [u32],
+        output: &'a [u32],
+        seed: u64,
+        eos_token_ids: &[u32],
+    ) -> Self {
+        let banned_token_ids = if output.len() < p.min_tokens as usize {
+            let eos = if p.ignore_eos { &[][..] } else { eos_token_ids };
+            p.stop_token_ids.iter().chain(eos).copied().collect()
+        } else {
+            Vec::new()
+        };
+        DeviceRow {
+            temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            u: sampler::step_uniform(seed, output.len() as u64),
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            prompt_token_ids: prompt,
+            output_token_ids: output,
+            banned_token_ids,
+            logprobs: p.logprobs,
+        }
+    }
+
+    /// A row without penalties, bans or logprobs.
+    pub fn plain(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> Self {
+        DeviceRow {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            u,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            prompt_token_ids: &[],
+            output_token_ids: &[],
+            banned_token_ids: Vec::new(),
+            logprobs: None,
+        }
+    }
+}
+
+/// What the logprobs of a row are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogprobValues {
+    /// log_softmax of the raw logits (vLLM's `raw_logprobs`).
+    Logprobs,
+    /// The raw logits themselves (vLLM's `raw_logits`).
+    RawLogits,
+}
+
+/// One token per row of `logits: [S, vocab]` (any float dtype, on any
+/// device), with logprobs where the row asks for them (NaN and none
+/// otherwise, as on the host).
+pub fn sample(logits: &Tensor, rows: &[DeviceRow], values: LogprobValues) -> Result<Vec<SampledToken>> {
     let (s, vocab) = logits.dims2()?;
     if s != rows.len() {
         return Err(candle_core::Error::Msg(format!("device sampler: {s} logit rows for {} params", rows.len())).into());
@@ -50,17 +127,95 @@ pub fn sample(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
         return Ok(Vec::new());
     }
     let device = logits.device();
-    let x = logits.to_dtype(DType::F32)?;
+    let raw = logits.to_dtype(DType::F32)?;
     // NaN logits are impossible tokens, as on the host.
-    let x = x.ne(&x)?.where_cond(&Tensor::full(f32::NEG_INFINITY, (s, vocab), device)?, &x)?;
+    let raw = raw.ne(&raw)?.where_cond(&Tensor::full(f32::NEG_INFINITY, (s, vocab), device)?, &raw)?;
+    let x = adjust(&raw, rows)?;
+    let ids = choose(&x, rows)?; // [S] u32
+    let logprobs = top_logprobs(&raw, &ids, rows, values)?;
+    let ids = ids.to_vec1::<u32>()?;
+    Ok(ids
+        .into_iter()
+        .zip(logprobs)
+        .map(|(token_id, lp)| match lp {
+            Some((logprob, top_logprobs)) => SampledToken { token_id, logprob, top_logprobs },
+            None => SampledToken { token_id, logprob: f32::NAN, top_logprobs: Vec::new() },
+        })
+        .collect())
+}
+
+/// A `[S, 1]` column of one f32 per row.
+fn column(rows: &[DeviceRow], device: &Device, f: impl Fn(&DeviceRow) -> f32) -> Result<Tensor> {
+    Ok(Tensor::from_vec(rows.iter().map(f).collect(), (rows.len(), 1), device)?)
+}
+
+/// `min_tokens` bans and the penalties, as the host's `apply_min_tokens`
+/// and `apply_penalties` do them (same f32 operations, so greedy rows pick
+/// what the host picks).
+fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
+    let (s, vocab) = x.dims2()?;
+    let device = x.device();
+    let mut x = x.clone();
+    if rows.iter().any(|r| r.repetition_penalty != 1.0) {
+        let history = |r: &DeviceRow| -> Vec<u32> {
+            if r.repetition_penalty == 1.0 {
+                return Vec::new();
+            }
+            r.prompt_token_ids.iter().chain(r.output_token_ids).copied().collect()
+        };
+        let seen = token_counts(rows.iter().map(history), s, vocab, device)?.gt(0f32)?;
+        let penalty = column(rows, device, |r| r.repetition_penalty)?;
+        let penalised = x.gt(0f32)?.where_cond(&x.broadcast_div(&penalty)?, &x.broadcast_mul(&penalty)?)?;
+        x = seen.where_cond(&penalised, &x)?;
+    }
+    if rows.iter().any(|r| r.frequency_penalty != 0.0 || r.presence_penalty != 0.0) {
+        let outputs = rows.iter().map(|r| {
+            if r.frequency_penalty == 0.0 && r.presence_penalty == 0.0 {
+                Vec::new()
+            } else {
+                r.output_token_ids.to_vec()
+            }
+        });
+        let counts = token_counts(outputs, s, vocab, device)?;
+        x = (x - counts.broadcast_mul(&column(rows, device, |r| r.frequency_penalty)?)?)?;
+        let present = counts.gt(0f32)?.to_dtype(DType::F32)?;
+        x = (x - present.broadcast_mul(&column(rows, device, |r| r.presence_penalty)?)?)?;
+    }
+    if rows.iter().any(|r| !r.banned_token_ids.is_empty()) {
+        let banned = token_counts(rows.iter().map(|r| r.banned_token_ids.clone()), s, vocab, device)?.gt(0f32)?;
+        x = banned.where_cond(&Tensor::full(f32::NEG_INFINITY, (s, vocab), device)?, &x)?;
+    }
+    Ok(x)
+}
+
+/// `[S, vocab]` f32: how often each token occurs in each row's list. Ids
+/// outside the vocabulary (they come from requests) are ignored.
+fn token_counts(lists: impl Iterator<Item = Vec<u32>>, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+    let lists: Vec<Vec<u32>> = lists.map(|l| l.into_iter().filter(|&t| (t as usize) < vocab).collect()).collect();
+    let width = lists.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut index = vec![0u32; s * width];
+    let mut ones = vec![0f32; s * width];
+    for (row, list) in lists.iter().enumerate() {
+        index[row * width..row * width + list.len()].copy_from_slice(list);
+        ones[row * width..row * width + list.len()].fill(1.0);
+    }
+    let index = Tensor::from_vec(index, (s, width), device)?;
+    let ones = Tensor::from_vec(ones, (s, width), device)?;
+    Ok(Tensor::zeros((s, vocab), DType::F32, device)?.scatter_add(&index, &ones, 1)?)
+}
+
+/// The token of each row of the adjusted logits `x`: the argmax for greedy
+/// rows, a draw otherwise. `[S]` u32, still on the device.
+fn choose(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
+    let (s, vocab) = x.dims2()?;
+    let device = x.device();
     let greedy = x.argmax(D::Minus1)?.to_dtype(DType::U32)?; // [S]
     if rows.iter().all(|r| r.temperature == 0.0) {
-        return Ok(greedy.to_vec1::<u32>()?);
+        return Ok(greedy);
     }
-    let column = |f: &dyn Fn(&DeviceRow) -> f32| Tensor::from_vec(rows.iter().map(f).collect(), (s, 1), device);
     // Scaled logits, 0 for the top token: s = (x - max) / T, clamped so that
     // the bisections below work on a bounded range.
-    let inv_t = column(&|r| if r.temperature > 0.0 { 1.0 / r.temperature } else { 1.0 })?;
+    let inv_t = column(rows, device, |r| if r.temperature > 0.0 { 1.0 / r.temperature } else { 1.0 })?;
     let max = x.max_keepdim(D::Minus1)?;
     let scaled = x.broadcast_sub(&max)?.broadcast_mul(&inv_t)?.clamp(MIN_SCALED, 0f32)?;
     let mut weights = scaled.exp()?;
@@ -69,12 +224,12 @@ pub fn sample(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
 
     // Min-p: a floor relative to the top token's weight, which is 1.
     if rows.iter().any(|r| r.min_p > 0.0) {
-        let floor = column(&|r| r.min_p)?;
+        let floor = column(rows, device, |r| r.min_p)?;
         weights = weights.broadcast_mul(&weights.broadcast_ge(&floor)?.to_dtype(DType::F32)?)?;
     }
     // Top-k: keep s >= the k-th largest scaled logit (ties kept).
     if rows.iter().any(|r| r.top_k > 0 && (r.top_k as usize) < vocab) {
-        let k = column(&|r| if r.top_k > 0 { r.top_k as f32 } else { vocab as f32 })?;
+        let k = column(rows, device, |r| if r.top_k > 0 { r.top_k as f32 } else { vocab as f32 })?;
         let threshold = bisect_value(&scaled, |t| {
             let count = scaled.broadcast_ge(t)?.to_dtype(DType::F32)?.sum_keepdim(D::Minus1)?;
             Ok(count.ge(&k)?)
@@ -84,7 +239,7 @@ pub fn sample(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
     // Top-p: the most likely tokens whose weight reaches p of the kept total.
     if rows.iter().any(|r| r.top_p < 1.0) {
         let total = weights.sum_keepdim(D::Minus1)?;
-        let target = total.broadcast_mul(&column(&|r| r.top_p.min(1.0))?)?;
+        let target = total.broadcast_mul(&column(rows, device, |r| r.top_p.min(1.0))?)?;
         let threshold = bisect_value(&scaled, |t| {
             let mass = weights.broadcast_mul(&scaled.broadcast_ge(t)?.to_dtype(DType::F32)?)?.sum_keepdim(D::Minus1)?;
             Ok(mass.ge(&target)?)
@@ -93,7 +248,56 @@ pub fn sample(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
     }
     let drawn = draw(&weights, rows)?; // [S]
     let is_greedy = Tensor::from_vec(rows.iter().map(|r| u8::from(r.temperature == 0.0)).collect(), s, device)?;
-    Ok(is_greedy.where_cond(&greedy, &drawn)?.to_vec1::<u32>()?)
+    Ok(is_greedy.where_cond(&greedy, &drawn)?)
+}
+
+/// The chosen token's logprob and the top `n`, for the rows that ask, from
+/// the raw (NaN-cleaned) logits: the top tokens are found by `n` rounds of
+/// argmax, each masking its winner, so only `[rows, 1 + n]` values and ids
+/// come back. Ties go to the lower id, as on the host.
+#[allow(clippy::type_complexity)]
+fn top_logprobs(
+    raw: &Tensor,
+    ids: &Tensor,
+    rows: &[DeviceRow],
+    values: LogprobValues,
+) -> Result<Vec<Option<(f32, Vec<(u32, f32)>)>>> {
+    let mut out = vec![None; rows.len()];
+    let asking: Vec<u32> = (0..rows.len() as u32).filter(|&i| rows[i as usize].logprobs.is_some()).collect();
+    if asking.is_empty() {
+        return Ok(out);
+    }
+    let device = raw.device();
+    let n = asking.iter().map(|&i| rows[i as usize].logprobs.unwrap_or(0) as usize).max().unwrap_or(0);
+    let pick = Tensor::from_vec(asking.clone(), asking.len(), device)?;
+    let x = raw.index_select(&pick, 0)?; // [A, vocab]
+    let chosen = ids.index_select(&pick, 0)?.unsqueeze(1)?; // [A, 1]
+    let mut id_columns = vec![chosen.clone()];
+    let mut value_columns = vec![x.gather(&chosen, 1)?];
+    let mut rest = x.clone();
+    let masked = Tensor::full(f32::NEG_INFINITY, (asking.len(), 1), device)?;
+    for _ in 0..n {
+        let top = rest.argmax_keepdim(D::Minus1)?.to_dtype(DType::U32)?; // [A, 1]
+        value_columns.push(x.gather(&top, 1)?);
+        rest = rest.scatter(&top, &masked, 1)?;
+        id_columns.push(top);
+    }
+    let mut values_t = Tensor::cat(&value_columns, 1)?;
+    if values == LogprobValues::Logprobs {
+        let max = x.max_keepdim(D::Minus1)?;
+        let lse = (x.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;
+        values_t = values_t.broadcast_sub(&lse)?;
+    }
+    let values_v = values_t.to_vec2::<f32>()?;
+    let ids_v = Tensor::cat(&id_columns, 1)?.to_vec2::<u32>()?;
+    for (a, &row) in asking.iter().enumerate() {
+        // A row with no finite logit has no distribution: all -inf, as on the host.
+        let value = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        let wanted = rows[row as usize].logprobs.unwrap_or(0) as usize;
+        let top = (1..=wanted).map(|j| (ids_v[a][j], value(values_v[a][j]))).collect();
+        out[row as usize] = Some((value(values_v[a][0]), top));
+    }
+    Ok(out)
 }
 
 /// The largest `t` in [-87, 0] (per row, `[S, 1]`) for which `holds(t)` is
@@ -142,12 +346,17 @@ mod tests {
 
     use super::*;
 
-    fn row(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> DeviceRow {
-        DeviceRow { temperature, top_k, top_p, min_p, u }
+    fn row(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> DeviceRow<'static> {
+        DeviceRow::plain(temperature, top_k, top_p, min_p, u)
+    }
+
+    /// Token ids only.
+    fn ids(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
+        Ok(sample(logits, rows, LogprobValues::Logprobs)?.into_iter().map(|s| s.token_id).collect())
     }
 
     /// Host reference: the same algorithm with sorting, in f64.
-    fn reference(logits: &[f32], r: &DeviceRow) -> u32 {
+    fn reference(logits: &[f32], r: &DeviceRow<'_>) -> u32 {
         if r.temperature == 0.0 {
             let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             return logits.iter().position(|&x| x == max).unwrap() as u32;
@@ -211,7 +420,7 @@ mod tests {
                 .collect();
             let logits: Vec<f32> = (0..rows.len() * vocab).map(|_| (lcg(&mut st) * 8.0 - 4.0) as f32).collect();
             let t = Tensor::from_vec(logits.clone(), (rows.len(), vocab), &Device::Cpu).unwrap();
-            let got = sample(&t, &rows).unwrap();
+            let got = ids(&t, &rows).unwrap();
             for (i, r) in rows.iter().enumerate() {
                 total += 1;
                 agree += usize::from(got[i] == reference(&logits[i * vocab..(i + 1) * vocab], r));
@@ -232,7 +441,7 @@ mod tests {
         let mut st = 1u64;
         let rows: Vec<DeviceRow> = (0..n).map(|_| row(1.0, 3, 1.0, 0.0, lcg(&mut st))).collect();
         let all: Vec<f32> = (0..n).flat_map(|_| logits.iter().copied()).collect();
-        let got = sample(&Tensor::from_vec(all, (n, 4), &Device::Cpu).unwrap(), &rows).unwrap();
+        let got = ids(&Tensor::from_vec(all, (n, 4), &Device::Cpu).unwrap(), &rows).unwrap();
         let mut counts = [0usize; 4];
         got.iter().for_each(|&t| counts[t as usize] += 1);
         assert_eq!(counts[0], 0);
@@ -248,9 +457,84 @@ mod tests {
         // still yields an id in range.
         let logits =
             Tensor::from_vec(vec![f32::NAN, 1.0, f32::NEG_INFINITY, f32::NEG_INFINITY], (2, 2), &Device::Cpu).unwrap();
-        let got = sample(&logits, &[row(1.0, 0, 0.5, 0.0, 0.99), row(0.8, 1, 1.0, 0.1, 0.0)]).unwrap();
+        let got = ids(&logits, &[row(1.0, 0, 0.5, 0.0, 0.99), row(0.8, 1, 1.0, 0.1, 0.0)]).unwrap();
         assert_eq!(got[0], 1, "only token 1 has weight");
         assert!(got[1] < 2);
-        assert!(sample(&logits, &[row(1.0, 0, 1.0, 0.0, 0.5)]).is_err(), "rows and params disagree");
+        assert!(ids(&logits, &[row(1.0, 0, 1.0, 0.0, 0.5)]).is_err(), "rows and params disagree");
+    }
+
+    #[test]
+    fn penalties_bans_and_logprobs_match_the_host_sampler() {
+        use crate::sampler::{SeqSamplingInput, sample_batch};
+        let vocab = 257;
+        let mut st = 3u64;
+        let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (lcg(&mut st) * vocab as f64) as u32).collect() };
+        let prompt = tokens(40);
+        let mut output = tokens(25);
+        output.extend_from_slice(&output.clone()[..10]); // repeats, for frequency
+        output.push(9999); // outside the vocabulary: ignored by both
+        let eos = [5u32];
+        let greedy = SamplingParams::greedy(100);
+        let cases = [
+            SamplingParams { repetition_penalty: 1.3, ..greedy.clone() },
+            SamplingParams { repetition_penalty: 0.7, ..greedy.clone() },
+            SamplingParams { frequency_penalty: 0.5, presence_penalty: 0.3, ..greedy.clone() },
+            SamplingParams { frequency_penalty: -0.4, presence_penalty: 1.5, ..greedy.clone() },
+            SamplingParams { min_tokens: 100, stop_token_ids: vec![0, 1, 2, 3, 4, 6, 7], ..greedy.clone() },
+            SamplingParams { min_tokens: 100, ignore_eos: true, ..greedy.clone() },
+            SamplingParams { logprobs: Some(5), ..greedy.clone() },
+            SamplingParams { logprobs: Some(0), repetition_penalty: 1.2, frequency_penalty: 0.2, ..greedy.clone() },
+            SamplingParams { logprobs: Some(20), temperature: 0.8, seed: Some(4), ..greedy.clone() },
+            greedy.clone(),
+        ];
+        for trial in 0..6u64 {
+            let mut logits: Vec<f32> = (0..cases.len() * vocab).map(|_| (lcg(&mut st) * 8.0 - 4.0) as f32).collect();
+            for (i, row) in logits.chunks_mut(vocab).enumerate() {
+                // Make the bans and penalties matter: the raw favourites are
+                // EOS, stop ids and tokens already seen; two tie for top.
+                let top = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                row[5] = top + 1.0;
+                row[[0, 3, 6][i % 3]] = top + 0.5;
+                row[output[(i + trial as usize) % 25] as usize] = top + 0.75;
+                row[prompt[(i * 3 + trial as usize) % 40] as usize] = top + 0.9;
+                row[200] = top + 0.6;
+                row[201] = top + 0.6;
+            }
+            let inputs: Vec<SeqSamplingInput> = cases
+                .iter()
+                .map(|p| SeqSamplingInput {
+                    params: p,
+                    prompt_token_ids: &prompt,
+                    output_token_ids: &output,
+                    seed: 11,
+                    eos_token_ids: &eos,
+                })
+                .collect();
+            let host = sample_batch(&logits, vocab, &inputs);
+            let rows: Vec<DeviceRow> =
+                cases.iter().map(|p| DeviceRow::for_request(p, &prompt, &output, 11, &eos)).collect();
+            let t = Tensor::from_vec(logits.clone(), (cases.len(), vocab), &Device::Cpu).unwrap();
+            let device = sample(&t, &rows, LogprobValues::Logprobs).unwrap();
+            for (i, (h, d)) in host.iter().zip(&device).enumerate() {
+                if cases[i].is_greedy() {
+                    assert_eq!(h.token_id, d.token_id, "trial {trial} case {i}");
+                }
+                if cases[i].logprobs.is_none() {
+                    assert!(d.logprob.is_nan() && d.top_logprobs.is_empty());
+                    continue;
+                }
+                let chosen_on_host = h.token_id == d.token_id;
+                assert!(!chosen_on_host || (h.logprob - d.logprob).abs() < 1e-4, "case {i}: {h:?} vs {d:?}");
+                assert_eq!(h.top_logprobs.len(), d.top_logprobs.len());
+                for (a, b) in h.top_logprobs.iter().zip(&d.top_logprobs) {
+                    assert_eq!(a.0, b.0, "trial {trial} case {i}: top ids, lower id first on a tie");
+                    assert!((a.1 - b.1).abs() < 1e-4, "case {i}: {a:?} vs {b:?}");
+                }
+            }
+            // Raw logits instead of logprobs: the values themselves.
+            let raw = sample(&t, &rows, LogprobValues::RawLogits).unwrap();
+            let (id, value) = raw[6].top_logprobs[0];
+            assert_eq!(value, logits[6 * vocab + id as usize]);
+        }
     }
 }

@@ -9,7 +9,7 @@ use crate::core::{
     RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats, SchedulingPolicy,
     TokenLogprobs,
 };
-use crate::device_sampler::DeviceRow;
+use crate::device_sampler::{DeviceRow, LogprobValues};
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::{self, KvBudget};
 use crate::model_runner::{BatchInputs, ModelRunner};
@@ -282,76 +282,44 @@ impl Engine {
 }
 
 impl Engine {
-    /// A step whose tokens are drawn on the model's device: rows that need
-    /// penalties, `min_tokens` masking or logprobs still go through the host
-    /// sampler (their logits alone come back); every other row comes back
-    /// as a token id. Which path a row takes depends on its own request
-    /// only, never on its batch-mates, so seeded output does not depend on
-    /// the batch.
+    /// A step whose tokens are drawn on the model's device: penalties,
+    /// `min_tokens` bans, the draw and the requested logprobs are computed
+    /// there, and only ids (plus those logprobs) come back. Each row's
+    /// draw uses its own request's uniform, so seeded output does not
+    /// depend on the batch.
     fn step_sampling_on_device(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
-        let sampling: Vec<RequestId> = step.scheduled.iter().filter(|s| s.samples).map(|s| s.id).collect();
-        let mut device_rows = Vec::new();
-        let mut host_rows = Vec::new();
-        for (row, &id) in sampling.iter().enumerate() {
-            let req = self.scheduler.request(id).expect("scheduled request exists");
-            let p = &req.params;
-            let host_only = p.logprobs.is_some()
-                || req.output_token_ids().len() < p.min_tokens as usize
-                || p.repetition_penalty != 1.0
-                || p.presence_penalty != 0.0
-                || p.frequency_penalty != 0.0;
-            if host_only {
-                host_rows.push(row as u32);
-            } else {
-                let u = sampler::step_uniform(req.sampling_seed, req.output_token_ids().len() as u64);
-                let temperature = if p.is_greedy() { 0.0 } else { p.temperature };
-                let params = DeviceRow { temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, u };
-                device_rows.push((row as u32, params));
-            }
-        }
-        let (ids, host_logits) = {
-            let _t = profile::scope(Section::Forward);
-            self.runner.execute_on_device(batch, &device_rows, &host_rows)?
+        let rows: Vec<DeviceRow> = step
+            .scheduled
+            .iter()
+            .filter(|s| s.samples)
+            .map(|s| {
+                let req = self.scheduler.request(s.id).expect("scheduled request exists");
+                DeviceRow::for_request(
+                    &req.params,
+                    req.prompt_token_ids(),
+                    req.output_token_ids(),
+                    req.sampling_seed,
+                    &self.eos_token_ids,
+                )
+            })
+            .collect();
+        let values = match self.logprobs_mode {
+            LogprobsMode::RawLogits => LogprobValues::RawLogits,
+            LogprobsMode::RawLogprobs => LogprobValues::Logprobs,
         };
-        let _sampling = profile::scope(Section::Sampling);
-        let mut sampled: Vec<Option<SampledToken>> = vec![None; sampling.len()];
-        for (&(row, _), token_id) in device_rows.iter().zip(ids) {
-            sampled[row as usize] = Some(SampledToken { token_id, logprobs: None });
-        }
-        if !host_rows.is_empty() {
-            let inputs: Vec<SeqSamplingInput> = host_rows
-                .iter()
-                .map(|&row| {
-                    let req = self.scheduler.request(sampling[row as usize]).expect("scheduled request exists");
-                    SeqSamplingInput {
-                        params: &req.params,
-                        prompt_token_ids: req.prompt_token_ids(),
-                        output_token_ids: req.output_token_ids(),
-                        seed: req.sampling_seed,
-                        eos_token_ids: &self.eos_token_ids,
-                    }
-                })
-                .collect();
-            let drawn = sampler::sample_batch(&host_logits, self.vocab_size, &inputs);
-            let raw_logits = self.logprobs_mode == LogprobsMode::RawLogits;
-            let vocab = self.vocab_size;
-            for (i, ((&row, s), input)) in host_rows.iter().zip(drawn).zip(&inputs).enumerate() {
-                let logprobs = input.params.logprobs.map(|_| {
-                    if raw_logits {
-                        let logit = |id: u32| host_logits[i * vocab + id as usize];
-                        TokenLogprobs {
-                            logprob: logit(s.token_id),
-                            top: s.top_logprobs.iter().map(|&(id, _)| (id, logit(id))).collect(),
-                        }
-                    } else {
-                        TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }
-                    }
-                });
-                sampled[row as usize] = Some(SampledToken { token_id: s.token_id, logprobs });
-            }
-        }
-        drop(_sampling);
-        let sampled = sampled.into_iter().map(|s| s.expect("every sampling row is drawn once")).collect();
+        let drawn = {
+            let _t = profile::scope(Section::Forward);
+            self.runner.execute_on_device(batch, &rows, values)?
+        };
+        let sampled: Vec<SampledToken> = drawn
+            .into_iter()
+            .zip(&rows)
+            .map(|(s, row)| SampledToken {
+                token_id: s.token_id,
+                logprobs: row.logprobs.map(|_| TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }),
+            })
+            .collect();
+        drop(rows);
         let _t = profile::scope(Section::Scheduler);
         Ok(self.scheduler.update_from_output(step, sampled))
     }

@@ -8,10 +8,11 @@ use common::RequestId;
 use kernels::AttentionMetadata;
 
 use crate::core::{Request, SchedulerOutput};
-use crate::device_sampler::{self, DeviceRow};
+use crate::device_sampler::{self, DeviceRow, LogprobValues};
 use crate::error::Result;
 use crate::kv_cache::LayerKvCache;
 use crate::models::CausalLm;
+use crate::sampler::SampledToken;
 
 pub struct ModelRunner {
     model: CausalLm,
@@ -87,31 +88,18 @@ impl ModelRunner {
         }
     }
 
-    /// Runs the model and samples on the device: the ids of the rows in
-    /// `device_rows` (row index among the sampled rows, parameters), and the
-    /// logits of `host_rows` (row-major, for the host sampler). Only those
-    /// cross to the host.
+    /// Runs the model and samples on the device, one row per sampled
+    /// sequence: only token ids and requested logprobs cross to the host.
     pub fn execute_on_device(
         &mut self,
         batch: &BatchInputs,
-        device_rows: &[(u32, DeviceRow)],
-        host_rows: &[u32],
-    ) -> Result<(Vec<u32>, Vec<f32>)> {
-        let Some(logits) = self.forward(batch)? else { return Ok((Vec::new(), Vec::new())) };
-        let pick = |rows: Vec<u32>| Tensor::from_vec(rows.clone(), rows.len(), &self.device);
-        let ids = if device_rows.is_empty() {
-            Vec::new()
-        } else {
-            let rows = logits.index_select(&pick(device_rows.iter().map(|r| r.0).collect())?, 0)?;
-            let params: Vec<DeviceRow> = device_rows.iter().map(|r| r.1).collect();
-            device_sampler::sample(&rows, &params)?
-        };
-        let host = if host_rows.is_empty() {
-            Vec::new()
-        } else {
-            logits.index_select(&pick(host_rows.to_vec())?, 0)?.flatten_all()?.to_vec1::<f32>()?
-        };
-        Ok((ids, host))
+        rows: &[DeviceRow],
+        values: LogprobValues,
+    ) -> Result<Vec<SampledToken>> {
+        match self.forward(batch)? {
+            Some(logits) => device_sampler::sample(&logits, rows, values),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The sampled rows' logits [S, vocab] on the device; None when no row samples.

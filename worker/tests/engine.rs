@@ -185,8 +185,8 @@ fn half_precision_weights_follow_the_f32_model() {
 }
 
 /// Device sampling (what a GPU worker does), forced on the CPU device: the
-/// same guarantees as the host sampler, and rows that need the host sampler
-/// (penalties, logprobs) give exactly what it gives.
+/// same guarantees as the host sampler, and greedy rows with penalties,
+/// `min_tokens` or logprobs give exactly what the host gives.
 #[test]
 fn device_sampling_keeps_the_guarantees() {
     let device_engine =
@@ -202,17 +202,19 @@ fn device_sampling_keeps_the_guarantees() {
     };
     let mut requests: Vec<_> = prompts().into_iter().enumerate().map(|(i, p)| (p, sampled(i as u64))).collect();
     requests[3].1 = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(30) };
-    requests[5].1.repetition_penalty = 1.3;
-    requests[6].1.logprobs = Some(3);
+    requests[5].1 = SamplingParams { repetition_penalty: 1.3, frequency_penalty: 0.4, ..requests[3].1.clone() };
+    requests[6].1 = SamplingParams { logprobs: Some(3), presence_penalty: 0.5, ..requests[3].1.clone() };
+    requests[7].1 = SamplingParams { min_tokens: 20, ignore_eos: false, ..SamplingParams::greedy(30) };
+    requests[8].1.logprobs = Some(2);
     let together = run(&mut device_engine(), &requests);
     for i in [0, 1, 15] {
         let alone = run(&mut device_engine(), &[requests[i].clone()]);
         assert_eq!(together[&(i as u64)], alone[&0], "request {i}");
         assert_eq!(alone[&0].0.len(), 24);
     }
-    // Greedy rows are the argmax on either path; host-only rows are the host's.
+    // Greedy rows are the argmax of the same adjusted logits on either path.
     let host = run(&mut default_engine(), &requests);
-    for i in [3, 5, 6] {
+    for i in [3, 5, 6, 7] {
         assert_eq!(together[&(i as u64)], host[&(i as u64)], "request {i}");
     }
     // Seeds still matter.
