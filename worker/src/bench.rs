@@ -80,11 +80,13 @@ impl BandwidthLimit {
 }
 
 /// Read bandwidth over a 1 GiB buffer (far beyond the caches) with the
-/// pool's threads, median of 5 passes, in GB/s.
+/// pool's threads, median of 5 passes, in GB/s. The buffer sits in huge
+/// pages where the weights do, so the limit is the best this memory reads.
 pub fn measure_read_bandwidth() -> f64 {
     use rayon::prelude::*;
     let words = (1usize << 30) / 8;
     let buf: Vec<u64> = (0..words as u64).collect();
+    crate::models::placement::back_with_huge_pages(&buf);
     let mut secs: Vec<f64> = (0..5)
         .map(|_| {
             let t = Instant::now();

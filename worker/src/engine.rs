@@ -118,6 +118,9 @@ impl Engine {
                  of 32, or were quantized already)"
             );
         }
+        if config.device.is_cpu() {
+            model.place_weights_in_huge_pages();
+        }
         let cfg = model.config().clone();
         let kv_dtype = model.activation_dtype();
         let max_model_len =

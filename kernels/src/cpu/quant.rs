@@ -21,10 +21,12 @@
 //! (short interleaved streams from 4 rows outrun the hardware prefetcher).
 //! With m > 1 the 4 rows' blocks (<= 25 KiB for k <= 5632) stay in L1/L2
 //! while every activation row passes over them. Results go straight into y
-//! (each task owns its columns). Backends: AVX2 (`vpsignb` + `vpmaddubsw` +
-//! `vpmaddwd`, the same trick as ggml), NEON widening multiplies (`smull`,
-//! `sadalp`),
-//! and a portable scalar loop; all detected once at run time.
+//! (each task owns its columns). Backends: AVX2 (`vpmaddubsw` of |x|, taken
+//! once per activation block for all rows, with w carrying x's sign by one
+//! `vpsignb` per row, then `vpmaddwd`), NEON widening multiplies (`smull`,
+//! `sadalp`), and a portable scalar loop; all detected once at run time.
+//! Q8_0 codes must lie in [-127, 127], as GGML's and our quantizers write
+//! them (the GGUF loader clamps a stray -128).
 
 use half::f16;
 use rayon::prelude::*;
@@ -469,10 +471,11 @@ mod avx2 {
                     _mm256_shuffle_ps::<0xFF>(d8, d8),
                 ];
                 let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
+                let x_abs = _mm256_sign_epi8(xv, xv); // shared by the 4 rows
                 for r in 0..4 {
                     let wv = blocks[r].codes_avx2();
-                    // As in `tile`: |w| times x with w's sign.
-                    let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+                    // As in `tile`: |x| times w with x's sign.
+                    let pairs = _mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(wv, xv));
                     let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
                     acc[r] = _mm256_fmadd_ps(d[r], sums, acc[r]);
                 }
@@ -509,14 +512,17 @@ mod avx2 {
                     }
                 }
                 let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
+                let x_abs = _mm256_sign_epi8(xv, xv); // shared by the R rows
                 let dx = _mm_set_ss(*xd.add(b));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let blk = &*w.add(r * kb + b);
                     let wv = blk.codes_avx2();
-                    // vpmaddubsw takes unsigned x signed bytes: |w| meets x
-                    // with w's sign moved onto it; pairs fit i16 because
-                    // |w| <= 127 and |x| <= 127.
-                    let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+                    // vpmaddubsw takes unsigned x signed bytes: |x| (once
+                    // per block, for all rows) meets w with x's sign moved
+                    // onto it, one vpsignb per row. Pairs fit i16 because
+                    // |x| <= 127 and |w| <= 127 (codes of -128 are clamped
+                    // at load: negating one would overflow).
+                    let pairs = _mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(wv, xv));
                     let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
                     let dw = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.scale().to_bits() as i32));
                     let d = _mm256_broadcastss_ps(_mm_mul_ss(dw, dx));

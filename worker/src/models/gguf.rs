@@ -238,7 +238,8 @@ fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<QuantWeight> {
     let data = q.data()?;
     match q.dtype() {
         GgmlDType::Q8_0 => QuantWeight::from_q8_0(
-            parse_blocks(&data, 2 + QK, |d, c| BlockQ8_0 { d, qs: std::array::from_fn(|i| c[i] as i8) }),
+            // -128 (never written by GGML's quantizer) is clamped: the int8 kernel negates codes.
+            parse_blocks(&data, 2 + QK, |d, c| BlockQ8_0 { d, qs: std::array::from_fn(|i| (c[i] as i8).max(-127)) }),
             out,
             inp,
         ),

@@ -15,6 +15,8 @@ use half::{bf16, f16};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK, matmul_quant, quantize_matrix};
 
+use super::placement::back_with_huge_pages;
+
 /// GGML block formats a linear weight can be stored in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantFormat {
@@ -147,6 +149,26 @@ impl Linear {
             None => None,
         };
         Ok(Self { weight, bias, bias_f32, quant: None })
+    }
+
+    /// Backs the weight with huge pages (CPU only; see `placement`):
+    /// streaming it then costs fewer page walks.
+    pub fn place_in_huge_pages(&self) {
+        if let Some(q) = &self.quant {
+            match &q.blocks {
+                QuantBlocks::Q8_0(b) => back_with_huge_pages(b),
+                QuantBlocks::Q4_0(b) => back_with_huge_pages(b),
+            }
+            return;
+        }
+        let (storage, layout) = self.weight.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else { return };
+        match &*storage {
+            Storage::Cpu(CpuStorage::F32(w)) => back_with_huge_pages(&w[a..b]),
+            Storage::Cpu(CpuStorage::F16(w)) => back_with_huge_pages(&w[a..b]),
+            Storage::Cpu(CpuStorage::BF16(w)) => back_with_huge_pages(&w[a..b]),
+            _ => {}
+        }
     }
 
     /// Stacks layers that read the same input into one whose rows are

@@ -99,6 +99,13 @@ impl Projection {
             Self::Separate(parts) => parts.iter_mut().collect(),
         }
     }
+
+    fn for_each_linear(&self, f: impl Fn(&Linear)) {
+        match self {
+            Self::Stacked(l) => f(l),
+            Self::Separate(parts) => parts.iter().for_each(f),
+        }
+    }
 }
 
 /// The dtype activations (and the KV cache) use. On the CPU they stay f32
@@ -361,6 +368,19 @@ impl CausalLm {
             quantized += usize::from(linear.quantize(format)?);
         }
         Ok((quantized, total))
+    }
+
+    /// Backs every linear weight with huge pages (on the CPU, where decode
+    /// streams them all each step; see `placement`).
+    pub fn place_weights_in_huge_pages(&self) {
+        for layer in &self.layers {
+            let (a, m) = (&layer.self_attn, &layer.mlp);
+            a.qkv_proj.for_each_linear(|l| l.place_in_huge_pages());
+            m.gate_up_proj.for_each_linear(|l| l.place_in_huge_pages());
+            a.o_proj.place_in_huge_pages();
+            m.down_proj.place_in_huge_pages();
+        }
+        self.lm_head.place_in_huge_pages();
     }
 
     /// Bytes of weights one decode step reads: every layer's projections and

@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod loader;
+pub(crate) mod placement;
 
 pub use config::{Architecture, ModelConfig};
 pub use llama::CausalLm;
