@@ -160,3 +160,14 @@ pub fn rope(
     }
     out
 }
+
+/// RMSNorm of each row of `x: [rows, weight.len()]`, in f64.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    x.chunks(weight.len())
+        .flat_map(|row| {
+            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / row.len() as f64;
+            let inv = 1.0 / (ms + eps as f64).sqrt();
+            row.iter().zip(weight).map(move |(&v, &w)| (v as f64 * inv * w as f64) as f32)
+        })
+        .collect()
+}

@@ -86,6 +86,17 @@ fn compare(case: &Case, tol: f32, what: &str) {
     assert!(e_portable < tol, "{what}: portable relative error {e_portable}");
     assert_eq!((cpu.dtype(), portable.dtype()), (case.q.dtype(), case.q.dtype()));
     assert_eq!((cpu.dims(), portable.dims()), (case.q.dims(), case.q.dims()));
+    if case.q.dtype() == DType::F32 {
+        // Into a view of a reused buffer holding garbage, with rows after it
+        // that must stay untouched.
+        let (t, h, d) = case.q.dims3().unwrap();
+        let buffer = Tensor::full(7f32, (t + 3, h, d), &Device::Cpu).unwrap();
+        let view = buffer.narrow(0, 0, t).unwrap();
+        let q = case.q.contiguous().unwrap();
+        cpu::paged_attention_into(&q, &case.k_cache, &case.v_cache, &case.meta, scale, &view).unwrap();
+        assert_eq!(to_vec(&view), to_vec(&cpu), "{what}: into a buffer");
+        assert!(to_vec(&buffer.narrow(0, t, 3).unwrap()).iter().all(|&x| x == 7.0), "{what}: wrote past its rows");
+    }
 }
 
 fn to_vec(t: &Tensor) -> Vec<f32> {

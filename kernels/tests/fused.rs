@@ -4,7 +4,8 @@
 
 use candle_core::{Device, Tensor};
 use kernels::cpu::{
-    HeadNorm, Rope, add_in_place, add_in_place_op, rope_in_place, rope_in_place_op, silu_mul, silu_mul_op,
+    HeadNorm, Rope, add_in_place, add_in_place_op, rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op,
+    silu_mul, silu_mul_into_op, silu_mul_op,
 };
 use kernels::reference;
 use rand::rngs::StdRng;
@@ -140,4 +141,55 @@ fn tensor_bindings_agree_with_slices() {
     rope_in_place_op(&t, rope).unwrap();
     let want = reference::rope(&x, 24, 2, 8, &positions, &freq, None);
     assert_close(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want, 1e-5, "rope_in_place_op");
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (rows, dim) in [(1, 1), (1, 7), (3, 64), (17, 2048), (64, 1000)] {
+        let x = random(&mut rng, rows * dim, 4.0);
+        let w = random(&mut rng, dim, 2.0);
+        let mut out = vec![0f32; rows * dim];
+        rms_norm(&x, &w, 1e-5, &mut out).unwrap();
+        assert_close(&out, &reference::rms_norm(&x, &w, 1e-5), 1e-5, &format!("{rows}x{dim}"));
+    }
+    let mut out = vec![0f32; 6];
+    assert!(rms_norm(&[0.0; 6], &[], 1e-5, &mut out).is_err());
+    assert!(rms_norm(&[0.0; 6], &[1.0; 4], 1e-5, &mut out).is_err());
+    assert!(rms_norm(&[0.0; 6], &[1.0; 3], 1e-5, &mut out[..3]).is_err());
+}
+
+/// The `_into` bindings write into views of reused buffers (garbage in,
+/// rows past the view untouched) what the allocating ones return.
+#[test]
+fn into_bindings_fill_views_of_reused_buffers() {
+    let dev = Device::Cpu;
+    let mut rng = StdRng::seed_from_u64(12);
+    for rows in [1, 5, 40] {
+        let (dim, inter) = (96, 70);
+        let x = Tensor::from_vec(random(&mut rng, rows * dim, 3.0), (rows, dim), &dev).unwrap();
+        let w = random(&mut rng, dim, 1.0);
+        let buffer = Tensor::full(9f32, (rows + 2, dim), &dev).unwrap();
+        let view = buffer.narrow(0, 0, rows).unwrap();
+        rms_norm_into_op(&x, &w, 1e-6, &view).unwrap();
+        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = view.flatten_all().unwrap().to_vec1().unwrap();
+        assert_close(&got, &reference::rms_norm(&xs, &w, 1e-6), 1e-5, "rms_norm_into_op");
+        let rest: Vec<f32> = buffer.narrow(0, rows, 2).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(rest.iter().all(|&v| v == 9.0));
+
+        let gate_up = Tensor::from_vec(random(&mut rng, rows * 2 * inter, 5.0), (rows, 2 * inter), &dev).unwrap();
+        let buffer = Tensor::full(9f32, (rows + 2, inter), &dev).unwrap();
+        let view = buffer.narrow(0, 0, rows).unwrap();
+        silu_mul_into_op(&gate_up, &view).unwrap();
+        let want = silu_mul_op(&gate_up).unwrap();
+        assert_eq!(
+            view.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let rest: Vec<f32> = buffer.narrow(0, rows, 2).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(rest.iter().all(|&v| v == 9.0));
+        assert!(silu_mul_into_op(&gate_up, &buffer).is_err(), "row counts differ");
+        assert!(rms_norm_into_op(&x, &w, 1e-6, &buffer).is_err(), "shapes differ");
+    }
 }

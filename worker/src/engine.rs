@@ -191,6 +191,12 @@ impl Engine {
         &self.scheduler
     }
 
+    /// Rows the CPU step's reused activation buffers hold (0 before the
+    /// first step, and on other devices).
+    pub fn activation_workspace_rows(&self) -> usize {
+        self.runner.model().workspace_rows()
+    }
+
     /// Bytes of weights a decode step streams (see `CausalLm`).
     pub fn weight_bytes_per_token(&self) -> usize {
         self.runner.model().weight_bytes_per_token()

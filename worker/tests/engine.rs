@@ -221,3 +221,26 @@ fn device_sampling_keeps_the_guarantees() {
     let other = run(&mut device_engine(), &[(requests[0].0.clone(), sampled(12345))]);
     assert_ne!(together[&0].0, other[&0].0);
 }
+
+/// A CPU step keeps its activations in one workspace: it grows to the
+/// largest step (a power of two of rows), then decode steps and smaller
+/// prompts reuse it; outputs do not depend on what it held before.
+#[test]
+fn cpu_steps_reuse_one_activation_workspace() {
+    let mut e = default_engine();
+    assert_eq!(e.activation_workspace_rows(), 0);
+    let long: Vec<u32> = std::iter::once(1).chain((0..39).map(|t| 260 + t * 3 % 200)).collect(); // 40 tokens
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(12) };
+    e.add_request(RequestId(0), long.clone(), params.clone(), 0).unwrap();
+    e.step().unwrap(); // the 40-token prefill
+    assert_eq!(e.activation_workspace_rows(), 64);
+    while e.has_unfinished() {
+        e.step().unwrap();
+        assert_eq!(e.activation_workspace_rows(), 64, "decode steps reuse the buffers");
+    }
+    let short = prompts()[2].clone();
+    let before = run(&mut e, &[(short.clone(), params.clone())]);
+    assert_eq!(e.activation_workspace_rows(), 64);
+    // A fresh engine (fresh buffers) gives the same tokens.
+    assert_eq!(before, run(&mut default_engine(), &[(short, params)]));
+}

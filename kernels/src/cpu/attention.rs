@@ -9,7 +9,8 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::Elem;
-use crate::{AttentionMetadata, Dims, Result, check};
+use super::buffers::{read_f32, write_f32};
+use crate::{AttentionMetadata, Dims, KernelError, Result, check};
 
 /// Queries per work item: bounds the per-item state while amortising each
 /// K/V block load over several queries in prefill.
@@ -140,6 +141,14 @@ impl PagedAttention<'_> {
 
     fn run<T: Elem>(&self, q: &[T], k: &[T], v: &[T]) -> Vec<T> {
         let d = self.dims;
+        let mut out = vec![T::from_f32(0.0); d.num_tokens * d.num_heads * d.head_dim];
+        self.run_into(q, k, v, &mut out);
+        out
+    }
+
+    /// Attention of every query row into `out: [T, heads, head_dim]`.
+    fn run_into<T: Elem>(&self, q: &[T], k: &[T], v: &[T], out: &mut [T]) {
+        let d = self.dims;
         let group = d.num_heads / d.num_kv_heads;
         let items = self.items();
         // q.k and p.v for every visible key, roughly (causal halves aside).
@@ -152,7 +161,6 @@ impl PagedAttention<'_> {
         } else {
             items.par_iter().map(|&item| (item, self.run_item(item, q, k, v))).collect()
         };
-        let mut out = vec![T::from_f32(0.0); d.num_tokens * d.num_heads * d.head_dim];
         for (item, acc) in results {
             for i in 0..item.rows {
                 for j in 0..group {
@@ -164,7 +172,6 @@ impl PagedAttention<'_> {
                 }
             }
         }
-        out
     }
 }
 
@@ -276,6 +283,38 @@ pub fn paged_attention(
     let dims = check(q, k_cache, v_cache, meta)?;
     let op = PagedAttention { meta, dims, scale };
     Ok(q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)?)
+}
+
+/// [`paged_attention`] into `out` (the shape of `q`), for contiguous f32
+/// CPU tensors that do not share storage with `out`: nothing is allocated
+/// for the output.
+pub fn paged_attention_into(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+    scale: f32,
+    out: &Tensor,
+) -> Result<()> {
+    let dims = check(q, k_cache, v_cache, meta)?;
+    if out.dims() != q.dims() {
+        return Err(KernelError::Invalid(format!("paged attention: q is {:?}, out {:?}", q.dims(), out.dims())));
+    }
+    let op = PagedAttention { meta, dims, scale };
+    read_f32(q, |q| {
+        read_f32(k_cache, |k| {
+            read_f32(v_cache, |v| {
+                write_f32(out, &|o| {
+                    // Every query row belongs to a sequence, but a reused
+                    // buffer must not leak stale rows if one did not.
+                    o.fill(0.0);
+                    op.run_into(q, k, v, o);
+                    Ok(())
+                })
+            })
+        })
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,13 +4,16 @@
 //! * [`silu_mul`]: SwiGLU, `silu(gate) * up` from the fused gate/up output;
 //! * [`rope_in_place`]: rotary embedding of the q and k heads inside the
 //!   fused qkv output, with Qwen3's per-head RMSNorm folded in;
-//! * [`add_in_place`]: the residual add, into a buffer that is dead after it.
+//! * [`add_in_place`]: the residual add, into a buffer that is dead after it;
+//! * [`rms_norm`]: RMSNorm of each row, into a buffer of the caller's.
 //!
 //! The slice functions are the kernels; the `*_op` functions apply them to
 //! candle tensors (f32 on the CPU, what activations are there). Large inputs
 //! are split by rows over rayon's pool.
 
 use candle_core::{CpuStorage, CustomOp1, InplaceOp1, InplaceOp2, Layout, Shape, Tensor};
+
+use super::buffers::{read_f32, write_f32};
 use rayon::prelude::*;
 
 use crate::{KernelError, Result};
@@ -60,6 +63,35 @@ pub fn add_in_place(dst: &mut [f32], src: &[f32]) -> Result<()> {
         add((dst, src));
     } else {
         dst.par_chunks_mut(PARALLEL_MIN_ELEMS / 4).zip(src.par_chunks(PARALLEL_MIN_ELEMS / 4)).for_each(add);
+    }
+    Ok(())
+}
+
+/// `out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight` for each row `t`
+/// of `x: [rows, weight.len()]`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+    let n = weight.len();
+    if n == 0 || !x.len().is_multiple_of(n) || out.len() != x.len() {
+        return Err(KernelError::Invalid(format!(
+            "rms_norm: x has {} elements, out {}, weight {n}",
+            x.len(),
+            out.len()
+        )));
+    }
+    let row = |(src, dst): (&[f32], &mut [f32])| {
+        let ms = src.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, &v), &w) in dst.iter_mut().zip(src).zip(weight) {
+            *o = v * inv * w;
+        }
+    };
+    if x.len() < PARALLEL_MIN_ELEMS {
+        x.chunks_exact(n).zip(out.chunks_exact_mut(n)).for_each(row);
+    } else {
+        let per = rows_per_task(n);
+        x.par_chunks(n * per).zip(out.par_chunks_mut(n * per)).for_each(|(src, dst)| {
+            src.chunks_exact(n).zip(dst.chunks_exact_mut(n)).for_each(row);
+        });
     }
     Ok(())
 }
@@ -243,4 +275,24 @@ pub fn rope_in_place_op(x: &Tensor, rope: Rope<'_>) -> Result<()> {
         )));
     }
     Ok(x.inplace_op1(&RopeOp(rope))?)
+}
+
+/// [`rms_norm`] of `x: [rows, dim]` into `out` (same shape), both f32 CPU
+/// tensors not sharing storage.
+pub fn rms_norm_into_op(x: &Tensor, weight: &[f32], eps: f32, out: &Tensor) -> Result<()> {
+    if x.shape() != out.shape() {
+        return Err(KernelError::Invalid(format!("rms_norm: {:?} into {:?}", x.shape(), out.shape())));
+    }
+    Ok(read_f32(x, |x| write_f32(out, &|o| rms_norm(x, weight, eps, o).map_err(candle_core::Error::wrap)))?)
+}
+
+/// [`silu_mul`] of `gate_up: [rows, 2 * inter]` into `out: [rows, inter]`,
+/// both f32 CPU tensors not sharing storage.
+pub fn silu_mul_into_op(gate_up: &Tensor, out: &Tensor) -> Result<()> {
+    let (rows, width) = gate_up.dims2()?;
+    let (out_rows, inter) = out.dims2()?;
+    if rows != out_rows || width != 2 * inter {
+        return Err(KernelError::Invalid(format!("silu_mul: [{rows}, {width}] into [{out_rows}, {inter}]")));
+    }
+    Ok(read_f32(gate_up, |g| write_f32(out, &|o| silu_mul(g, inter, o).map_err(candle_core::Error::wrap)))?)
 }

@@ -14,6 +14,7 @@ use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK, matmul_quant, quantize_matrix};
+use kernels::cpu::{read_f32, write_f32};
 
 use super::placement::back_with_huge_pages;
 
@@ -74,7 +75,7 @@ impl QuantWeight {
     }
 
     fn check(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()> {
-        if inp % QK != 0 || blocks != out * (inp / QK) {
+        if !inp.is_multiple_of(QK) || blocks != out * (inp / QK) {
             candle_core::bail!("{blocks} quantized blocks do not make a [{out}, {inp}] weight");
         }
         Ok(())
@@ -322,28 +323,77 @@ impl Linear {
     /// x: [m, in] -> [m, out] through our kernel.
     fn kernel_forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (m, k) = x.dims2()?;
-        let n = self.weight.dim(0)?;
+        let (n, wk) = self.weight.dims2()?;
+        if k != wk {
+            candle_core::bail!("linear: input has {k} features, the weight takes {wk}");
+        }
         let x32 = x.to_dtype(DType::F32)?.contiguous()?;
         let mut y = vec![0f32; m * n];
-        {
-            let (xs, xl) = x32.storage_and_layout();
-            let (ws, wl) = self.weight.storage_and_layout();
-            let (Storage::Cpu(CpuStorage::F32(xv)), Some((x0, x1))) = (&*xs, xl.contiguous_offsets()) else {
-                candle_core::bail!("linear: activations must be contiguous f32 on the CPU");
-            };
-            let xv = &xv[x0..x1];
-            let Some((w0, w1)) = wl.contiguous_offsets() else {
-                candle_core::bail!("linear: weight must be contiguous")
-            };
-            let bias = self.bias_f32.as_deref();
-            match &*ws {
-                Storage::Cpu(CpuStorage::F32(w)) => run_chunked(xv, m, k, &w[w0..w1], n, bias, &mut y),
-                Storage::Cpu(CpuStorage::F16(w)) => run_chunked::<f16>(xv, m, k, &w[w0..w1], n, bias, &mut y),
-                Storage::Cpu(CpuStorage::BF16(w)) => run_chunked::<bf16>(xv, m, k, &w[w0..w1], n, bias, &mut y),
-                _ => candle_core::bail!("linear: unsupported weight dtype {:?}", self.weight.dtype()),
-            }
-        }
+        read_f32(&x32, |xv| self.kernel_into(xv, m, &mut y))?;
         Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())
+    }
+
+    /// `y = x W^T + b` through our kernel, `x: [m, in]`, `y: [m, out]`.
+    fn kernel_into(&self, xv: &[f32], m: usize, y: &mut [f32]) -> candle_core::Result<()> {
+        let (n, k) = self.weight.dims2()?;
+        let (ws, wl) = self.weight.storage_and_layout();
+        let Some((w0, w1)) = wl.contiguous_offsets() else { candle_core::bail!("linear: weight must be contiguous") };
+        let bias = self.bias_f32.as_deref();
+        match &*ws {
+            Storage::Cpu(CpuStorage::F32(w)) => run_chunked(xv, m, k, &w[w0..w1], n, bias, y),
+            Storage::Cpu(CpuStorage::F16(w)) => run_chunked::<f16>(xv, m, k, &w[w0..w1], n, bias, y),
+            Storage::Cpu(CpuStorage::BF16(w)) => run_chunked::<bf16>(xv, m, k, &w[w0..w1], n, bias, y),
+            _ => candle_core::bail!("linear: unsupported weight dtype {:?}", self.weight.dtype()),
+        }
+        Ok(())
+    }
+
+    /// `out = x W^T + b` for f32 CPU tensors `x: [m, in]` and `out: [m,
+    /// out]` (a view of a reused buffer, not sharing storage with `x`):
+    /// the kernels write straight into it. Large f32 batches, which go to
+    /// candle's GEMM, are computed apart and copied in.
+    pub fn forward_into(&self, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
+        let _t = crate::profile::scope(crate::profile::Section::Matmul);
+        let (m, k) = x.dims2()?;
+        let n = self.out_features()?;
+        if out.dims2()? != (m, n) {
+            candle_core::bail!("linear: [{m}, {k}] input into a {:?} output, weight has {n} rows", out.dims());
+        }
+        if let Some(q) = &self.quant {
+            if k != q.inp {
+                candle_core::bail!("linear: input has {k} features, the weight takes {}", q.inp);
+            }
+            return read_f32(x, |xv| {
+                write_f32(out, &|y| {
+                    q.matmul(xv, m, y)?;
+                    if let Some(b) = &self.bias_f32 {
+                        y.chunks_exact_mut(n).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
+                    }
+                    Ok(())
+                })
+            });
+        }
+        if self.weight.dims2()?.1 != k {
+            candle_core::bail!("linear: input has {k} features, the weight takes {}", self.weight.dims2()?.1);
+        }
+        if self.uses_kernel(x) {
+            return read_f32(x, |xv| write_f32(out, &|y| self.kernel_into(xv, m, y)));
+        }
+        let y = self.candle_forward(x)?.to_dtype(DType::F32)?.contiguous()?;
+        read_f32(&y, |yv| {
+            write_f32(out, &|o| {
+                o.copy_from_slice(yv);
+                Ok(())
+            })
+        })
+    }
+
+    fn uses_kernel(&self, x: &Tensor) -> bool {
+        let rows = x.dims().iter().rev().skip(1).product::<usize>();
+        x.device().is_cpu()
+            && x.rank() == 2
+            && (self.weight.dtype() != DType::F32 || rows <= F32_KERNEL_MAX_ROWS)
+            && matches!(self.weight.dtype(), DType::F32 | DType::F16 | DType::BF16)
     }
 }
 
@@ -388,12 +438,7 @@ impl Module for Linear {
         if let Some(q) = &self.quant {
             return self.quant_forward(q, x);
         }
-        let rows = x.dims().iter().rev().skip(1).product::<usize>();
-        let use_kernel = x.device().is_cpu()
-            && x.rank() == 2
-            && (self.weight.dtype() != DType::F32 || rows <= F32_KERNEL_MAX_ROWS)
-            && matches!(self.weight.dtype(), DType::F32 | DType::F16 | DType::BF16);
-        if use_kernel { self.kernel_forward(x) } else { self.candle_forward(x) }
+        if self.uses_kernel(x) { self.kernel_forward(x) } else { self.candle_forward(x) }
     }
 }
 

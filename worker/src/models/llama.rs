@@ -12,8 +12,11 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use kernels::AttentionMetadata;
 
+use std::sync::{Mutex, PoisonError};
+
 use super::config::ModelConfig;
 use super::linear::{Linear, Prequantized, QuantFormat, linear};
+use super::workspace::{Buffers, Workspace};
 use crate::error::Result;
 use crate::kv_cache::LayerKvCache;
 
@@ -47,11 +50,11 @@ impl RotaryEmbedding {
     }
 }
 
-/// Where the rotation of a step comes from: host tables and positions for
-/// the fused CPU kernel, or the step's gathered table rows for candle's op.
-enum StepRope<'a> {
-    Host { cos: &'a [f32], sin: &'a [f32], positions: Vec<u32> },
-    Device { cos: Tensor, sin: Tensor }, // [T, head_dim / 2] each
+/// A CPU step's rotation: the host tables and each row's position.
+struct HostRope<'a> {
+    cos: &'a [f32],
+    sin: &'a [f32],
+    positions: &'a [u32],
 }
 
 /// f32 activations on the CPU take the fused kernels (`kernels::cpu`);
@@ -84,6 +87,19 @@ impl Projection {
                 Tensor::cat(&outs, 1)?
             }
         })
+    }
+
+    /// As `forward`, into `out` (f32, on the CPU).
+    fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        match self {
+            Self::Stacked(l) => l.forward_into(x, out)?,
+            // Parts that could not be stacked (mixed formats): computed apart.
+            Self::Separate(_) => {
+                let y = self.forward(x)?.to_dtype(DType::F32)?;
+                kernels::cpu::copy_columns(&y, 0, out)?;
+            }
+        }
+        Ok(())
     }
 
     fn size_in_bytes(&self) -> usize {
@@ -121,17 +137,6 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)?)
 }
 
-/// `residual + h`; on the CPU added into `h` (a fresh layer output that
-/// nothing else holds) instead of into a new buffer.
-fn residual_add(h: Tensor, residual: &Tensor, fused: bool) -> Result<Tensor> {
-    if fused {
-        kernels::cpu::add_in_place_op(&h, residual)?;
-        Ok(h)
-    } else {
-        Ok((residual + h)?)
-    }
-}
-
 struct RmsNorm {
     weight: Tensor, // [dim]
     /// The weight as f32 on the host, for the fused CPU kernels.
@@ -150,6 +155,15 @@ impl RmsNorm {
     /// Normalises the last dimension.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
+    }
+
+    /// Normalises `x` into `out` (f32 CPU buffers).
+    fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        match &self.host {
+            Some(w) => kernels::cpu::rms_norm_into_op(x, w, self.eps, out)?,
+            None => kernels::cpu::copy_columns(&self.forward(x)?, 0, out)?,
+        }
+        Ok(())
     }
 }
 
@@ -192,10 +206,12 @@ impl Attention {
         })
     }
 
+    /// The composed step (GPUs): candle ops and the device's kernels.
     fn forward(
         &self,
-        x: &Tensor, // [T, hidden]
-        rope: &StepRope,
+        x: &Tensor,   // [T, hidden]
+        cos: &Tensor, // [T, head_dim / 2], this step's rows
+        sin: &Tensor,
         kv: &LayerKvCache,
         meta: &AttentionMetadata,
     ) -> Result<Tensor> {
@@ -203,38 +219,18 @@ impl Attention {
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // 1. Project: one [T, (H + 2 KVH) * D] output, q then k then v.
         let qkv = self.qkv_proj.forward(x)?;
-        // 2. Rotate q and k by absolute position (Qwen3 normalises each head
-        //    first): in place in the qkv buffer on the CPU.
-        let (q, k) = match rope {
-            StepRope::Host { cos, sin, positions } => {
-                let head_norm = match (&self.q_norm, &self.k_norm) {
-                    (Some(qn), Some(kn)) => match (&qn.host, &kn.host) {
-                        (Some(qw), Some(kw)) => {
-                            Some(kernels::cpu::HeadNorm { q_heads: h, q_weight: qw, k_weight: kw, eps: qn.eps })
-                        }
-                        _ => None,
-                    },
-                    _ => None,
-                };
-                let row_len = (h + 2 * kvh) * d;
-                let rope = kernels::cpu::Rope { head_dim: d, heads: h + kvh, row_len, positions, cos, sin, head_norm };
-                kernels::cpu::rope_in_place_op(&qkv, rope)?;
-                (qkv.narrow(1, 0, h * d)?.reshape((t, h, d))?, qkv.narrow(1, h * d, kvh * d)?.reshape((t, kvh, d))?)
-            }
-            StepRope::Device { cos, sin } => {
-                let q = qkv.narrow(1, 0, h * d)?.reshape((t, h, d))?;
-                let k = qkv.narrow(1, h * d, kvh * d)?.reshape((t, kvh, d))?;
-                let q = match &self.q_norm {
-                    Some(n) => n.forward(&q)?,
-                    None => q,
-                };
-                let k = match &self.k_norm {
-                    Some(n) => n.forward(&k)?,
-                    None => k,
-                };
-                (apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?)
-            }
+        // 2. Rotate q and k by absolute position (Qwen3 normalises each head first).
+        let q = qkv.narrow(1, 0, h * d)?.reshape((t, h, d))?;
+        let k = qkv.narrow(1, h * d, kvh * d)?.reshape((t, kvh, d))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
         };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        let (q, k) = (apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?);
         let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?.reshape((t, kvh, d))?;
         // 3. One batched write of this step's K/V into their slots, then
         //    attention over each sequence's blocks (cached prefix + new).
@@ -244,6 +240,45 @@ impl Attention {
             kernels::paged_attention(&q, &kv.k, &kv.v, meta, self.scale)? // [T, H, D]
         };
         Ok(self.o_proj.forward(&out.reshape((t, h * d))?)?)
+    }
+}
+
+impl Attention {
+    /// RoPE of the q and k heads of a fused qkv row, with Qwen3's head norm.
+    fn host_rope<'a>(&'a self, rope: &HostRope<'a>) -> kernels::cpu::Rope<'a> {
+        let HostRope { cos, sin, positions } = *rope;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let head_norm = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => match (&qn.host, &kn.host) {
+                (Some(qw), Some(kw)) => {
+                    Some(kernels::cpu::HeadNorm { q_heads: h, q_weight: qw, k_weight: kw, eps: qn.eps })
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        let row_len = (h + 2 * kvh) * d;
+        kernels::cpu::Rope { head_dim: d, heads: h + kvh, row_len, positions, cos, sin, head_norm }
+    }
+
+    /// The CPU step in the workspace: `b.normed` -> `b.proj`.
+    fn forward_cpu(&self, b: &Buffers, rope: &HostRope, kv: &LayerKvCache, meta: &AttentionMetadata) -> Result<()> {
+        let t = b.qkv.dim(0)?;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        self.qkv_proj.forward_into(&b.normed, &b.qkv)?;
+        kernels::cpu::rope_in_place_op(&b.qkv, self.host_rope(rope))?;
+        kernels::cpu::copy_columns(&b.qkv, 0, &b.q)?;
+        kernels::cpu::copy_columns(&b.qkv, h * d, &b.k)?;
+        kernels::cpu::copy_columns(&b.qkv, (h + kvh) * d, &b.v)?;
+        {
+            let _t = crate::profile::scope(crate::profile::Section::Attention);
+            let (k, v) = (b.k.reshape((t, kvh, d))?, b.v.reshape((t, kvh, d))?);
+            kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
+            let (q, out) = (b.q.reshape((t, h, d))?, b.attn.reshape((t, h, d))?);
+            kernels::cpu::paged_attention_into(&q, &kv.k, &kv.v, meta, self.scale, &out)?;
+        }
+        self.o_proj.forward_into(&b.attn, &b.proj)?;
+        Ok(())
     }
 }
 
@@ -267,15 +302,22 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor, fused: bool) -> Result<Tensor> {
+    /// The composed step (GPUs).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate_up = self.gate_up_proj.forward(x)?; // [T, 2 * I]
-        let act = if fused {
-            kernels::cpu::silu_mul_op(&gate_up)? // SwiGLU in one pass
-        } else {
-            let i = self.intermediate;
-            (candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)? * gate_up.narrow(1, i, i)?)?
-        };
+        let i = self.intermediate;
+        let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)? * gate_up.narrow(1, i, i)?)?;
         Ok(self.down_proj.forward(&act)?)
+    }
+}
+
+impl Mlp {
+    /// The CPU step in the workspace: `b.normed` -> `b.proj`.
+    fn forward_cpu(&self, b: &Buffers) -> Result<()> {
+        self.gate_up_proj.forward_into(&b.normed, &b.gate_up)?;
+        kernels::cpu::silu_mul_into_op(&b.gate_up, &b.act)?;
+        self.down_proj.forward_into(&b.act, &b.proj)?;
+        Ok(())
     }
 }
 
@@ -301,6 +343,49 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    /// One layer of the CPU step, in place on `b.hidden`.
+    fn forward_cpu(&self, b: &Buffers, rope: &HostRope, kv: &LayerKvCache, meta: &AttentionMetadata) -> Result<()> {
+        self.input_layernorm.forward_into(&b.hidden, &b.normed)?;
+        self.self_attn.forward_cpu(b, rope, kv, meta)?;
+        kernels::cpu::add_in_place_op(&b.hidden, &b.proj)?;
+        self.post_attention_layernorm.forward_into(&b.hidden, &b.normed)?;
+        self.mlp.forward_cpu(b)?;
+        kernels::cpu::add_in_place_op(&b.hidden, &b.proj)?;
+        Ok(())
+    }
+}
+
+/// Rows `ids` of the embedding table `[vocab, hidden]` (f32, f16 or bf16
+/// on the CPU), widened into `out: [ids.len(), hidden]`.
+fn embed_into(table: &Tensor, ids: &[u32], out: &Tensor) -> Result<()> {
+    use candle_core::{CpuStorage, Storage};
+    let (vocab, hidden) = table.dims2()?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(candle_core::Error::Msg(format!("token id {id} is outside the vocabulary of {vocab}")).into());
+    }
+    let (storage, layout) = table.storage_and_layout();
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        return Err(candle_core::Error::Msg("embedding table must be contiguous".into()).into());
+    };
+    fn gather<T: Copy>(table: &[T], ids: &[u32], hidden: usize, out: &mut [f32], widen: impl Fn(T) -> f32) {
+        for (row, &id) in out.chunks_exact_mut(hidden).zip(ids) {
+            let src = &table[id as usize * hidden..][..hidden];
+            row.iter_mut().zip(src).for_each(|(o, &x)| *o = widen(x));
+        }
+    }
+    kernels::cpu::write_f32(out, &|o| {
+        match &*storage {
+            Storage::Cpu(CpuStorage::F32(t)) => gather(&t[start..], ids, hidden, o, |x| x),
+            Storage::Cpu(CpuStorage::F16(t)) => gather(&t[start..], ids, hidden, o, half::f16::to_f32),
+            Storage::Cpu(CpuStorage::BF16(t)) => gather(&t[start..], ids, hidden, o, half::bf16::to_f32),
+            _ => candle_core::bail!("embedding table: unsupported {:?} storage", table.dtype()),
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
 /// A causal language model: embeddings, decoder layers, final norm, lm_head.
 pub struct CausalLm {
     embed_tokens: Embedding,
@@ -311,6 +396,8 @@ pub struct CausalLm {
     cfg: ModelConfig,
     /// Dtype of activations and of the KV cache.
     act: DType,
+    /// Activation buffers of the CPU step.
+    workspace: Mutex<Workspace>,
 }
 
 impl CausalLm {
@@ -339,7 +426,8 @@ impl CausalLm {
             linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"), pre)?
         };
         let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device)?;
-        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone(), act })
+        let workspace = Mutex::new(Workspace::default());
+        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone(), act, workspace })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -420,24 +508,56 @@ impl CausalLm {
         meta: &AttentionMetadata,
         logits_indices: &Tensor,
     ) -> Result<Tensor> {
-        let fused = fused_cpu_path(self.act, positions.device());
-        let rope = match &self.rotary {
-            RotaryEmbedding::Host { cos, sin } => StepRope::Host { cos, sin, positions: positions.to_vec1::<u32>()? },
-            RotaryEmbedding::Device { cos, sin } => {
-                StepRope::Device { cos: cos.index_select(positions, 0)?, sin: sin.index_select(positions, 0)? }
+        let (cos, sin) = match &self.rotary {
+            RotaryEmbedding::Host { cos, sin } => {
+                let positions = positions.to_vec1::<u32>()?;
+                let rope = HostRope { cos, sin, positions: &positions };
+                return self.forward_cpu(input_ids, &rope, kv_caches, meta, logits_indices);
             }
+            RotaryEmbedding::Device { cos, sin } => (cos.index_select(positions, 0)?, sin.index_select(positions, 0)?),
         };
         let mut x = self.embed_tokens.forward(input_ids)?.to_dtype(self.act)?; // [T, hidden]
         for (layer, kv) in self.layers.iter().zip(kv_caches) {
-            let h = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &rope, kv, meta)?;
-            let x_mid = residual_add(h, &x, fused)?;
-            let h = layer.mlp.forward(&layer.post_attention_layernorm.forward(&x_mid)?, fused)?;
-            x = residual_add(h, &x_mid, fused)?;
+            let h = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &cos, &sin, kv, meta)?;
+            let x_mid = (&x + h)?;
+            let h = layer.mlp.forward(&layer.post_attention_layernorm.forward(&x_mid)?)?;
+            x = (&x_mid + h)?;
         }
         // Only the rows that sample go through the final norm and lm_head:
         // for a 2,000-token prompt that is 1 row instead of 2,000.
         let x = x.index_select(logits_indices, 0)?; // [S, hidden]
         let logits = self.lm_head.forward(&self.norm.forward(&x)?)?; // [S, vocab]
         Ok(logits.to_dtype(DType::F32)?.contiguous()?)
+    }
+
+    /// The CPU step (f32 activations): every activation lives in the
+    /// workspace's buffers, reused across layers and steps, so a step
+    /// allocates only its `[S, vocab]` logits and small per-row vectors.
+    fn forward_cpu(
+        &self,
+        input_ids: &Tensor,
+        rope: &HostRope,
+        kv_caches: &[LayerKvCache],
+        meta: &AttentionMetadata,
+        logits_indices: &Tensor,
+    ) -> Result<Tensor> {
+        let ids = input_ids.to_vec1::<u32>()?;
+        // A panic elsewhere cannot leave the buffers half-valid in a way that
+        // matters: every step overwrites what it reads.
+        let mut workspace = self.workspace.lock().unwrap_or_else(PoisonError::into_inner);
+        let b = workspace.rows(ids.len(), &self.cfg)?;
+        embed_into(self.embed_tokens.embeddings(), &ids, &b.hidden)?;
+        for (layer, kv) in self.layers.iter().zip(kv_caches) {
+            layer.forward_cpu(&b, rope, kv, meta)?;
+        }
+        // Only the rows that sample go through the final norm and lm_head.
+        let x = b.hidden.index_select(logits_indices, 0)?; // [S, hidden]
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?; // [S, vocab]
+        Ok(logits.to_dtype(DType::F32)?.contiguous()?)
+    }
+
+    /// Rows the CPU step's activation buffers hold (0 before the first step).
+    pub fn workspace_rows(&self) -> usize {
+        self.workspace.lock().unwrap_or_else(PoisonError::into_inner).capacity()
     }
 }

@@ -6,6 +6,7 @@ pub mod linear;
 pub mod llama;
 pub mod loader;
 pub(crate) mod placement;
+mod workspace;
 
 pub use config::{Architecture, ModelConfig};
 pub use llama::CausalLm;
