@@ -27,6 +27,41 @@ struct PagedAttention<'a> {
     scale: f32,
 }
 
+/// Per-item state, reused by the items one worker runs.
+#[derive(Default)]
+struct Scratch {
+    /// The item's queries, widened and pre-scaled.
+    qf: Vec<f32>,
+    /// Running output, max and sum of the online softmax.
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// Widened K/V rows of a block (f16/bf16 caches).
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+fn refill(v: &mut Vec<f32>, len: usize, value: f32) {
+    v.clear();
+    v.resize(len, value);
+}
+
+/// The output of a parallel call, written by work items at disjoint places.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+// SAFETY: items write disjoint elements (see `run_into`).
+unsafe impl<T> Send for OutPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for OutPtr<T> {}
+
+impl<T> OutPtr<T> {
+    /// A method, so closures capture the Sync wrapper, not the raw pointer.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 /// One unit of parallel work.
 #[derive(Clone, Copy)]
 struct Item {
@@ -56,13 +91,14 @@ impl PagedAttention<'_> {
         items
     }
 
-    /// Attention for one item; returns [rows, group, head_dim] in f32.
-    fn run_item<T: Elem>(&self, item: Item, q: &[T], k: &[T], v: &[T]) -> Vec<f32> {
+    /// Attention for one item, left in `s.acc` as [rows, group, head_dim].
+    fn run_item<T: Elem>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
         let d = self.dims;
         let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
         let n = item.rows * group; // (query, head) pairs, index r = i * group + j
         // Widen this item's queries once, pre-scaled.
-        let mut qf = vec![0f32; n * hd];
+        let Scratch { qf, acc, max, sum, kb, vb, scores } = s;
+        refill(qf, n * hd, 0.0);
         for i in 0..item.rows {
             for j in 0..group {
                 let h = item.kv_head * group + j;
@@ -72,15 +108,15 @@ impl PagedAttention<'_> {
                 }
             }
         }
-        let mut acc = vec![0f32; n * hd];
-        let mut max = vec![f32::NEG_INFINITY; n];
-        let mut sum = vec![0f32; n];
+        refill(acc, n * hd, 0.0);
+        refill(max, n, f32::NEG_INFINITY);
+        refill(sum, n, 0.0);
         let last_pos = item.pos0 + item.rows - 1;
         let table = &self.meta.block_tables[item.seq];
         // Widening buffers for f16/bf16 caches.
-        let mut kb = vec![0f32; bs * hd];
-        let mut vb = kb.clone();
-        let mut scores = vec![0f32; bs];
+        refill(kb, bs * hd, 0.0);
+        refill(vb, bs * hd, 0.0);
+        refill(scores, bs, 0.0);
         let window_start = |pos: usize| self.meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let first_key = window_start(item.pos0);
         for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(first_key / bs) {
@@ -136,7 +172,6 @@ impl PagedAttention<'_> {
             let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
             acc[r * hd..][..hd].iter_mut().for_each(|x| *x *= inv);
         }
-        acc
     }
 
     fn run<T: Elem>(&self, q: &[T], k: &[T], v: &[T]) -> Vec<T> {
@@ -156,21 +191,33 @@ impl PagedAttention<'_> {
             items.iter().map(|it| it.rows * group * self.meta.context_lens[it.seq] as usize).sum::<usize>()
                 * 2
                 * d.head_dim;
-        let results: Vec<(Item, Vec<f32>)> = if items.len() == 1 || macs < SERIAL_MAX_MACS {
-            items.iter().map(|&item| (item, self.run_item(item, q, k, v))).collect()
-        } else {
-            items.par_iter().map(|&item| (item, self.run_item(item, q, k, v))).collect()
-        };
-        for (item, acc) in results {
+        assert_eq!(out.len(), d.num_tokens * d.num_heads * d.head_dim, "checked by the caller");
+        let out = OutPtr(out.as_mut_ptr());
+        // Each item owns rows row0..row0 + rows of heads kv_head * group ..
+        // (kv_head + 1) * group: the items write disjoint parts of out.
+        let work = |s: &mut Scratch, item: Item| {
+            self.run_item(item, q, k, v, s);
             for i in 0..item.rows {
                 for j in 0..group {
                     let h = item.kv_head * group + j;
-                    let dst = &mut out[((item.row0 + i) * d.num_heads + h) * d.head_dim..][..d.head_dim];
-                    for (o, &x) in dst.iter_mut().zip(&acc[(i * group + j) * d.head_dim..][..d.head_dim]) {
+                    let at = ((item.row0 + i) * d.num_heads + h) * d.head_dim;
+                    // SAFETY: at + head_dim <= T * heads * head_dim = out's
+                    // length (row0 + i < T, h < heads); no other item writes
+                    // this (row, head).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), d.head_dim) };
+                    for (o, &x) in dst.iter_mut().zip(&s.acc[(i * group + j) * d.head_dim..][..d.head_dim]) {
                         *o = T::from_f32(x);
                     }
                 }
             }
+        };
+        if items.len() == 1 || macs < SERIAL_MAX_MACS {
+            // Short calls (decode of small models) come every layer of every
+            // step: their scratch stays with the calling thread.
+            thread_local!(static SCRATCH: std::cell::RefCell<Scratch> = Default::default());
+            SCRATCH.with_borrow_mut(|s| items.iter().for_each(|&item| work(s, item)));
+        } else {
+            items.par_iter().for_each_init(Scratch::default, |s, &item| work(s, item));
         }
     }
 }
