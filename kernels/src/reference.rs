@@ -75,40 +75,15 @@ pub fn reshape_and_cache(
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use candle_core::Device;
-
-    use super::*;
-
-    /// One head, head_dim 1, worked by hand: the second query (position 1)
-    /// sees keys 1 and 2 with weights e^1 and e^2 (scale 1, q = 1).
-    #[test]
-    fn tiny_case_by_hand() -> Result<()> {
-        let dev = Device::Cpu;
-        let q = Tensor::new(&[[[1f32]], [[1.]]], &dev)?; // [2, 1, 1]
-        // Two blocks of 2 slots, the sequence uses block 1 then block 0.
-        let k = Tensor::new(&[[[[5f32]], [[9.]]], [[[1.]], [[2.]]]], &dev)?;
-        let v = Tensor::new(&[[[[7f32]], [[9.]]], [[[10.]], [[20.]]]], &dev)?;
-        let meta = AttentionMetadata {
-            query_start_loc: vec![0, 2],
-            context_lens: vec![2],
-            block_tables: vec![vec![1]],
-            slot_mapping: vec![2, 3],
-            block_size: 2,
-            sliding_window: None,
-        };
-        let out: Vec<f32> = paged_attention(&q, &k, &v, &meta, 1.0)?.flatten_all()?.to_vec1()?;
-        let (e1, e2) = (1f32.exp(), 2f32.exp());
-        let want = [10., (e1 * 10. + e2 * 20.) / (e1 + e2)];
-        assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{out:?}");
-        // A window of 1 leaves each query only itself.
-        let out: Vec<f32> = paged_attention(&q, &k, &v, &AttentionMetadata { sliding_window: Some(1), ..meta }, 1.0)?
-            .flatten_all()?
-            .to_vec1()?;
-        assert_eq!(out, [10., 20.]);
-        Ok(())
-    }
+/// RMSNorm of each row of `x: [rows, weight.len()]`, in f64.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    x.chunks(weight.len())
+        .flat_map(|row| {
+            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / row.len() as f64;
+            let inv = 1.0 / (ms + eps as f64).sqrt();
+            row.iter().zip(weight).map(move |(&v, &w)| (v as f64 * inv * w as f64) as f32)
+        })
+        .collect()
 }
 
 /// SwiGLU from a fused `[rows, 2 * inter]` gate/up output, in f64.
@@ -161,13 +136,38 @@ pub fn rope(
     out
 }
 
-/// RMSNorm of each row of `x: [rows, weight.len()]`, in f64.
-pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    x.chunks(weight.len())
-        .flat_map(|row| {
-            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / row.len() as f64;
-            let inv = 1.0 / (ms + eps as f64).sqrt();
-            row.iter().zip(weight).map(move |(&v, &w)| (v as f64 * inv * w as f64) as f32)
-        })
-        .collect()
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// One head, head_dim 1, worked by hand: the second query (position 1)
+    /// sees keys 1 and 2 with weights e^1 and e^2 (scale 1, q = 1).
+    #[test]
+    fn tiny_case_by_hand() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::new(&[[[1f32]], [[1.]]], &dev)?; // [2, 1, 1]
+        // Two blocks of 2 slots, the sequence uses block 1 then block 0.
+        let k = Tensor::new(&[[[[5f32]], [[9.]]], [[[1.]], [[2.]]]], &dev)?;
+        let v = Tensor::new(&[[[[7f32]], [[9.]]], [[[10.]], [[20.]]]], &dev)?;
+        let meta = AttentionMetadata {
+            query_start_loc: vec![0, 2],
+            context_lens: vec![2],
+            block_tables: vec![vec![1]],
+            slot_mapping: vec![2, 3],
+            block_size: 2,
+            sliding_window: None,
+        };
+        let out: Vec<f32> = paged_attention(&q, &k, &v, &meta, 1.0)?.flatten_all()?.to_vec1()?;
+        let (e1, e2) = (1f32.exp(), 2f32.exp());
+        let want = [10., (e1 * 10. + e2 * 20.) / (e1 + e2)];
+        assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{out:?}");
+        // A window of 1 leaves each query only itself.
+        let out: Vec<f32> = paged_attention(&q, &k, &v, &AttentionMetadata { sliding_window: Some(1), ..meta }, 1.0)?
+            .flatten_all()?
+            .to_vec1()?;
+        assert_eq!(out, [10., 20.]);
+        Ok(())
+    }
 }

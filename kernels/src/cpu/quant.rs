@@ -181,7 +181,7 @@ impl QuantBlock for BlockQ4_0 {
 
 /// Quantizes `src` (a multiple of 32 long) into blocks.
 pub fn quantize_row<B: QuantBlock>(src: &[f32], dst: &mut [B]) -> Result<(), QuantError> {
-    if src.len() % QK != 0 {
+    if !src.len().is_multiple_of(QK) {
         return Err(QuantError::NotBlockAligned(src.len()));
     }
     if dst.len() != src.len() / QK {
@@ -206,7 +206,7 @@ pub fn dequantize_row<B: QuantBlock>(src: &[B], dst: &mut [f32]) {
 
 /// Quantizes a whole `[rows, k]` matrix.
 pub fn quantize_matrix<B: QuantBlock>(src: &[f32], rows: usize, k: usize) -> Result<Vec<B>, QuantError> {
-    if k % QK != 0 {
+    if !k.is_multiple_of(QK) {
         return Err(QuantError::NotBlockAligned(k));
     }
     if src.len() != rows * k {
@@ -320,7 +320,7 @@ fn matmul_with<B: QuantBlock>(
     n: usize,
     y: &mut [f32],
 ) -> Result<(), QuantError> {
-    if k % QK != 0 {
+    if !k.is_multiple_of(QK) {
         return Err(QuantError::NotBlockAligned(k));
     }
     let kb = k / QK;
