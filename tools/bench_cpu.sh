@@ -3,7 +3,8 @@
 # on the same GGUF files, same thread count.
 #
 #   tools/bench_cpu.sh GGUF_DIR [LLAMA_CPP_BIN_DIR]
-#   PARTS=server tools/bench_cpu.sh ...   # only the server workload
+#   PARTS=server tools/bench_cpu.sh ...    # only the server workload
+#   PARTS=batched tools/bench_cpu.sh ...   # only 16 concurrent sequences
 #
 # GGUF_DIR gets (if missing) random TinyLlama-1.1B-shaped weights written by
 # `tinyvllm-worker export-gguf` (f16, q8_0) and stories260K (f32); give a
@@ -28,9 +29,8 @@ cp ../shared/models/tiny-qwen3/tokenizer.json ../shared/models/tiny-qwen3/tokeni
 export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
-m="$GGUF/tinyllama-1.1b-random-f16.gguf"
-if [ "${PARTS:-all}" = all ]; then
 bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|  )"; }
+if [ "${PARTS:-all}" = all ]; then
 for t in f16 q8_0; do
   m="$GGUF/tinyllama-1.1b-random-$t.gguf"
   echo "== ours $t: batch-1 decode (prompt 16, 64 generated)"; bench --model "$m" --num-prompts 1 --input-len 16 --output-len 64 --profile
@@ -39,15 +39,19 @@ for t in f16 q8_0; do
     echo "== llama.cpp $t: llama-bench"; "$LLAMA/llama-bench" -m "$m" -t "$THREADS" -p 512 -n 64 -r 3 2>/dev/null | grep -E "^\|"
   fi
 done
-echo "== ours f16: 16 concurrent (prompt 128, 64 generated each)"; bench --model "$m" --num-prompts 16 --input-len 128 --output-len 64
-if [ -n "$LLAMA" ]; then
-  echo "== llama.cpp f16: llama-batched-bench"; "$LLAMA/llama-batched-bench" -m "$m" -t "$THREADS" -c 8192 -npp 128 -ntg 64 -npl 1,16 2>/dev/null | grep -E "^\|"
-fi
 echo "== ours stories260K f32: batch-1 decode"; bench --model "$GGUF/stories260K-f32.gguf" --num-prompts 1 --input-len 16 --output-len 256 --profile
 if [ -n "$LLAMA" ]; then
   echo "== llama.cpp stories260K f32"; "$LLAMA/llama-bench" -m "$GGUF/stories260K-f32.gguf" -t "$THREADS" -p 0 -n 256 -r 3 2>/dev/null | grep -E "^\|"
 fi
 fi # PARTS
+m="$GGUF/tinyllama-1.1b-random-f16.gguf"
+if [ "${PARTS:-all}" = all ] || [ "${PARTS:-all}" = batched ]; then
+  echo "== ours f16: 16 concurrent (prompt 128, 64 generated each)"; bench --model "$m" --num-prompts 16 --input-len 128 --output-len 64
+  if [ -n "$LLAMA" ]; then
+    echo "== llama.cpp f16: llama-batched-bench"; "$LLAMA/llama-batched-bench" -m "$m" -t "$THREADS" -c 8192 -npp 128 -ntg 64 -npl 1,16 2>/dev/null | grep -E "^\|"
+  fi
+fi
+[ "${PARTS:-all}" = batched ] && exit 0
 
 # The server workload: 16 concurrent streams, 103-token prompts, 64 tokens
 # each with ignore_eos, through the whole cluster (coordinator + 1 worker).
