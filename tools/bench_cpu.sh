@@ -59,6 +59,7 @@ workload() { target/release/tinyvllm-bench workload --url "$1" --groups 16 --que
   --suffix-tokens 103 --rate 1000000 --max-tokens 64 --vocab-size 32000 --first-token 3; }
 echo "== ours: server workload through the cluster"
 target/release/tinyvllm-coordinator --model "$m" --http 127.0.0.1:18080 --local-workers 1 \
+  --cluster-secret-file "${TMPDIR:-/tmp}/tinyvllm-bench-cluster-secret" \
   --worker-arg=--kv-cache-memory=2000000000 > /tmp/tinyvllm-bench-coordinator.log 2>&1 &
 COORD=$!
 trap 'kill $COORD 2>/dev/null || true' EXIT
