@@ -86,24 +86,6 @@ impl<'a> DeviceRow<'a> {
             logprobs: p.logprobs,
         }
     }
-
-    /// A row without penalties, bans or logprobs.
-    pub fn plain(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> Self {
-        DeviceRow {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            u,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            prompt_token_ids: &[],
-            output_token_ids: &[],
-            banned_token_ids: Vec::new(),
-            logprobs: None,
-        }
-    }
 }
 
 /// What the logprobs of a row are.
@@ -347,7 +329,9 @@ mod tests {
     use super::*;
 
     fn row(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> DeviceRow<'static> {
-        DeviceRow::plain(temperature, top_k, top_p, min_p, u)
+        // A default request's row (no penalties, bans or logprobs), then the draw's parameters.
+        let base = DeviceRow::for_request(&SamplingParams::default(), &[], &[], 0, &[]);
+        DeviceRow { temperature, top_k, top_p, min_p, u, ..base }
     }
 
     /// Token ids only.

@@ -8,10 +8,11 @@
 //! * [`rms_norm`]: RMSNorm of each row, into a buffer of the caller's.
 //!
 //! The slice functions are the kernels; the `*_op` functions apply them to
-//! candle tensors (f32 on the CPU, what activations are there). Large inputs
-//! are split by rows over rayon's pool.
+//! candle tensors (f32 on the CPU, what activations are there), in place or
+//! into a buffer of the caller's. Large inputs are split by rows over
+//! rayon's pool.
 
-use candle_core::{CpuStorage, CustomOp1, InplaceOp1, InplaceOp2, Layout, Shape, Tensor};
+use candle_core::Tensor;
 
 use super::buffers::{read_f32, write_f32};
 use rayon::prelude::*;
@@ -194,77 +195,17 @@ pub fn rope_in_place(x: &mut [f32], rope: &Rope<'_>) -> Result<()> {
     Ok(())
 }
 
-fn contiguous<'a>(data: &'a [f32], layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{op}: input must be contiguous"),
-    }
-}
-
-struct SiluMul;
-
-impl CustomOp1 for SiluMul {
-    fn name(&self) -> &'static str {
-        "silu-mul"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = s else { candle_core::bail!("silu_mul: f32 only") };
-        let (rows, width) = l.shape().dims2()?;
-        let mut out = vec![0f32; rows * width / 2];
-        silu_mul(contiguous(data, l, "silu_mul")?, width / 2, &mut out).map_err(candle_core::Error::wrap)?;
-        Ok((CpuStorage::F32(out), Shape::from((rows, width / 2))))
-    }
-}
-
-/// `[rows, 2 * inter]` f32 (gate then up) -> `[rows, inter]`.
-pub fn silu_mul_op(gate_up: &Tensor) -> Result<Tensor> {
-    let (_, width) = gate_up.dims2()?;
-    if width % 2 != 0 {
-        return Err(KernelError::Invalid(format!("silu_mul: width {width} is odd")));
-    }
-    Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
-}
-
-struct AddInPlace;
-
-impl InplaceOp2 for AddInPlace {
-    fn name(&self) -> &'static str {
-        "add-in-place"
-    }
-
-    fn cpu_fwd(&self, d: &mut CpuStorage, dl: &Layout, s: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
-        let (CpuStorage::F32(d), CpuStorage::F32(s)) = (d, s) else { candle_core::bail!("add_in_place: f32 only") };
-        let Some((d0, d1)) = dl.contiguous_offsets() else { candle_core::bail!("add_in_place: dst not contiguous") };
-        add_in_place(&mut d[d0..d1], contiguous(s, sl, "add_in_place")?).map_err(candle_core::Error::wrap)
-    }
-}
-
-/// `dst += src` for same-shaped f32 tensors; `dst` must own its storage
-/// (a fresh op output), since every view of that storage sees the change.
+/// `dst += src` for same-shaped f32 CPU tensors (or views) that do not
+/// share storage; every view of `dst`'s storage sees the change.
 pub fn add_in_place_op(dst: &Tensor, src: &Tensor) -> Result<()> {
     if dst.shape() != src.shape() {
         return Err(KernelError::Invalid(format!("add_in_place: {:?} vs {:?}", dst.shape(), src.shape())));
     }
-    Ok(dst.inplace_op2(&src.contiguous()?, &AddInPlace)?)
+    Ok(read_f32(&src.contiguous()?, |s| write_f32(dst, &|d| add_in_place(d, s).map_err(candle_core::Error::wrap)))?)
 }
 
-struct RopeOp<'a>(Rope<'a>);
-
-impl InplaceOp1 for RopeOp<'_> {
-    fn name(&self) -> &'static str {
-        "rope-in-place"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(data) = s else { candle_core::bail!("rope_in_place: f32 only") };
-        let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("rope_in_place: not contiguous") };
-        rope_in_place(&mut data[a..b], &self.0).map_err(candle_core::Error::wrap)
-    }
-}
-
-/// [`rope_in_place`] on a contiguous `[rows, row_len]` f32 tensor that owns
-/// its storage.
+/// [`rope_in_place`] on a contiguous `[rows, row_len]` f32 CPU tensor (or
+/// view); every view of its storage sees the change.
 pub fn rope_in_place_op(x: &Tensor, rope: Rope<'_>) -> Result<()> {
     let (rows, row_len) = x.dims2()?;
     if rows != rope.positions.len() || row_len != rope.row_len {
@@ -274,7 +215,7 @@ pub fn rope_in_place_op(x: &Tensor, rope: Rope<'_>) -> Result<()> {
             rope.row_len
         )));
     }
-    Ok(x.inplace_op1(&RopeOp(rope))?)
+    Ok(write_f32(x, &|d| rope_in_place(d, &rope).map_err(candle_core::Error::wrap))?)
 }
 
 /// [`rms_norm`] of `x: [rows, dim]` into `out` (same shape), both f32 CPU

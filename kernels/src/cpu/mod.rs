@@ -12,7 +12,7 @@ pub use buffers::{copy_columns, read_f32, write_f32};
 pub use cache::reshape_and_cache;
 pub use fused::{
     HeadNorm, Rope, add_in_place, add_in_place_op, rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op,
-    silu_mul, silu_mul_into_op, silu_mul_op,
+    silu_mul, silu_mul_into_op,
 };
 
 use half::{bf16, f16};

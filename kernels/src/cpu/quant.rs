@@ -452,12 +452,7 @@ mod avx2 {
             let step = 4 * size_of::<B>();
             for b in 0..kb {
                 if i == 0 {
-                    let at = span.wrapping_add(pf + b * step);
-                    let mut o = 0;
-                    while o < step {
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(o).cast());
-                        o += 64;
-                    }
+                    prefetch(span.wrapping_add(pf + b * step), step);
                 }
                 let blocks = [&*w.add(b), &*w.add(kb + b), &*w.add(2 * kb + b), &*w.add(3 * kb + b)];
                 let bits =
@@ -504,12 +499,7 @@ mod avx2 {
             let step = R * size_of::<B>();
             for b in 0..kb {
                 if i == 0 {
-                    let at = span.wrapping_add(pf + b * step);
-                    let mut o = 0;
-                    while o < step {
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(o).cast());
-                        o += 64;
-                    }
+                    prefetch(span.wrapping_add(pf + b * step), step);
                 }
                 let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
                 let x_abs = _mm256_sign_epi8(xv, xv); // shared by the R rows
@@ -530,6 +520,17 @@ mod avx2 {
                 }
             }
             acc.map(|a| hsum(a))
+        }
+    }
+
+    /// Prefetches the `len` bytes at `at` (a hint: never faults).
+    #[inline(always)]
+    fn prefetch(at: *const u8, len: usize) {
+        let mut o = 0;
+        while o < len {
+            // SAFETY: SSE is baseline on x86-64; a prefetch does not access memory.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(o).cast()) };
+            o += 64;
         }
     }
 

@@ -282,7 +282,7 @@ impl Linear {
             return Ok(false);
         }
         let (out, inp) = self.weight.dims2()?;
-        if !self.weight.device().is_cpu() || inp % QK != 0 {
+        if !self.weight.device().is_cpu() || !inp.is_multiple_of(QK) {
             return Ok(false);
         }
         let w = self.weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -301,15 +301,19 @@ impl Linear {
         if k != q.inp {
             candle_core::bail!("linear: input has {k} features, the weight takes {}", q.inp);
         }
-        let x32 = x.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let x32 = x.to_dtype(DType::F32)?.contiguous()?;
         let mut y = vec![0f32; m * q.out];
-        q.matmul(&x32, m, &mut y)?;
-        if let Some(b) = &self.bias_f32 {
-            for row in y.chunks_exact_mut(q.out) {
-                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-            }
-        }
+        read_f32(&x32, |xv| self.quant_into(q, xv, m, &mut y))?;
         Tensor::from_vec(y, (m, q.out), x.device())?.to_dtype(x.dtype())
+    }
+
+    /// `y = x W^T + b` through the quantized kernel, `x: [m, in]`, `y: [m, out]`.
+    fn quant_into(&self, q: &QuantWeight, xv: &[f32], m: usize, y: &mut [f32]) -> candle_core::Result<()> {
+        q.matmul(xv, m, y)?;
+        if let Some(b) = &self.bias_f32 {
+            y.chunks_exact_mut(q.out).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
+        }
+        Ok(())
     }
 
     fn candle_forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -363,15 +367,7 @@ impl Linear {
             if k != q.inp {
                 candle_core::bail!("linear: input has {k} features, the weight takes {}", q.inp);
             }
-            return read_f32(x, |xv| {
-                write_f32(out, &|y| {
-                    q.matmul(xv, m, y)?;
-                    if let Some(b) = &self.bias_f32 {
-                        y.chunks_exact_mut(n).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
-                    }
-                    Ok(())
-                })
-            });
+            return read_f32(x, |xv| write_f32(out, &|y| self.quant_into(q, xv, m, y)));
         }
         if self.weight.dims2()?.1 != k {
             candle_core::bail!("linear: input has {k} features, the weight takes {}", self.weight.dims2()?.1);
@@ -379,13 +375,7 @@ impl Linear {
         if self.uses_kernel(x) {
             return read_f32(x, |xv| write_f32(out, &|y| self.kernel_into(xv, m, y)));
         }
-        let y = self.candle_forward(x)?.to_dtype(DType::F32)?.contiguous()?;
-        read_f32(&y, |yv| {
-            write_f32(out, &|o| {
-                o.copy_from_slice(yv);
-                Ok(())
-            })
-        })
+        kernels::cpu::copy_columns(&self.candle_forward(x)?.to_dtype(DType::F32)?.contiguous()?, 0, out)
     }
 
     fn uses_kernel(&self, x: &Tensor) -> bool {

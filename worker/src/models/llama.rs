@@ -115,13 +115,6 @@ impl Projection {
             Self::Separate(parts) => parts.iter_mut().collect(),
         }
     }
-
-    fn for_each_linear(&self, f: impl Fn(&Linear)) {
-        match self {
-            Self::Stacked(l) => f(l),
-            Self::Separate(parts) => parts.iter().for_each(f),
-        }
-    }
 }
 
 /// The dtype activations (and the KV cache) use. On the CPU they stay f32
@@ -356,6 +349,19 @@ impl DecoderLayer {
     }
 }
 
+/// Every linear layer of `layers`, in order.
+fn layer_linears(layers: &mut [DecoderLayer]) -> Vec<&mut Linear> {
+    let mut linears = Vec::new();
+    for layer in layers {
+        let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+        linears.extend(a.qkv_proj.linears_mut());
+        linears.push(&mut a.o_proj);
+        linears.extend(m.gate_up_proj.linears_mut());
+        linears.push(&mut m.down_proj);
+    }
+    linears
+}
+
 /// Rows `ids` of the embedding table `[vocab, hidden]` (f32, f16 or bf16
 /// on the CPU), widened into `out: [ids.len(), hidden]`.
 fn embed_into(table: &Tensor, ids: &[u32], out: &Tensor) -> Result<()> {
@@ -439,14 +445,7 @@ impl CausalLm {
     /// that already are quantized stay as they are). Returns (quantized now,
     /// total) layer counts.
     pub fn quantize(&mut self, format: QuantFormat) -> Result<(usize, usize)> {
-        let mut linears: Vec<&mut Linear> = Vec::new();
-        for layer in &mut self.layers {
-            let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
-            linears.extend(a.qkv_proj.linears_mut());
-            linears.push(&mut a.o_proj);
-            linears.extend(m.gate_up_proj.linears_mut());
-            linears.push(&mut m.down_proj);
-        }
+        let mut linears = layer_linears(&mut self.layers);
         if !self.cfg.tie_word_embeddings {
             linears.push(&mut self.lm_head);
         }
@@ -460,14 +459,8 @@ impl CausalLm {
 
     /// Backs every linear weight with huge pages (on the CPU, where decode
     /// streams them all each step; see `placement`).
-    pub fn place_weights_in_huge_pages(&self) {
-        for layer in &self.layers {
-            let (a, m) = (&layer.self_attn, &layer.mlp);
-            a.qkv_proj.for_each_linear(|l| l.place_in_huge_pages());
-            m.gate_up_proj.for_each_linear(|l| l.place_in_huge_pages());
-            a.o_proj.place_in_huge_pages();
-            m.down_proj.place_in_huge_pages();
-        }
+    pub fn place_weights_in_huge_pages(&mut self) {
+        layer_linears(&mut self.layers).into_iter().for_each(|l| l.place_in_huge_pages());
         self.lm_head.place_in_huge_pages();
     }
 
