@@ -491,6 +491,7 @@ mod avx2 {
         let line = 64 / size_of::<T>();
         let kl = k - k % line;
         let x = p.x.as_ptr();
+        let w_end = w.as_ptr_range().end.cast::<u8>();
         let mut nr = n0;
         while nr + 4 <= n1 {
             let rows = [nr * k, (nr + 1) * k, (nr + 2) * k, (nr + 3) * k];
@@ -502,8 +503,13 @@ mod avx2 {
             let span = w.as_ptr().wrapping_add(nr * k).cast::<u8>();
             while i < kl {
                 let at = span.wrapping_add(GEMV_PF_BYTES + 4 * i * size_of::<T>());
-                for r in 0..4 {
-                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * r).cast());
+                // Only inside the weights: a prefetch past their end may land
+                // on an unmapped page, and a failed page walk per line cost
+                // ~20 us per call (a third of a small matrix's time).
+                if at < w_end {
+                    for r in 0..4 {
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * r).cast());
+                    }
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let mut j = 0;
