@@ -66,16 +66,25 @@ pub struct BenchReport {
 
 /// Batch-1 decode reads every weight once per token, so the machine's read
 /// bandwidth bounds it at `read / weight_bytes` tokens per second.
+///
+/// Measured just before and just after the run (all threads of the pool)
+/// and averaged: on a shared machine the bandwidth drifts by tens of
+/// percent within minutes, and one reading taken before the run would make
+/// the share swing with it.
 #[derive(Clone, Copy, Debug)]
 pub struct BandwidthLimit {
-    /// Measured just before the run, all threads of the pool.
-    pub read_gb_s: f64,
+    pub read_before_gb_s: f64,
+    pub read_after_gb_s: f64,
     pub weight_bytes: usize,
 }
 
 impl BandwidthLimit {
+    pub fn read_gb_s(&self) -> f64 {
+        (self.read_before_gb_s + self.read_after_gb_s) / 2.0
+    }
+
     pub fn tok_per_s(&self) -> f64 {
-        self.read_gb_s * 1e9 / self.weight_bytes.max(1) as f64
+        self.read_gb_s() * 1e9 / self.weight_bytes.max(1) as f64
     }
 }
 
@@ -134,10 +143,12 @@ impl std::fmt::Display for BenchReport {
             let decode = 1e3 / self.tpot.mean_ms.max(1e-9);
             write!(
                 f,
-                "\nbandwidth limit: {:.3} GB of weights per decode step at {:.1} GB/s read (measured now) \
-                 = {:.2} tok/s at batch 1; this run decodes at {:.1}% of it",
+                "\nbandwidth limit: {:.3} GB of weights per decode step at {:.1} GB/s read (mean of {:.1} \
+                 before and {:.1} after the run) = {:.2} tok/s at batch 1; this run decodes at {:.1}% of it",
                 b.weight_bytes as f64 / 1e9,
-                b.read_gb_s,
+                b.read_gb_s(),
+                b.read_before_gb_s,
+                b.read_after_gb_s,
                 b.tok_per_s(),
                 decode / b.tok_per_s() * 100.0
             )?;
@@ -152,8 +163,8 @@ impl std::fmt::Display for BenchReport {
 /// Runs the benchmark on `engine`, which should be idle.
 pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let vocab = engine.model_config().vocab_size as u64;
-    let bandwidth = (args.profile && engine.device().is_cpu())
-        .then(|| BandwidthLimit { read_gb_s: measure_read_bandwidth(), weight_bytes: engine.weight_bytes_per_token() });
+    let measure_bandwidth = args.profile && engine.device().is_cpu();
+    let read_before = measure_bandwidth.then(measure_read_bandwidth);
     let mut state = args.seed;
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];
@@ -190,6 +201,11 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         }
     }
     let elapsed = start.elapsed();
+    let bandwidth = read_before.map(|read_before_gb_s| BandwidthLimit {
+        read_before_gb_s,
+        read_after_gb_s: measure_read_bandwidth(),
+        weight_bytes: engine.weight_bytes_per_token(),
+    });
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();
     let tpot: Vec<Duration> = (0..args.num_prompts)
         .filter(|_| args.output_len > 1)
