@@ -473,7 +473,6 @@ mod avx2 {
         }
     }
 
-    /// Bytes each weight row is prefetched ahead in [`gemv`].
     /// How far ahead of use [`gemv`] prefetches its weights, in bytes:
     /// measured best of 2-32 KiB on Zen 3 (16 KiB: 17-18 GB/s, about the
     /// machine's read bandwidth; 2 KiB per row: 14-15 GB/s).
