@@ -474,7 +474,7 @@ mod avx2 {
     }
 
     /// How far ahead of use [`gemv`] prefetches its weights, in bytes:
-    /// measured best of 2-32 KiB on Zen 3 (16 KiB: 17-18 GB/s, about the
+    /// measured best of 2-32 KiB on the 2-vCPU EPYC (Zen 1) (16 KiB: 17-18 GB/s, about the
     /// machine's read bandwidth; 2 KiB per row: 14-15 GB/s).
     const GEMV_PF_BYTES: usize = 16 << 10;
 

@@ -461,7 +461,7 @@ mod avx2 {
     }
 
     /// How far ahead of use the weights are prefetched, in bytes: measured
-    /// best of 1-64 KiB on Zen 3 (16 KiB: 14-16 GB/s; 1-8 KiB: 7-11 GB/s).
+    /// best of 1-64 KiB on the 2-vCPU EPYC (Zen 1) (16 KiB: 14-16 GB/s; 1-8 KiB: 7-11 GB/s).
     const PF_BYTES: usize = 16 << 10;
 
     /// y[.., n0..n1], 4 weight rows at a time (then single rows).
