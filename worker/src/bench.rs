@@ -163,8 +163,7 @@ impl std::fmt::Display for BenchReport {
 /// Runs the benchmark on `engine`, which should be idle.
 pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let vocab = engine.model_config().vocab_size as u64;
-    let measure_bandwidth = args.profile && engine.device().is_cpu();
-    let read_before = measure_bandwidth.then(measure_read_bandwidth);
+    let read_before = (args.profile && engine.device().is_cpu()).then(measure_read_bandwidth);
     let mut state = args.seed;
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];

@@ -355,6 +355,7 @@ fn scalar_tile<W: WeightElem>(x: &[f32], ldx: usize, w: &[W], r: usize, c: usize
 mod avx2 {
     //! AVX2 + FMA + F16C tiles. Callers must have checked those features.
     use super::{Problem, WeightElem};
+    use crate::cpu::prefetch_within;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -423,6 +424,7 @@ mod avx2 {
             return;
         }
         let mut buf = PanelBuf([0.0; 4 * KB]);
+        let w_end = w.as_ptr_range().end.cast::<u8>();
         let mut nr = n0;
         while nr < n1 {
             let r = (n1 - nr).min(4);
@@ -438,9 +440,8 @@ mod avx2 {
                         // blocks later (past its end: the next tile's row).
                         let ahead = k0 + PF_BLOCKS * KB;
                         let pf = if ahead < k { start + PF_BLOCKS * KB } else { (nr + 4 + ri) * k + ahead - k };
-                        let pf_len = w.len().saturating_sub(pf);
                         // SAFETY: features are enabled on this function.
-                        unsafe { widen(&w[start..start + len], dst, w.as_ptr().wrapping_add(pf), pf_len) };
+                        unsafe { widen(&w[start..start + len], dst, w.as_ptr().wrapping_add(pf), w_end) };
                     } else {
                         // Rows past the end of the task: zeros, never stored.
                         dst.fill(0.0);
@@ -502,14 +503,7 @@ mod avx2 {
             let span = w.as_ptr().wrapping_add(nr * k).cast::<u8>();
             while i < kl {
                 let at = span.wrapping_add(GEMV_PF_BYTES + 4 * i * size_of::<T>());
-                // Only inside the weights: a prefetch past their end may land
-                // on an unmapped page, and a failed page walk per line cost
-                // ~20 us per call (a third of a small matrix's time).
-                if at < w_end {
-                    for r in 0..4 {
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * r).cast());
-                    }
-                }
+                prefetch_within(at, 4 * 64, w_end);
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let mut j = 0;
                     while j < line {
@@ -577,22 +571,15 @@ mod avx2 {
         }
     }
 
-    /// Widens `src` into `dst` (same length) and prefetches up to
-    /// min(src.len(), pf_len) elements at `pf` (`pf_len` readable there).
+    /// Widens `src` into `dst` (same length) and prefetches as many bytes
+    /// at `pf` (clipped to `end`, the weights' end).
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen<T: Load8>(src: &[T], dst: &mut [f32], pf: *const T, pf_len: usize) {
+    unsafe fn widen<T: Load8>(src: &[T], dst: &mut [f32], pf: *const T, end: *const u8) {
         assert_eq!(src.len(), dst.len());
-        let line = 64 / size_of::<T>();
-        let pf_len = pf_len.min(src.len());
-        let mut j = 0;
-        while j < pf_len {
-            // A hint only: never faults; pf + j stays inside the weights.
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j).cast());
-            j += line;
-        }
+        prefetch_within(pf.cast(), size_of_val(src), end);
         let len8 = src.len() & !7;
         let mut i = 0;
         while i < len8 {

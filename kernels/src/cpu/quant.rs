@@ -416,6 +416,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{BlockQ8_0, Operands, QK, QuantBlock};
+    use crate::cpu::prefetch_within;
     use half::f16;
 
     /// See [`super::quantize_activations`].
@@ -519,7 +520,7 @@ mod avx2 {
             let step = 4 * size_of::<B>();
             for b in 0..kb {
                 if i == 0 {
-                    prefetch(span.wrapping_add(pf + b * step), step, w_end);
+                    prefetch_within(span.wrapping_add(pf + b * step), step, w_end);
                 }
                 let blocks = [&*w.add(b), &*w.add(kb + b), &*w.add(2 * kb + b), &*w.add(3 * kb + b)];
                 let bits =
@@ -567,7 +568,7 @@ mod avx2 {
             let step = R * size_of::<B>();
             for b in 0..kb {
                 if i == 0 {
-                    prefetch(span.wrapping_add(pf + b * step), step, w_end);
+                    prefetch_within(span.wrapping_add(pf + b * step), step, w_end);
                 }
                 let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
                 let x_abs = _mm256_sign_epi8(xv, xv); // shared by the R rows
@@ -588,22 +589,6 @@ mod avx2 {
                 }
             }
             acc.map(|a| hsum(a))
-        }
-    }
-
-    /// Prefetches the `len` bytes at `at` (a hint: never faults), if they
-    /// start before `end`: past the weights' end a prefetch may land on an
-    /// unmapped page, and the failed page walks cost ~20 us per call.
-    #[inline(always)]
-    fn prefetch(at: *const u8, len: usize, end: *const u8) {
-        if at >= end {
-            return;
-        }
-        let mut o = 0;
-        while o < len {
-            // SAFETY: SSE is baseline on x86-64; a prefetch does not access memory.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(o).cast()) };
-            o += 64;
         }
     }
 
