@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use half::f16;
 use kernels::cpu::matmul::matmul_xwt;
-use kernels::cpu::quant::{BlockQ8_0, QK8_0, matmul_q8_0, quantize_matrix_q8_0};
+use kernels::cpu::quant::{BlockQ8_0, PackedQ8_0, QK8_0, matmul_packed_q8_0, matmul_q8_0, quantize_matrix_q8_0};
 use rayon::prelude::*;
 
 /// TinyLlama-1.1B's decode matmuls: (name, n, k).
@@ -85,6 +85,10 @@ fn main() {
         let wq: Vec<Vec<BlockQ8_0>> = (0..copies).map(|_| q.clone()).collect();
         let (d, gbs) = time_rotating(copies, bytes, |c| matmul_q8_0(&x, 1, k, &wq[c], n, &mut y).expect("shapes"));
         println!("{name:20} q8_0  {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
+        drop(wq);
+        let wp: Vec<PackedQ8_0> = (0..copies).map(|_| PackedQ8_0::pack(&q, n, k / QK8_0).expect("shape")).collect();
+        let (d, gbs) = time_rotating(copies, bytes, |c| matmul_packed_q8_0(&x, 1, &wp[c], &mut y).expect("shapes"));
+        println!("{name:20} q8_0p {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
     }
     layer_sequence();
     cache_resident();
@@ -112,6 +116,9 @@ fn cache_resident() {
             let bytes = n * k / QK8_0 * size_of::<BlockQ8_0>();
             let (_, gbs) = time_rotating(1, bytes, |_| matmul_q8_0(&x, 1, k, &q, n, &mut y).expect("shapes"));
             println!("{:20} q8_0  {gbs:5.1} GB/s  ({threads} thread(s))", "weights in cache");
+            let p = PackedQ8_0::pack(&q, n, k / QK8_0).expect("shape");
+            let (_, gbs) = time_rotating(1, bytes, |_| matmul_packed_q8_0(&x, 1, &p, &mut y).expect("shapes"));
+            println!("{:20} q8_0p {gbs:5.1} GB/s  ({threads} thread(s))", "weights in cache");
         });
     }
 }

@@ -3,9 +3,9 @@
 
 use half::f16;
 use kernels::cpu::quant::{
-    BlockQ4_0, BlockQ8_0, QK8_0, QuantBlock, QuantError, dequantize_row, dequantize_row_q8_0, matmul_q8_0,
-    matmul_q8_0_scalar, matmul_quant, matmul_quant_scalar, quantize_matrix, quantize_matrix_q8_0, quantize_row,
-    quantize_row_q8_0,
+    BlockQ4_0, BlockQ8_0, PackedQ8_0, QK8_0, QuantBlock, QuantError, dequantize_row, dequantize_row_q8_0,
+    matmul_packed_q8_0, matmul_packed_q8_0_scalar, matmul_q8_0, matmul_q8_0_scalar, matmul_quant, matmul_quant_scalar,
+    quantize_matrix, quantize_matrix_q8_0, quantize_row, quantize_row_q8_0,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -78,15 +78,54 @@ fn matmul_matches_the_reference_on_random_shapes() {
         let expected = reference(&x, m, k, &w, n);
         type MatmulFn = fn(&[f32], usize, usize, &[BlockQ8_0], usize, &mut [f32]) -> Result<(), QuantError>;
         let backends: [(&str, MatmulFn); 2] = [("dispatch", matmul_q8_0), ("scalar", matmul_q8_0_scalar)];
+        let packed = PackedQ8_0::pack(&w, n, k / QK8_0).unwrap();
+        assert_eq!(packed.unpack(), w, "pack and unpack give the blocks back");
+        let packed_backends: [(&str, PackedFn); 2] =
+            [("packed dispatch", matmul_packed_q8_0), ("packed scalar", matmul_packed_q8_0_scalar)];
         for (name, f) in backends {
             let mut y = vec![f32::NAN; m * n];
             f(&x, m, k, &w, n, &mut y).unwrap();
-            for (idx, (a, b)) in y.iter().zip(&expected).enumerate() {
-                let tol = 1e-4 * (1.0 + b.abs()) + 1e-5 * k as f32;
-                assert!((a - b).abs() <= tol, "{name} m{m} n{n} k{k} at {idx}: {a} vs {b}");
-            }
+            assert_close(name, (m, n, k), &y, &expected);
+        }
+        for (name, f) in packed_backends {
+            let mut y = vec![f32::NAN; m * n];
+            f(&x, m, &packed, &mut y).unwrap();
+            assert_close(name, (m, n, k), &y, &expected);
         }
     }
+}
+
+type PackedFn = fn(&[f32], usize, &PackedQ8_0, &mut [f32]) -> Result<(), QuantError>;
+
+fn assert_close(name: &str, (m, n, k): (usize, usize, usize), y: &[f32], expected: &[f32]) {
+    for (idx, (a, b)) in y.iter().zip(expected).enumerate() {
+        let tol = 1e-4 * (1.0 + b.abs()) + 1e-5 * k as f32;
+        assert!((a - b).abs() <= tol, "{name} m{m} n{n} k{k} at {idx}: {a} vs {b}");
+    }
+}
+
+/// The packed layout: groups of 4 rows, codes 64-byte aligned, the last
+/// group padded with zero rows that never reach y.
+#[test]
+fn packed_layout_groups_four_rows() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (n, k) = (6, 64);
+    let w = quantize_matrix_q8_0(&random(&mut rng, n * k, 1.0), n, k).unwrap();
+    let packed = PackedQ8_0::pack(&w, n, 2).unwrap();
+    let (codes, scales) = packed.arrays();
+    assert_eq!((codes.len(), scales.len()), (4, 4), "2 groups x 2 blocks");
+    assert_eq!(codes.as_ptr() as usize % 64, 0);
+    // Row 5 is row 1 of group 1; block 1 of it.
+    assert_eq!(codes[2 + 1].0[1], w[5 * 2 + 1].qs);
+    assert_eq!(scales[2 + 1][1], w[5 * 2 + 1].d);
+    assert_eq!(codes[2 + 1].0[3], [0; QK8_0], "padding row");
+    assert_eq!(packed.size_in_bytes(), 8 * 2 * 34);
+    let mut y = vec![f32::NAN; 2 * n + 1];
+    let x = random(&mut rng, 2 * k, 1.0);
+    matmul_packed_q8_0(&x, 2, &packed, &mut y[..2 * n]).unwrap();
+    assert!(y[..2 * n].iter().all(|v| v.is_finite()) && y[2 * n].is_nan(), "writes exactly y");
+    assert!(matches!(PackedQ8_0::pack(&w, n, 3), Err(QuantError::Shape(_))));
+    assert!(matches!(matmul_packed_q8_0(&x, 1, &packed, &mut y), Err(QuantError::Shape(_))));
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
-use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK, matmul_quant, quantize_matrix};
+use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant, quantize_matrix};
 use kernels::cpu::{read_f32, write_f32};
 
 use super::placement::back_with_huge_pages;
@@ -46,10 +46,17 @@ pub struct QuantWeight {
     inp: usize,
 }
 
+/// Q8_0 is kept regrouped for the kernel ([`PackedQ8_0`]: 4 rows' codes
+/// together, scales apart); Q4_0 in GGML's row-major blocks.
 #[derive(Clone, Debug)]
 enum QuantBlocks {
-    Q8_0(Vec<BlockQ8_0>),
+    Q8_0(PackedQ8_0),
     Q4_0(Vec<BlockQ4_0>),
+}
+
+fn pack_q8_0(blocks: &[BlockQ8_0], out: usize, inp: usize) -> candle_core::Result<QuantBlocks> {
+    let packed = PackedQ8_0::pack(blocks, out, inp / QK).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    Ok(QuantBlocks::Q8_0(packed))
 }
 
 impl QuantWeight {
@@ -57,7 +64,7 @@ impl QuantWeight {
     pub fn quantize(format: QuantFormat, w: &[f32], out: usize, inp: usize) -> candle_core::Result<Self> {
         let err = |e: kernels::cpu::quant::QuantError| candle_core::Error::Msg(e.to_string());
         let blocks = match format {
-            QuantFormat::Q8_0 => QuantBlocks::Q8_0(quantize_matrix(w, out, inp).map_err(err)?),
+            QuantFormat::Q8_0 => pack_q8_0(&quantize_matrix::<BlockQ8_0>(w, out, inp).map_err(err)?, out, inp)?,
             QuantFormat::Q4_0 => QuantBlocks::Q4_0(quantize_matrix(w, out, inp).map_err(err)?),
         };
         Ok(Self { blocks, out, inp })
@@ -66,7 +73,7 @@ impl QuantWeight {
     /// Blocks as stored in a file (GGUF), checked against the shape.
     pub fn from_q8_0(blocks: Vec<BlockQ8_0>, out: usize, inp: usize) -> candle_core::Result<Self> {
         Self::check(blocks.len(), out, inp)?;
-        Ok(Self { blocks: QuantBlocks::Q8_0(blocks), out, inp })
+        Ok(Self { blocks: pack_q8_0(&blocks, out, inp)?, out, inp })
     }
 
     pub fn from_q4_0(blocks: Vec<BlockQ4_0>, out: usize, inp: usize) -> candle_core::Result<Self> {
@@ -100,7 +107,14 @@ impl QuantWeight {
         }
         let kb = self.inp / QK;
         match &mut self.blocks {
-            QuantBlocks::Q8_0(v) => apply(v, perm, kb),
+            QuantBlocks::Q8_0(p) => {
+                let mut rows = p.unpack();
+                apply(&mut rows, perm, kb);
+                // Same shape as before, so packing cannot fail.
+                if let Ok(repacked) = PackedQ8_0::pack(&rows, self.out, kb) {
+                    *p = repacked;
+                }
+            }
             QuantBlocks::Q4_0(v) => apply(v, perm, kb),
         }
     }
@@ -108,7 +122,7 @@ impl QuantWeight {
     fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) -> candle_core::Result<()> {
         let err = |e: kernels::cpu::quant::QuantError| candle_core::Error::Msg(e.to_string());
         match &self.blocks {
-            QuantBlocks::Q8_0(b) => matmul_quant(x, m, self.inp, b, self.out, y).map_err(err),
+            QuantBlocks::Q8_0(p) => matmul_packed_q8_0(x, m, p, y).map_err(err),
             QuantBlocks::Q4_0(b) => matmul_quant(x, m, self.inp, b, self.out, y).map_err(err),
         }
     }
@@ -116,7 +130,7 @@ impl QuantWeight {
     /// Bytes of weight streamed per token.
     pub fn size_in_bytes(&self) -> usize {
         match &self.blocks {
-            QuantBlocks::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
+            QuantBlocks::Q8_0(p) => p.size_in_bytes(),
             QuantBlocks::Q4_0(b) => std::mem::size_of_val(b.as_slice()),
         }
     }
@@ -157,7 +171,11 @@ impl Linear {
     pub fn place_in_huge_pages(&self) {
         if let Some(q) = &self.quant {
             match &q.blocks {
-                QuantBlocks::Q8_0(b) => back_with_huge_pages(b),
+                QuantBlocks::Q8_0(p) => {
+                    let (codes, scales) = p.arrays();
+                    back_with_huge_pages(codes);
+                    back_with_huge_pages(scales);
+                }
                 QuantBlocks::Q4_0(b) => back_with_huge_pages(b),
             }
             return;
@@ -220,9 +238,11 @@ impl Linear {
                 });
                 blocks = Some(match (blocks, q.blocks) {
                     (None, b) => b,
-                    (Some(QuantBlocks::Q8_0(mut a)), QuantBlocks::Q8_0(b)) => {
-                        a.extend(b);
-                        QuantBlocks::Q8_0(a)
+                    (Some(QuantBlocks::Q8_0(a)), QuantBlocks::Q8_0(b)) => {
+                        let ((rows_a, kb), rows_b) = (a.dims(), b.dims().0);
+                        let mut rows = a.unpack();
+                        rows.extend(b.unpack());
+                        pack_q8_0(&rows, rows_a + rows_b, kb * QK)?
                     }
                     (Some(QuantBlocks::Q4_0(mut a)), QuantBlocks::Q4_0(b)) => {
                         a.extend(b);
