@@ -32,6 +32,13 @@ fn silu_mul_matches_reference() {
         silu_mul(&gate_up, inter, &mut out).unwrap();
         assert_close(&out, &reference::silu_mul(&gate_up, inter), 1e-5, &format!("{rows}x{inter}"));
     }
+    // Far tails, where exp(-g) under- or overflows f32 (the kernel's
+    // polynomial exp clamps its argument to [-87, 88]).
+    let gate = [-1e4f32, -100.0, -88.9, -88.0, -87.2, -30.0, -1e-3, 0.0, 1e-3, 30.0, 87.2, 88.0, 88.9, 100.0, 1e4];
+    let gate_up: Vec<f32> = gate.iter().copied().chain(gate.iter().map(|g| 1.0 + g.abs().min(3.0))).collect();
+    let mut out = vec![f32::NAN; gate.len()];
+    silu_mul(&gate_up, gate.len(), &mut out).unwrap();
+    assert_close(&out, &reference::silu_mul(&gate_up, gate.len()), 1e-6, "tails");
 }
 
 #[test]

@@ -15,6 +15,7 @@
 use candle_core::Tensor;
 
 use super::buffers::{read_f32, write_f32};
+use super::exp_poly;
 use rayon::prelude::*;
 
 use crate::{KernelError, Result};
@@ -39,9 +40,7 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) -> Result<()> {
     }
     let row = |(src, dst): (&[f32], &mut [f32])| {
         let (gate, up) = src.split_at(inter);
-        for ((o, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
+        silu_mul_row(gate, up, dst);
     };
     if gate_up.len() < PARALLEL_MIN_ELEMS {
         gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)).for_each(row);
@@ -52,6 +51,30 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// `out = silu(gate) * up`: 8 lanes wide with AVX2 where the CPU has it
+/// (the exp is [`exp_poly`], not libm's call per value: 24 -> 11.5 us for a
+/// TinyLlama row).
+fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[inline(always)]
+    fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + exp_poly(-g)) * u;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        /// # Safety
+        /// AVX2 and FMA must be available.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+            body(gate, up, out)
+        }
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { avx2(gate, up, out) };
+    }
+    body(gate, up, out)
 }
 
 /// `dst += src`, element-wise.
