@@ -27,6 +27,11 @@
 //! `sadalp`), and a portable scalar loop; all detected once at run time.
 //! Q8_0 codes must lie in [-127, 127], as GGML's and our quantizers write
 //! them (the GGUF loader clamps a stray -128).
+//!
+//! The model keeps Q8_0 weights as [`PackedQ8_0`] (`matmul_packed_q8_0`):
+//! the same kernel over 4-row groups stored together, so a task reads one
+//! aligned stream of codes and one of scales. `matmul_quant` on GGML's
+//! row-major blocks serves Q4_0 and the tests.
 
 use half::f16;
 use rayon::prelude::*;
