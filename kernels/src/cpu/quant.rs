@@ -387,23 +387,10 @@ fn packed_with(backend: Backend, x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let mut xq = vec![BlockQ8_0::ZERO; m * kb];
-    let mut xd = vec![0f32; m * kb];
-    quantize_activations(backend, x, &mut xq, &mut xd);
+    let (xq, xd) = quantized_activations(backend, x, m * kb);
     let ops = PackedOperands { xq: &xq, xd: &xd, w, m, y: OutPtr(y.as_mut_ptr()) };
-    let threads = rayon::current_num_threads().max(1);
-    let groups = n.div_ceil(4);
-    let groups_per_task = groups.div_ceil(threads * 8).clamp(4, 64);
-    let tasks = groups.div_ceil(groups_per_task);
-    let run = |t: usize| {
-        let (g0, g1) = (t * groups_per_task, ((t + 1) * groups_per_task).min(groups));
-        packed_groups(backend, &ops, g0, g1);
-    };
-    if tasks == 1 || threads == 1 {
-        (0..tasks).for_each(run);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
+    // Groups of 4 rows, 16-256 rows per task as in `matmul_with`.
+    for_each_span(n.div_ceil(4), (4, 64), |g0, g1| packed_groups(backend, &ops, g0, g1));
     Ok(())
 }
 
@@ -436,9 +423,7 @@ fn scalar_packed_groups(ops: &PackedOperands<'_>, g0: usize, g1: usize) {
             for i in 0..ops.m {
                 let mut sum = 0f32;
                 for b in 0..kb {
-                    let xb = &ops.xq[i * kb + b];
-                    let codes = &ops.w.codes[g * kb + b].0[r];
-                    let q: i32 = xb.qs.iter().zip(codes).map(|(&p, &q)| p as i32 * q as i32).sum();
+                    let q = int_dot(&ops.xq[i * kb + b].qs, &ops.w.codes[g * kb + b].0[r]);
                     sum += ops.xd[i * kb + b] * ops.w.scales[g * kb + b][r].to_f32() * q as f32;
                 }
                 // SAFETY: i * n + j < m * n = y.len(); this task owns column j.
@@ -493,27 +478,36 @@ fn matmul_with<B: QuantBlock>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    // Activations: quantized once per call (small next to the weights).
-    let mut xq = vec![BlockQ8_0::ZERO; m * kb];
-    let mut xd = vec![0f32; m * kb];
-    quantize_activations(backend, x, &mut xq, &mut xd);
+    let (xq, xd) = quantized_activations(backend, x, m * kb);
     let ops = Operands { xq: &xq, xd: &xd, w, m, kb, n, y: OutPtr(y.as_mut_ptr()) };
-    // Tasks of whole weight rows (a multiple of 4): enough for both cores
-    // to balance, each long enough that scheduling costs nothing next to
-    // streaming its rows.
+    // Whole 4-row tiles per task: 16-256 rows.
+    let groups = n.div_ceil(4);
+    for_each_span(groups, (4, 64), |g0, g1| rows(backend, &ops, 4 * g0, (4 * g1).min(n)));
+    Ok(())
+}
+
+/// Activations quantized once per call (small next to the weights):
+/// `blocks` Q8_0 blocks of `x` and their scales widened.
+fn quantized_activations(backend: Backend, x: &[f32], blocks: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
+    let mut xq = vec![BlockQ8_0::ZERO; blocks];
+    let mut xd = vec![0f32; blocks];
+    quantize_activations(backend, x, &mut xq, &mut xd);
+    (xq, xd)
+}
+
+/// Runs `f(i0, i1)` over `0..items` cut into spans on rayon's pool: about 8
+/// per thread, so both cores balance, each `clamp.0..=clamp.1` items long,
+/// so scheduling costs nothing next to streaming a span's weights.
+fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usize, usize) + Sync) {
     let threads = rayon::current_num_threads().max(1);
-    let rows_per_task = n.div_ceil(threads * 8).clamp(16, 256).next_multiple_of(4);
-    let tasks = n.div_ceil(rows_per_task);
-    let run = |t: usize| {
-        let (n0, n1) = (t * rows_per_task, ((t + 1) * rows_per_task).min(n));
-        rows(backend, &ops, n0, n1);
-    };
+    let per_task = items.div_ceil(threads * 8).clamp(clamp.0, clamp.1);
+    let tasks = items.div_ceil(per_task);
+    let run = |t: usize| f(t * per_task, ((t + 1) * per_task).min(items));
     if tasks == 1 || threads == 1 {
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);
     }
-    Ok(())
 }
 
 /// Quantizes activation rows (`x.len() == 32 * xq.len()`) to Q8_0 and
@@ -559,14 +553,18 @@ fn scalar_rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: usize) {
         for i in 0..ops.m {
             let mut sum = 0f32;
             for (b, wb) in wrow.iter().enumerate() {
-                let xb = &ops.xq[i * kb + b];
-                let q: i32 = xb.qs.iter().zip(wb.codes()).map(|(&p, q)| p as i32 * q as i32).sum();
+                let q = int_dot(&ops.xq[i * kb + b].qs, &wb.codes());
                 sum += ops.xd[i * kb + b] * wb.scale().to_f32() * q as f32;
             }
             // SAFETY: i * n + j < m * n = y.len(); this task owns column j.
             unsafe { *ops.y.0.add(i * ops.n + j) = sum };
         }
     }
+}
+
+/// Exact dot product of two blocks of codes (portable path).
+fn int_dot(x: &[i8; QK], w: &[i8; QK]) -> i32 {
+    x.iter().zip(w).map(|(&a, &b)| a as i32 * b as i32).sum()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -671,7 +669,6 @@ mod avx2 {
         // SAFETY: every index below is < kb within rows j..j + 4 < n (weights)
         // or row i < m (activations); prefetches are hints and never fault.
         unsafe {
-            let ones = _mm256_set1_epi16(1);
             let w = ops.w.as_ptr().add(j * kb);
             let x = ops.xq.as_ptr().add(i * kb);
             let xd = ops.xd.as_ptr().add(i * kb);
@@ -688,24 +685,73 @@ mod avx2 {
                     blocks.iter().enumerate().fold(0u64, |a, (r, blk)| a | (blk.scale().to_bits() as u64) << (16 * r));
                 let d4 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)), _mm_broadcast_ss(&*xd.add(b)));
                 let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
-                let x_abs = _mm256_sign_epi8(xv, xv); // shared by the 4 rows
-                // As in `tile`: |x| times w with x's sign, pairs summed to i32.
-                // (A loop, not a closure: closures do not inherit the
-                // caller's target features, and the intrinsics would become
-                // calls.)
-                let mut sums = [_mm256_setzero_si256(); 4];
-                for (s, blk) in sums.iter_mut().zip(blocks) {
-                    *s = _mm256_madd_epi16(_mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(blk.codes_avx2(), xv)), ones);
-                }
-                // Exact in i32 (|sum| <= 32 * 127 * 127): lane r of each
-                // 128-bit half becomes half of row r's block sum.
-                let s = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
-                acc = _mm256_fmadd_ps(_mm256_set_m128(d4, d4), _mm256_cvtepi32_ps(s), acc);
+                acc = fma_block4(acc, d4, xv, blocks);
             }
-            let mut out = [0f32; 4];
-            _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)));
-            out
+            sum_halves(acc)
         }
+    }
+
+    /// `acc + [d4, d4] * s`, s the exact i32 block sums of 4 weight rows'
+    /// codes `w` with the activation block `xv`, folded into one register
+    /// (lane r of each 128-bit half: half of row r's sum) so that they are
+    /// converted and scaled once. As in `tile`: |x| (once for the 4 rows)
+    /// times w with x's sign, pairs summed to i32.
+    ///
+    /// Loops and plain functions only, here and in the callers: closures do
+    /// not inherit the caller's target features, and the intrinsics in them
+    /// would become calls.
+    #[inline(always)]
+    unsafe fn fma_block4(acc: __m256, d4: __m128, xv: __m256i, w: impl FourRows) -> __m256 {
+        // SAFETY: AVX2 and FMA are enabled in every caller; w's rows are readable.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let x_abs = _mm256_sign_epi8(xv, xv);
+            let mut sums = [_mm256_setzero_si256(); 4];
+            for (r, s) in sums.iter_mut().enumerate() {
+                // Loaded here, one row at a time: loading all four first
+                // made the GGML-layout tile 4% slower.
+                *s = _mm256_madd_epi16(_mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(w.codes(r), xv)), ones);
+            }
+            // Exact in i32 (|sum| <= 32 * 127 * 127).
+            let s = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+            _mm256_fmadd_ps(_mm256_set_m128(d4, d4), _mm256_cvtepi32_ps(s), acc)
+        }
+    }
+
+    /// Four weight rows' codes at one block index.
+    trait FourRows {
+        /// # Safety
+        /// AVX2 must be available; r < 4.
+        unsafe fn codes(&self, r: usize) -> __m256i;
+    }
+
+    /// GGML's blocks, one per row.
+    impl<B: QuantBlock> FourRows for [&B; 4] {
+        #[inline(always)]
+        unsafe fn codes(&self, r: usize) -> __m256i {
+            // SAFETY: per the trait.
+            unsafe { self[r].codes_avx2() }
+        }
+    }
+
+    /// Packed rows: aligned, adjacent.
+    impl FourRows for &Codes4 {
+        #[inline(always)]
+        unsafe fn codes(&self, r: usize) -> __m256i {
+            // SAFETY: per the trait; Codes4 is 64-byte aligned, rows 32 bytes.
+            unsafe { _mm256_load_si256(self.0[r].as_ptr().cast()) }
+        }
+    }
+
+    /// The 4 row sums of a [`fma_block4`] accumulator.
+    #[inline(always)]
+    unsafe fn sum_halves(acc: __m256) -> [f32; 4] {
+        let mut out = [0f32; 4];
+        // SAFETY: AVX is enabled in every caller; out holds 4 floats.
+        unsafe {
+            _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)))
+        };
+        out
     }
 
     /// y[.., rows of groups g0..g1] for packed Q8_0 weights.
@@ -735,7 +781,6 @@ mod avx2 {
         // SAFETY: every index below is < kb within group g or row i < m;
         // prefetches are hints and never fault.
         unsafe {
-            let ones = _mm256_set1_epi16(1);
             let codes = ops.w.codes.as_ptr().add(g * kb);
             let scales = ops.w.scales.as_ptr().add(g * kb);
             let x = ops.xq.as_ptr().add(i * kb);
@@ -749,19 +794,9 @@ mod avx2 {
                 }
                 let d4 = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(scales.add(b).cast())), _mm_broadcast_ss(&*xd.add(b)));
                 let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
-                let x_abs = _mm256_sign_epi8(xv, xv);
-                let rows = &(*codes.add(b)).0;
-                let mut sums = [_mm256_setzero_si256(); 4];
-                for (s, row) in sums.iter_mut().zip(rows) {
-                    let wv = _mm256_load_si256(row.as_ptr().cast());
-                    *s = _mm256_madd_epi16(_mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(wv, xv)), ones);
-                }
-                let s = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
-                acc = _mm256_fmadd_ps(_mm256_set_m128(d4, d4), _mm256_cvtepi32_ps(s), acc);
+                acc = fma_block4(acc, d4, xv, &*codes.add(b));
             }
-            let mut out = [0f32; 4];
-            _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)));
-            out
+            sum_halves(acc)
         }
     }
 
@@ -828,13 +863,15 @@ mod neon {
 
     use super::{Operands, PackedOperands, QuantBlock};
 
-    /// i32 lanes summing to the dot product of two blocks of 32 codes.
+    /// i32 lanes summing to the dot product of an activation block with the
+    /// 32 codes `(w0, w1)`. i8 x i8 fits i16; pairwise widening adds into
+    /// i32 lanes (sdot would be one instruction, but is not in stable Rust
+    /// yet).
     #[inline(always)]
-    unsafe fn block_dot(x: &[i8; 32], w: &[i8; 32]) -> int32x4_t {
-        // SAFETY: both are 32 readable bytes; NEON per the caller.
+    unsafe fn block_dot(x: &[i8; 32], (w0, w1): (int8x16_t, int8x16_t)) -> int32x4_t {
+        // SAFETY: x is 32 readable bytes; NEON per the caller.
         unsafe {
             let (x0, x1) = (vld1q_s8(x.as_ptr()), vld1q_s8(x.as_ptr().add(16)));
-            let (w0, w1) = (vld1q_s8(w.as_ptr()), vld1q_s8(w.as_ptr().add(16)));
             let mut s = vpaddlq_s16(vmull_s8(vget_low_s8(x0), vget_low_s8(w0)));
             s = vpadalq_s16(s, vmull_high_s8(x0, w0));
             s = vpadalq_s16(s, vmull_s8(vget_low_s8(x1), vget_low_s8(w1)));
@@ -858,7 +895,9 @@ mod neon {
                     unsafe {
                         let mut acc = vdupq_n_f32(0.0);
                         for b in 0..kb {
-                            let s = block_dot(&ops.xq[i * kb + b].qs, &ops.w.codes[g * kb + b].0[r]);
+                            let codes = &ops.w.codes[g * kb + b].0[r];
+                            let w = (vld1q_s8(codes.as_ptr()), vld1q_s8(codes.as_ptr().add(16)));
+                            let s = block_dot(&ops.xq[i * kb + b].qs, w);
                             let d = ops.xd[i * kb + b] * ops.w.scales[g * kb + b][r].to_f32();
                             acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), d);
                         }
@@ -884,17 +923,7 @@ mod neon {
                     let mut acc = vdupq_n_f32(0.0);
                     for b in 0..kb {
                         let blk = &ops.w[j * kb + b];
-                        let xb = &ops.xq[i * kb + b];
-                        let (w0, w1) = blk.codes_neon();
-                        let x0 = vld1q_s8(xb.qs.as_ptr());
-                        let x1 = vld1q_s8(xb.qs.as_ptr().add(16));
-                        // i8 x i8 fits i16; pairwise widening adds into i32
-                        // lanes (sdot would be one instruction, but is not
-                        // in stable Rust yet).
-                        let mut s = vpaddlq_s16(vmull_s8(vget_low_s8(x0), vget_low_s8(w0)));
-                        s = vpadalq_s16(s, vmull_high_s8(x0, w0));
-                        s = vpadalq_s16(s, vmull_s8(vget_low_s8(x1), vget_low_s8(w1)));
-                        s = vpadalq_s16(s, vmull_high_s8(x1, w1));
+                        let s = block_dot(&ops.xq[i * kb + b].qs, blk.codes_neon());
                         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), ops.xd[i * kb + b] * blk.scale().to_f32());
                     }
                     *ops.y.0.add(i * ops.n + j) = vaddvq_f32(acc);
