@@ -228,31 +228,28 @@ impl Linear {
         };
         if first.quant.is_some() {
             let inp = first.quant.as_ref().map_or(0, |q| q.inp);
-            let mut blocks: Option<QuantBlocks> = None;
-            for p in parts {
-                let Some(q) = p.quant else { unreachable!("checked above") };
-                let q = Arc::try_unwrap(q).unwrap_or_else(|shared| QuantWeight {
-                    blocks: shared.blocks.clone(),
-                    out: shared.out,
-                    inp: shared.inp,
-                });
-                blocks = Some(match (blocks, q.blocks) {
-                    (None, b) => b,
-                    (Some(QuantBlocks::Q8_0(a)), QuantBlocks::Q8_0(b)) => {
-                        let ((rows_a, kb), rows_b) = (a.dims(), b.dims().0);
-                        let mut rows = a.unpack();
-                        rows.extend(b.unpack());
-                        pack_q8_0(&rows, rows_a + rows_b, kb * QK)?
-                    }
-                    (Some(QuantBlocks::Q4_0(mut a)), QuantBlocks::Q4_0(b)) => {
-                        a.extend(b);
-                        QuantBlocks::Q4_0(a)
-                    }
-                    _ => candle_core::bail!("stack: mixed quantization formats"),
-                });
-            }
-            let Some(blocks) = blocks else { candle_core::bail!("stack: no layers") };
             let out = outs.iter().sum();
+            let quants: Vec<Arc<QuantWeight>> = parts.into_iter().filter_map(|p| p.quant).collect();
+            let mixed = || candle_core::Error::Msg("stack: mixed quantization formats".into());
+            // The parts' rows in GGML's row-major blocks, one after another.
+            let blocks = match quants[0].blocks {
+                QuantBlocks::Q8_0(_) => {
+                    let mut rows = Vec::new();
+                    for q in &quants {
+                        let QuantBlocks::Q8_0(p) = &q.blocks else { return Err(mixed()) };
+                        rows.extend(p.unpack());
+                    }
+                    pack_q8_0(&rows, out, inp)?
+                }
+                QuantBlocks::Q4_0(_) => {
+                    let mut rows = Vec::new();
+                    for q in &quants {
+                        let QuantBlocks::Q4_0(b) = &q.blocks else { return Err(mixed()) };
+                        rows.extend_from_slice(b);
+                    }
+                    QuantBlocks::Q4_0(rows)
+                }
+            };
             return Ok(Ok(Linear::from_quant(QuantWeight { blocks, out, inp }, bias)?));
         }
         let weights: Vec<Tensor> = parts.iter().map(|p| p.weight.clone()).collect();
