@@ -92,14 +92,20 @@ impl PagedAttention<'_> {
     }
 
     /// Attention for one item, left in `s.acc` as [rows, group, head_dim].
-    /// Compiled twice: for the baseline (SSE2), and for AVX2 with FMA, where
-    /// the rest of the item's loops run 8 lanes wide too. The two differ in
-    /// rounding (FMA), both within the tests' tolerance of the reference.
+    /// On x86-64 compiled twice: for the baseline (SSE2), and for AVX2 with
+    /// FMA, where the rest of the item's loops run 8 lanes wide too. The
+    /// SIMD and portable paths differ in rounding (FMA), both within the
+    /// tests' tolerance of the reference.
     fn run_item<T: Elem>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
         #[cfg(target_arch = "x86_64")]
         if super::has_avx2_fma() && self.dims.head_dim.is_multiple_of(8) {
             // SAFETY: the CPU has AVX2 and FMA; head_dim is whole 8-lane chunks.
             return unsafe { self.run_item_avx2(item, q, k, v, s) };
+        }
+        // NEON is part of the aarch64 baseline.
+        #[cfg(target_arch = "aarch64")]
+        if self.dims.head_dim.is_multiple_of(8) {
+            return self.run_item_with::<T, true>(item, q, k, v, s);
         }
         self.run_item_with::<T, false>(item, q, k, v, s)
     }
@@ -112,11 +118,11 @@ impl PagedAttention<'_> {
         self.run_item_with::<T, true>(item, q, k, v, s)
     }
 
-    /// With `AVX2`, the score and value loops run as [`avx2`]'s kernels
+    /// With `SIMD`, the score and value loops run as the [`simd`] kernels
     /// (the caller has checked the CPU and head_dim); without, as portable
     /// loops the compiler vectorises for the baseline.
     #[inline(always)]
-    fn run_item_with<T: Elem, const AVX2: bool>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
+    fn run_item_with<T: Elem, const SIMD: bool>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
         let d = self.dims;
         let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
         let n = item.rows * group; // (query, head) pairs, index r = i * group + j
@@ -169,13 +175,13 @@ impl PagedAttention<'_> {
                     continue;
                 }
                 let qr = &qf[r * hd..][..hd];
-                #[cfg(target_arch = "x86_64")]
-                if AVX2 {
-                    // SAFETY: AVX2/FMA and head_dim % 8 == 0 (see run_item); the
-                    // rows t0..t1 of kr lie inside it, `stride` apart.
-                    unsafe { avx2::scores(qr, kr, stride, t0..t1, scores) };
+                #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+                if SIMD {
+                    // SAFETY: AVX2/FMA or NEON, and head_dim % 8 == 0 (see
+                    // run_item); the rows t0..t1 of kr lie inside it, `stride` apart.
+                    unsafe { simd::scores(qr, kr, stride, t0..t1, scores) };
                 }
-                if !AVX2 || cfg!(not(target_arch = "x86_64")) {
+                if !SIMD || cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))) {
                     for t in t0..t1 {
                         scores[t] = dot(qr, &kr[t * stride..][..hd]);
                     }
@@ -191,12 +197,12 @@ impl PagedAttention<'_> {
                     a.iter_mut().for_each(|x| *x *= correction);
                 }
                 sum[r] += exp_shifted_in_place(&mut scores[t0..t1], new_max);
-                #[cfg(target_arch = "x86_64")]
-                if AVX2 {
+                #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+                if SIMD {
                     // SAFETY: as for the scores.
-                    unsafe { avx2::accumulate(a, scores, vr, stride, t0..t1) };
+                    unsafe { simd::accumulate(a, scores, vr, stride, t0..t1) };
                 }
-                if !AVX2 || cfg!(not(target_arch = "x86_64")) {
+                if !SIMD || cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))) {
                     for t in t0..t1 {
                         let w = scores[t];
                         for (x, &vv) in a.iter_mut().zip(&vr[t * stride..][..hd]) {
@@ -301,12 +307,17 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+#[cfg(target_arch = "x86_64")]
+use avx2 as simd;
+#[cfg(target_arch = "aarch64")]
+use neon as simd;
+
 /// The two inner loops of an item with AVX2 and FMA, for head_dim a
 /// multiple of 8. Decode spends its attention time here: the portable
 /// loops sum each key's dot product horizontally on its own and load and
 /// store the whole output row once per key; these sum four keys' dot
 /// products at once and keep a stretch of the output row in registers
-/// across the block's keys (3x faster at TinyLlama's decode shapes).
+/// across the block's keys (2x faster at TinyLlama's decode shapes).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -389,6 +400,96 @@ mod avx2 {
                     x = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(v.add(t * stride + c)), x);
                 }
                 _mm256_storeu_ps(out.add(c), x);
+                c += 8;
+            }
+        }
+    }
+}
+
+/// [`avx2`]'s loops with NEON: four keys' dot products at a time, a
+/// 16-lane stretch of the output row in registers across a block's keys.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+    use std::ops::Range;
+
+    /// As [`super::avx2::scores`], with NEON.
+    ///
+    /// # Safety
+    /// `q.len()` a multiple of 8; those rows of `k` and `scores[keys]` in bounds.
+    #[inline(always)]
+    pub(super) unsafe fn scores(q: &[f32], k: &[f32], stride: usize, keys: Range<usize>, scores: &mut [f32]) {
+        let hd = q.len();
+        debug_assert!(hd.is_multiple_of(8) && keys.end <= scores.len());
+        debug_assert!(keys.is_empty() || (keys.end - 1) * stride + hd <= k.len());
+        // SAFETY: per the contract, every row read is inside k and every
+        // score written inside scores.
+        unsafe {
+            let (q, k) = (q.as_ptr(), k.as_ptr());
+            let mut t = keys.start;
+            while t + 4 <= keys.end {
+                let rows = [0, 1, 2, 3].map(|i| k.add((t + i) * stride));
+                let mut acc = [vdupq_n_f32(0.0); 4];
+                for c in (0..hd).step_by(4) {
+                    let qv = vld1q_f32(q.add(c));
+                    for (a, row) in acc.iter_mut().zip(rows) {
+                        *a = vfmaq_f32(*a, qv, vld1q_f32(row.add(c)));
+                    }
+                }
+                // Pairwise adds: lane i ends up with key t + i's sum.
+                let four = vpaddq_f32(vpaddq_f32(acc[0], acc[1]), vpaddq_f32(acc[2], acc[3]));
+                vst1q_f32(scores.as_mut_ptr().add(t), four);
+                t += 4;
+            }
+            for (t, score) in scores.iter_mut().enumerate().take(keys.end).skip(t) {
+                let row = k.add(t * stride);
+                let mut acc = vdupq_n_f32(0.0);
+                for c in (0..hd).step_by(4) {
+                    acc = vfmaq_f32(acc, vld1q_f32(q.add(c)), vld1q_f32(row.add(c)));
+                }
+                *score = vaddvq_f32(acc);
+            }
+        }
+    }
+
+    /// As [`super::avx2::accumulate`], with NEON.
+    ///
+    /// # Safety
+    /// As [`scores`], with `acc.len()` the multiple of 8.
+    #[inline(always)]
+    pub(super) unsafe fn accumulate(acc: &mut [f32], w: &[f32], v: &[f32], stride: usize, keys: Range<usize>) {
+        let hd = acc.len();
+        debug_assert!(hd.is_multiple_of(8) && keys.end <= w.len());
+        debug_assert!(keys.is_empty() || (keys.end - 1) * stride + hd <= v.len());
+        // SAFETY: per the contract, as in `scores`.
+        unsafe {
+            let (out, v) = (acc.as_mut_ptr(), v.as_ptr());
+            // 16 lanes (4 independent FMA chains) at a time, then 8.
+            let mut c = 0;
+            while c + 16 <= hd {
+                let mut a = [0, 4, 8, 12].map(|o| vld1q_f32(out.add(c + o)));
+                for t in keys.clone() {
+                    let row = v.add(t * stride + c);
+                    for (o, x) in a.iter_mut().enumerate() {
+                        *x = vfmaq_n_f32(*x, vld1q_f32(row.add(4 * o)), w[t]);
+                    }
+                }
+                for (o, x) in a.iter().enumerate() {
+                    vst1q_f32(out.add(c + 4 * o), *x);
+                }
+                c += 16;
+            }
+            while c < hd {
+                let mut a = [0, 4].map(|o| vld1q_f32(out.add(c + o)));
+                for t in keys.clone() {
+                    let row = v.add(t * stride + c);
+                    for (o, x) in a.iter_mut().enumerate() {
+                        *x = vfmaq_n_f32(*x, vld1q_f32(row.add(4 * o)), w[t]);
+                    }
+                }
+                for (o, x) in a.iter().enumerate() {
+                    vst1q_f32(out.add(c + 4 * o), *x);
+                }
                 c += 8;
             }
         }
