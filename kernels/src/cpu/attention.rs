@@ -377,30 +377,44 @@ mod avx2 {
         debug_assert!(hd.is_multiple_of(8) && keys.end <= w.len());
         debug_assert!(keys.is_empty() || (keys.end - 1) * stride + hd <= v.len());
         // SAFETY: per the contract, as in `scores`.
+        let (out, v) = (acc.as_mut_ptr(), v.as_ptr());
+        // 32 lanes (4 independent FMA chains) at a time, then 8.
+        let wide = hd / 32 * 32;
+        // SAFETY: per the contract, columns c.. of every row are in bounds.
+        // (Loops, not closures: a closure would not inherit the target
+        // features, and the intrinsics in `stretch` would become calls.)
         unsafe {
-            let (out, v) = (acc.as_mut_ptr(), v.as_ptr());
-            // 32 lanes (4 independent FMA chains) at a time, then 8.
-            let mut c = 0;
-            while c + 32 <= hd {
-                let mut a = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(out.add(c + o)));
-                for t in keys.clone() {
-                    let (wt, row) = (_mm256_set1_ps(w[t]), v.add(t * stride + c));
-                    for (o, x) in a.iter_mut().enumerate() {
-                        *x = _mm256_fmadd_ps(wt, _mm256_loadu_ps(row.add(8 * o)), *x);
-                    }
-                }
-                for (o, x) in a.iter().enumerate() {
-                    _mm256_storeu_ps(out.add(c + 8 * o), *x);
-                }
-                c += 32;
+            for c in (0..wide).step_by(32) {
+                stretch::<4>(out, w, v, stride, keys.clone(), c);
             }
-            while c < hd {
-                let mut x = _mm256_loadu_ps(out.add(c));
-                for t in keys.clone() {
-                    x = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(v.add(t * stride + c)), x);
+            for c in (wide..hd).step_by(8) {
+                stretch::<1>(out, w, v, stride, keys.clone(), c);
+            }
+        }
+    }
+
+    /// [`accumulate`] for columns `c..c + 8 * N`, held in N registers
+    /// across the keys.
+    #[inline(always)]
+    unsafe fn stretch<const N: usize>(
+        out: *mut f32,
+        w: &[f32],
+        v: *const f32,
+        stride: usize,
+        keys: Range<usize>,
+        c: usize,
+    ) {
+        // SAFETY: the caller's columns and rows are in bounds.
+        unsafe {
+            let mut a: [__m256; N] = std::array::from_fn(|o| _mm256_loadu_ps(out.add(c + 8 * o)));
+            for t in keys {
+                let (wt, row) = (_mm256_set1_ps(w[t]), v.add(t * stride + c));
+                for (o, x) in a.iter_mut().enumerate() {
+                    *x = _mm256_fmadd_ps(wt, _mm256_loadu_ps(row.add(8 * o)), *x);
                 }
-                _mm256_storeu_ps(out.add(c), x);
-                c += 8;
+            }
+            for (o, x) in a.iter().enumerate() {
+                _mm256_storeu_ps(out.add(c + 8 * o), *x);
             }
         }
     }
@@ -462,35 +476,42 @@ mod neon {
         debug_assert!(hd.is_multiple_of(8) && keys.end <= w.len());
         debug_assert!(keys.is_empty() || (keys.end - 1) * stride + hd <= v.len());
         // SAFETY: per the contract, as in `scores`.
+        let (out, v) = (acc.as_mut_ptr(), v.as_ptr());
+        // 16 lanes (4 independent FMA chains) at a time, then 8.
+        let wide = hd / 16 * 16;
+        // SAFETY: per the contract, columns c.. of every row are in bounds.
         unsafe {
-            let (out, v) = (acc.as_mut_ptr(), v.as_ptr());
-            // 16 lanes (4 independent FMA chains) at a time, then 8.
-            let mut c = 0;
-            while c + 16 <= hd {
-                let mut a = [0, 4, 8, 12].map(|o| vld1q_f32(out.add(c + o)));
-                for t in keys.clone() {
-                    let row = v.add(t * stride + c);
-                    for (o, x) in a.iter_mut().enumerate() {
-                        *x = vfmaq_n_f32(*x, vld1q_f32(row.add(4 * o)), w[t]);
-                    }
-                }
-                for (o, x) in a.iter().enumerate() {
-                    vst1q_f32(out.add(c + 4 * o), *x);
-                }
-                c += 16;
+            for c in (0..wide).step_by(16) {
+                stretch::<4>(out, w, v, stride, keys.clone(), c);
             }
-            while c < hd {
-                let mut a = [0, 4].map(|o| vld1q_f32(out.add(c + o)));
-                for t in keys.clone() {
-                    let row = v.add(t * stride + c);
-                    for (o, x) in a.iter_mut().enumerate() {
-                        *x = vfmaq_n_f32(*x, vld1q_f32(row.add(4 * o)), w[t]);
-                    }
+            for c in (wide..hd).step_by(8) {
+                stretch::<2>(out, w, v, stride, keys.clone(), c);
+            }
+        }
+    }
+
+    /// [`accumulate`] for columns `c..c + 4 * N`, held in N registers
+    /// across the keys.
+    #[inline(always)]
+    unsafe fn stretch<const N: usize>(
+        out: *mut f32,
+        w: &[f32],
+        v: *const f32,
+        stride: usize,
+        keys: Range<usize>,
+        c: usize,
+    ) {
+        // SAFETY: the caller's columns and rows are in bounds.
+        unsafe {
+            let mut a: [float32x4_t; N] = std::array::from_fn(|o| vld1q_f32(out.add(c + 4 * o)));
+            for t in keys {
+                let row = v.add(t * stride + c);
+                for (o, x) in a.iter_mut().enumerate() {
+                    *x = vfmaq_n_f32(*x, vld1q_f32(row.add(4 * o)), w[t]);
                 }
-                for (o, x) in a.iter().enumerate() {
-                    vst1q_f32(out.add(c + 4 * o), *x);
-                }
-                c += 8;
+            }
+            for (o, x) in a.iter().enumerate() {
+                vst1q_f32(out.add(c + 4 * o), *x);
             }
         }
     }
