@@ -178,14 +178,8 @@ fn served_model_name(args: &Args) -> String {
 
 fn default_served_name(model: &str) -> String {
     let path = Path::new(model);
-    if path.is_dir() {
-        if let Some(name) =
-            path.canonicalize().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        {
-            return name;
-        }
-    }
-    model.to_string()
+    let dir_name = || path.canonicalize().ok()?.file_name().map(|n| n.to_string_lossy().into_owned());
+    path.is_dir().then(dir_name).flatten().unwrap_or_else(|| model.to_string())
 }
 
 /// Reads the secret, or creates one readable only by this user.

@@ -63,8 +63,7 @@ fn traffic(cluster_http: String, stop: Arc<AtomicBool>) -> std::thread::JoinHand
         while !stop.load(Ordering::Relaxed) {
             let mut ids = prefix.clone();
             ids.extend([10 + i % 400, 11, 12]);
-            let body =
-                json!({"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stream": i % 2 == 0});
+            let body = json!({"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stream": i.is_multiple_of(2)});
             let _ = ureq::post(&url("/v1/completions")).send_json(body).map(|r| r.into_string());
             let _ = post_json(&url("/generate"), &json!({"prompt": "Once upon a time", "max_tokens": 8}));
             let _ = ureq::post(&url("/v1/completions")).send_json(json!({"prompt": "x", "max_tokens": -1}));

@@ -208,11 +208,9 @@ impl RequestTimings {
             m.iteration_tokens.observe(num_batched_tokens as f64);
         }
         for id in scheduled {
-            if let Some(t) = self.requests.get_mut(id) {
-                if t.scheduled.is_none() {
-                    t.scheduled = Some(now);
-                    m.request_queue_time.observe((now - t.arrived).as_secs_f64());
-                }
+            if let Some(t) = self.requests.get_mut(id).filter(|t| t.scheduled.is_none()) {
+                t.scheduled = Some(now);
+                m.request_queue_time.observe((now - t.arrived).as_secs_f64());
             }
         }
     }

@@ -116,10 +116,10 @@ impl KvCacheManager {
         let full = (num_tokens / self.block_size).min(req.block_hashes.len());
         let start = self.num_cached_blocks.get(&req.id).copied().unwrap_or(0);
         let Some(blocks) = self.req_blocks.get(&req.id) else { return };
-        for i in start..full {
+        for (i, &block) in blocks.iter().enumerate().take(full).skip(start) {
             let parent = i.checked_sub(1).map(|p| req.block_hashes[p]);
             let tokens = &req.token_ids[i * self.block_size..(i + 1) * self.block_size];
-            self.pool.cache_block(blocks[i], req.block_hashes[i], parent, tokens);
+            self.pool.cache_block(block, req.block_hashes[i], parent, tokens);
         }
         if full > start {
             self.num_cached_blocks.insert(req.id, full);

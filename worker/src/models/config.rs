@@ -140,23 +140,21 @@ impl ModelConfig {
             .first()
             .ok_or_else(|| WorkerError::InvalidConfig("`architectures` is missing or empty".into()))?;
         let architecture = Architecture::from_hf_name(arch_name)?;
-        if let Some(act) = &hf.hidden_act {
-            if act != "silu" {
-                return Err(WorkerError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
-            }
+        if let Some(act) = hf.hidden_act.as_ref().filter(|&act| act != "silu") {
+            return Err(WorkerError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
         }
         if hf.num_attention_heads == 0 || hf.num_hidden_layers == 0 || hf.hidden_size == 0 {
             return Err(WorkerError::InvalidConfig("sizes must be positive".into()));
         }
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
-        if num_kv_heads == 0 || hf.num_attention_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !hf.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(WorkerError::InvalidConfig(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_kv_heads})",
                 hf.num_attention_heads
             )));
         }
         let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads);
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(WorkerError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
         }
         if let Some(scaling) = &hf.rope_scaling {
