@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 
 /// Largest number of top log-probabilities a request may ask for per token.
 pub const MAX_LOGPROBS: u32 = 20;
+/// Largest |bias| in `logit_bias` (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -38,6 +40,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return the chosen token's log-probability plus this many top ones.
     pub logprobs: Option<u32>,
+    /// Added to these tokens' logits before the penalties (OpenAI's
+    /// `logit_bias`); sorted by id, each id once.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -56,6 +61,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -105,12 +111,21 @@ impl SamplingParams {
         if self.min_tokens > self.max_tokens {
             return err("min_tokens", format!("must be <= max_tokens ({}), got {}", self.max_tokens, self.min_tokens));
         }
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
-                return err("logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
-            }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return err("logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
+        }
+        if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b)) {
+            return err("logit_bias", format!("must be in [-100, 100], got {b} for token {id}"));
+        }
+        if !self.logit_bias.is_sorted_by(|a, b| a.0 < b.0) {
+            return err("logit_bias", "token ids must be sorted and unique".to_string());
         }
         Ok(())
+    }
+
+    /// The bias `logit_bias` gives `token` (0 if none).
+    pub fn bias_of(&self, token: u32) -> f32 {
+        self.logit_bias.binary_search_by_key(&token, |&(id, _)| id).map_or(0.0, |i| self.logit_bias[i].1)
     }
 }
 
@@ -127,5 +142,12 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().param, "temperature");
         let bad = SamplingParams { logprobs: Some(21), ..SamplingParams::default() };
         assert_eq!(bad.validate().unwrap_err().param, "logprobs");
+        for bias in [vec![(3, 100.5)], vec![(3, f32::NAN)], vec![(4, 1.0), (3, 1.0)], vec![(3, 1.0), (3, 2.0)]] {
+            let bad = SamplingParams { logit_bias: bias, ..SamplingParams::default() };
+            assert_eq!(bad.validate().unwrap_err().param, "logit_bias");
+        }
+        let biased = SamplingParams { logit_bias: vec![(3, -100.0), (9, 2.5)], ..SamplingParams::default() };
+        assert!(biased.validate().is_ok());
+        assert_eq!([0, 3, 9, 10].map(|t| biased.bias_of(t)), [0.0, -100.0, 2.5, 0.0]);
     }
 }

@@ -172,6 +172,7 @@ fn bad_input_gets_openai_errors_and_disturbs_no_one() {
                 .set("Authorization", "Bearer sekret")
                 .send_json(greedy("Once upon a time", 200))
                 .map(|r| r.into_json::<Value>().unwrap())
+                .map_err(Box::new)
         })
     };
     let send = |path: &str, body: &str, key: Option<&str>| -> (u16, Value) {
@@ -188,7 +189,9 @@ fn bad_input_gets_openai_errors_and_disturbs_no_one() {
     let key = Some("sekret");
     let long_prompt = format!(r#"{{"prompt": {}, "max_tokens": 5}}"#, serde_json::to_string(&vec![1u32; 600]).unwrap());
     let big = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(20_000));
-    let cases: Vec<(&str, String, Option<&str>, u16, Option<&str>)> = vec![
+    // (path, body, API key, expected status, expected `param`)
+    type Case<'a> = (&'a str, String, Option<&'a str>, u16, Option<&'a str>);
+    let cases: Vec<Case> = vec![
         ("/v1/completions", "{not json".into(), key, 400, None),
         ("/v1/completions", r#"{"prompt": 42}"#.into(), key, 400, None),
         ("/v1/completions", r#"{"prompt": "hi", "max_tokens": -1}"#.into(), key, 400, Some("max_tokens")),
@@ -196,6 +199,19 @@ fn bad_input_gets_openai_errors_and_disturbs_no_one() {
         ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#.into(), key, 400, Some("top_p")),
         ("/v1/completions", r#"{"prompt": "hi", "top_p": 1.5}"#.into(), key, 400, Some("top_p")),
         ("/v1/completions", long_prompt, key, 400, Some("prompt")),
+        // 2 + 600 tokens do not fit stories260K's 512: refused, not cut short.
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 600}"#.into(), key, 400, Some("max_tokens")),
+        ("/generate", r#"{"prompt": "hi", "max_tokens": 600}"#.into(), key, 400, Some("max_tokens")),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "response_format": {"type": "json_object"}}"#.into(),
+            key,
+            400,
+            Some("response_format"),
+        ),
+        ("/v1/completions", r#"{"prompt": "hi", "best_of": 4}"#.into(), key, 400, Some("best_of")),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"600": 5}}"#.into(), key, 400, Some("logit_bias")),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"60": 500}}"#.into(), key, 400, Some("logit_bias")),
         ("/v1/completions", r#"{"prompt": "hi", "model": "gpt-9"}"#.into(), key, 404, Some("model")),
         ("/v1/completions", big, key, 413, None),
         ("/v1/completions", r#"{"prompt": "hi"}"#.into(), None, 401, None),
@@ -214,6 +230,19 @@ fn bad_input_gets_openai_errors_and_disturbs_no_one() {
             assert_eq!(e["param"], param, "{err}");
         }
     }
+    // logit_bias reaches the sampler: +100 on token 300 makes it the only pick.
+    let biased = r#"{"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "logit_bias": {"300": 100}}"#;
+    let (got, body) = send("/generate", biased, key);
+    assert_eq!((got, body["token_ids"].clone()), (200, serde_json::json!([300, 300, 300, 300])), "{body}");
+    // Without max_tokens, the default (16) shrinks to the 2 tokens left.
+    let near_full =
+        format!(r#"{{"prompt": {}, "ignore_eos": true}}"#, serde_json::to_string(&vec![1u32; 510]).unwrap());
+    let (got, body) = send("/v1/completions", &near_full, key);
+    assert_eq!(got, 200, "{body}");
+    assert_eq!(
+        (body["usage"]["completion_tokens"].as_u64(), body["choices"][0]["finish_reason"].as_str()),
+        (Some(2), Some("length"))
+    );
     let good = good.join().unwrap().expect("the concurrent request succeeded");
     assert_eq!(good["usage"]["completion_tokens"], 200);
 }

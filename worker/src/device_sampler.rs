@@ -3,7 +3,7 @@
 //! `[S, vocab]` logits.
 //!
 //! It does what the host sampler does, in vLLM's order: `min_tokens`
-//! masking, repetition, frequency and presence penalties, then either the
+//! masking, logit bias, repetition, frequency and presence penalties, then either the
 //! argmax or temperature, top-k and min-p as floors below the top token,
 //! top-p, and the token at which the cumulative weight, in vocabulary
 //! order, first exceeds `u` times the kept total (`u` is the request's
@@ -50,6 +50,8 @@ pub struct DeviceRow<'a> {
     pub output_token_ids: &'a [u32],
     /// Ids that must not be drawn now (stop ids and EOS before `min_tokens`).
     pub banned_token_ids: Vec<u32>,
+    /// (id, bias) added to the logits before the penalties.
+    pub logit_bias: Vec<(u32, f32)>,
     /// `Some(n)`: the chosen token's log-probability and the `n` most
     /// likely tokens', from the raw logits.
     pub logprobs: Option<u32>,
@@ -83,6 +85,7 @@ impl<'a> DeviceRow<'a> {
             prompt_token_ids: prompt,
             output_token_ids: output,
             banned_token_ids,
+            logit_bias: p.logit_bias.clone(),
             logprobs: p.logprobs,
         }
     }
@@ -138,6 +141,9 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     let (s, vocab) = x.dims2()?;
     let device = x.device();
     let mut x = x.clone();
+    if rows.iter().any(|r| !r.logit_bias.is_empty()) {
+        x = (x + scattered(rows.iter().map(|r| r.logit_bias.clone()), s, vocab, device)?)?;
+    }
     if rows.iter().any(|r| r.repetition_penalty != 1.0) {
         let history = |r: &DeviceRow| -> Vec<u32> {
             if r.repetition_penalty == 1.0 {
@@ -170,20 +176,28 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     Ok(x)
 }
 
-/// `[S, vocab]` f32: how often each token occurs in each row's list. Ids
-/// outside the vocabulary (they come from requests) are ignored.
+/// `[S, vocab]` f32: how often each token occurs in each row's list.
 fn token_counts(lists: impl Iterator<Item = Vec<u32>>, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
-    let lists: Vec<Vec<u32>> = lists.map(|l| l.into_iter().filter(|&t| (t as usize) < vocab).collect()).collect();
+    scattered(lists.map(|l| l.into_iter().map(|t| (t, 1.0)).collect()), s, vocab, device)
+}
+
+/// `[S, vocab]` f32: each row's (id, value) pairs summed into zeros. Ids
+/// outside the vocabulary (they come from requests) are ignored.
+fn scattered(lists: impl Iterator<Item = Vec<(u32, f32)>>, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+    let lists: Vec<Vec<(u32, f32)>> =
+        lists.map(|l| l.into_iter().filter(|&(t, _)| (t as usize) < vocab).collect()).collect();
     let width = lists.iter().map(Vec::len).max().unwrap_or(0).max(1);
     let mut index = vec![0u32; s * width];
-    let mut ones = vec![0f32; s * width];
+    let mut values = vec![0f32; s * width];
     for (row, list) in lists.iter().enumerate() {
-        index[row * width..row * width + list.len()].copy_from_slice(list);
-        ones[row * width..row * width + list.len()].fill(1.0);
+        for (k, &(t, v)) in list.iter().enumerate() {
+            index[row * width + k] = t;
+            values[row * width + k] = v;
+        }
     }
     let index = Tensor::from_vec(index, (s, width), device)?;
-    let ones = Tensor::from_vec(ones, (s, width), device)?;
-    Ok(Tensor::zeros((s, vocab), DType::F32, device)?.scatter_add(&index, &ones, 1)?)
+    let values = Tensor::from_vec(values, (s, width), device)?;
+    Ok(Tensor::zeros((s, vocab), DType::F32, device)?.scatter_add(&index, &values, 1)?)
 }
 
 /// The token of each row of the adjusted logits `x`: the argmax for greedy

@@ -2,8 +2,8 @@
 //! `SamplingParams`, to one token each. Follows vLLM v1's `Sampler`, on the
 //! host.
 //!
-//! Per row, in vLLM's order: min_tokens masking (stop ids, EOS), repetition
-//! penalty (prompt + output), frequency and presence penalties (output),
+//! Per row, in vLLM's order: min_tokens masking (stop ids, EOS), logit bias,
+//! repetition penalty (prompt + output), frequency and presence penalties (output),
 //! then either greedy argmax or temperature, min-p, top-k, top-p and one
 //! draw. Log-probabilities are those of the raw model logits (vLLM's default
 //! `raw_logprobs`) and are computed only for requests that ask for them.
@@ -80,13 +80,20 @@ fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledTo
     let p = seq.params;
     let masks_stops = seq.output_token_ids.len() < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
-    let token = if p.is_greedy() && !masks_stops && !penalises {
+    let biases = !p.logit_bias.is_empty();
+    let token = if p.is_greedy() && !masks_stops && !penalises && !biases {
         argmax(raw)
     } else {
         s.row.clear();
         s.row.extend(raw.iter().map(|&x| clean(x)));
         if masks_stops {
             apply_min_tokens(&mut s.row, seq);
+        }
+        for &(t, b) in &p.logit_bias {
+            // Ids come from the request: ignore those outside the vocabulary.
+            if let Some(x) = s.row.get_mut(t as usize) {
+                *x += b;
+            }
         }
         if penalises {
             apply_penalties(&mut s.row, raw, seq, &mut s.ids);
@@ -133,11 +140,11 @@ fn apply_penalties(row: &mut [f32], raw: &[f32], seq: &SeqSamplingInput, ids: &m
     if p.repetition_penalty != 1.0 {
         for &t in seq.prompt_token_ids.iter().chain(seq.output_token_ids) {
             let t = t as usize;
-            // Recomputed from the raw logit rather than scaled in place, so a
-            // token seen many times is penalised once without a seen-set;
-            // tokens masked by min_tokens stay -inf.
+            // Recomputed from the (biased) raw logit rather than scaled in
+            // place, so a token seen many times is penalised once without a
+            // seen-set; tokens masked by min_tokens stay -inf.
             if let Some(x) = row.get_mut(t).filter(|x| **x != f32::NEG_INFINITY) {
-                let r = clean(raw[t]);
+                let r = clean(raw[t]) + p.bias_of(t as u32);
                 *x = if r > 0.0 { r / p.repetition_penalty } else { r * p.repetition_penalty };
             }
         }
@@ -594,6 +601,31 @@ mod tests {
             SamplingParams { repetition_penalty: 1.25, frequency_penalty: 0.1, presence_penalty: 0.3, ..greedy() };
         assert_eq!(pick(&[3.0, 1.95], &all, &[0, 77], &[0, 0, 99]), 1);
         assert_eq!(pick(&[3.0, 1.85], &all, &[0, 77], &[0, 0, 99]), 0);
+    }
+
+    #[test]
+    fn logit_bias_shifts_tokens_before_the_penalties() {
+        let logits = [3.0, 2.0, 1.0];
+        let bias = |b: Vec<(u32, f32)>| SamplingParams { logit_bias: b, ..greedy() };
+        assert_eq!(sample(&logits, &bias(vec![(2, 2.5)]), &[], 0).token_id, 2);
+        assert_eq!(sample(&logits, &bias(vec![(0, -100.0)]), &[], 0).token_id, 1);
+        // Out-of-vocabulary ids are ignored.
+        assert_eq!(sample(&logits, &bias(vec![(1, 0.5), (99, 100.0)]), &[], 0).token_id, 0);
+        // A banned token is never drawn, whatever the seed.
+        let r = SamplingParams { logit_bias: vec![(0, -100.0)], ..random() };
+        assert!((0..300).all(|s| sample(&[1.0, 1.0, 1.0], &r, &[], s).token_id != 0));
+        // The repetition penalty divides the biased logit, as in vLLM:
+        // (1 + 2) / 2 = 1.5 < 2 wins for token 1; after biasing 3 + 2 = 5,
+        // 5 / 2 = 2.5 > 2 for token 0.
+        let rep = |b: Vec<(u32, f32)>| SamplingParams { repetition_penalty: 2.0, logit_bias: b, ..greedy() };
+        let pick = |p: &SamplingParams| sample_batch(&[1.0, 2.0], 2, &[input(p, &[0], &[], 0)])[0].token_id;
+        assert_eq!(pick(&rep(vec![(0, 2.0)])), 1);
+        assert_eq!(pick(&rep(vec![(0, 4.0)])), 0);
+        // Logprobs stay those of the raw logits.
+        let lp = SamplingParams { logprobs: Some(0), ..bias(vec![(2, 2.5)]) };
+        let got = sample(&logits, &lp, &[], 0);
+        let want = 1.0 - (3f32.exp() + 2f32.exp() + 1f32.exp()).ln();
+        assert!((got.token_id, (got.logprob - want).abs() < 1e-5) == (2, true), "{got:?}");
     }
 
     #[test]

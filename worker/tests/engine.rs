@@ -96,7 +96,7 @@ fn shared_prefix_is_cached_and_changes_nothing() {
     let second = (with_suffix(&[400, 401]), params.clone());
 
     let mut cached = default_engine();
-    run(&mut cached, &[first.clone()]);
+    run(&mut cached, std::slice::from_ref(&first));
     cached.add_request(RequestId(7), second.0.clone(), second.1.clone(), 0).unwrap();
     let mut tokens = Vec::new();
     let mut num_cached = 0;
@@ -206,6 +206,9 @@ fn device_sampling_keeps_the_guarantees() {
     requests[6].1 = SamplingParams { logprobs: Some(3), presence_penalty: 0.5, ..requests[3].1.clone() };
     requests[7].1 = SamplingParams { min_tokens: 20, ignore_eos: false, ..SamplingParams::greedy(30) };
     requests[8].1.logprobs = Some(2);
+    // Every fourth token from 300 up pushed by +100, under a repetition penalty.
+    let bias: Vec<(u32, f32)> = (300..512).step_by(4).map(|t| (t, 100.0)).collect();
+    requests[10].1 = SamplingParams { logit_bias: bias, repetition_penalty: 1.3, ..requests[3].1.clone() };
     let together = run(&mut device_engine(), &requests);
     for i in [0, 1, 15] {
         let alone = run(&mut device_engine(), &[requests[i].clone()]);
@@ -214,9 +217,14 @@ fn device_sampling_keeps_the_guarantees() {
     }
     // Greedy rows are the argmax of the same adjusted logits on either path.
     let host = run(&mut default_engine(), &requests);
-    for i in [3, 5, 6, 7] {
+    for i in [3, 5, 6, 7, 10] {
         assert_eq!(together[&(i as u64)], host[&(i as u64)], "request {i}");
     }
+    // The bias changed what request 10 says, and every token it chose is biased.
+    let unbiased = SamplingParams { repetition_penalty: 1.3, ..requests[3].1.clone() };
+    let plain = run(&mut default_engine(), &[(requests[10].0.clone(), unbiased)]);
+    assert_ne!(host[&10].0, plain[&0].0);
+    assert!(host[&10].0.iter().all(|&t| t >= 300 && t % 4 == 0), "{:?}", host[&10].0);
     // Seeds still matter.
     let other = run(&mut device_engine(), &[(requests[0].0.clone(), sampled(12345))]);
     assert_ne!(together[&0].0, other[&0].0);

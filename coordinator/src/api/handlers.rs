@@ -54,6 +54,42 @@ fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Fits the request to the model. The completion goes beside a prompt of
+/// `prompt_len` tokens (at most `max_model_len - 1`, per [`check_prompt`]): a
+/// `max_tokens` the request names must fit, else a 400 as vLLM answers; the
+/// default shrinks to the room. Biased tokens must be in the vocabulary.
+fn fit_completion(
+    app: &AppState,
+    prompt_len: usize,
+    named: bool,
+    params: &SamplingParams,
+) -> Result<SamplingParams, ApiError> {
+    let vocab_size = app.tokenizer.vocab_size();
+    if let Some(&(bad, _)) = params.logit_bias.iter().find(|&&(t, _)| t as usize >= vocab_size) {
+        return Err(ApiError::invalid("logit_bias", format!("token id {bad} in logit_bias is outside the vocabulary")));
+    }
+    let room = app.max_model_len.saturating_sub(prompt_len) as u32;
+    let mut params = params.clone();
+    if params.max_tokens > room {
+        if named {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the \
+                     prompt, {} in the completion). Please reduce the length of the prompt or completion.",
+                    app.max_model_len,
+                    prompt_len as u64 + u64::from(params.max_tokens),
+                    prompt_len,
+                    params.max_tokens
+                ),
+            ));
+        }
+        params.max_tokens = room;
+        params.min_tokens = params.min_tokens.min(room);
+    }
+    Ok(params)
+}
+
 fn usage(ends: &[&ChoiceEnd]) -> Value {
     let prompt = ends.first().map_or(0, |e| e.prompt_tokens);
     let completion: u32 = ends.iter().map(|e| e.completion_tokens).sum();
@@ -92,6 +128,7 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
     check_prompt(&app, &prompt_ids)?;
     let logprobs = top_n("logprobs", req.logprobs)?;
     let params = req.sampling.to_params(16, logprobs)?;
+    let params = fit_completion(&app, prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
     let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };
     let rx = run::launch(&app, "/generate", vec![spec])?;
     if req.sampling.stream() {
@@ -183,11 +220,13 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     }
     let logprobs = top_n("logprobs", req.logprobs)?;
     let n = req.sampling.n()?;
+    req.unserved.check(n)?;
     let stops = req.sampling.stop_strings()?;
     let params = req.sampling.to_params(16, logprobs)?;
     let echo = req.echo.unwrap_or(false);
     let mut specs = Vec::new();
     for p in &prompts {
+        let params = fit_completion(&app, p.len(), req.sampling.names_max_tokens(), &params)?;
         specs.extend(n_choices(p, &params, &stops, n));
     }
     let count = specs.len();
@@ -268,9 +307,12 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
     let logprobs =
         if req.logprobs.unwrap_or(false) { Some(top_n("top_logprobs", req.top_logprobs)?.unwrap_or(0)) } else { None };
     let n = req.sampling.n()?;
+    req.unserved.check(n)?;
     let stops = req.sampling.stop_strings()?;
-    let default_max = (app.max_model_len - prompt_ids.len()) as u32;
+    // Chat's default is the whole room left (OpenAI's, vLLM's).
+    let default_max = app.max_model_len.saturating_sub(prompt_ids.len()) as u32;
     let params = req.sampling.to_params(default_max, logprobs)?;
+    let params = fit_completion(&app, prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
     let specs = n_choices(&prompt_ids, &params, &stops, n);
     let rx = run::launch(&app, "/v1/chat/completions", specs)?;
     let id = format!("chatcmpl-{}", app.next_id());

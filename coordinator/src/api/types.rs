@@ -32,6 +32,8 @@ pub struct SamplingFields {
     pub seed: Option<i64>,
     pub stop: Option<StopInput>,
     pub stop_token_ids: Option<Vec<u32>>,
+    /// OpenAI's map of token id (a string) to a bias in [-100, 100].
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     pub ignore_eos: Option<bool>,
     pub n: Option<i64>,
     pub stream: Option<bool>,
@@ -96,10 +98,25 @@ impl SamplingFields {
                 format!("repetition_penalty must be in (0, 10], got {repetition_penalty}"),
             ));
         }
-        let seed = match self.seed {
-            None => None,
-            Some(s) => Some(s as u64),
-        };
+        let mut logit_bias = Vec::new();
+        for (key, &bias) in self.logit_bias.iter().flatten() {
+            let id = key.trim().parse::<u32>().map_err(|_| {
+                ApiError::invalid("logit_bias", format!("logit_bias keys must be token ids, got {key:?}"))
+            })?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias values must be in [-100, 100], got {bias} for token {id}"),
+                ));
+            }
+            logit_bias.push((id, bias as f32));
+        }
+        logit_bias.sort_unstable_by_key(|&(id, _)| id);
+        if let Some(w) = logit_bias.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(ApiError::invalid("logit_bias", format!("token {} is biased twice", w[0].0)));
+        }
+        // Negative seeds wrap: any i64 names one stream.
+        let seed = self.seed.map(|s| s as u64);
         Ok(SamplingParams {
             temperature: temperature as f32,
             top_p: top_p as f32,
@@ -114,6 +131,7 @@ impl SamplingFields {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            logit_bias,
         })
     }
 
@@ -140,12 +158,66 @@ impl SamplingFields {
         }
     }
 
+    /// Whether the request names its completion length itself.
+    pub fn names_max_tokens(&self) -> bool {
+        self.max_tokens.or(self.max_completion_tokens).is_some()
+    }
+
     pub fn stream(&self) -> bool {
         self.stream.unwrap_or(false)
     }
 
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+/// OpenAI fields this server does not implement, read so that a request
+/// relying on one gets a 400 naming it rather than an answer without it.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct UnservedFields {
+    pub response_format: Option<serde_json::Value>,
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub functions: Option<Vec<serde_json::Value>>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+}
+
+impl UnservedFields {
+    /// Refuses what would change the answer; plain text output, an empty
+    /// tool list and `best_of == n` are what every answer here already is.
+    pub fn check(&self, n: usize) -> Result<(), ApiError> {
+        if let Some(format) = &self.response_format {
+            let kind = format.get("type").and_then(|t| t.as_str());
+            if kind != Some("text") {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "response_format {} is not supported: this server has no structured (JSON) output",
+                        kind.map_or_else(|| format.to_string(), |k| format!("'{k}'"))
+                    ),
+                ));
+            }
+        }
+        for (param, list) in [("tools", &self.tools), ("functions", &self.functions)] {
+            if list.as_ref().is_some_and(|l| !l.is_empty()) {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("{param} (tool calling) is not supported by this server"),
+                ));
+            }
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "suffix is not supported by this server"));
+        }
+        match self.best_of {
+            None => Ok(()),
+            Some(b) if b == n as i64 => Ok(()),
+            Some(b) => Err(ApiError::invalid(
+                "best_of",
+                format!("best_of other than n is not supported by this server (best_of {b}, n {n})"),
+            )),
+        }
     }
 }
 
@@ -166,6 +238,8 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
     #[serde(flatten)]
+    pub unserved: UnservedFields,
+    #[serde(flatten)]
     pub sampling: SamplingFields,
 }
 
@@ -175,6 +249,8 @@ pub struct ChatRequest {
     pub messages: Vec<serde_json::Value>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub unserved: UnservedFields,
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }
@@ -215,6 +291,9 @@ mod tests {
             (r#"{"top_p": 1.5}"#, "top_p"),
             (r#"{"min_p": 2}"#, "min_p"),
             (r#"{"presence_penalty": 3}"#, "presence_penalty"),
+            (r#"{"logit_bias": {"50": 101}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"fifty": 1}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"50": 1, " 50": 2}}"#, "logit_bias"),
         ] {
             let err = fields(json).to_params(16, None).unwrap_err();
             assert_eq!(err.param.as_deref(), Some(param), "{json}");
@@ -225,11 +304,35 @@ mod tests {
     }
 
     #[test]
+    fn fields_this_server_lacks_are_refused_by_name() {
+        let unserved = |json: &str| serde_json::from_str::<UnservedFields>(json).unwrap();
+        for (json, param) in [
+            (r#"{"response_format": {"type": "json_object"}}"#, "response_format"),
+            (r#"{"response_format": {"type": "json_schema", "json_schema": {}}}"#, "response_format"),
+            (r#"{"response_format": "json"}"#, "response_format"),
+            (r#"{"tools": [{"type": "function", "function": {"name": "f"}}]}"#, "tools"),
+            (r#"{"functions": [{"name": "f"}]}"#, "functions"),
+            (r#"{"suffix": "end"}"#, "suffix"),
+            (r#"{"best_of": 3}"#, "best_of"),
+        ] {
+            let err = unserved(json).check(1).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{json}");
+        }
+        for json in
+            [r#"{"response_format": {"type": "text"}}"#, r#"{"tools": []}"#, r#"{"suffix": ""}"#, r#"{"best_of": 2}"#]
+        {
+            assert!(unserved(json).check(2).is_ok(), "{json}");
+        }
+    }
+
+    #[test]
     fn defaults_follow_openai() {
         let p = fields("{}").to_params(16, None).unwrap();
         assert_eq!((p.max_tokens, p.temperature, p.top_p, p.top_k), (16, 1.0, 1.0, 0));
         let p = fields(r#"{"top_k": -1, "seed": 7, "stop": "x"}"#).to_params(16, None).unwrap();
         assert_eq!((p.top_k, p.seed), (0, Some(7)));
+        let p = fields(r#"{"logit_bias": {"9": -100, "3": 2.5}}"#).to_params(16, None).unwrap();
+        assert_eq!(p.logit_bias, vec![(3, 2.5), (9, -100.0)]);
         assert_eq!(fields(r#"{"stop": ["a", "b"]}"#).stop_strings().unwrap(), vec!["a", "b"]);
     }
 }
