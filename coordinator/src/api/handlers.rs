@@ -304,8 +304,11 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
     // The template already wrote BOS where the model wants it.
     let prompt_ids = app.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     check_prompt(&app, &prompt_ids)?;
-    let logprobs =
-        if req.logprobs.unwrap_or(false) { Some(top_n("top_logprobs", req.top_logprobs)?.unwrap_or(0)) } else { None };
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (true, top) => Some(top_n("top_logprobs", top)?.unwrap_or(0)),
+        (false, None | Some(0)) => None,
+        (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs set to true")),
+    };
     let n = req.sampling.n()?;
     req.unserved.check(n)?;
     let stops = req.sampling.stop_strings()?;

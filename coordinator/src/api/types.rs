@@ -66,6 +66,9 @@ impl SamplingFields {
                 return Err(ApiError::invalid("min_tokens", format!("min_tokens must be in [0, max_tokens], got {m}")));
             }
         };
+        if self.stream_options.is_some() && !self.stream() {
+            return Err(ApiError::invalid("stream_options", "stream_options can only be given when stream is true"));
+        }
         let temperature = self.temperature.unwrap_or(1.0);
         if !(0.0..=100.0).contains(&temperature) {
             return Err(ApiError::invalid("temperature", format!("temperature must be >= 0, got {temperature}")));
@@ -292,6 +295,7 @@ mod tests {
             (r#"{"min_p": 2}"#, "min_p"),
             (r#"{"presence_penalty": 3}"#, "presence_penalty"),
             (r#"{"logit_bias": {"50": 101}}"#, "logit_bias"),
+            (r#"{"stream_options": {"include_usage": true}}"#, "stream_options"),
             (r#"{"logit_bias": {"fifty": 1}}"#, "logit_bias"),
             (r#"{"logit_bias": {"50": 1, " 50": 2}}"#, "logit_bias"),
         ] {
