@@ -39,11 +39,25 @@ streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choi
 assert streamed == reply, (streamed, reply)
 assert chunks[-1].usage.completion_tokens == 16, chunks[-1]
 
+# logit_bias as the client sends it (string keys): +100 on one token makes it every pick.
+b = client.completions.create(model=model, prompt="Once", max_tokens=4, temperature=0, logprobs=0,
+                              logit_bias={"100": 100})
+assert len(set(b.choices[0].logprobs.tokens)) == 1, b.choices[0].logprobs
+
 # Errors come back as the client's exceptions with OpenAI's shape.
-try:
-    client.completions.create(model=model, prompt="x", max_tokens=-1)
-    raise SystemExit("expected a 400")
-except Exception as e:  # openai.BadRequestError
-    assert getattr(e, "status_code", None) == 400, e
+def bad_request(param, **kwargs):
+    try:
+        kwargs.setdefault("messages", messages)
+        client.chat.completions.create(model=model, **kwargs)
+    except Exception as e:  # openai.BadRequestError
+        assert getattr(e, "status_code", None) == 400, e
+        assert e.body["param"] == param, e.body
+        return
+    raise SystemExit(f"expected a 400 naming {param}")
+
+bad_request("max_tokens", max_tokens=-1)
+bad_request("max_tokens", max_tokens=100_000)  # beyond the context
+bad_request("response_format", response_format={"type": "json_object"})
+bad_request("tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
 
 print("openai client: ok")

@@ -1,5 +1,5 @@
 //! The official `openai` Python client against a running cluster:
-//! models, completions, chat, streaming, errors. `.ci/run` installs the
+//! models, completions, chat, streaming, logit_bias, errors. `.ci/run` installs the
 //! client in a virtual environment and points TINYVLLM_TEST_PYTHON at it.
 
 use std::process::Command;
