@@ -3,10 +3,10 @@
 //! `[S, vocab]` logits.
 //!
 //! It does what the host sampler does, in vLLM's order: `min_tokens`
-//! masking, logit bias, repetition, frequency and presence penalties, then either the
-//! argmax or temperature, top-k and min-p as floors below the top token,
-//! top-p, and the token at which the cumulative weight, in vocabulary
-//! order, first exceeds `u` times the kept total (`u` is the request's
+//! masking, logit bias, repetition, frequency and presence penalties, then
+//! either the argmax or temperature, top-k and min-p as floors below the
+//! top token, top-p, and the token at which the cumulative weight, in
+//! vocabulary order, first exceeds `u` times the kept total (`u` is the request's
 //! per-position uniform, the same one the host uses). GPUs have no cheap
 //! sort, so every threshold is found by bisection over reductions that keep
 //! all rows in flight at once:

@@ -2,10 +2,10 @@
 //! `SamplingParams`, to one token each. Follows vLLM v1's `Sampler`, on the
 //! host.
 //!
-//! Per row, in vLLM's order: min_tokens masking (stop ids, EOS), logit bias,
-//! repetition penalty (prompt + output), frequency and presence penalties (output),
-//! then either greedy argmax or temperature, min-p, top-k, top-p and one
-//! draw. Log-probabilities are those of the raw model logits (vLLM's default
+//! Per row, in vLLM's order: min_tokens masking (stop ids, EOS), logit
+//! bias, repetition penalty (prompt + output), frequency and presence
+//! penalties (output), then either greedy argmax or temperature, min-p,
+//! top-k, top-p and one draw. Log-probabilities are those of the raw model logits (vLLM's default
 //! `raw_logprobs`) and are computed only for requests that ask for them.
 //!
 //! Determinism: a request's draw is a pure function of its seed and of how
