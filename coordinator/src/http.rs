@@ -116,6 +116,8 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
     match (&method, path.as_str()) {
         (&Method::GET, "/v1/models") => Ok(handlers::models(&app)),
         (&Method::GET, "/v1/workers") => Ok(handlers::workers(&app)),
+        (&Method::POST, "/tokenize") => handlers::tokenize(&app, &read_body(req, app.max_body_bytes).await?),
+        (&Method::POST, "/detokenize") => handlers::detokenize(&app, &read_body(req, app.max_body_bytes).await?),
         (&Method::POST, "/generate" | "/v1/completions" | "/v1/chat/completions") => {
             if app.shutting_down() {
                 return Err(ApiError::unavailable("the server is shutting down"));
@@ -134,6 +136,8 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             | "/v1/prometheus/targets"
             | "/v1/models"
             | "/v1/workers"
+            | "/tokenize"
+            | "/detokenize"
             | "/generate"
             | "/v1/completions"
             | "/v1/chat/completions",

@@ -110,6 +110,8 @@ impl Metrics {
             "/v1/chat/completions" => "/v1/chat/completions",
             "/v1/models" => "/v1/models",
             "/v1/workers" => "/v1/workers",
+            "/tokenize" => "/tokenize",
+            "/detokenize" => "/detokenize",
             "/v1/prometheus/targets" => "/v1/prometheus/targets",
             "/health" => "/health",
             "/metrics" => "/metrics",

@@ -356,3 +356,45 @@ fn workers_reconnect_when_the_coordinator_restarts() {
     terminate(&mut second);
     terminate(&mut worker);
 }
+
+/// vLLM's `/tokenize` and `/detokenize`: the ids a prompt or a conversation
+/// becomes are the ones generation counts, and ids decode back to the text.
+#[test]
+fn tokenize_and_detokenize_agree_with_generation() {
+    let cluster = Coordinator::start("tiny-qwen3", 1, &[]);
+    let prompt = "Once upon a time, a tiny model";
+    let (status, tok) = post_json(&cluster.url("/tokenize"), &json!({"prompt": prompt, "return_token_strs": true}));
+    assert_eq!(status, 200, "{tok}");
+    let ids = tok["tokens"].as_array().unwrap().clone();
+    assert_eq!(tok["count"], ids.len());
+    assert_eq!(tok["max_model_len"], 1024);
+    assert_eq!(tok["token_strs"].as_array().map(Vec::len), Some(ids.len()));
+    let (_, completion) = post_json(&cluster.url("/v1/completions"), &greedy(prompt, 2));
+    assert_eq!(completion["usage"]["prompt_tokens"], ids.len());
+    // Special tokens (here BOS) are kept in the text, as `tokenizers` decodes.
+    let (status, detok) = post_json(&cluster.url("/detokenize"), &json!({"tokens": ids}));
+    assert!(status == 200 && detok["prompt"].as_str().unwrap().ends_with(prompt), "{detok}");
+    let (_, plain) = post_json(&cluster.url("/tokenize"), &json!({"prompt": prompt, "add_special_tokens": false}));
+    assert_eq!(plain["count"], ids.len() - 1);
+    let (_, detok) = post_json(&cluster.url("/detokenize"), &json!({"tokens": plain["tokens"]}));
+    assert_eq!(detok["prompt"], prompt);
+
+    let messages = json!([{"role": "user", "content": "Hello!"}]);
+    let (status, tok) = post_json(&cluster.url("/tokenize"), &json!({"messages": messages}));
+    assert_eq!(status, 200, "{tok}");
+    let (_, chat) = post_json(
+        &cluster.url("/v1/chat/completions"),
+        &json!({"messages": messages, "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(chat["usage"]["prompt_tokens"], tok["count"]);
+
+    for (path, body, param) in [
+        ("/tokenize", json!({}), "prompt"),
+        ("/tokenize", json!({"prompt": "a", "messages": messages}), "prompt"),
+        ("/tokenize", json!({"messages": []}), "messages"),
+        ("/detokenize", json!({"tokens": [1, 99_999_999]}), "tokens"),
+    ] {
+        let (status, err) = post_json(&cluster.url(path), &body);
+        assert_eq!((status, err["error"]["param"].as_str()), (400, Some(param)), "{path} {body}: {err}");
+    }
+}

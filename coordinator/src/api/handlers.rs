@@ -12,7 +12,9 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::run::{self, ChoiceEnd, ChoiceSpec, Collected, Update};
-use super::types::{ChatRequest, CompletionRequest, GenerateRequest, PromptInput, top_n};
+use super::types::{
+    ChatRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, PromptInput, TokenizeRequest, top_n,
+};
 use crate::app::AppState;
 use crate::http::Reply;
 
@@ -288,11 +290,11 @@ fn completion_logprobs(app: &AppState, c: &Collected) -> Value {
     })
 }
 
-/// `POST /v1/chat/completions`.
-pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
-    let req: ChatRequest = parse(body)?;
-    check_model(&app, req.model.as_deref())?;
-    if req.messages.is_empty() {
+/// The prompt a conversation becomes: the model's chat template, then the
+/// tokenizer without special tokens (the template writes BOS where the
+/// model wants it).
+fn chat_prompt_ids(app: &AppState, messages: &[Value], add_generation_prompt: bool) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
     let template = app.chat_template.as_ref().ok_or_else(|| {
@@ -300,9 +302,16 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
             "This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions",
         )
     })?;
-    let text = template.render(&req.messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    // The template already wrote BOS where the model wants it.
-    let prompt_ids = app.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let text =
+        template.render(messages, add_generation_prompt).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    app.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: ChatRequest = parse(body)?;
+    check_model(&app, req.model.as_deref())?;
+    let prompt_ids = chat_prompt_ids(&app, &req.messages, true)?;
     check_prompt(&app, &prompt_ids)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (true, top) => Some(top_n("top_logprobs", top)?.unwrap_or(0)),
@@ -457,6 +466,40 @@ fn stream_openai(
         let _ = tx.send("data: [DONE]\n\n".to_string()).await;
     });
     out
+}
+
+/// `POST /tokenize` (vLLM's): a prompt, or chat messages through the
+/// template, to the ids the engine would see.
+pub fn tokenize(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: TokenizeRequest = parse(body)?;
+    check_model(app, req.model.as_deref())?;
+    let ids = match (&req.prompt, &req.messages) {
+        (Some(text), None) => app
+            .tokenizer
+            .encode(text, req.add_special_tokens.unwrap_or(true))
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        (None, Some(messages)) => chat_prompt_ids(app, messages, req.add_generation_prompt.unwrap_or(true))?,
+        (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give prompt or messages, not both")),
+        (None, None) => return Err(ApiError::invalid("prompt", "prompt or messages is required")),
+    };
+    let token_strs = req
+        .return_token_strs
+        .unwrap_or(false)
+        .then(|| ids.iter().map(|&id| app.tokenizer.token_text(id)).collect::<Vec<_>>());
+    Ok(Reply::json(json!({
+        "count": ids.len(), "max_model_len": app.max_model_len, "tokens": ids, "token_strs": token_strs,
+    })))
+}
+
+/// `POST /detokenize` (vLLM's): ids to text, special tokens kept.
+pub fn detokenize(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: DetokenizeRequest = parse(body)?;
+    check_model(app, req.model.as_deref())?;
+    let vocab_size = app.tokenizer.vocab_size();
+    if let Some(&bad) = req.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(ApiError::invalid("tokens", format!("token id {bad} is outside the vocabulary")));
+    }
+    Ok(Reply::json(json!({"prompt": app.tokenizer.decode(&req.tokens, false)})))
 }
 
 /// `GET /v1/models`.

@@ -268,6 +268,25 @@ pub struct GenerateRequest {
     pub sampling: SamplingFields,
 }
 
+/// `POST /tokenize`: `prompt` (special tokens added by default) or chat
+/// `messages` (through the template, generation prompt added by default).
+#[derive(Clone, Debug, Deserialize)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<serde_json::Value>>,
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    pub return_token_strs: Option<bool>,
+}
+
+/// `POST /detokenize`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}
+
 /// `logprobs` as top-n: 0..=20.
 pub fn top_n(param: &str, n: Option<i64>) -> Result<Option<u32>, ApiError> {
     match n {
