@@ -398,3 +398,37 @@ fn tokenize_and_detokenize_agree_with_generation() {
         assert_eq!((status, err["error"]["param"].as_str()), (400, Some(param)), "{path} {body}: {err}");
     }
 }
+
+/// Legacy completions' `text_offset` counts characters from the start of
+/// the choice's text: after an echoed prompt, and across streamed chunks.
+#[test]
+fn completion_text_offsets_follow_the_text() {
+    let cluster = Coordinator::start("stories260K", 1, &[]);
+    let prompt = "Once upon a time";
+    let mut body = greedy(prompt, 6);
+    body["logprobs"] = json!(1);
+    let (status, plain) = post_json(&cluster.url("/v1/completions"), &body);
+    assert_eq!(status, 200, "{plain}");
+    let offsets = |lp: &Value| -> Vec<u64> {
+        lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect()
+    };
+    let plain_offsets = offsets(&plain["choices"][0]["logprobs"]);
+    assert_eq!((plain_offsets.len(), plain_offsets[0]), (6, 0));
+    assert!(plain_offsets.windows(2).all(|w| w[0] <= w[1]), "{plain_offsets:?}");
+
+    body["echo"] = json!(true);
+    let (_, echoed) = post_json(&cluster.url("/v1/completions"), &body);
+    let start = prompt.chars().count() as u64;
+    assert!(echoed["choices"][0]["text"].as_str().unwrap().starts_with(prompt));
+    assert_eq!(offsets(&echoed["choices"][0]["logprobs"]), plain_offsets.iter().map(|o| o + start).collect::<Vec<_>>());
+
+    body["echo"] = json!(false);
+    body["stream"] = json!(true);
+    let (events, _) = post_sse(&cluster.url("/v1/completions"), &body);
+    let streamed: Vec<u64> = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0)?.get("logprobs").filter(|l| !l.is_null()))
+        .flat_map(offsets)
+        .collect();
+    assert_eq!(streamed, plain_offsets);
+}

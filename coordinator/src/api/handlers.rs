@@ -251,10 +251,11 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
         .enumerate()
         .map(|(i, c)| {
             let prefix = if echo { prompt_texts[i / n].clone() } else { String::new() };
+            let start = prefix.chars().count();
             json!({
                 "index": i,
                 "text": prefix + &c.text,
-                "logprobs": logprobs.map(|_| completion_logprobs(&app, c)),
+                "logprobs": logprobs.map(|_| completion_logprobs(&app, c, start)),
                 "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
                 "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
                 // tinyvllm extensions: where the choice ran, and its prefix-cache hit.
@@ -269,15 +270,17 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     })))
 }
 
-/// OpenAI's legacy completions logprobs object.
-fn completion_logprobs(app: &AppState, c: &Collected) -> Value {
-    let mut offset = 0;
+/// OpenAI's legacy completions logprobs object; `text_offset` counts
+/// characters (as OpenAI and vLLM do) from the start of the choice's text,
+/// which an echoed prompt of `start` characters precedes.
+fn completion_logprobs(app: &AppState, c: &Collected, start: usize) -> Value {
+    let mut offset = start;
     let mut tokens = Vec::new();
     let mut offsets = Vec::new();
     for &id in &c.token_ids {
         let t = app.tokenizer.token_text(id);
         offsets.push(offset);
-        offset += t.len();
+        offset += t.chars().count();
         tokens.push(t);
     }
     json!({
@@ -396,6 +399,9 @@ fn stream_openai(
         let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         let chunk = |choice: Value| json!({"id": id, "object": object, "created": created, "model": app.served_model_name, "choices": [choice]});
         let mut started = vec![false; n];
+        // Characters of each choice's text streamed so far: where the next
+        // chunk's `text_offset`s start.
+        let mut streamed_chars = vec![0usize; n];
         let mut ends: Vec<ChoiceEnd> = Vec::new();
         while ends.len() < n {
             let Some(update) = rx.recv().await else { break };
@@ -414,8 +420,10 @@ fn stream_openai(
                                 logprobs: logprobs.clone(),
                                 end: None,
                             },
+                            streamed_chars[index],
                         ),
                     });
+                    streamed_chars[index] += text.chars().count();
                     let choice = match kind {
                         Kind::Chat => {
                             let delta = if started[index] {
