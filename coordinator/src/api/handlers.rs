@@ -226,6 +226,15 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     let stops = req.sampling.stop_strings()?;
     let params = req.sampling.to_params(16, logprobs)?;
     let echo = req.echo.unwrap_or(false);
+    if echo && logprobs.is_some() {
+        // OpenAI's answer would carry the prompt tokens' logprobs too (what
+        // scoring harnesses read); an answer without them would be misread.
+        return Err(ApiError::invalid(
+            "echo",
+            "echo with logprobs needs the prompt's logprobs, which this server does not compute; \
+             drop echo or logprobs",
+        ));
+    }
     let mut specs = Vec::new();
     for p in &prompts {
         let params = fit_completion(&app, p.len(), req.sampling.names_max_tokens(), &params)?;
@@ -251,11 +260,10 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
         .enumerate()
         .map(|(i, c)| {
             let prefix = if echo { prompt_texts[i / n].clone() } else { String::new() };
-            let start = prefix.chars().count();
             json!({
                 "index": i,
                 "text": prefix + &c.text,
-                "logprobs": logprobs.map(|_| completion_logprobs(&app, c, start)),
+                "logprobs": logprobs.map(|_| completion_logprobs(&app, c, 0)),
                 "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
                 "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
                 // tinyvllm extensions: where the choice ran, and its prefix-cache hit.
@@ -272,7 +280,7 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
 
 /// OpenAI's legacy completions logprobs object; `text_offset` counts
 /// characters (as OpenAI and vLLM do) from the start of the choice's text,
-/// which an echoed prompt of `start` characters precedes.
+/// `start` of which came before these tokens (earlier streamed chunks).
 fn completion_logprobs(app: &AppState, c: &Collected, start: usize) -> Value {
     let mut offset = start;
     let mut tokens = Vec::new();
