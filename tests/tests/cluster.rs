@@ -387,6 +387,11 @@ fn tokenize_and_detokenize_agree_with_generation() {
         &json!({"messages": messages, "max_tokens": 2, "temperature": 0}),
     );
     assert_eq!(chat["usage"]["prompt_tokens"], tok["count"]);
+    let count = |body: Value| post_json(&cluster.url("/tokenize"), &body).1["count"].as_u64().unwrap();
+    let with_prompt = tok["count"].as_u64().unwrap();
+    assert!(count(json!({"messages": messages, "add_generation_prompt": false})) < with_prompt);
+    // This tokenizer's post-processor prepends BOS, as for plain prompts above.
+    assert_eq!(count(json!({"messages": messages, "add_special_tokens": true})), with_prompt + 1);
 
     for (path, body, param) in [
         ("/tokenize", json!({}), "prompt"),

@@ -302,9 +302,14 @@ fn completion_logprobs(app: &AppState, c: &Collected, start: usize) -> Value {
 }
 
 /// The prompt a conversation becomes: the model's chat template, then the
-/// tokenizer without special tokens (the template writes BOS where the
-/// model wants it).
-fn chat_prompt_ids(app: &AppState, messages: &[Value], add_generation_prompt: bool) -> Result<Vec<u32>, ApiError> {
+/// tokenizer, without special tokens for chat (the template writes BOS where
+/// the model wants it).
+fn chat_prompt_ids(
+    app: &AppState,
+    messages: &[Value],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
@@ -315,14 +320,14 @@ fn chat_prompt_ids(app: &AppState, messages: &[Value], add_generation_prompt: bo
     })?;
     let text =
         template.render(messages, add_generation_prompt).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    app.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))
+    app.tokenizer.encode(&text, add_special_tokens).map_err(|e| ApiError::invalid("messages", e.to_string()))
 }
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
     let req: ChatRequest = parse(body)?;
     check_model(&app, req.model.as_deref())?;
-    let prompt_ids = chat_prompt_ids(&app, &req.messages, true)?;
+    let prompt_ids = chat_prompt_ids(&app, &req.messages, true, false)?;
     check_prompt(&app, &prompt_ids)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (true, top) => Some(top_n("top_logprobs", top)?.unwrap_or(0)),
@@ -494,7 +499,12 @@ pub fn tokenize(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
             .tokenizer
             .encode(text, req.add_special_tokens.unwrap_or(true))
             .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
-        (None, Some(messages)) => chat_prompt_ids(app, messages, req.add_generation_prompt.unwrap_or(true))?,
+        (None, Some(messages)) => chat_prompt_ids(
+            app,
+            messages,
+            req.add_generation_prompt.unwrap_or(true),
+            req.add_special_tokens.unwrap_or(false),
+        )?,
         (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give prompt or messages, not both")),
         (None, None) => return Err(ApiError::invalid("prompt", "prompt or messages is required")),
     };

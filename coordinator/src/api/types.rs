@@ -269,7 +269,8 @@ pub struct GenerateRequest {
 }
 
 /// `POST /tokenize`: `prompt` (special tokens added by default) or chat
-/// `messages` (through the template, generation prompt added by default).
+/// `messages` (through the template, generation prompt added and special
+/// tokens not, by default, as chat generation does).
 #[derive(Clone, Debug, Deserialize)]
 pub struct TokenizeRequest {
     pub model: Option<String>,
