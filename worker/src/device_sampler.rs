@@ -142,7 +142,7 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     let device = x.device();
     let mut x = x.clone();
     if rows.iter().any(|r| !r.logit_bias.is_empty()) {
-        x = (x + scattered(rows.iter().map(|r| r.logit_bias.clone()), s, vocab, device)?)?;
+        x = (x + scattered(rows.iter().map(|r| r.logit_bias.iter().copied()), s, vocab, device)?)?;
     }
     if rows.iter().any(|r| r.repetition_penalty != 1.0) {
         let history = |r: &DeviceRow| -> Vec<u32> {
@@ -178,12 +178,17 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
 
 /// `[S, vocab]` f32: how often each token occurs in each row's list.
 fn token_counts(lists: impl Iterator<Item = Vec<u32>>, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
-    scattered(lists.map(|l| l.into_iter().map(|t| (t, 1.0)).collect()), s, vocab, device)
+    scattered(lists.map(|l| l.into_iter().map(|t| (t, 1.0))), s, vocab, device)
 }
 
 /// `[S, vocab]` f32: each row's (id, value) pairs summed into zeros. Ids
 /// outside the vocabulary (they come from requests) are ignored.
-fn scattered(lists: impl Iterator<Item = Vec<(u32, f32)>>, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+fn scattered(
+    lists: impl Iterator<Item = impl IntoIterator<Item = (u32, f32)>>,
+    s: usize,
+    vocab: usize,
+    device: &Device,
+) -> Result<Tensor> {
     let lists: Vec<Vec<(u32, f32)>> =
         lists.map(|l| l.into_iter().filter(|&(t, _)| (t as usize) < vocab).collect()).collect();
     let width = lists.iter().map(Vec::len).max().unwrap_or(0).max(1);

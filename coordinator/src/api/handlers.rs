@@ -49,11 +49,16 @@ fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
             ),
         ));
     }
+    check_in_vocabulary(app, "prompt", ids.iter().copied())
+}
+
+/// Refuses ids the tokenizer does not have, naming the request's `param`.
+fn check_in_vocabulary(app: &AppState, param: &str, mut ids: impl Iterator<Item = u32>) -> Result<(), ApiError> {
     let vocab_size = app.tokenizer.vocab_size();
-    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab_size) {
-        return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary")));
+    match ids.find(|&t| t as usize >= vocab_size) {
+        Some(bad) => Err(ApiError::invalid(param, format!("token id {bad} in {param} is outside the vocabulary"))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Fits the request to the model. The completion goes beside a prompt of
@@ -66,10 +71,7 @@ fn fit_completion(
     named: bool,
     params: &SamplingParams,
 ) -> Result<SamplingParams, ApiError> {
-    let vocab_size = app.tokenizer.vocab_size();
-    if let Some(&(bad, _)) = params.logit_bias.iter().find(|&&(t, _)| t as usize >= vocab_size) {
-        return Err(ApiError::invalid("logit_bias", format!("token id {bad} in logit_bias is outside the vocabulary")));
-    }
+    check_in_vocabulary(app, "logit_bias", params.logit_bias.iter().map(|&(t, _)| t))?;
     let room = app.max_model_len.saturating_sub(prompt_len) as u32;
     let mut params = params.clone();
     if params.max_tokens > room {
@@ -521,10 +523,7 @@ pub fn tokenize(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
 pub fn detokenize(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
     let req: DetokenizeRequest = parse(body)?;
     check_model(app, req.model.as_deref())?;
-    let vocab_size = app.tokenizer.vocab_size();
-    if let Some(&bad) = req.tokens.iter().find(|&&t| t as usize >= vocab_size) {
-        return Err(ApiError::invalid("tokens", format!("token id {bad} is outside the vocabulary")));
-    }
+    check_in_vocabulary(app, "tokens", req.tokens.iter().copied())?;
     Ok(Reply::json(json!({"prompt": app.tokenizer.decode(&req.tokens, false)})))
 }
 
