@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::{KvEventRecord, RequestId, SamplingParams};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -116,6 +116,10 @@ pub enum WorkerMessage {
     /// New tokens of one request since the last delta (coalesced per step).
     TokenDelta {
         request_id: RequestId,
+        /// Log-probabilities of the next prompt tokens, when the request
+        /// asked for `prompt_logprobs`: in prompt order from the second
+        /// token on, each exactly once, all before the first new token.
+        prompt_logprobs: Vec<WireLogprobs>,
         new_token_ids: Vec<u32>,
         logprobs: Vec<WireLogprobs>,
         finish_reason: Option<WireFinishReason>,
@@ -215,6 +219,7 @@ mod tests {
         vec![
             WorkerMessage::TokenDelta {
                 request_id: RequestId(7),
+                prompt_logprobs: vec![WireLogprobs { logprob: -2.0, top: vec![(4, -0.1)] }],
                 new_token_ids: vec![1, 2, 3],
                 logprobs: vec![WireLogprobs { logprob: -0.5, top: vec![(1, -0.5), (9, -1.5)] }],
                 finish_reason: Some(WireFinishReason::Length),

@@ -40,6 +40,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return the chosen token's log-probability plus this many top ones.
     pub logprobs: Option<u32>,
+    /// Return each prompt token's log-probability (given the tokens before
+    /// it) plus this many top ones, from the second prompt token on (vLLM's
+    /// `prompt_logprobs`). Such a request computes its whole prompt: a
+    /// prefix-cache hit would skip the positions it asks about.
+    pub prompt_logprobs: Option<u32>,
     /// Added to these tokens' logits before the penalties (OpenAI's
     /// `logit_bias`); sorted by id, each id once.
     pub logit_bias: Vec<(u32, f32)>,
@@ -61,6 +66,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             logit_bias: Vec::new(),
         }
     }
@@ -114,6 +120,9 @@ impl SamplingParams {
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
             return err("logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
         }
+        if let Some(n) = self.prompt_logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return err("prompt_logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
+        }
         if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b)) {
             return err("logit_bias", format!("must be in [-100, 100], got {b} for token {id}"));
         }
@@ -142,6 +151,8 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().param, "temperature");
         let bad = SamplingParams { logprobs: Some(21), ..SamplingParams::default() };
         assert_eq!(bad.validate().unwrap_err().param, "logprobs");
+        let bad = SamplingParams { prompt_logprobs: Some(21), ..SamplingParams::default() };
+        assert_eq!(bad.validate().unwrap_err().param, "prompt_logprobs");
         for bias in [vec![(3, 100.5)], vec![(3, f32::NAN)], vec![(4, 1.0), (3, 1.0)], vec![(3, 1.0), (3, 2.0)]] {
             let bad = SamplingParams { logit_bias: bias, ..SamplingParams::default() };
             assert_eq!(bad.validate().unwrap_err().param, "logit_bias");

@@ -60,6 +60,9 @@ pub struct WorkerInfo {
 /// What an HTTP handler receives for its request.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RequestEvent {
+    /// Log-probabilities of the next prompt tokens (`prompt_logprobs`), in
+    /// order from the second prompt token, each once, all before `Tokens`.
+    PromptLogprobs(Vec<WireLogprobs>),
     Tokens {
         ids: Vec<u32>,
         logprobs: Vec<WireLogprobs>,
@@ -105,6 +108,10 @@ struct InFlight {
     events: mpsc::UnboundedSender<RequestEvent>,
     /// Prompt tokens the first worker found cached (kept across re-dispatch).
     cached_tokens: Option<u32>,
+    /// Prompt logprobs passed on so far, and how many of the next worker's
+    /// to drop because an earlier worker sent them already.
+    prompt_logprobs_sent: usize,
+    prompt_logprobs_to_skip: usize,
 }
 
 struct State {
@@ -254,9 +261,19 @@ impl Cluster {
         let id = RequestId(state.next_request_id);
         let worker = self.dispatch(&mut state, id, &prompt, &chain, params.clone(), None)?;
         state.next_request_id += 1;
-        state
-            .requests
-            .insert(id, InFlight { prompt, params, generated: Vec::new(), worker, events: tx, cached_tokens: None });
+        state.requests.insert(
+            id,
+            InFlight {
+                prompt,
+                params,
+                generated: Vec::new(),
+                worker,
+                events: tx,
+                cached_tokens: None,
+                prompt_logprobs_sent: 0,
+                prompt_logprobs_to_skip: 0,
+            },
+        );
         Ok((id, worker, rx))
     }
 
@@ -338,6 +355,7 @@ impl Cluster {
         match message {
             WorkerMessage::TokenDelta {
                 request_id,
+                prompt_logprobs,
                 new_token_ids,
                 logprobs,
                 finish_reason,
@@ -348,6 +366,19 @@ impl Cluster {
                 let Some(req) = state.requests.get_mut(&request_id) else { return };
                 if req.worker != worker {
                     return; // a late delta from a worker we gave up on
+                }
+                if !prompt_logprobs.is_empty() {
+                    let skip = req.prompt_logprobs_to_skip.min(prompt_logprobs.len());
+                    req.prompt_logprobs_to_skip -= skip;
+                    let owed = req.prompt.len().saturating_sub(1).saturating_sub(req.prompt_logprobs_sent);
+                    let fresh: Vec<WireLogprobs> = prompt_logprobs.into_iter().skip(skip).take(owed).collect();
+                    req.prompt_logprobs_sent += fresh.len();
+                    if !fresh.is_empty() {
+                        let _ = req.events.send(RequestEvent::PromptLogprobs(fresh));
+                    }
+                }
+                if new_token_ids.is_empty() && finish_reason.is_none() {
+                    return; // a prompt chunk's logprobs: the request has not started generating
                 }
                 if req.cached_tokens.is_none() {
                     req.cached_tokens = Some(num_cached_tokens);
@@ -423,6 +454,12 @@ impl Cluster {
             let mut params = req.params.clone();
             params.max_tokens = params.max_tokens.saturating_sub(done).max(1);
             params.min_tokens = params.min_tokens.saturating_sub(done);
+            // The new worker scores the prompt from its start again: what
+            // the client has is dropped, and nothing is asked once all came.
+            let prompt_logprobs_sent = req.prompt_logprobs_sent;
+            if prompt_logprobs_sent >= req.prompt.len().saturating_sub(1) {
+                params.prompt_logprobs = None;
+            }
             let chain = common::hash_prompt_blocks(&prompt, self.block_size);
             match self.dispatch(state, id, &prompt, &chain, params, Some(worker)) {
                 Ok(target) => {
@@ -430,6 +467,7 @@ impl Cluster {
                     self.metrics.redispatches.inc();
                     if let Some(req) = state.requests.get_mut(&id) {
                         req.worker = target;
+                        req.prompt_logprobs_to_skip = prompt_logprobs_sent;
                     }
                 }
                 Err(_) => {

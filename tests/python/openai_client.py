@@ -44,6 +44,20 @@ b = client.completions.create(model=model, prompt="Once", max_tokens=4, temperat
                               logit_bias={"100": 100})
 assert len(set(b.choices[0].logprobs.tokens)) == 1, b.choices[0].logprobs
 
+# Scoring as lm-eval's local-completions model does: token ids, echo, logprobs=1,
+# max_tokens=1; the continuation's logprobs are token_logprobs[ctxlen:-1].
+context = client.completions.create(model=model, prompt="Once upon a time", max_tokens=0, echo=True,
+                                    logprobs=0, temperature=0).choices[0].logprobs
+ctxlen = len(context.tokens)
+assert context.token_logprobs[0] is None and all(lp <= 0 for lp in context.token_logprobs[1:]), context
+g = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=1)
+scored = client.completions.create(model=model, prompt="Once upon a time" + g.choices[0].text, max_tokens=1,
+                                   echo=True, logprobs=1, temperature=0).choices[0].logprobs
+continuation = scored.token_logprobs[ctxlen:-1]
+assert len(continuation) == 5, scored
+assert all(abs(a - b) < 1e-4 for a, b in zip(continuation, g.choices[0].logprobs.token_logprobs)), (continuation, g)
+assert all(lp == max(top.values()) for lp, top in zip(continuation, scored.top_logprobs[ctxlen:-1])), scored
+
 # Errors come back as the client's exceptions with OpenAI's shape.
 def bad_request(param, **kwargs):
     try:

@@ -405,8 +405,7 @@ fn tokenize_and_detokenize_agree_with_generation() {
 }
 
 /// Legacy completions' `text_offset` counts characters from the start of
-/// the choice's text, across streamed chunks too; echo with logprobs (which
-/// would need the prompt's logprobs) is refused rather than half answered.
+/// the choice's text, across streamed chunks too, and after an echoed prompt.
 #[test]
 fn completion_text_offsets_follow_the_text() {
     let cluster = Coordinator::start("stories260K", 1, &[]);
@@ -422,21 +421,96 @@ fn completion_text_offsets_follow_the_text() {
     assert_eq!((plain_offsets.len(), plain_offsets[0]), (6, 0));
     assert!(plain_offsets.windows(2).all(|w| w[0] <= w[1]), "{plain_offsets:?}");
 
-    body["echo"] = json!(true);
-    let (status, refused) = post_json(&cluster.url("/v1/completions"), &body);
-    assert_eq!((status, refused["error"]["param"].as_str()), (400, Some("echo")), "{refused}");
-    let mut echo_only = greedy(prompt, 6);
-    echo_only["echo"] = json!(true);
-    let (status, echoed) = post_json(&cluster.url("/v1/completions"), &echo_only);
-    assert!(status == 200 && echoed["choices"][0]["text"].as_str().unwrap().starts_with(prompt), "{echoed}");
+    let streamed_offsets = |body: &Value| -> Vec<u64> {
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let (events, _) = post_sse(&cluster.url("/v1/completions"), &body);
+        events
+            .iter()
+            .filter_map(|e| e["choices"].get(0)?.get("logprobs").filter(|l| !l.is_null()))
+            .flat_map(offsets)
+            .collect()
+    };
+    assert_eq!(streamed_offsets(&body), plain_offsets);
 
-    body["echo"] = json!(false);
-    body["stream"] = json!(true);
-    let (events, _) = post_sse(&cluster.url("/v1/completions"), &body);
-    let streamed: Vec<u64> = events
-        .iter()
-        .filter_map(|e| e["choices"].get(0)?.get("logprobs").filter(|l| !l.is_null()))
-        .flat_map(offsets)
-        .collect();
-    assert_eq!(streamed, plain_offsets);
+    // Echoed: the prompt's 5 tokens first, then the completion's, which
+    // start where the echoed text ends.
+    body["echo"] = json!(true);
+    let (status, echoed) = post_json(&cluster.url("/v1/completions"), &body);
+    assert!(status == 200 && echoed["choices"][0]["text"].as_str().unwrap().starts_with(prompt), "{echoed}");
+    let echoed_offsets = offsets(&echoed["choices"][0]["logprobs"]);
+    let tail: Vec<u64> = plain_offsets.iter().map(|o| o + prompt.len() as u64).collect();
+    assert_eq!((echoed_offsets.len(), &echoed_offsets[5..]), (11, tail.as_slice()));
+    assert_eq!(streamed_offsets(&body), echoed_offsets);
+}
+
+/// Scoring a text as lm-eval and OpenAI's legacy API do: `echo` with
+/// `logprobs` (and `max_tokens: 0` for the prompt alone) returns each prompt
+/// token's logprob given the tokens before it. Scoring a prompt plus its
+/// greedy continuation gives, at the continuation, what decoding reported;
+/// streamed or not; `/generate` gives the same under `prompt_logprobs`.
+#[test]
+fn echo_with_logprobs_scores_the_prompt() {
+    let cluster = Coordinator::start("stories260K", 1, &[]);
+    let case = &cases()[3];
+    let prompt: Vec<u64> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let body =
+        json!({"prompt_token_ids": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": 1});
+    let (status, generated) = post_json(&cluster.url("/generate"), &body);
+    assert_eq!(status, 200, "{generated}");
+    let ids: Vec<u64> = generated["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let decoded: Vec<f64> =
+        generated["logprobs"].as_array().unwrap().iter().map(|l| l["logprob"].as_f64().unwrap()).collect();
+    let text: Vec<u64> = prompt.iter().chain(&ids).copied().collect();
+
+    let score = json!({"prompt": text, "max_tokens": 0, "echo": true, "logprobs": 1, "temperature": 0});
+    let (status, scored) = post_json(&cluster.url("/v1/completions"), &score);
+    assert_eq!(status, 200, "{scored}");
+    let choice = &scored["choices"][0];
+    let token_logprobs = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(token_logprobs.len(), text.len());
+    assert!(token_logprobs[0].is_null() && choice["logprobs"]["top_logprobs"][0].is_null(), "{choice}");
+    let tail: Vec<f64> = token_logprobs[prompt.len()..].iter().map(|v| v.as_f64().unwrap()).collect();
+    for (got, want) in tail.iter().zip(&decoded) {
+        assert!((got - want).abs() < 1e-4, "scored {tail:?} vs decoded {decoded:?}");
+    }
+    // lm-eval's "is greedy" test: each continuation token is its position's top-1.
+    for (i, top) in choice["logprobs"]["top_logprobs"].as_array().unwrap()[prompt.len()..].iter().enumerate() {
+        let best = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        assert_eq!(best, tail[i], "{top}");
+    }
+    assert_eq!(
+        (choice["finish_reason"].as_str(), scored["usage"]["completion_tokens"].as_u64()),
+        (Some("length"), Some(0))
+    );
+    let echoed_text = choice["text"].as_str().unwrap().to_string();
+    assert!(echoed_text.starts_with(case["prompt_text"].as_str().unwrap()), "{echoed_text:?}");
+
+    // Streamed: one chunk with the echoed prompt and the same numbers, and no token after it.
+    let mut streamed = score.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (events, done) = post_sse(&cluster.url("/v1/completions"), &streamed);
+    assert!(done);
+    let texts: String = events.iter().filter_map(|e| e["choices"].get(0)?["text"].as_str()).collect();
+    assert_eq!(texts, echoed_text);
+    let streamed_logprobs: Vec<&Value> =
+        events.iter().filter_map(|e| e["choices"].get(0)?.get("logprobs").filter(|l| !l.is_null())).collect();
+    assert_eq!(streamed_logprobs.len(), 1);
+    assert_eq!(&streamed_logprobs[0]["token_logprobs"], &choice["logprobs"]["token_logprobs"]);
+    assert_eq!(events.last().unwrap()["usage"]["completion_tokens"].as_u64(), Some(0));
+
+    // `/generate`'s prompt_logprobs: the same numbers, each naming its token.
+    let body = json!({"prompt_token_ids": text, "max_tokens": 1, "prompt_logprobs": 0});
+    let (status, generated) = post_json(&cluster.url("/generate"), &body);
+    assert_eq!(status, 200, "{generated}");
+    let entries = generated["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(entries.len(), text.len());
+    assert!(entries[0].is_null());
+    for (i, e) in entries.iter().enumerate().skip(1) {
+        assert_eq!(e["token_id"].as_u64(), Some(text[i]));
+        assert_eq!(e["logprob"], token_logprobs[i]);
+    }
+    let (status, err) = post_json(&cluster.url("/generate"), &json!({"prompt": "Once", "prompt_logprobs": 21}));
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("prompt_logprobs")), "{err}");
 }

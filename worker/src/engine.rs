@@ -17,6 +17,10 @@ use crate::models::ModelFiles;
 use crate::profile::{self, Section};
 use crate::sampler::{self, SeqSamplingInput};
 
+/// Most logits a step keeps for prompt logprobs (128 MiB of f32): 1,000
+/// rows of a 32k vocabulary, 220 of a 152k one.
+const MAX_PROMPT_LOGPROB_LOGITS: usize = 32 << 20;
+
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub device: Device,
@@ -141,6 +145,7 @@ impl Engine {
             enable_prefix_caching: config.enable_prefix_caching,
             policy: config.policy,
             eos_token_ids: files.eos_token_ids.clone(),
+            max_prompt_logprob_rows: (MAX_PROMPT_LOGPROB_LOGITS / cfg.vocab_size.max(1)).max(1),
         });
         Ok(Self {
             scheduler,
@@ -260,33 +265,95 @@ impl Engine {
                 }
             })
             .collect();
-        let sampled = sampler::sample_batch(&logits, self.vocab_size, &inputs);
-        let vocab = self.vocab_size;
-        let raw_logits = self.logprobs_mode == LogprobsMode::RawLogits;
+        let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * self.vocab_size);
+        let sampled = sampler::sample_batch(sampling_logits, self.vocab_size, &inputs);
         let sampled: Vec<SampledToken> = sampled
             .into_iter()
             .zip(&inputs)
             .enumerate()
             .map(|(row, (s, input))| {
                 let logprobs = input.params.logprobs.map(|_| {
-                    if raw_logits {
-                        // Same order as logprobs (softmax is monotonic), other values.
-                        let logit = |id: u32| logits[row * vocab + id as usize];
-                        TokenLogprobs {
-                            logprob: logit(s.token_id),
-                            top: s.top_logprobs.iter().map(|&(id, _)| (id, logit(id))).collect(),
-                        }
-                    } else {
-                        TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }
-                    }
+                    let raw = &sampling_logits[row * self.vocab_size..][..self.vocab_size];
+                    self.reported(raw, s.token_id, s.logprob, s.top_logprobs)
                 });
                 SampledToken { token_id: s.token_id, logprobs }
             })
             .collect();
         drop(inputs);
+        let prompt_logprobs = self.prompt_logprobs(&step, prompt_logits);
         drop(sampling_timer);
         let _t = profile::scope(Section::Scheduler);
-        Ok(self.scheduler.update_from_output(&step, sampled))
+        let outputs = self.scheduler.update_from_output(&step, sampled);
+        Ok(self.with_prompt_logprobs(outputs, prompt_logprobs))
+    }
+
+    /// `token`'s logprob and the top list as `logprobs_mode` reports them;
+    /// `raw` is the row of logits they were computed from.
+    fn reported(&self, raw: &[f32], token: u32, logprob: f32, top: Vec<(u32, f32)>) -> TokenLogprobs {
+        match self.logprobs_mode {
+            LogprobsMode::RawLogprobs => TokenLogprobs { logprob, top },
+            // Same order as logprobs (softmax is monotonic), other values.
+            LogprobsMode::RawLogits => {
+                let logit = |id: u32| raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
+                TokenLogprobs { logprob: logit(token), top: top.iter().map(|&(id, _)| (id, logit(id))).collect() }
+            }
+        }
+    }
+
+    /// The prompt logprobs this step computed, per request: `logits` holds
+    /// one row per position of the step's `prompt_logprob_positions`, in order.
+    fn prompt_logprobs(&self, step: &SchedulerOutput, logits: &[f32]) -> Vec<(RequestId, Vec<TokenLogprobs>)> {
+        if logits.is_empty() {
+            return Vec::new();
+        }
+        let vocab = self.vocab_size;
+        let mut rows = Vec::new(); // (next prompt token, top n)
+        for s in step.scheduled.iter().filter(|s| !s.prompt_logprob_positions.is_empty()) {
+            let req = self.scheduler.request(s.id).expect("scheduled request exists");
+            let n = req.params.prompt_logprobs.unwrap_or(0) as usize;
+            rows.extend(s.prompt_logprob_positions.clone().map(|p| (req.token_ids[p + 1], n)));
+        }
+        let mut values = sampler::token_logprobs(logits, vocab, &rows).into_iter();
+        let mut rows = rows.iter().zip(logits.chunks_exact(vocab));
+        step.scheduled
+            .iter()
+            .filter(|s| !s.prompt_logprob_positions.is_empty())
+            .map(|s| {
+                let lps = (0..s.prompt_logprob_positions.len())
+                    .filter_map(|_| {
+                        let (&(token, _), raw) = rows.next()?;
+                        let (logprob, top) = values.next()?;
+                        Some(self.reported(raw, token, logprob, top))
+                    })
+                    .collect();
+                (s.id, lps)
+            })
+            .collect()
+    }
+
+    /// Puts each request's prompt logprobs in its output of this step, or
+    /// in an output of their own when it did not sample (a prompt chunk).
+    fn with_prompt_logprobs(
+        &self,
+        mut outputs: Vec<RequestOutput>,
+        prompt_logprobs: Vec<(RequestId, Vec<TokenLogprobs>)>,
+    ) -> Vec<RequestOutput> {
+        for (id, lps) in prompt_logprobs {
+            if let Some(o) = outputs.iter_mut().find(|o| o.id == id) {
+                o.prompt_logprobs = lps;
+            } else if let Some(req) = self.scheduler.request(id) {
+                outputs.push(RequestOutput {
+                    id,
+                    prompt_logprobs: lps,
+                    new_token_ids: Vec::new(),
+                    logprobs: Vec::new(),
+                    finish_reason: None,
+                    num_prompt_tokens: req.num_prompt_tokens,
+                    num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                });
+            }
+        }
+        outputs
     }
 }
 
@@ -316,7 +383,7 @@ impl Engine {
             LogprobsMode::RawLogits => LogprobValues::RawLogits,
             LogprobsMode::RawLogprobs => LogprobValues::Logprobs,
         };
-        let drawn = {
+        let (drawn, prompt_logits) = {
             let _t = profile::scope(Section::Forward);
             self.runner.execute_on_device(batch, &rows, values)?
         };
@@ -329,8 +396,10 @@ impl Engine {
             })
             .collect();
         drop(rows);
+        let prompt_logprobs = self.prompt_logprobs(step, &prompt_logits);
         let _t = profile::scope(Section::Scheduler);
-        Ok(self.scheduler.update_from_output(step, sampled))
+        let outputs = self.scheduler.update_from_output(step, sampled);
+        Ok(self.with_prompt_logprobs(outputs, prompt_logprobs))
     }
 }
 

@@ -30,6 +30,9 @@ pub struct BatchInputs {
     pub meta: AttentionMetadata,
     /// Row of each sampling request's last new token.
     pub logits_indices: Vec<u32>,
+    /// Rows whose logits give prompt logprobs, in the order of the step's
+    /// `prompt_logprob_positions`.
+    pub prompt_logprob_rows: Vec<u32>,
 }
 
 impl ModelRunner {
@@ -69,6 +72,10 @@ impl ModelRunner {
                 b.positions.push(pos as u32);
                 b.meta.slot_mapping.push(sched.block_ids[pos / bs].0 * bs as u32 + (pos % bs) as u32);
             }
+            let first_row = b.input_ids.len() - sched.num_new_tokens;
+            b.prompt_logprob_rows.extend(
+                sched.prompt_logprob_positions.clone().map(|pos| (first_row + pos - sched.num_computed_tokens) as u32),
+            );
             b.meta.query_start_loc.push(b.input_ids.len() as u32);
             b.meta.context_lens.push(end as u32);
             b.meta.block_tables.push(sched.block_ids.iter().map(|blk| blk.0).collect());
@@ -79,8 +86,9 @@ impl ModelRunner {
         b
     }
 
-    /// Runs the model on a prepared batch; returns the sampled rows' logits,
-    /// row-major [logits_indices.len(), vocab] in f32.
+    /// Runs the model on a prepared batch; returns the logits of the
+    /// sampled rows, then of the prompt-logprob rows, row-major
+    /// [logits_indices.len() + prompt_logprob_rows.len(), vocab] in f32.
     pub fn execute(&mut self, batch: &BatchInputs) -> Result<Vec<f32>> {
         match self.forward(batch)? {
             Some(logits) => Ok(logits.flatten_all()?.to_vec1::<f32>()?),
@@ -89,20 +97,24 @@ impl ModelRunner {
     }
 
     /// Runs the model and samples on the device, one row per sampled
-    /// sequence: only token ids and requested logprobs cross to the host.
+    /// sequence: only token ids and requested logprobs cross to the host,
+    /// plus the prompt-logprob rows' logits (row-major, f32) if any.
     pub fn execute_on_device(
         &mut self,
         batch: &BatchInputs,
         rows: &[DeviceRow],
         values: LogprobValues,
-    ) -> Result<Vec<SampledToken>> {
-        match self.forward(batch)? {
-            Some(logits) => device_sampler::sample(&logits, rows, values),
-            None => Ok(Vec::new()),
-        }
+    ) -> Result<(Vec<SampledToken>, Vec<f32>)> {
+        let Some(logits) = self.forward(batch)? else { return Ok((Vec::new(), Vec::new())) };
+        let s = batch.logits_indices.len();
+        let sampled = if s == 0 { Vec::new() } else { device_sampler::sample(&logits.narrow(0, 0, s)?, rows, values)? };
+        let p = batch.prompt_logprob_rows.len();
+        let prompt = if p == 0 { Vec::new() } else { logits.narrow(0, s, p)?.flatten_all()?.to_vec1::<f32>()? };
+        Ok((sampled, prompt))
     }
 
-    /// The sampled rows' logits [S, vocab] on the device; None when no row samples.
+    /// The logits [S + P, vocab] of the sampled rows then the prompt-logprob
+    /// rows, on the device; None when no row is wanted.
     fn forward(&mut self, batch: &BatchInputs) -> Result<Option<Tensor>> {
         if batch.input_ids.is_empty() {
             return Ok(None);
@@ -110,14 +122,16 @@ impl ModelRunner {
         let t = batch.input_ids.len();
         let input_ids = Tensor::from_slice(&batch.input_ids, t, &self.device)?;
         let positions = Tensor::from_slice(&batch.positions, t, &self.device)?;
+        let mut wanted = batch.logits_indices.clone();
+        wanted.extend_from_slice(&batch.prompt_logprob_rows);
         // A step of prompt chunks only still runs the layers to fill the KV
         // cache; it computes one row of logits that nobody reads.
-        let wanted = if batch.logits_indices.is_empty() { vec![t as u32 - 1] } else { batch.logits_indices.clone() };
+        let none_wanted = wanted.is_empty();
+        if none_wanted {
+            wanted.push(t as u32 - 1);
+        }
         let logits_indices = Tensor::from_slice(&wanted, wanted.len(), &self.device)?;
         let logits = self.model.forward(&input_ids, &positions, &self.kv_caches, &batch.meta, &logits_indices)?;
-        if batch.logits_indices.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(logits))
+        Ok((!none_wanted).then_some(logits))
     }
 }

@@ -63,6 +63,15 @@ pub fn sample_batch(logits: &[f32], vocab_size: usize, seqs: &[SeqSamplingInput]
         .collect()
 }
 
+/// Log-probability of one given token per row, plus the row's `n` most
+/// likely tokens: `rows[i] = (token, n)` for row i of `logits` (row-major,
+/// `vocab_size` wide). Used for prompt logprobs, with the same numbers as
+/// a sampled token's.
+pub fn token_logprobs(logits: &[f32], vocab_size: usize, rows: &[(u32, usize)]) -> Vec<(f32, Vec<(u32, f32)>)> {
+    assert!(vocab_size > 0 && logits.len() == rows.len() * vocab_size, "one row of {vocab_size} logits per token");
+    logits.par_chunks_exact(vocab_size).zip(rows).map(|(raw, &(token, n))| raw_logprobs(raw, token, n)).collect()
+}
+
 /// Buffers reused across the rows one rayon worker handles.
 #[derive(Default)]
 struct Scratch {

@@ -189,6 +189,11 @@ pub fn engine_loop(
 fn token_delta(o: RequestOutput) -> WorkerMessage {
     WorkerMessage::TokenDelta {
         request_id: o.id,
+        prompt_logprobs: o
+            .prompt_logprobs
+            .into_iter()
+            .map(|l| WireLogprobs { logprob: l.logprob, top: l.top })
+            .collect(),
         new_token_ids: o.new_token_ids,
         logprobs: o.logprobs.into_iter().map(|l| WireLogprobs { logprob: l.logprob, top: l.top }).collect(),
         finish_reason: o.finish_reason.map(|r| match r {

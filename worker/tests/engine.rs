@@ -131,6 +131,95 @@ fn preemption_under_a_tiny_kv_budget_keeps_outputs() {
     assert_eq!(small.stats().kv_blocks_used, 0);
 }
 
+/// Prompt logprobs score a text as decoding would have: scoring each
+/// prompt plus its greedy continuation gives, at the continuation's
+/// positions, the logprobs decoding reported (1e-4), the same top tokens,
+/// and one entry per prompt token after the first, whatever the batch,
+/// the chunking, preemption or where the sampling runs.
+#[test]
+fn prompt_logprobs_equal_the_decode_logprobs() {
+    let continuation = 12;
+    let decode: Vec<_> = prompts()
+        .into_iter()
+        .take(8)
+        .map(|p| (p, SamplingParams { ignore_eos: true, logprobs: Some(3), ..SamplingParams::greedy(continuation) }))
+        .collect();
+    let mut decoded = Vec::new(); // per request: tokens and their logprobs
+    let mut e = default_engine();
+    for (i, (prompt, params)) in decode.iter().enumerate() {
+        e.add_request(RequestId(i as u64), prompt.clone(), params.clone(), 0).unwrap();
+    }
+    let mut outputs: HashMap<u64, (Vec<u32>, Vec<worker::core::TokenLogprobs>)> = HashMap::new();
+    while e.has_unfinished() {
+        for o in e.step().unwrap() {
+            let entry = outputs.entry(o.id.0).or_default();
+            entry.0.extend(o.new_token_ids);
+            entry.1.extend(o.logprobs);
+        }
+    }
+    for i in 0..decode.len() {
+        decoded.push(outputs.remove(&(i as u64)).unwrap());
+    }
+    let scoring: Vec<_> = decode
+        .iter()
+        .zip(&decoded)
+        .map(|((prompt, _), (tokens, _))| {
+            let text: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
+            (text, SamplingParams { prompt_logprobs: Some(3), ..SamplingParams::greedy(1) })
+        })
+        .collect();
+    let configs = [
+        ("one batch", EngineConfig { num_blocks: Some(1024), ..EngineConfig::default() }),
+        (
+            "chunks of 16",
+            EngineConfig { num_blocks: Some(1024), max_num_batched_tokens: 16, ..EngineConfig::default() },
+        ),
+        ("preempted", EngineConfig { num_blocks: Some(24), max_num_batched_tokens: 48, ..EngineConfig::default() }),
+        (
+            "device sampling",
+            EngineConfig { num_blocks: Some(1024), device_sampling: Some(true), ..EngineConfig::default() },
+        ),
+    ];
+    for (what, config) in configs {
+        let mut e = engine(config);
+        // Twice: the second pass would hit the prefix cache if prompt
+        // logprobs did not bypass it.
+        for pass in 0..2 {
+            for (i, (text, params)) in scoring.iter().enumerate() {
+                e.add_request(RequestId((pass * 100 + i) as u64), text.clone(), params.clone(), 0).unwrap();
+                if what == "preempted" {
+                    // Decodes growing beside the scoring requests take their blocks.
+                    let (prompt, params) = &decode[i];
+                    let params = SamplingParams { max_tokens: 40, ..params.clone() };
+                    e.add_request(RequestId((pass * 100 + 50 + i) as u64), prompt.clone(), params, 0).unwrap();
+                }
+            }
+            let mut scored: HashMap<u64, Vec<worker::core::TokenLogprobs>> = HashMap::new();
+            while e.has_unfinished() {
+                for o in e.step().unwrap() {
+                    let scores = o.id.0 % 100 < 50;
+                    assert!(!scores || o.num_cached_tokens == 0, "{what}: a cache hit");
+                    scored.entry(o.id.0).or_default().extend(o.prompt_logprobs);
+                }
+            }
+            e.scheduler().check_invariants();
+            for (i, ((text, _), (_, decode_lps))) in scoring.iter().zip(&decoded).enumerate() {
+                let lps = &scored[&((pass * 100 + i) as u64)];
+                assert_eq!(lps.len(), text.len() - 1, "{what} request {i}");
+                let tail = &lps[lps.len() - continuation as usize..];
+                for (step, (got, want)) in tail.iter().zip(decode_lps).enumerate() {
+                    let close = (got.logprob - want.logprob).abs() < 1e-4;
+                    let same_top = got.top.iter().map(|t| t.0).eq(want.top.iter().map(|t| t.0));
+                    assert!(close && same_top, "{what} request {i} step {step}: {got:?} vs decode {want:?}");
+                }
+            }
+        }
+        if what == "preempted" {
+            assert!(e.stats().num_preemptions > 0, "no preemption happened");
+        }
+    }
+}
+
 #[test]
 fn aborts_free_every_block() {
     let mut e = default_engine();

@@ -155,3 +155,52 @@ fn tiny_llama3_matches_transformers() {
 fn tiny_mistral_matches_transformers() {
     check_model("tiny-mistral.json");
 }
+
+/// Prompt logprobs (`prompt_logprobs`, raw logits here) against the same
+/// reference: each case's prompt plus its first 5 greedy tokens as one
+/// prompt, whose last 5 positions must carry transformers' top-5 logits
+/// (1e-3), with the whole prompt computed at once and in chunks of 32.
+fn check_prompt_logprobs(golden_file: &str) {
+    let golden = load_golden(golden_file);
+    for max_num_batched_tokens in [2048, 32] {
+        let mut e = engine(&golden.model, max_num_batched_tokens);
+        for (i, case) in golden.cases.iter().enumerate() {
+            let mut prompt = case.prompt_ids.clone();
+            prompt.extend(&case.generated_ids[..5]);
+            let params = SamplingParams { prompt_logprobs: Some(20), ..SamplingParams::greedy(1) };
+            e.add_request(RequestId(i as u64), prompt, params, 0).unwrap();
+        }
+        let mut prompt_logprobs: HashMap<u64, Vec<worker::core::TokenLogprobs>> = HashMap::new();
+        while e.has_unfinished() {
+            for out in e.step().unwrap() {
+                prompt_logprobs.entry(out.id.0).or_default().extend(out.prompt_logprobs);
+            }
+        }
+        for (i, case) in golden.cases.iter().enumerate() {
+            let what = format!("{} case {} chunk {max_num_batched_tokens}", golden.model, case.id);
+            let lps = &prompt_logprobs[&(i as u64)];
+            // One entry per prompt token after the first.
+            assert_eq!(lps.len(), case.prompt_ids.len() + 5 - 1, "{what}");
+            for expected in case.top_logits.iter().filter(|t| t.step < 5) {
+                // The entry of prompt position p comes from the logits at p - 1.
+                let entry = &lps[case.prompt_ids.len() - 1 + expected.step];
+                assert!((entry.logprob - expected.logits[0]).abs() < 1e-3, "{what} step {}", expected.step);
+                for (id, logit) in expected.ids.iter().zip(&expected.logits) {
+                    let got = entry.top.iter().find(|(t, _)| t == id).map(|&(_, l)| l);
+                    assert!(
+                        got.is_some_and(|g| (g - logit).abs() < 1e-3),
+                        "{what} step {} token {id}: {got:?} vs reference {logit}",
+                        expected.step
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn prompt_logprobs_match_transformers() {
+    for file in ["stories260K.json", "tiny-qwen3.json", "tiny-llama3.json", "tiny-mistral.json", "tiny-qwen2.json"] {
+        check_prompt_logprobs(file);
+    }
+}

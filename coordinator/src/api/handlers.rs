@@ -131,12 +131,13 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
     };
     check_prompt(&app, &prompt_ids)?;
     let logprobs = top_n("logprobs", req.logprobs)?;
-    let params = req.sampling.to_params(16, logprobs)?;
+    let mut params = req.sampling.to_params(16, logprobs)?;
+    params.prompt_logprobs = top_n("prompt_logprobs", req.prompt_logprobs)?;
     let params = fit_completion(&app, prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
-    let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };
+    let spec = ChoiceSpec { prompt_ids: prompt_ids.clone(), params, stops: req.sampling.stop_strings()? };
     let rx = run::launch(&app, "/generate", vec![spec])?;
     if req.sampling.stream() {
-        return Ok(Reply::sse(stream_generate(app, rx)));
+        return Ok(Reply::sse(stream_generate(app, rx, prompt_ids)));
     }
     let mut choices = run::collect(rx, 1).await?;
     let c = choices.remove(0);
@@ -152,6 +153,11 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
         out["logprobs"] =
             json!(c.logprobs.iter().zip(&c.token_ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect::<Vec<_>>());
     }
+    if req.prompt_logprobs.is_some() {
+        // vLLM's shape: the first prompt token has none.
+        let entries = c.prompt_logprobs.iter().zip(&prompt_ids[1..]).map(|(l, &id)| logprob_entry(&app, id, l));
+        out["prompt_logprobs"] = json!(std::iter::once(Value::Null).chain(entries).collect::<Vec<_>>());
+    }
     Ok(Reply::json(out))
 }
 
@@ -164,11 +170,26 @@ fn logprob_entry(app: &AppState, id: u32, l: &WireLogprobs) -> Value {
     })
 }
 
-fn stream_generate(app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) -> mpsc::Receiver<String> {
+/// `/generate`'s SSE events; prompt logprobs come first, in events of
+/// their own, each entry naming its prompt token.
+fn stream_generate(
+    app: Arc<AppState>,
+    mut rx: mpsc::UnboundedReceiver<Update>,
+    prompt_ids: Vec<u32>,
+) -> mpsc::Receiver<String> {
     let (tx, out) = mpsc::channel(64);
     tokio::spawn(async move {
+        // The prompt token whose logprob comes next (the first has none).
+        let mut next_prompt_token = 1;
         while let Some(update) = rx.recv().await {
             let event = match update {
+                Update::PromptLogprobs { logprobs, .. } => {
+                    let ids = prompt_ids.get(next_prompt_token..).unwrap_or_default();
+                    next_prompt_token += logprobs.len();
+                    let entries: Vec<Value> =
+                        logprobs.iter().zip(ids).map(|(l, &id)| logprob_entry(&app, id, l)).collect();
+                    json!({"text": "", "token_ids": [], "prompt_logprobs": entries})
+                }
                 Update::Delta { text, token_ids, logprobs, .. } => {
                     let mut e = json!({"text": text, "token_ids": token_ids});
                     if !logprobs.is_empty() {
@@ -226,31 +247,46 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     let n = req.sampling.n()?;
     req.unserved.check(n)?;
     let stops = req.sampling.stop_strings()?;
-    let params = req.sampling.to_params(16, logprobs)?;
     let echo = req.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        // OpenAI's answer would carry the prompt tokens' logprobs too (what
-        // scoring harnesses read); an answer without them would be misread.
-        return Err(ApiError::invalid(
-            "echo",
-            "echo with logprobs needs the prompt's logprobs, which this server does not compute; \
-             drop echo or logprobs",
-        ));
+    // OpenAI's scoring idiom: `echo` with `max_tokens: 0` answers the prompt
+    // alone (with its logprobs). The engine computes one token, as vLLM
+    // does, and the answer leaves it out.
+    let mut sampling = req.sampling.clone();
+    let echo_only = echo && sampling.max_tokens.or(sampling.max_completion_tokens) == Some(0);
+    if echo_only {
+        (sampling.max_tokens, sampling.max_completion_tokens) = (Some(1), None);
+    }
+    let mut params = sampling.to_params(16, logprobs)?;
+    if echo {
+        // The echoed prompt's tokens carry logprobs too (what scoring harnesses read).
+        params.prompt_logprobs = logprobs;
     }
     let mut specs = Vec::new();
     for p in &prompts {
-        let params = fit_completion(&app, p.len(), req.sampling.names_max_tokens(), &params)?;
+        let params = fit_completion(&app, p.len(), sampling.names_max_tokens(), &params)?;
         specs.extend(n_choices(p, &params, &stops, n));
     }
     let count = specs.len();
-    let prompt_texts: Vec<String> = prompts.iter().map(|p| app.tokenizer.decode(p, true)).collect();
+    let echoes: Vec<Echo> = if echo {
+        prompts.iter().map(|p| Echo { text: app.tokenizer.decode(p, true), ids: p.clone() }).collect()
+    } else {
+        Vec::new()
+    };
     let rx = run::launch(&app, "/v1/completions", specs)?;
     let id = format!("cmpl-{}", app.next_id());
-    if req.sampling.stream() {
-        let include_usage = req.sampling.include_usage();
-        return Ok(Reply::sse(stream_openai(app, rx, id, count, include_usage, Kind::Completion)));
+    if sampling.stream() {
+        let include_usage = sampling.include_usage();
+        let per_choice = echoes.into_iter().flat_map(|e| vec![e; n]).collect();
+        let echo = EchoStream { per_choice, only: echo_only, logprobs: logprobs.is_some() };
+        let stream = stream_openai(app, rx, id, count, include_usage, Kind::Completion, echo);
+        return Ok(Reply::sse(stream));
     }
-    let choices = run::collect(rx, count).await?;
+    let mut choices = run::collect(rx, count).await?;
+    if echo_only {
+        for c in &mut choices {
+            leave_out_completion(c);
+        }
+    }
     let ends: Vec<&ChoiceEnd> = choices.iter().filter_map(|c| c.end.as_ref()).collect();
     let mut usage = usage(&ends);
     // Usage counts each prompt once.
@@ -261,11 +297,13 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let prefix = if echo { prompt_texts[i / n].clone() } else { String::new() };
+            let echoed = echoes.get(i / n);
+            let prefix = echoed.map_or("", |e| e.text.as_str());
+            let prompt = echoed.map(|e| (e, c.prompt_logprobs.as_slice()));
             json!({
                 "index": i,
-                "text": prefix + &c.text,
-                "logprobs": logprobs.map(|_| completion_logprobs(&app, c, 0)),
+                "text": format!("{prefix}{}", c.text),
+                "logprobs": logprobs.map(|_| completion_logprobs(&app, prompt, &c.token_ids, &c.logprobs, 0)),
                 "finish_reason": c.end.as_ref().map(|e| e.finish_reason),
                 "stop_reason": c.end.as_ref().and_then(|e| e.stop.clone()),
                 // tinyvllm extensions: where the choice ran, and its prefix-cache hit.
@@ -280,25 +318,73 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     })))
 }
 
-/// OpenAI's legacy completions logprobs object; `text_offset` counts
-/// characters (as OpenAI and vLLM do) from the start of the choice's text,
-/// `start` of which came before these tokens (earlier streamed chunks).
-fn completion_logprobs(app: &AppState, c: &Collected, start: usize) -> Value {
-    let mut offset = start;
-    let mut tokens = Vec::new();
-    let mut offsets = Vec::new();
-    for &id in &c.token_ids {
+/// A prompt echoed back by `/v1/completions`.
+#[derive(Clone)]
+struct Echo {
+    text: String,
+    ids: Vec<u32>,
+}
+
+/// What a completions stream echoes: each choice's prompt, first (with
+/// its logprobs if `logprobs`); with `only`, nothing after it (`max_tokens: 0`).
+struct EchoStream {
+    per_choice: Vec<Echo>,
+    only: bool,
+    logprobs: bool,
+}
+
+/// An `echo` with `max_tokens: 0` answer: the token the engine computed is
+/// not part of it.
+fn leave_out_completion(c: &mut Collected) {
+    c.text.clear();
+    c.token_ids.clear();
+    c.logprobs.clear();
+    if let Some(end) = &mut c.end {
+        end.completion_tokens = 0;
+        end.finish_reason = "length";
+        end.stop = None;
+    }
+}
+
+/// OpenAI's legacy completions logprobs object over an echoed prompt (with
+/// the logprobs of all but its first token, which has `null`s), then the
+/// completion's `ids`. `text_offset` counts characters from the start of
+/// the choice's text, of which `start` came in earlier streamed chunks:
+/// the completion's tokens start after the echoed text; the prompt's
+/// offsets add up its token texts, as vLLM's do (a BOS token or a leading
+/// space the decoded text drops still counts there).
+fn completion_logprobs(
+    app: &AppState,
+    prompt: Option<(&Echo, &[WireLogprobs])>,
+    ids: &[u32],
+    lps: &[WireLogprobs],
+    start: usize,
+) -> Value {
+    let (mut tokens, mut offsets, mut token_logprobs, mut top_logprobs) = (vec![], vec![], vec![], vec![]);
+    let mut push = |id: u32, lp: Option<&WireLogprobs>, offset: &mut usize| {
         let t = app.tokenizer.token_text(id);
-        offsets.push(offset);
-        offset += t.chars().count();
+        offsets.push(*offset);
+        *offset += t.chars().count();
         tokens.push(t);
+        token_logprobs.push(lp.map(|l| l.logprob));
+        top_logprobs.push(lp.map(|l| {
+            l.top.iter().map(|&(t, lp)| (app.tokenizer.token_text(t), json!(lp))).collect::<serde_json::Map<_, _>>()
+        }));
+    };
+    let mut offset = start;
+    if let Some((echo, prompt_lps)) = prompt {
+        for (i, &id) in echo.ids.iter().enumerate() {
+            push(id, i.checked_sub(1).and_then(|j| prompt_lps.get(j)), &mut offset);
+        }
+        offset = start + echo.text.chars().count();
+    }
+    for (&id, l) in ids.iter().zip(lps) {
+        push(id, Some(l), &mut offset);
     }
     json!({
         "tokens": tokens,
-        "token_logprobs": c.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-        "top_logprobs": c.logprobs.iter().map(|l| {
-            l.top.iter().map(|&(t, lp)| (app.tokenizer.token_text(t), json!(lp))).collect::<serde_json::Map<_, _>>()
-        }).collect::<Vec<_>>(),
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     })
 }
@@ -348,7 +434,8 @@ pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
     let id = format!("chatcmpl-{}", app.next_id());
     if req.sampling.stream() {
         let include_usage = req.sampling.include_usage();
-        return Ok(Reply::sse(stream_openai(app, rx, id, n, include_usage, Kind::Chat)));
+        let no_echo = EchoStream { per_choice: Vec::new(), only: false, logprobs: false };
+        return Ok(Reply::sse(stream_openai(app, rx, id, n, include_usage, Kind::Chat, no_echo)));
     }
     let choices = run::collect(rx, n).await?;
     let ends: Vec<&ChoiceEnd> = choices.iter().filter_map(|c| c.end.as_ref()).collect();
@@ -399,7 +486,9 @@ enum Kind {
     Chat,
 }
 
-/// OpenAI SSE chunks, ending with `data: [DONE]`.
+/// OpenAI SSE chunks, ending with `data: [DONE]`. An echoed prompt is
+/// each choice's first chunk, sent once its prompt logprobs (which come
+/// before any token) are in.
 fn stream_openai(
     app: Arc<AppState>,
     mut rx: mpsc::UnboundedReceiver<Update>,
@@ -407,6 +496,7 @@ fn stream_openai(
     n: usize,
     include_usage: bool,
     kind: Kind,
+    echo: EchoStream,
 ) -> mpsc::Receiver<String> {
     let (tx, out) = mpsc::channel(64);
     tokio::spawn(async move {
@@ -417,26 +507,47 @@ fn stream_openai(
         // Characters of each choice's text streamed so far: where the next
         // chunk's `text_offset`s start.
         let mut streamed_chars = vec![0usize; n];
+        let mut prompt_logprobs: Vec<Vec<WireLogprobs>> = vec![Vec::new(); n];
         let mut ends: Vec<ChoiceEnd> = Vec::new();
         while ends.len() < n {
-            let Some(update) = rx.recv().await else { break };
+            let Some(mut update) = rx.recv().await else { break };
+            let index = match &update {
+                Update::PromptLogprobs { index, logprobs } => {
+                    prompt_logprobs[*index].extend_from_slice(logprobs);
+                    continue;
+                }
+                Update::Delta { index, .. } => Some(*index),
+                Update::End(end) => Some(end.index),
+                Update::Failed { .. } => None,
+            };
+            if let Some((index, e)) = index.filter(|&i| !started[i]).and_then(|i| Some((i, echo.per_choice.get(i)?))) {
+                let lp =
+                    echo.logprobs.then(|| completion_logprobs(&app, Some((e, &prompt_logprobs[index])), &[], &[], 0));
+                let choice = json!({"index": index, "text": e.text, "logprobs": lp, "finish_reason": null});
+                if tx.send(format!("data: {}\n\n", chunk(choice))).await.is_err() {
+                    return;
+                }
+                started[index] = true;
+                streamed_chars[index] = e.text.chars().count();
+            }
+            if echo.only {
+                match &mut update {
+                    Update::Delta { .. } => continue,
+                    Update::End(end) => (end.completion_tokens, end.finish_reason, end.stop) = (0, "length", None),
+                    _ => {}
+                }
+            }
             let value = match update {
+                Update::PromptLogprobs { .. } => continue,
                 Update::Delta { index, text, token_ids, logprobs } => {
                     if text.is_empty() && (kind == Kind::Chat && started[index]) {
                         continue; // held back by a stop-string candidate; nothing to show yet
                     }
                     let lp = (!logprobs.is_empty()).then(|| match kind {
                         Kind::Chat => chat_logprobs(&app, &token_ids, &logprobs),
-                        Kind::Completion => completion_logprobs(
-                            &app,
-                            &Collected {
-                                text: text.clone(),
-                                token_ids: token_ids.clone(),
-                                logprobs: logprobs.clone(),
-                                end: None,
-                            },
-                            streamed_chars[index],
-                        ),
+                        Kind::Completion => {
+                            completion_logprobs(&app, None, &token_ids, &logprobs, streamed_chars[index])
+                        }
                     });
                     streamed_chars[index] += text.chars().count();
                     let choice = match kind {

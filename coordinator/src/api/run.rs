@@ -23,9 +23,22 @@ pub struct ChoiceSpec {
 
 #[derive(Debug)]
 pub enum Update {
-    Delta { index: usize, text: String, token_ids: Vec<u32>, logprobs: Vec<WireLogprobs> },
+    /// Log-probabilities of the next prompt tokens (see `RequestEvent::PromptLogprobs`).
+    PromptLogprobs {
+        index: usize,
+        logprobs: Vec<WireLogprobs>,
+    },
+    Delta {
+        index: usize,
+        text: String,
+        token_ids: Vec<u32>,
+        logprobs: Vec<WireLogprobs>,
+    },
     End(ChoiceEnd),
-    Failed { index: usize, message: String },
+    Failed {
+        index: usize,
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -104,6 +117,11 @@ async fn drive_choice(
     let started = std::time::Instant::now();
     while let Some(event) = events.recv().await {
         match event {
+            RequestEvent::PromptLogprobs(logprobs) => {
+                if tx.send(Update::PromptLogprobs { index, logprobs }).is_err() {
+                    return; // client gone: the guard aborts
+                }
+            }
             RequestEvent::Tokens { ids, logprobs } => {
                 if completion_tokens == 0 {
                     app.metrics.first_token(endpoint, started.elapsed());
@@ -177,6 +195,8 @@ pub struct Collected {
     pub text: String,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<WireLogprobs>,
+    /// From the prompt's second token on, when `prompt_logprobs` was asked.
+    pub prompt_logprobs: Vec<WireLogprobs>,
     pub end: Option<ChoiceEnd>,
 }
 
@@ -186,6 +206,7 @@ pub async fn collect(mut rx: mpsc::UnboundedReceiver<Update>, n: usize) -> Resul
     let mut ended = 0;
     while ended < n {
         match rx.recv().await {
+            Some(Update::PromptLogprobs { index, logprobs }) => choices[index].prompt_logprobs.extend(logprobs),
             Some(Update::Delta { index, text, token_ids, logprobs }) => {
                 let c = &mut choices[index];
                 c.text.push_str(&text);

@@ -134,6 +134,8 @@ impl SamplingFields {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            // Set by the endpoints that score prompts (`echo` with `logprobs`, `/generate`).
+            prompt_logprobs: None,
             logit_bias,
         })
     }
@@ -264,6 +266,8 @@ pub struct GenerateRequest {
     pub prompt: Option<String>,
     pub prompt_token_ids: Option<Vec<u32>>,
     pub logprobs: Option<i64>,
+    /// vLLM's: each prompt token's logprob (after the first) plus this many top ones.
+    pub prompt_logprobs: Option<i64>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }

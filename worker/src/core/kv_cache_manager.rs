@@ -66,7 +66,9 @@ impl KvCacheManager {
     /// request is admitted). At least one token is always left to compute, because the
     /// last one's logits are needed. `req.block_hashes` must be up to date.
     pub fn get_computed_blocks(&mut self, req: &Request) -> (Vec<BlockId>, usize) {
-        if !self.enable_caching {
+        // A request owing prompt logprobs computes its whole prompt (vLLM
+        // does the same): a hit would skip the positions it asks about.
+        if !self.enable_caching || req.owes_prompt_logprobs() {
             return (Vec::new(), 0);
         }
         let max_hit_blocks = (req.num_tokens() - 1) / self.block_size;

@@ -54,6 +54,10 @@ pub struct Request {
     pub sampling_seed: u64,
     pub status: RequestStatus,
     pub num_preemptions: u32,
+    /// With `params.prompt_logprobs`: the next prompt position whose
+    /// log-probability is still owed (1 at first: the first token has
+    /// none). Position p's comes from the logits at p - 1.
+    pub next_prompt_logprob: usize,
 }
 
 impl Request {
@@ -78,6 +82,7 @@ impl Request {
             sampling_seed,
             status: RequestStatus::Waiting,
             num_preemptions: 0,
+            next_prompt_logprob: 1,
         }
     }
 
@@ -95,6 +100,11 @@ impl Request {
 
     pub fn num_output_tokens(&self) -> usize {
         self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Whether some prompt token's log-probability is asked for and not yet computed.
+    pub fn owes_prompt_logprobs(&self) -> bool {
+        self.params.prompt_logprobs.is_some() && self.next_prompt_logprob < self.num_prompt_tokens
     }
 
     pub fn is_finished(&self) -> bool {

@@ -10,6 +10,7 @@
 //! runner computes it, `update_from_output()` takes the sampled tokens.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 
 use common::{BlockId, RequestId, SamplingParams};
 
@@ -35,6 +36,10 @@ pub struct SchedulerConfig {
     pub policy: SchedulingPolicy,
     /// Generation stops on these unless `ignore_eos`.
     pub eos_token_ids: Vec<u32>,
+    /// Most prompt positions per step whose logits are kept for
+    /// `prompt_logprobs` (each is a row of vocabulary size); requests that
+    /// ask for them are computed in chunks of at most this many tokens.
+    pub max_prompt_logprob_rows: usize,
 }
 
 impl SchedulerConfig {
@@ -48,6 +53,7 @@ impl SchedulerConfig {
             enable_prefix_caching: true,
             policy: SchedulingPolicy::Fcfs,
             eos_token_ids: Vec::new(),
+            max_prompt_logprob_rows: 512,
         }
     }
 }
@@ -76,6 +82,9 @@ pub struct ScheduledRequest {
     /// True when this step reaches the last known token, so its logits
     /// give the next token (false for all but the last chunk of a prompt).
     pub samples: bool,
+    /// Positions computed this step whose logits give the log-probability
+    /// of the prompt token after them (`prompt_logprobs`); empty for most.
+    pub prompt_logprob_positions: Range<usize>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -104,6 +113,9 @@ pub struct SampledToken {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestOutput {
     pub id: RequestId,
+    /// Log-probabilities of prompt tokens computed this step, in order
+    /// (see `SamplingParams::prompt_logprobs`); all come before the first new token.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
     pub new_token_ids: Vec<u32>,
     /// One entry per new token, when the request asked for logprobs.
     pub logprobs: Vec<TokenLogprobs>,
@@ -198,6 +210,7 @@ impl Scheduler {
         self.kv.free(id);
         Some(RequestOutput {
             id,
+            prompt_logprobs: Vec::new(),
             new_token_ids: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: Some(FinishReason::Abort),
@@ -238,13 +251,17 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
+        let mut logprob_rows = self.config.max_prompt_logprob_rows;
 
         // 1. Running requests first, highest priority first.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let req = &self.requests[&id];
-            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let mut num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            if req.owes_prompt_logprobs() {
+                num_new = num_new.min(logprob_rows);
+            }
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -264,7 +281,7 @@ impl Scheduler {
             if preempted_self {
                 break;
             }
-            self.push_scheduled(&mut out, id, num_new);
+            logprob_rows -= self.push_scheduled(&mut out, id, num_new);
             budget -= num_new;
             i += 1;
         }
@@ -274,7 +291,13 @@ impl Scheduler {
             let Some((&key, &id)) = self.waiting.iter().next() else { break };
             let req = &self.requests[&id];
             let (hits, num_hit_tokens) = self.kv.get_computed_blocks(req);
-            let num_new = (req.num_tokens() - num_hit_tokens).min(budget);
+            let mut num_new = (req.num_tokens() - num_hit_tokens).min(budget);
+            if req.owes_prompt_logprobs() {
+                num_new = num_new.min(logprob_rows);
+            }
+            if num_new == 0 {
+                break; // this step's prompt-logprob rows are spent; it goes first next step
+            }
             if self.kv.allocate_slots(req, num_new, &hits).is_none() {
                 break;
             }
@@ -290,24 +313,40 @@ impl Scheduler {
                 (other.priority, other.arrival) < key
             });
             self.running.insert(pos, id);
-            self.push_scheduled(&mut out, id, num_new);
+            logprob_rows -= self.push_scheduled(&mut out, id, num_new);
             budget -= num_new;
         }
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
         out
     }
 
-    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize) {
+    /// Records `num_new` tokens of `id` in this step; returns how many
+    /// prompt-logprob rows they take.
+    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize) -> usize {
         let req = self.requests.get_mut(&id).expect("scheduled request exists");
         let start = req.num_computed_tokens;
         req.num_computed_tokens += num_new;
+        // Logits at p give the log-probability of prompt token p + 1; rows
+        // owed start at `next_prompt_logprob - 1` (later after a preemption
+        // recomputes positions already reported).
+        let mut logprob_positions = 0..0;
+        if req.owes_prompt_logprobs() {
+            let first = start.max(req.next_prompt_logprob - 1);
+            let end = req.num_computed_tokens.min(req.num_prompt_tokens - 1);
+            if first < end {
+                logprob_positions = first..end;
+                req.next_prompt_logprob = end + 1;
+            }
+        }
         out.scheduled.push(ScheduledRequest {
             id,
             num_computed_tokens: start,
             num_new_tokens: num_new,
             block_ids: self.kv.block_table(id).to_vec(),
             samples: req.num_computed_tokens == req.num_tokens(),
+            prompt_logprob_positions: logprob_positions.clone(),
         });
+        logprob_positions.len()
     }
 
     fn preempt(&mut self, id: RequestId) {
@@ -334,6 +373,7 @@ impl Scheduler {
             let finish = stop_reason(req, token.token_id, &self.config);
             outputs.push(RequestOutput {
                 id: req.id,
+                prompt_logprobs: Vec::new(),
                 new_token_ids: vec![token.token_id],
                 logprobs: token.logprobs.into_iter().collect(),
                 finish_reason: finish,
@@ -484,6 +524,97 @@ mod tests {
         assert!(s.stats().num_preemptions > 0);
         assert_eq!(tokens, reference);
         assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
+    }
+
+    /// Each prompt position's logits are kept exactly once, in order, in
+    /// chunks under the per-step row limit, through chunked prefill and
+    /// preemption (which recomputes positions already reported).
+    #[test]
+    fn prompt_logprob_positions_cover_each_prompt_once() {
+        let mut cfg = config(20);
+        cfg.max_num_batched_tokens = 64;
+        cfg.max_prompt_logprob_rows = 24;
+        let mut s = Scheduler::new(cfg);
+        let prompts: Vec<Vec<u32>> =
+            (0..6).map(|i| (0..(30 + 11 * i)).map(|t| (t * 7 + i) % 45 + 3).collect()).collect();
+        for (i, p) in prompts.iter().enumerate() {
+            // Even ids ask for prompt logprobs.
+            let lp = (i % 2 == 0).then_some(2);
+            s.add_request(RequestId(i as u64), p.clone(), SamplingParams { prompt_logprobs: lp, ..params(40) }, 0, 0)
+                .unwrap();
+        }
+        let mut seen: HashMap<RequestId, Vec<usize>> = HashMap::new();
+        while s.has_unfinished() {
+            let (out, _) = step(&mut s);
+            let rows: usize = out.scheduled.iter().map(|r| r.prompt_logprob_positions.len()).sum();
+            assert!(rows <= 24, "{rows} prompt-logprob rows in one step");
+            for r in &out.scheduled {
+                let positions = &r.prompt_logprob_positions;
+                let computed = r.num_computed_tokens..r.num_computed_tokens + r.num_new_tokens;
+                assert!(positions.is_empty() || (computed.contains(&positions.start) && positions.end <= computed.end));
+                seen.entry(r.id).or_default().extend(positions.clone());
+            }
+        }
+        assert!(s.stats().num_preemptions > 0, "the pool is small enough to preempt");
+        for (i, p) in prompts.iter().enumerate() {
+            let got = seen.remove(&RequestId(i as u64)).unwrap_or_default();
+            let want: Vec<usize> = if i % 2 == 0 { (0..p.len() - 1).collect() } else { Vec::new() };
+            assert_eq!(got, want, "request {i}");
+        }
+    }
+
+    /// A request preempted in the middle of its prompt recomputes it from 0
+    /// but reports only the positions it had not reported.
+    #[test]
+    fn preemption_mid_prompt_reports_no_position_twice() {
+        let mut cfg = config(8); // 128 tokens of KV
+        cfg.policy = SchedulingPolicy::Priority;
+        cfg.max_num_batched_tokens = 64;
+        cfg.max_prompt_logprob_rows = 24;
+        let mut s = Scheduler::new(cfg);
+        let scoring = SamplingParams { prompt_logprobs: Some(1), ..params(4) };
+        s.add_request(RequestId(1), (0..100).map(|t| t % 45 + 3).collect(), scoring, 5, 0).unwrap();
+        let mut positions = Vec::new();
+        let mut starts = Vec::new();
+        let mut record = |out: &SchedulerOutput| {
+            for r in out.scheduled.iter().filter(|r| r.id == RequestId(1)) {
+                positions.extend(r.prompt_logprob_positions.clone());
+                starts.push(r.num_computed_tokens);
+            }
+        };
+        record(&step(&mut s).0);
+        // A more important request arrives and, as it grows, takes request 1's blocks.
+        s.add_request(RequestId(2), vec![4; 100], params(10), 1, 0).unwrap();
+        while s.has_unfinished() {
+            record(&step(&mut s).0);
+        }
+        assert_eq!(s.stats().num_preemptions, 1);
+        assert_eq!(
+            starts,
+            [0, 24, 0, 24, 48, 72, 96, 100, 101, 102],
+            "preempted after 48 positions, recomputed from 0"
+        );
+        assert_eq!(positions, (0..99).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn prompt_logprobs_bypass_the_prefix_cache() {
+        let mut s = Scheduler::new(config(256));
+        let prompt: Vec<u32> = (0..70).map(|i| i % 40 + 3).collect();
+        s.add_request(RequestId(1), prompt.clone(), params(4), 0, 0).unwrap();
+        run_to_end(&mut s);
+        let scoring = SamplingParams { prompt_logprobs: Some(0), ..params(4) };
+        s.add_request(RequestId(2), prompt.clone(), scoring, 0, 0).unwrap();
+        let out = s.schedule();
+        assert_eq!(
+            (out.scheduled[0].num_computed_tokens, out.scheduled[0].prompt_logprob_positions.clone()),
+            (0, 0..69)
+        );
+        s.update_from_output(&out, vec![SampledToken { token_id: 5, logprobs: None }]);
+        run_to_end(&mut s);
+        // Without prompt logprobs the same prompt hits: 4 full blocks of 16.
+        s.add_request(RequestId(3), prompt, params(4), 0, 0).unwrap();
+        assert_eq!(s.schedule().scheduled[0].num_computed_tokens, 64);
     }
 
     #[test]
