@@ -313,21 +313,15 @@ impl Engine {
             let n = req.params.prompt_logprobs.unwrap_or(0) as usize;
             rows.extend(s.prompt_logprob_positions.clone().map(|p| (req.token_ids[p + 1], n)));
         }
-        let mut values = sampler::token_logprobs(logits, vocab, &rows).into_iter();
-        let mut rows = rows.iter().zip(logits.chunks_exact(vocab));
+        let values = sampler::token_logprobs(logits, vocab, &rows);
+        let mut reported = values
+            .into_iter()
+            .zip(rows.iter().zip(logits.chunks_exact(vocab)))
+            .map(|((logprob, top), (&(token, _), raw))| self.reported(raw, token, logprob, top));
         step.scheduled
             .iter()
             .filter(|s| !s.prompt_logprob_positions.is_empty())
-            .map(|s| {
-                let lps = (0..s.prompt_logprob_positions.len())
-                    .filter_map(|_| {
-                        let (&(token, _), raw) = rows.next()?;
-                        let (logprob, top) = values.next()?;
-                        Some(self.reported(raw, token, logprob, top))
-                    })
-                    .collect();
-                (s.id, lps)
-            })
+            .map(|s| (s.id, reported.by_ref().take(s.prompt_logprob_positions.len()).collect()))
             .collect()
     }
 

@@ -4,7 +4,10 @@
 //! several steps (chunked prefill) while running requests keep decoding,
 //! because running requests are served first. When blocks run out, the
 //! lowest-priority running request gives its blocks back and later
-//! recomputes (preemption by recompute).
+//! recomputes (preemption by recompute). A request asking for prompt
+//! logprobs keeps a row of logits per prompt position: its chunks are cut
+//! to a per-step row limit, and each position is reported once, even when a
+//! preemption makes it compute the prompt again.
 //!
 //! No tensors and no I/O here: `schedule()` says what to compute, the model
 //! runner computes it, `update_from_output()` takes the sampled tokens.
