@@ -294,7 +294,10 @@ impl Cluster {
             .filter(|&(&w, entry)| entry.state == WorkerState::Ready && Some(w) != exclude)
             .map(|(&w, _)| w)
             .collect();
-        let decision = state.router.route(prompt.len(), chain, &eligible).ok_or(SubmitError::NoWorker)?;
+        // A request scoring its prompt reads no cache on the worker: only load counts.
+        let reads_cache = params.prompt_logprobs.is_none();
+        let route_chain = if reads_cache { chain } else { &[] };
+        let decision = state.router.route(prompt.len(), route_chain, &eligible).ok_or(SubmitError::NoWorker)?;
         let entry = state.workers.get_mut(&decision.worker).ok_or(SubmitError::NoWorker)?;
         let message = CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.to_vec(), params };
         if entry.tx.send(message).is_err() {
@@ -651,9 +654,9 @@ mod tests {
     }
 
     /// Workers on channels instead of QUIC: what the cluster sends each one.
-    fn cluster_with_workers(n: usize) -> (Cluster, Vec<mpsc::UnboundedReceiver<CoordinatorMessage>>) {
+    fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::UnboundedReceiver<CoordinatorMessage>>) {
         let model = ModelIdentity { name: "m".into(), config_hash: 1 };
-        let cluster = Cluster::new(String::new(), model.clone(), 16, Policy::RoundRobin, 16);
+        let cluster = Cluster::new(String::new(), model.clone(), 16, policy, 16);
         let mut inboxes = Vec::new();
         for i in 0..n {
             let hello = Handshake {
@@ -700,7 +703,7 @@ mod tests {
     /// after all of them came, the next one is not asked for them.
     #[test]
     fn redispatch_reports_each_prompt_logprob_once() {
-        let (cluster, mut inboxes) = cluster_with_workers(3);
+        let (cluster, mut inboxes) = cluster_with_workers(3, Policy::RoundRobin);
         let scoring = SamplingParams { prompt_logprobs: Some(0), ..SamplingParams::greedy(4) };
         let (id, first, mut events) = cluster.submit(vec![1, 2, 3, 4, 5], scoring.clone()).expect("submitted");
         cluster.on_worker_message(first, delta(id, vec![lp(-1.0), lp(-2.0)], vec![]));
@@ -720,5 +723,22 @@ mod tests {
         let (prompt, params) = generate_sent(&mut inboxes[next as usize]).expect("sent to the next worker");
         assert_eq!((prompt, params.prompt_logprobs), (vec![1, 2, 3, 7], None));
         assert_eq!(prompt_logprobs_received(&mut events), [-1.0, -2.0]);
+    }
+
+    /// A request scoring its prompt reads no cache on its worker, so the
+    /// router expects no hit for it and goes by load alone.
+    #[test]
+    fn scoring_requests_are_routed_without_expecting_cache_hits() {
+        let (cluster, _inboxes) = cluster_with_workers(2, Policy::PrefixAware);
+        let prompt: Vec<u32> = (0..40).collect();
+        let chain = common::hash_prompt_blocks(&prompt, 16);
+        let hashes = chain.iter().map(|&h| (h, None)).collect();
+        cluster.on_worker_message(1, WorkerMessage::KvSnapshot { last_event_id: None, hashes });
+        let predicted = || cluster.metrics.predicted_cached_tokens.with_label_values(&["w1"]).get();
+        let (_, worker, _) = cluster.submit(prompt.clone(), SamplingParams::greedy(4)).expect("submitted");
+        assert_eq!((worker, predicted()), (1, 32), "a plain request goes where its 2 blocks are");
+        let scoring = SamplingParams { prompt_logprobs: Some(0), ..SamplingParams::greedy(4) };
+        let (_, worker, _) = cluster.submit(prompt, scoring).expect("submitted");
+        assert_eq!((worker, predicted()), (0, 32), "the scoring one goes to the idle worker");
     }
 }

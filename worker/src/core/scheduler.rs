@@ -305,8 +305,11 @@ impl Scheduler {
                 break;
             }
             self.waiting.remove(&key);
-            self.kv.prefix_stats.queries += req.num_tokens() as u64;
-            self.kv.prefix_stats.hits += num_hit_tokens as u64;
+            // A request that may not read the cache did not query it (as in vLLM).
+            if !req.owes_prompt_logprobs() {
+                self.kv.prefix_stats.queries += req.num_tokens() as u64;
+                self.kv.prefix_stats.hits += num_hit_tokens as u64;
+            }
             let req = self.requests.get_mut(&id).expect("waiting request exists");
             req.num_computed_tokens = num_hit_tokens;
             req.num_cached_tokens.get_or_insert(num_hit_tokens);
@@ -613,6 +616,7 @@ mod tests {
             (out.scheduled[0].num_computed_tokens, out.scheduled[0].prompt_logprob_positions.clone()),
             (0, 0..69)
         );
+        assert_eq!(s.stats().prefix_cache.queries, 70, "only request 1 queried the cache");
         s.update_from_output(&out, vec![SampledToken { token_id: 5, logprobs: None }]);
         run_to_end(&mut s);
         // Without prompt logprobs the same prompt hits: 4 full blocks of 16.
