@@ -18,6 +18,9 @@ pub struct BenchArgs {
     pub seed: u64,
     /// Time the parts of each pure decode step (`bench --profile`).
     pub profile: bool,
+    /// Score every prompt too (`prompt_logprobs` with this many top tokens),
+    /// as an evaluation harness does.
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// mean / p50 / p99 of a latency, in milliseconds.
@@ -113,10 +116,11 @@ impl std::fmt::Display for BenchReport {
         let a = &self.args;
         writeln!(
             f,
-            "prompts {} x (input {} + output {}), {} steps in {:.2} s",
+            "prompts {} x (input {} + output {}){}, {} steps in {:.2} s",
             a.num_prompts,
             a.input_len,
             a.output_len,
+            a.prompt_logprobs.map_or(String::new(), |n| format!(", prompts scored (prompt_logprobs {n})")),
             self.steps,
             self.elapsed.as_secs_f64()
         )?;
@@ -171,7 +175,11 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     for i in 0..args.num_prompts {
         // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
         let prompt = (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
-        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len as u32) };
+        let params = SamplingParams {
+            ignore_eos: true,
+            prompt_logprobs: args.prompt_logprobs,
+            ..SamplingParams::greedy(args.output_len as u32)
+        };
         engine.add_request(RequestId(i as u64), prompt, params, 0)?;
     }
     let mut steps = 0;

@@ -211,6 +211,10 @@ struct BenchArgs {
     /// other model ops, sampling, scheduler, other).
     #[arg(long)]
     profile: bool,
+    /// Score each prompt as well: the logprob of every prompt token and of
+    /// this many top tokens at each position (vLLM's `prompt_logprobs`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=20))]
+    prompt_logprobs: Option<u32>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -357,6 +361,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         output_len: args.output_len,
         seed: args.seed,
         profile: args.profile,
+        prompt_logprobs: args.prompt_logprobs,
     };
     let report = on_the_kernel_pool(|| worker::bench::run(&mut engine, &bench_args))?;
     if args.json {
