@@ -5,6 +5,8 @@
 #   tools/bench_cpu.sh GGUF_DIR [LLAMA_CPP_BIN_DIR]
 #   PARTS=server tools/bench_cpu.sh ...    # only the server workload
 #   PARTS=batched tools/bench_cpu.sh ...   # only 16 concurrent sequences
+#   PARTS=decode ROUNDS=5 tools/bench_cpu.sh ...  # only batch-1 decode, ours and
+#                                          # llama.cpp's alternating, ROUNDS times
 #
 # GGUF_DIR gets (if missing) random TinyLlama-1.1B-shaped weights written by
 # `tinyvllm-worker export-gguf` (f16, q8_0) and stories260K (f32); give a
@@ -30,6 +32,20 @@ export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
 bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|  )"; }
+if [ "${PARTS:-all}" = decode ]; then
+  # The machine drifts by tens of percent within minutes: alternate the two
+  # engines so that each pair of figures shares a phase.
+  for round in $(seq 1 "${ROUNDS:-5}"); do
+    for t in f16 q8_0; do
+      m="$GGUF/tinyllama-1.1b-random-$t.gguf"
+      echo "== round $round ours $t: batch-1 decode"; bench --model "$m" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth)"
+      if [ -n "$LLAMA" ]; then
+        echo "== round $round llama.cpp $t: tg64"; "$LLAMA/llama-bench" -m "$m" -t "$THREADS" -p 0 -n 64 -r 3 2>/dev/null | grep -E "tg64"
+      fi
+    done
+  done
+  exit 0
+fi
 if [ "${PARTS:-all}" = all ]; then
 for t in f16 q8_0; do
   m="$GGUF/tinyllama-1.1b-random-$t.gguf"
