@@ -275,7 +275,7 @@ fn matmul_with_backend<W: WeightElem>(
 /// From this many x rows on, the AVX2 path multiplies with the broadcast
 /// kernel (`avx2::broadcast_panel`); below, its 16-row groups are partly
 /// padding and the dot-product tiles do better (Zen 3, 2 threads: at m = 12
-/// 99 against 86 GFLOP/s, at m = 16 115 against 100).
+/// 99 against 86 GFLOP/s, at m = 16 120 against 129 on gate/up).
 const BROADCAST_MIN_M: usize = 16;
 /// Weight rows per broadcast tile.
 const BROADCAST_ROWS: usize = 6;
