@@ -524,7 +524,6 @@ mod avx2 {
             return;
         }
         let mut buf = PanelBuf([0.0; 4 * KB]);
-        let w_end = w.as_ptr_range().end.cast::<u8>();
         let mut nr = n0;
         while nr < n1 {
             let r = (n1 - nr).min(4);
@@ -534,14 +533,8 @@ mod avx2 {
                 for ri in 0..4 {
                     let dst = &mut buf.0[ri * KB..ri * KB + len];
                     if ri < r {
-                        let start = (nr + ri) * k + k0;
-                        // Short bursts from 4 rows outrun the hardware
-                        // prefetcher; ask for what this row needs PF_BLOCKS
-                        // blocks later (past its end: the next tile's row).
-                        let ahead = k0 + PF_BLOCKS * KB;
-                        let pf = if ahead < k { start + PF_BLOCKS * KB } else { (nr + 4 + ri) * k + ahead - k };
                         // SAFETY: features are enabled on this function.
-                        unsafe { widen(&w[start..start + len], dst, w.as_ptr().wrapping_add(pf), w_end) };
+                        unsafe { widen_row(w, k, nr + ri, k0, 4, dst) };
                     } else {
                         // Rows past the end of the task: zeros, never stored.
                         dst.fill(0.0);
@@ -598,7 +591,6 @@ mod avx2 {
         const GROUPS: usize = 4;
         let (m, k, n) = (p.m, p.k, p.n);
         let mut buf = BroadcastBuf([0.0; R * KB]);
-        let w_end = w.as_ptr_range().end.cast::<u8>();
         let (mut m0, mut group0) = (0, 0);
         while m0 < m {
             // The groups of this pass: (first row, width, offset in xt).
@@ -618,14 +610,8 @@ mod avx2 {
                 while k0 < k {
                     let len = KB.min(k - k0);
                     for ri in 0..r {
-                        let start = (nr + ri) * k + k0;
-                        // As in `panel`: this row PF_BLOCKS blocks on, or
-                        // the next tile's row past its end.
-                        let ahead = k0 + PF_BLOCKS * KB;
-                        let pf = if ahead < k { start + PF_BLOCKS * KB } else { (nr + R + ri) * k + ahead - k };
-                        let dst = &mut buf.0[ri * KB..ri * KB + len];
                         // SAFETY: features are enabled on this function.
-                        unsafe { widen(&w[start..start + len], dst, w.as_ptr().wrapping_add(pf), w_end) };
+                        unsafe { widen_row(w, k, nr + ri, k0, R, &mut buf.0[ri * KB..ri * KB + len]) };
                     }
                     for (&(_, g, at), s) in groups.iter().zip(sums.iter_mut()) {
                         // SAFETY: the group holds k rows of g values
@@ -806,6 +792,23 @@ mod avx2 {
                 }
             }
         }
+    }
+
+    /// Widens weights `k0..k0 + dst.len()` of row `row` (rows of k) into
+    /// dst. Short bursts from a tile's rows outrun the hardware prefetcher,
+    /// so it also asks for what this row needs PF_BLOCKS blocks later (past
+    /// its end: the same row of the next tile, `tile_rows` on).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen_row<T: Load8>(w: &[T], k: usize, row: usize, k0: usize, tile_rows: usize, dst: &mut [f32]) {
+        let start = row * k + k0;
+        let ahead = k0 + PF_BLOCKS * KB;
+        let pf = if ahead < k { start + PF_BLOCKS * KB } else { (row + tile_rows) * k + ahead - k };
+        let w_end = w.as_ptr_range().end.cast::<u8>();
+        // SAFETY: features per the caller.
+        unsafe { widen(&w[start..start + dst.len()], dst, w.as_ptr().wrapping_add(pf), w_end) };
     }
 
     /// Widens `src` into `dst` (same length) and prefetches as many bytes
