@@ -244,12 +244,19 @@ fn matmul_with_backend<W: WeightElem>(
         }
         return;
     }
+    // A prompt's x goes in chunks of rows: a chunk's x stays in cache while
+    // the weights stream past it, for one more read of the weights per chunk.
     let broadcast = uses_broadcast(backend, m);
-    let mut xt = if broadcast { TRANSPOSED_X.take() } else { Vec::new() };
-    if broadcast {
-        by_row_groups(x, m, k, &mut xt);
+    let chunk = if broadcast { BROADCAST_CHUNK_ROWS } else { DOT_CHUNK_ROWS };
+    if m > chunk {
+        for (xc, yc) in x.chunks(chunk * k).zip(y.chunks_mut(chunk * n)) {
+            matmul_with_backend(backend, xc, xc.len() / k, k, w, n, bias, yc);
+        }
+        return;
     }
-    let p = Problem { x, xt: &xt, m, k, w, n, bias, y: OutPtr(y.as_mut_ptr()) };
+    let mut xt = if broadcast { TRANSPOSED_X.take() } else { Vec::new() };
+    let xt_start = if broadcast { by_row_groups(x, m, k, &mut xt) } else { 0 };
+    let p = Problem { x, xt: &xt[xt_start..], m, k, w, n, bias, y: OutPtr(y.as_mut_ptr()) };
     let threads = rayon::current_num_threads().max(1);
     // About 8 tasks per thread so a slow core does not leave the other idle at
     // the end, but at least 16 rows so each task streams enough to amortise it;
@@ -279,6 +286,14 @@ fn matmul_with_backend<W: WeightElem>(
 const BROADCAST_MIN_M: usize = 16;
 /// Weight rows per broadcast tile.
 const BROADCAST_ROWS: usize = 6;
+/// x rows per call of the broadcast kernel (16 groups of 16): with
+/// TinyLlama's shapes on Zen 3, 256 against 128 or 192 rows and against
+/// the whole prompt (m = 1,648: 145-151 -> 162-176 GFLOP/s, 2 threads).
+const BROADCAST_CHUNK_ROWS: usize = 256;
+/// x rows per call of the dot-product tiles, which pass every x row over
+/// each widened weight tile: 64 rows (at most 256 KiB at k = 1,024) stay in
+/// L2 where a long prompt would stream from memory for every tile.
+const DOT_CHUNK_ROWS: usize = 64;
 
 fn uses_broadcast(backend: Backend, m: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -297,6 +312,10 @@ thread_local! {
     static TRANSPOSED_X: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
+/// From this many x elements on, [`by_row_groups`] transposes on all
+/// threads (a 256-row prompt chunk: 0.5-1.4 M elements, a few % of its GEMM).
+const PARALLEL_TRANSPOSE_MIN: usize = 1 << 18;
+
 /// Width of the x row group starting at row `m0` of `m`: 16 rows, or 8 for
 /// a last group of at most 8.
 fn group_width(m: usize, m0: usize) -> usize {
@@ -305,24 +324,44 @@ fn group_width(m: usize, m0: usize) -> usize {
 
 /// x `[m, k]` transposed per group of rows ([`group_width`]): a group of
 /// width g is `[k, g]`, so one k's g values are one or two vectors; rows
-/// past m are zero. Groups follow each other.
-fn by_row_groups(x: &[f32], m: usize, k: usize, out: &mut Vec<f32>) {
+/// past m are zero. Groups follow each other from `out[start..]`, the
+/// returned start being 64-byte aligned so that no vector load of a group
+/// splits a cache line.
+fn by_row_groups(x: &[f32], m: usize, k: usize, out: &mut Vec<f32>) -> usize {
+    let full = m / 16 * 16;
+    let total = k * (full + if full < m { group_width(m, full) } else { 0 });
     out.clear();
-    let mut m0 = 0;
-    while m0 < m {
-        let g = group_width(m, m0);
+    out.resize(total + 15, 0.0);
+    // align_offset may decline (usize::MAX); then the groups stay unaligned.
+    let start = out.as_ptr().align_offset(64).min(15);
+    let transpose = |(gi, dst): (usize, &mut [f32])| {
+        let (m0, g) = (gi * 16, dst.len() / k);
         let rows = g.min(m - m0);
-        let base = out.len();
-        out.resize(base + k * g, 0.0);
         let src = &x[m0 * k..(m0 + rows) * k];
-        // Written in order, read as `rows` streams.
-        for (ki, dst) in out[base..].chunks_exact_mut(g).enumerate() {
-            for (r, d) in dst[..rows].iter_mut().enumerate() {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut r0 = 0;
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::has_avx2_fma() {
+            while r0 + 8 <= rows {
+                // SAFETY: AVX is available; src holds 8 rows of k from r0 on
+                // and dst[r0..] holds k - 1 strides of g plus 8 (r0 <= g - 8).
+                unsafe { avx2::transpose8(&src[r0 * k..(r0 + 8) * k], k, &mut dst[r0..], g) };
+                r0 += 8;
+            }
+        }
+        for (ki, dst) in dst.chunks_exact_mut(g).enumerate() {
+            for (r, d) in dst[..rows].iter_mut().enumerate().skip(r0) {
                 *d = src[r * k + ki];
             }
         }
-        m0 += g;
+    };
+    let groups = &mut out[start..start + total];
+    if m * k < PARALLEL_TRANSPOSE_MIN {
+        groups.chunks_mut(16 * k).enumerate().for_each(transpose);
+    } else {
+        groups.par_chunks_mut(16 * k).enumerate().for_each(transpose);
     }
+    start
 }
 
 /// Computes y[.., n0..n1] for all m rows.
@@ -534,7 +573,7 @@ mod avx2 {
                     let dst = &mut buf.0[ri * KB..ri * KB + len];
                     if ri < r {
                         // SAFETY: features are enabled on this function.
-                        unsafe { widen_row(w, k, nr + ri, k0, 4, dst) };
+                        unsafe { widen_row(w, k, nr + ri, k0, PF_BLOCKS, 4, dst) };
                     } else {
                         // Rows past the end of the task: zeros, never stored.
                         dst.fill(0.0);
@@ -567,90 +606,204 @@ mod avx2 {
         }
     }
 
-    /// A broadcast tile's widened weights: 6 rows of a K block (6 KiB).
-    #[repr(C, align(32))]
-    struct BroadcastBuf([f32; super::BROADCAST_ROWS * KB]);
+    /// Most x row groups of a call (`BROADCAST_CHUNK_ROWS` / 16).
+    const MAX_GROUPS: usize = super::BROADCAST_CHUNK_ROWS / 16;
 
-    /// y[.., n0..n1] for m >= BROADCAST_MIN_M, in BLIS's shape: tiles of 6
-    /// weight rows are widened a K block at a time into an L1 buffer (as in
-    /// [`panel`]), and each group of 16 x rows (`p.xt`, transposed so that a
-    /// k's 16 values are two vectors) passes over it with 6 x 2 accumulators:
+    /// Calls of at most this many groups (m <= 64, batched decode) run tile
+    /// by tile; larger ones K block by K block (see [`broadcast_panel`]).
+    const TILE_MAJOR_GROUPS: usize = 4;
+
+    /// A broadcast tile's partial sums: 6 weight rows x 16 x rows.
+    type TileSums = [[f32; 16]; super::BROADCAST_ROWS];
+
+    thread_local! {
+        /// Widened weights (one tile's or all the task's rows for a K block,
+        /// stride KB) and partial sums per (x group, tile), kept per thread
+        /// so that no call allocates them.
+        static BROADCAST_SCRATCH: std::cell::Cell<(Vec<f32>, Vec<TileSums>)> =
+            const { std::cell::Cell::new((Vec::new(), Vec::new())) };
+    }
+
+    /// y[.., n0..n1] for BROADCAST_MIN_M <= m <= BROADCAST_CHUNK_ROWS, in
+    /// BLIS's shape: tiles of 6 weight rows are widened a K block at a time,
+    /// and each group of 16 x rows (`p.xt`, transposed so that a k's 16
+    /// values are two vectors) passes over a tile with 6 x 2 accumulators:
     /// per k, two vector loads, 6 broadcast weights and 12 FMAs, and no
-    /// horizontal sums. Partial sums stay in a small transposed tile across K
-    /// blocks and reach y once per tile. On Zen 3 this tile runs at ~97% of
-    /// the FMA peak against ~88% for the 4 x 3 dot-product tile, which also
-    /// pays 12 horizontal sums per K block.
+    /// horizontal sums. Partial sums stay in a small tile per (group, weight
+    /// tile) across K blocks and reach y at the end. On Zen 3 this tile runs
+    /// at ~97% of the FMA peak against ~88% for the 4 x 3 dot-product tile,
+    /// which also pays 12 horizontal sums per K block.
+    ///
+    /// Two loop orders, by the number of groups:
+    /// - few (batched decode): tile by tile, K blocks within, each tile's
+    ///   rows widened into L1 right before the groups use them. Each weight
+    ///   row is read front to back as the hardware prefetcher likes; the
+    ///   other order, which jumps between the task's rows every K block,
+    ///   measured 15% slower at m = 16.
+    /// - many (prefill): K block by K block, all the task's rows widened
+    ///   once into an L2 buffer, then each group's x block stays in L1 while
+    ///   the tiles stream past it. Widening then costs 1/m per weight, and x
+    ///   comes from L2 once per task and K block, not once per tile: 2-5%
+    ///   faster at m = 256 and 1,024.
     ///
     /// # Safety
     /// As [`panel`], with `p.xt` built by `by_row_groups` for p.x.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn broadcast_panel<T: Load8>(p: &Problem<'_, impl Sized>, w: &[T], n0: usize, n1: usize) {
         const R: usize = super::BROADCAST_ROWS;
-        /// x row groups per pass over the weights (64 rows): their partial
-        /// sums fit a 1.5 KiB tile.
-        const GROUPS: usize = 4;
         let (m, k, n) = (p.m, p.k, p.n);
-        let mut buf = BroadcastBuf([0.0; R * KB]);
-        let (mut m0, mut group0) = (0, 0);
-        while m0 < m {
-            // The groups of this pass: (first row, width, offset in xt).
-            let mut groups = [(0, 0, 0); GROUPS];
-            let (mut rows, mut count, mut at) = (m0, 0, group0);
-            while rows < m && count < GROUPS {
-                let g = super::group_width(m, rows);
-                groups[count] = (rows, g, at);
-                (rows, count, at) = (rows + g, count + 1, at + k * g);
-            }
-            let groups = &groups[..count];
-            let mut nr = n0;
-            while nr < n1 {
-                let r = (n1 - nr).min(R);
-                let mut sums = [[[0f32; 16]; R]; GROUPS];
+        // The groups: (first row, width, offset in xt).
+        let mut groups = [(0, 0, 0); MAX_GROUPS];
+        let (mut rows, mut count, mut at) = (0, 0, 0);
+        while rows < m {
+            let g = super::group_width(m, rows);
+            assert!(count < MAX_GROUPS, "broadcast_panel takes at most {} rows", super::BROADCAST_CHUNK_ROWS);
+            groups[count] = (rows, g, at);
+            (rows, count, at) = (rows + g, count + 1, at + k * g);
+        }
+        let groups = &groups[..count];
+        let span = n1 - n0;
+        let tiles = span.div_ceil(R);
+        let (mut wide, mut sums) = BROADCAST_SCRATCH.take();
+        wide.resize(span.next_multiple_of(R) * KB, 0.0);
+        sums.clear();
+        sums.resize(count * tiles, [[0.0; 16]; R]);
+        // Adds tile t's products over K block k0.. (len) for group gi, with
+        // the tile's widened rows at `b`.
+        let tile = |gi: usize, t: usize, k0: usize, len: usize, b: *const f32, sums: &mut [TileSums]| {
+            let (_, g, at) = groups[gi];
+            let r = (span - t * R).min(R);
+            // SAFETY: the group holds k rows of g values (by_row_groups), of
+            // which k0..k0 + len are read; b holds r rows of len.
+            unsafe { broadcast_tile_rg(r, g, p.xt.as_ptr().add(at + k0 * g), b, len, &mut sums[gi * tiles + t]) };
+        };
+        if count <= TILE_MAJOR_GROUPS {
+            for t in 0..tiles {
+                let r = (span - t * R).min(R);
                 let mut k0 = 0;
                 while k0 < k {
                     let len = KB.min(k - k0);
                     for ri in 0..r {
+                        let dst = &mut wide[ri * KB..ri * KB + len];
                         // SAFETY: features are enabled on this function.
-                        unsafe { widen_row(w, k, nr + ri, k0, R, &mut buf.0[ri * KB..ri * KB + len]) };
+                        unsafe { widen_row(w, k, n0 + t * R + ri, k0, PF_BLOCKS, R, dst) };
                     }
-                    for (&(_, g, at), s) in groups.iter().zip(sums.iter_mut()) {
-                        // SAFETY: the group holds k rows of g values
-                        // (by_row_groups), of which k0..k0 + len are read;
-                        // buf holds r rows of len.
-                        unsafe {
-                            let x = p.xt.as_ptr().add(at + k0 * g);
-                            let b = buf.0.as_ptr();
-                            match (r, g) {
-                                (6, 16) => broadcast_tile::<6, 2>(x, b, len, s),
-                                (6, _) => broadcast_tile::<6, 1>(x, b, len, s),
-                                (5, 16) => broadcast_tile::<5, 2>(x, b, len, s),
-                                (5, _) => broadcast_tile::<5, 1>(x, b, len, s),
-                                (4, 16) => broadcast_tile::<4, 2>(x, b, len, s),
-                                (4, _) => broadcast_tile::<4, 1>(x, b, len, s),
-                                (3, 16) => broadcast_tile::<3, 2>(x, b, len, s),
-                                (3, _) => broadcast_tile::<3, 1>(x, b, len, s),
-                                (2, 16) => broadcast_tile::<2, 2>(x, b, len, s),
-                                (2, _) => broadcast_tile::<2, 1>(x, b, len, s),
-                                (_, 16) => broadcast_tile::<1, 2>(x, b, len, s),
-                                _ => broadcast_tile::<1, 1>(x, b, len, s),
-                            }
-                        }
+                    for gi in 0..count {
+                        tile(gi, t, k0, len, wide.as_ptr(), &mut sums);
                     }
                     k0 += len;
                 }
-                for (&(first, g, _), s) in groups.iter().zip(sums.iter()) {
-                    for mi in 0..g.min(m - first) {
-                        for (ri, s) in s.iter().enumerate().take(r) {
-                            let v = s[mi] + p.bias.map_or(0.0, |b| b[nr + ri]);
-                            // SAFETY: (first + mi) * n + nr + ri < m * n;
-                            // this task owns columns nr..nr + r.
-                            unsafe { *p.y.0.add((first + mi) * n + nr + ri) = v };
-                        }
+            }
+        } else {
+            let mut k0 = 0;
+            while k0 < k {
+                let len = KB.min(k - k0);
+                for ri in 0..span {
+                    let dst = &mut wide[ri * KB..ri * KB + len];
+                    // Prefetches the row's next K block (after the last, the
+                    // rows that follow the task's).
+                    // SAFETY: features are enabled on this function.
+                    unsafe { widen_row(w, k, n0 + ri, k0, 1, span, dst) };
+                }
+                for gi in 0..count {
+                    for t in 0..tiles {
+                        // SAFETY: t * R * KB < wide.len().
+                        tile(gi, t, k0, len, unsafe { wide.as_ptr().add(t * R * KB) }, &mut sums);
                     }
                 }
-                nr += r;
+                k0 += len;
             }
-            (m0, group0) = (rows, at);
+        }
+        for (gi, &(first, g, _)) in groups.iter().enumerate() {
+            for (t, s) in sums[gi * tiles..(gi + 1) * tiles].iter().enumerate() {
+                let nr = n0 + t * R;
+                for mi in 0..g.min(m - first) {
+                    for (ri, s) in s.iter().enumerate().take((n1 - nr).min(R)) {
+                        let v = s[mi] + p.bias.map_or(0.0, |b| b[nr + ri]);
+                        // SAFETY: (first + mi) * n + nr + ri < m * n; this
+                        // task owns columns n0..n1.
+                        unsafe { *p.y.0.add((first + mi) * n + nr + ri) = v };
+                    }
+                }
+            }
+        }
+        BROADCAST_SCRATCH.set((wide, sums));
+    }
+
+    /// `dst[ki * g + r] = src[r * k + ki]` for 8 rows r of k: 8 x 8 blocks
+    /// transposed in registers, the last k % 8 one by one.
+    ///
+    /// # Safety
+    /// AVX must be available.
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn transpose8(src: &[f32], k: usize, dst: &mut [f32], g: usize) {
+        assert!(src.len() == 8 * k && g >= 8 && (k == 0 || dst.len() >= (k - 1) * g + 8));
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        let mut k0 = 0;
+        while k0 + 8 <= k {
+            // SAFETY: rows r < 8 hold k0 + 8 <= k values; column k0 + j goes
+            // to d[(k0 + j) * g..][..8], within dst per the assert.
+            unsafe {
+                // A loop, not a closure: closures do not inherit the target
+                // features and would call each intrinsic out of line.
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (i, r) in r.iter_mut().enumerate() {
+                    *r = _mm256_loadu_ps(s.add(i * k + k0));
+                }
+                let (t0, t1) = (_mm256_unpacklo_ps(r[0], r[1]), _mm256_unpackhi_ps(r[0], r[1]));
+                let (t2, t3) = (_mm256_unpacklo_ps(r[2], r[3]), _mm256_unpackhi_ps(r[2], r[3]));
+                let (t4, t5) = (_mm256_unpacklo_ps(r[4], r[5]), _mm256_unpackhi_ps(r[4], r[5]));
+                let (t6, t7) = (_mm256_unpacklo_ps(r[6], r[7]), _mm256_unpackhi_ps(r[6], r[7]));
+                // Rows 0-3 (and 4-7) of columns j and j + 4, for j = 0..4.
+                let lo = [
+                    _mm256_shuffle_ps::<0x44>(t0, t2),
+                    _mm256_shuffle_ps::<0xEE>(t0, t2),
+                    _mm256_shuffle_ps::<0x44>(t1, t3),
+                    _mm256_shuffle_ps::<0xEE>(t1, t3),
+                ];
+                let hi = [
+                    _mm256_shuffle_ps::<0x44>(t4, t6),
+                    _mm256_shuffle_ps::<0xEE>(t4, t6),
+                    _mm256_shuffle_ps::<0x44>(t5, t7),
+                    _mm256_shuffle_ps::<0xEE>(t5, t7),
+                ];
+                for j in 0..4 {
+                    _mm256_storeu_ps(d.add((k0 + j) * g), _mm256_permute2f128_ps::<0x20>(lo[j], hi[j]));
+                    _mm256_storeu_ps(d.add((k0 + j + 4) * g), _mm256_permute2f128_ps::<0x31>(lo[j], hi[j]));
+                }
+            }
+            k0 += 8;
+        }
+        for ki in k0..k {
+            for r in 0..8 {
+                dst[ki * g + r] = src[r * k + ki];
+            }
+        }
+    }
+
+    /// [`broadcast_tile`] for r weight rows (1..=6) and a group of g x rows
+    /// (8 or 16).
+    ///
+    /// # Safety
+    /// As [`broadcast_tile`].
+    #[inline(always)]
+    unsafe fn broadcast_tile_rg(r: usize, g: usize, x: *const f32, b: *const f32, len: usize, s: &mut TileSums) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (r, g) {
+                (6, 16) => broadcast_tile::<6, 2>(x, b, len, s),
+                (6, _) => broadcast_tile::<6, 1>(x, b, len, s),
+                (5, 16) => broadcast_tile::<5, 2>(x, b, len, s),
+                (5, _) => broadcast_tile::<5, 1>(x, b, len, s),
+                (4, 16) => broadcast_tile::<4, 2>(x, b, len, s),
+                (4, _) => broadcast_tile::<4, 1>(x, b, len, s),
+                (3, 16) => broadcast_tile::<3, 2>(x, b, len, s),
+                (3, _) => broadcast_tile::<3, 1>(x, b, len, s),
+                (2, 16) => broadcast_tile::<2, 2>(x, b, len, s),
+                (2, _) => broadcast_tile::<2, 1>(x, b, len, s),
+                (_, 16) => broadcast_tile::<1, 2>(x, b, len, s),
+                _ => broadcast_tile::<1, 1>(x, b, len, s),
+            }
         }
     }
 
@@ -666,7 +819,7 @@ mod avx2 {
         x: *const f32,
         buf: *const f32,
         len: usize,
-        sums: &mut [[f32; 16]; super::BROADCAST_ROWS],
+        sums: &mut TileSums,
     ) {
         // SAFETY: reads stay within len k's of x and buf (caller); sums rows
         // hold 16 floats.
@@ -796,16 +949,24 @@ mod avx2 {
 
     /// Widens weights `k0..k0 + dst.len()` of row `row` (rows of k) into
     /// dst. Short bursts from a tile's rows outrun the hardware prefetcher,
-    /// so it also asks for what this row needs PF_BLOCKS blocks later (past
+    /// so it also asks for what this row needs `blocks` K blocks later (past
     /// its end: the same row of the next tile, `tile_rows` on).
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen_row<T: Load8>(w: &[T], k: usize, row: usize, k0: usize, tile_rows: usize, dst: &mut [f32]) {
+    unsafe fn widen_row<T: Load8>(
+        w: &[T],
+        k: usize,
+        row: usize,
+        k0: usize,
+        blocks: usize,
+        tile_rows: usize,
+        dst: &mut [f32],
+    ) {
         let start = row * k + k0;
-        let ahead = k0 + PF_BLOCKS * KB;
-        let pf = if ahead < k { start + PF_BLOCKS * KB } else { (row + tile_rows) * k + ahead - k };
+        let ahead = k0 + blocks * KB;
+        let pf = if ahead < k { start + blocks * KB } else { (row + tile_rows) * k + ahead - k };
         let w_end = w.as_ptr_range().end.cast::<u8>();
         // SAFETY: features per the caller.
         unsafe { widen(&w[start..start + dst.len()], dst, w.as_ptr().wrapping_add(pf), w_end) };
@@ -1011,6 +1172,10 @@ mod tests {
         (24, 513, 31),
         (70, 40, 25),
         (130, 260, 7),
+        // Chunks of 256 rows: a parallel transpose and a 44-row tail; a
+        // 1-row tail and tasks that end in short tiles.
+        (300, 900, 20),
+        (257, 33, 140),
         (1, 2048, 4097),
         (3, 0, 5),
     ];

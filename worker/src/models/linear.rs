@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
-use kernels::cpu::matmul::{WeightElem, matmul_xwt};
+use kernels::cpu::matmul::matmul_xwt;
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant, quantize_matrix};
 use kernels::cpu::{read_f32, write_f32};
 
@@ -361,9 +361,9 @@ impl Linear {
         let Some((w0, w1)) = wl.contiguous_offsets() else { candle_core::bail!("linear: weight must be contiguous") };
         let bias = self.bias_f32.as_deref();
         match &*ws {
-            Storage::Cpu(CpuStorage::F32(w)) => run_chunked(xv, m, k, &w[w0..w1], n, bias, y),
-            Storage::Cpu(CpuStorage::F16(w)) => run_chunked::<f16>(xv, m, k, &w[w0..w1], n, bias, y),
-            Storage::Cpu(CpuStorage::BF16(w)) => run_chunked::<bf16>(xv, m, k, &w[w0..w1], n, bias, y),
+            Storage::Cpu(CpuStorage::F32(w)) => matmul_xwt(xv, m, k, &w[w0..w1], n, bias, y),
+            Storage::Cpu(CpuStorage::F16(w)) => matmul_xwt::<f16>(xv, m, k, &w[w0..w1], n, bias, y),
+            Storage::Cpu(CpuStorage::BF16(w)) => matmul_xwt::<bf16>(xv, m, k, &w[w0..w1], n, bias, y),
             _ => candle_core::bail!("linear: unsupported weight dtype {:?}", self.weight.dtype()),
         }
         Ok(())
@@ -401,21 +401,6 @@ impl Linear {
             && x.rank() == 2
             && (self.weight.dtype() != DType::F32 || rows <= F32_KERNEL_MAX_ROWS)
             && matches!(self.weight.dtype(), DType::F32 | DType::F16 | DType::BF16)
-    }
-}
-
-/// Rows of x per kernel call. The kernel passes every x row over each
-/// widened weight tile; a bounded chunk keeps those rows in L2 (a prompt of
-/// 2,048 rows would stream them from memory for every 4 weight rows). The
-/// price is one more read of the weight per chunk, small next to the FLOPs.
-const ROW_CHUNK: usize = 64;
-
-fn run_chunked<W: WeightElem>(x: &[f32], m: usize, k: usize, w: &[W], n: usize, bias: Option<&[f32]>, y: &mut [f32]) {
-    let mut row = 0;
-    while row < m {
-        let rows = ROW_CHUNK.min(m - row);
-        matmul_xwt(&x[row * k..(row + rows) * k], rows, k, w, n, bias, &mut y[row * n..(row + rows) * n]);
-        row += rows;
     }
 }
 
