@@ -2,11 +2,11 @@
 # CPU benchmarks of issue 8, ours and (optionally) llama.cpp's in one run,
 # on the same GGUF files, same thread count.
 #
-#   tools/bench_cpu.sh GGUF_DIR [LLAMA_CPP_BIN_DIR]
-#   PARTS=server tools/bench_cpu.sh ...    # only the server workload
-#   PARTS=batched tools/bench_cpu.sh ...   # only 16 concurrent sequences
-#   PARTS=decode ROUNDS=5 tools/bench_cpu.sh ...  # only batch-1 decode, ours and
-#                                          # llama.cpp's alternating, ROUNDS times
+#   tools/bench_cpu.sh GGUF_DIR [LLAMA_CPP_BIN_DIR]   # everything, once
+#   PARTS=decode ROUNDS=4 tools/bench_cpu.sh ...  # one part, ours and llama.cpp's
+#                                          # alternating, ROUNDS times (default 1);
+#                                          # parts: decode (batch 1), prefill (512),
+#                                          # batched (16 concurrent), server
 #
 # GGUF_DIR gets (if missing) random TinyLlama-1.1B-shaped weights written by
 # `tinyvllm-worker export-gguf` (f16, q8_0) and stories260K (f32); give a
@@ -32,20 +32,6 @@ export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
 bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|  )"; }
-if [ "${PARTS:-all}" = decode ]; then
-  # The machine drifts by tens of percent within minutes: alternate the two
-  # engines so that each pair of figures shares a phase.
-  for round in $(seq 1 "${ROUNDS:-5}"); do
-    for t in f16 q8_0; do
-      m="$GGUF/tinyllama-1.1b-random-$t.gguf"
-      echo "== round $round ours $t: batch-1 decode"; bench --model "$m" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth)"
-      if [ -n "$LLAMA" ]; then
-        echo "== round $round llama.cpp $t: tg64"; "$LLAMA/llama-bench" -m "$m" -t "$THREADS" -p 0 -n 64 -r 3 2>/dev/null | grep -E "tg64"
-      fi
-    done
-  done
-  exit 0
-fi
 if [ "${PARTS:-all}" = all ]; then
 for t in f16 q8_0; do
   m="$GGUF/tinyllama-1.1b-random-$t.gguf"
@@ -61,32 +47,65 @@ if [ -n "$LLAMA" ]; then
 fi
 fi # PARTS
 m="$GGUF/tinyllama-1.1b-random-f16.gguf"
-if [ "${PARTS:-all}" = all ] || [ "${PARTS:-all}" = batched ]; then
+batched() {
   echo "== ours f16: 16 concurrent (prompt 128, 64 generated each)"; bench --model "$m" --num-prompts 16 --input-len 128 --output-len 64
   if [ -n "$LLAMA" ]; then
-    echo "== llama.cpp f16: llama-batched-bench"; "$LLAMA/llama-batched-bench" -m "$m" -t "$THREADS" -c 8192 -npp 128 -ntg 64 -npl 1,16 2>/dev/null | grep -E "^\|"
+    echo "== llama.cpp f16: llama-batched-bench"; "$LLAMA/llama-batched-bench" -m "$m" -t "$THREADS" -c 8192 -npp 128 -ntg 64 -npl 16 2>/dev/null | grep -E "^\|"
   fi
-fi
-[ "${PARTS:-all}" = batched ] && exit 0
+}
 
 # The server workload: 16 concurrent streams, 103-token prompts, 64 tokens
 # each with ignore_eos, through the whole cluster (coordinator + 1 worker).
 workload() { target/release/tinyvllm-bench workload --url "$1" --groups 16 --queries 1 --prefix-tokens 0 \
   --suffix-tokens 103 --rate 1000000 --max-tokens 64 --vocab-size 32000 --first-token 3; }
-echo "== ours: server workload through the cluster"
-target/release/tinyvllm-coordinator --model "$m" --http 127.0.0.1:18080 --local-workers 1 \
-  --cluster-secret-file "${TMPDIR:-/tmp}/tinyvllm-bench-cluster-secret" \
-  --worker-arg=--kv-cache-memory=2000000000 > /tmp/tinyvllm-bench-coordinator.log 2>&1 &
-COORD=$!
-trap 'kill $COORD 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do curl -sf 127.0.0.1:18080/health >/dev/null 2>&1 && break; sleep 1; done
-workload http://127.0.0.1:18080
-kill $COORD; wait $COORD 2>/dev/null || true
-if [ -n "$LLAMA" ]; then
-  echo "== llama.cpp: server workload (llama-server -np 8 -c 8192 --cont-batching)"
-  "$LLAMA/llama-server" -m "$m" -t "$THREADS" -np 8 -c 8192 --cont-batching --port 18081 > /tmp/llama-server-bench.log 2>&1 &
-  LS=$!
-  for _ in $(seq 1 120); do curl -sf 127.0.0.1:18081/health >/dev/null 2>&1 && break; sleep 1; done
-  workload http://127.0.0.1:18081
-  kill $LS; wait $LS 2>/dev/null || true
+server() {
+  echo "== ours: server workload through the cluster"
+  target/release/tinyvllm-coordinator --model "$m" --http 127.0.0.1:18080 --local-workers 1 \
+    --cluster-secret-file "${TMPDIR:-/tmp}/tinyvllm-bench-cluster-secret" \
+    --worker-arg=--kv-cache-memory=2000000000 > /tmp/tinyvllm-bench-coordinator.log 2>&1 &
+  COORD=$!
+  trap 'kill $COORD 2>/dev/null || true' EXIT
+  for _ in $(seq 1 120); do curl -sf 127.0.0.1:18080/health >/dev/null 2>&1 && break; sleep 1; done
+  workload http://127.0.0.1:18080
+  kill $COORD; wait $COORD 2>/dev/null || true
+  if [ -n "$LLAMA" ]; then
+    echo "== llama.cpp: server workload (llama-server -np 8 -c 8192 --cont-batching)"
+    "$LLAMA/llama-server" -m "$m" -t "$THREADS" -np 8 -c 8192 --cont-batching --port 18081 > /tmp/llama-server-bench.log 2>&1 &
+    LS=$!
+    for _ in $(seq 1 120); do curl -sf 127.0.0.1:18081/health >/dev/null 2>&1 && break; sleep 1; done
+    workload http://127.0.0.1:18081
+    kill $LS; wait $LS 2>/dev/null || true
+  fi
+}
+
+# Batch-1 decode and prefill of one 512-token prompt, in f16 and Q8_0.
+decode() {
+  for t in f16 q8_0; do
+    local f="$GGUF/tinyllama-1.1b-random-$t.gguf"
+    echo "== ours $t: batch-1 decode"; bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth)"
+    if [ -n "$LLAMA" ]; then
+      echo "== llama.cpp $t: tg64"; "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -p 0 -n 64 -r 3 2>/dev/null | grep -E "tg64"
+    fi
+  done
+}
+prefill() {
+  for t in f16 q8_0; do
+    local f="$GGUF/tinyllama-1.1b-random-$t.gguf"
+    echo "== ours $t: prefill 512"; bench --model "$f" --num-prompts 1 --input-len 512 --output-len 1 | grep -E "^TTFT"
+    if [ -n "$LLAMA" ]; then
+      echo "== llama.cpp $t: pp512"; "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -p 512 -n 0 -r 3 2>/dev/null | grep -E "pp512"
+    fi
+  done
+}
+
+if [ "${PARTS:-all}" = all ]; then
+  batched
+  server
+else
+  # The machine drifts by tens of percent within minutes: alternate the two
+  # engines so that each pair of figures shares a phase.
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    echo "== round $round"
+    "$PARTS"
+  done
 fi
