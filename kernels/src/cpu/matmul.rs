@@ -465,7 +465,7 @@ fn scalar_tile<W: WeightElem>(x: &[f32], ldx: usize, w: &[W], r: usize, c: usize
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! AVX2 + FMA + F16C tiles. Callers must have checked those features.
-    use super::{Problem, WeightElem};
+    use super::{Problem, WeightDType, WeightElem};
     use crate::cpu::prefetch_within;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -635,8 +635,8 @@ mod avx2 {
     /// which also pays 12 horizontal sums per K block.
     ///
     /// Two loop orders, by the number of groups:
-    /// - few (batched decode): tile by tile, K blocks within, each tile's
-    ///   rows widened into L1 right before the groups use them. Each weight
+    /// - few (batched decode): tile by tile, K blocks within, each block's
+    ///   rows widened into L1 while the previous block computes. Each weight
     ///   row is read front to back as the hardware prefetcher likes; the
     ///   other order, which jumps between the task's rows every K block,
     ///   measured 15% slower at m = 16.
@@ -665,7 +665,8 @@ mod avx2 {
         let span = n1 - n0;
         let tiles = span.div_ceil(R);
         let (mut wide, mut sums) = BROADCAST_SCRATCH.take();
-        wide.resize(span.next_multiple_of(R) * KB, 0.0);
+        // Tile by tile: two tiles' rows; else all the task's.
+        wide.resize(span.next_multiple_of(R).max(2 * R) * KB, 0.0);
         sums.clear();
         sums.resize(count * tiles, [[0.0; 16]; R]);
         // Adds tile t's products over K block k0.. (len) for group gi, with
@@ -678,21 +679,61 @@ mod avx2 {
             unsafe { broadcast_tile_rg(r, g, p.xt.as_ptr().add(at + k0 * g), b, len, &mut sums[gi * tiles + t]) };
         };
         if count <= TILE_MAJOR_GROUPS {
-            for t in 0..tiles {
-                let r = (span - t * R).min(R);
-                let mut k0 = 0;
-                while k0 < k {
-                    let len = KB.min(k - k0);
-                    for ri in 0..r {
-                        let dst = &mut wide[ri * KB..ri * KB + len];
-                        // SAFETY: features are enabled on this function.
-                        unsafe { widen_row(w, k, n0 + t * R + ri, k0, PF_BLOCKS, R, dst) };
+            // Blocks (tile t, K block k0) in order, widened into alternate
+            // halves of `wide`. For f16 and full tiles, the next block is
+            // widened inside this block's first group's kernel, one vector
+            // per row every 8 k's, where out-of-order execution overlaps its
+            // loads, conversions and stores with the FMAs: at m = 16 on two
+            // threads 90-93 -> 118-134 GFLOP/s against a loop of its own,
+            // which other weight types and short tiles keep.
+            let next = |t: usize, k0: usize| match () {
+                _ if k0 + KB < k => Some((t, k0 + KB)),
+                _ if t + 1 < tiles => Some((t + 1, 0)),
+                _ => None,
+            };
+            let rows_of = |t: usize| (span - t * R).min(R);
+            let (mut cur, mut other) = wide.split_at_mut(R * KB);
+            for ri in 0..rows_of(0) {
+                // SAFETY: features are enabled on this function.
+                unsafe { widen_row(w, k, n0 + ri, 0, PF_BLOCKS, R, &mut cur[ri * KB..ri * KB + KB.min(k)]) };
+            }
+            let (mut t, mut k0) = (0, 0);
+            loop {
+                let len = KB.min(k - k0);
+                let after = next(t, k0);
+                let mut first_done = false;
+                if let Some((nt, nk0)) = after {
+                    let (first, nlen) = (n0 + nt * R, KB.min(k - nk0));
+                    for ri in 0..rows_of(nt) {
+                        prefetch_ahead(w, k, first + ri, nk0, PF_BLOCKS, R, nlen);
                     }
-                    for gi in 0..count {
-                        tile(gi, t, k0, len, wide.as_ptr(), &mut sums);
+                    let (_, g, at) = groups[0];
+                    if T::DTYPE == WeightDType::F16 && rows_of(t) == R && rows_of(nt) == R && g == 16 {
+                        let src = &w[first * k + nk0..(first + R - 1) * k + nk0 + nlen];
+                        // SAFETY: x holds len k's of the group from k0 (as
+                        // in `tile`), cur R rows of len; src (f16, per
+                        // DTYPE) holds R rows of nlen at stride k, and
+                        // `other` R rows of KB.
+                        unsafe {
+                            let x = p.xt.as_ptr().add(at + k0 * 16);
+                            let (src, dst) = (src.as_ptr().cast::<f16>(), other.as_mut_ptr());
+                            broadcast_tile_6x16_widening(x, cur.as_ptr(), len, &mut sums[t], src, k, dst, nlen);
+                        }
+                        first_done = true;
+                    } else {
+                        for ri in 0..rows_of(nt) {
+                            let src = &w[(first + ri) * k + nk0..(first + ri) * k + nk0 + nlen];
+                            // SAFETY: features are enabled on this function.
+                            unsafe { widen(src, &mut other[ri * KB..ri * KB + nlen]) };
+                        }
                     }
-                    k0 += len;
                 }
+                for gi in usize::from(first_done)..count {
+                    tile(gi, t, k0, len, cur.as_ptr(), &mut sums);
+                }
+                let Some((nt, nk0)) = after else { break };
+                (t, k0) = (nt, nk0);
+                std::mem::swap(&mut cur, &mut other);
             }
         } else {
             let mut k0 = 0;
@@ -803,6 +844,251 @@ mod avx2 {
                 (2, _) => broadcast_tile::<2, 1>(x, b, len, s),
                 (_, 16) => broadcast_tile::<1, 2>(x, b, len, s),
                 _ => broadcast_tile::<1, 1>(x, b, len, s),
+            }
+        }
+    }
+
+    /// [`broadcast_tile`] for 6 f16 weight rows and 16 x rows that meanwhile
+    /// widens 6 rows of `wlen` f16 weights at `src` (row stride `stride`)
+    /// into `dst` (row stride KB): one vector per row every 8 k's. The main
+    /// loop is assembly because it needs all 16 vector registers (12
+    /// accumulators, 2 x vectors, a broadcast weight and a widened one), and
+    /// LLVM spilled accumulators when it was written with intrinsics.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; x must hold `len * 16` floats,
+    /// buf 6 rows of `len` (stride KB); src 6 rows of `wlen` at `stride`,
+    /// dst 6 rows of KB >= wlen, not overlapping buf.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn broadcast_tile_6x16_widening(
+        x: *const f32,
+        buf: *const f32,
+        len: usize,
+        sums: &mut TileSums,
+        src: *const f16,
+        stride: usize,
+        dst: *mut f32,
+        wlen: usize,
+    ) {
+        let n8 = len.min(wlen) / 8;
+        // SAFETY: the loop reads x[..n8 * 128], buf rows [..n8 * 8], src rows
+        // [..n8 * 8] and writes dst rows [..n8 * 8], all within the caller's
+        // ranges; the tails go through the checked helpers.
+        unsafe {
+            if n8 > 0 {
+                let s = sums.as_mut_ptr().cast::<f32>();
+                let mut a = [_mm256_setzero_ps(); 12];
+                for (o, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(s.add(o * 8));
+                }
+                let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7, mut a8, mut a9, mut a10, mut a11] =
+                    a;
+                std::arch::asm!(
+                "2:",
+                "vmovups {x0}, ymmword ptr [{x} + 0]",
+                "vmovups {x1}, ymmword ptr [{x} + 32]",
+                "vbroadcastss {w}, dword ptr [{b} + 0]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1024]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2048]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3072]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4096]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5120]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vmovups {x0}, ymmword ptr [{x} + 64]",
+                "vmovups {x1}, ymmword ptr [{x} + 96]",
+                "vbroadcastss {w}, dword ptr [{b} + 4]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1028]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2052]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3076]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4100]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5124]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vcvtph2ps {t}, xmmword ptr [{src}]",
+                "vmovups ymmword ptr [{dst} + 0], {t}",
+                "vcvtph2ps {t}, xmmword ptr [{src} + {s}]",
+                "vmovups ymmword ptr [{dst} + 1024], {t}",
+                "vmovups {x0}, ymmword ptr [{x} + 128]",
+                "vmovups {x1}, ymmword ptr [{x} + 160]",
+                "vbroadcastss {w}, dword ptr [{b} + 8]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1032]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2056]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3080]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4104]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5128]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vmovups {x0}, ymmword ptr [{x} + 192]",
+                "vmovups {x1}, ymmword ptr [{x} + 224]",
+                "vbroadcastss {w}, dword ptr [{b} + 12]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1036]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2060]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3084]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4108]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5132]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vcvtph2ps {t}, xmmword ptr [{src} + 2*{s}]",
+                "vmovups ymmword ptr [{dst} + 2048], {t}",
+                "vcvtph2ps {t}, xmmword ptr [{src3}]",
+                "vmovups ymmword ptr [{dst} + 3072], {t}",
+                "vmovups {x0}, ymmword ptr [{x} + 256]",
+                "vmovups {x1}, ymmword ptr [{x} + 288]",
+                "vbroadcastss {w}, dword ptr [{b} + 16]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1040]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2064]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3088]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4112]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5136]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vmovups {x0}, ymmword ptr [{x} + 320]",
+                "vmovups {x1}, ymmword ptr [{x} + 352]",
+                "vbroadcastss {w}, dword ptr [{b} + 20]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1044]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2068]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3092]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4116]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5140]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vcvtph2ps {t}, xmmword ptr [{src3} + {s}]",
+                "vmovups ymmword ptr [{dst} + 4096], {t}",
+                "vmovups {x0}, ymmword ptr [{x} + 384]",
+                "vmovups {x1}, ymmword ptr [{x} + 416]",
+                "vbroadcastss {w}, dword ptr [{b} + 24]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1048]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2072]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3096]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4120]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5144]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vmovups {x0}, ymmword ptr [{x} + 448]",
+                "vmovups {x1}, ymmword ptr [{x} + 480]",
+                "vbroadcastss {w}, dword ptr [{b} + 28]",
+                "vfmadd231ps {a0}, {w}, {x0}",
+                "vfmadd231ps {a1}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 1052]",
+                "vfmadd231ps {a2}, {w}, {x0}",
+                "vfmadd231ps {a3}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 2076]",
+                "vfmadd231ps {a4}, {w}, {x0}",
+                "vfmadd231ps {a5}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 3100]",
+                "vfmadd231ps {a6}, {w}, {x0}",
+                "vfmadd231ps {a7}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 4124]",
+                "vfmadd231ps {a8}, {w}, {x0}",
+                "vfmadd231ps {a9}, {w}, {x1}",
+                "vbroadcastss {w}, dword ptr [{b} + 5148]",
+                "vfmadd231ps {a10}, {w}, {x0}",
+                "vfmadd231ps {a11}, {w}, {x1}",
+                "vcvtph2ps {t}, xmmword ptr [{src3} + 2*{s}]",
+                "vmovups ymmword ptr [{dst} + 5120], {t}",
+                "add {x}, 512",
+                "add {b}, 32",
+                "add {src}, 16",
+                "add {src3}, 16",
+                "add {dst}, 32",
+                "dec {n}",
+                "jnz 2b",
+                    x = inout(reg) x => _,
+                    b = inout(reg) buf => _,
+                    src = inout(reg) src => _,
+                    src3 = inout(reg) src.add(3 * stride) => _,
+                    s = in(reg) stride * 2,
+                    dst = inout(reg) dst => _,
+                    n = inout(reg) n8 => _,
+                    a0 = inout(ymm_reg) a0, a1 = inout(ymm_reg) a1, a2 = inout(ymm_reg) a2, a3 = inout(ymm_reg) a3,
+                    a4 = inout(ymm_reg) a4, a5 = inout(ymm_reg) a5, a6 = inout(ymm_reg) a6, a7 = inout(ymm_reg) a7,
+                    a8 = inout(ymm_reg) a8, a9 = inout(ymm_reg) a9, a10 = inout(ymm_reg) a10, a11 = inout(ymm_reg) a11,
+                    x0 = out(ymm_reg) _, x1 = out(ymm_reg) _, w = out(ymm_reg) _, t = out(ymm_reg) _,
+                    options(nostack),
+                );
+                for (o, a) in [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11].into_iter().enumerate() {
+                    _mm256_storeu_ps(s.add(o * 8), a);
+                }
+            }
+            let done = n8 * 8;
+            if done < len {
+                broadcast_tile::<6, 2>(x.add(done * 16), buf.add(done), len - done, sums);
+            }
+            for r in 0..6 {
+                let row = std::slice::from_raw_parts(src.add(r * stride + done), wlen - done);
+                widen(row, std::slice::from_raw_parts_mut(dst.add(r * KB + done), wlen - done));
             }
         }
     }
@@ -948,9 +1234,7 @@ mod avx2 {
     }
 
     /// Widens weights `k0..k0 + dst.len()` of row `row` (rows of k) into
-    /// dst. Short bursts from a tile's rows outrun the hardware prefetcher,
-    /// so it also asks for what this row needs `blocks` K blocks later (past
-    /// its end: the same row of the next tile, `tile_rows` on).
+    /// dst, and prefetches as [`prefetch_ahead`].
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available.
@@ -965,22 +1249,29 @@ mod avx2 {
         dst: &mut [f32],
     ) {
         let start = row * k + k0;
-        let ahead = k0 + blocks * KB;
-        let pf = if ahead < k { start + blocks * KB } else { (row + tile_rows) * k + ahead - k };
-        let w_end = w.as_ptr_range().end.cast::<u8>();
+        prefetch_ahead(w, k, row, k0, blocks, tile_rows, dst.len());
         // SAFETY: features per the caller.
-        unsafe { widen(&w[start..start + dst.len()], dst, w.as_ptr().wrapping_add(pf), w_end) };
+        unsafe { widen(&w[start..start + dst.len()], dst) };
     }
 
-    /// Widens `src` into `dst` (same length) and prefetches as many bytes
-    /// at `pf` (clipped to `end`, the weights' end).
+    /// Short bursts from a tile's rows outrun the hardware prefetcher, so
+    /// this asks for the `len` weights that row `row` (rows of k) needs
+    /// `blocks` K blocks after `k0` (past its end: the same row of the next
+    /// tile, `tile_rows` on).
+    fn prefetch_ahead<T>(w: &[T], k: usize, row: usize, k0: usize, blocks: usize, tile_rows: usize, len: usize) {
+        let ahead = k0 + blocks * KB;
+        let pf = if ahead < k { row * k + ahead } else { (row + tile_rows) * k + ahead - k };
+        let w_end = w.as_ptr_range().end.cast::<u8>();
+        prefetch_within(w.as_ptr().wrapping_add(pf).cast(), len * size_of::<T>(), w_end);
+    }
+
+    /// Widens `src` into `dst` (same length).
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen<T: Load8>(src: &[T], dst: &mut [f32], pf: *const T, end: *const u8) {
+    unsafe fn widen<T: Load8>(src: &[T], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len());
-        prefetch_within(pf.cast(), size_of_val(src), end);
         let len8 = src.len() & !7;
         let mut i = 0;
         while i < len8 {
