@@ -13,13 +13,16 @@
 //! - Larger m is compute bound. Each tile of weight rows is widened to f32 one
 //!   K block (256) at a time into an L1 buffer and reused by every x row, so
 //!   conversion costs 1/m per weight rather than 1/3 (vcvtph2ps alone capped
-//!   f16 at ~50 GFLOP/s), and W comes from DRAM once per 64 x rows. For m < 16
-//!   the x rows pass over it in 4x3 dot-product tiles (12 accumulators of 8
-//!   lanes, summed horizontally per K block). From m = 16, in BLIS's shape:
-//!   x is transposed once per call into groups of 16 rows, and 6 weight rows
-//!   x 16 x rows make 12 accumulators fed by 2 vector loads and 6 broadcast
-//!   weights per k, with no horizontal sums (on Zen 3: 97% of the FMA peak in
-//!   isolation against 88% for the 4x3 tile; f16 GEMM at m = 64 +25%).
+//!   f16 at ~50 GFLOP/s), and W comes from DRAM once per chunk of x rows (64,
+//!   or 256 for the broadcast kernel). For m < 16 the x rows pass over it in
+//!   4x3 dot-product tiles (12 accumulators of 8 lanes, summed horizontally
+//!   per K block). From m = 16, in BLIS's shape: x is transposed once per
+//!   call into groups of 16 rows, and 6 weight rows x 16 x rows make 12
+//!   accumulators fed by 2 vector loads and 6 broadcast weights per k, with
+//!   no horizontal sums (on Zen 3: 97% of the FMA peak in isolation against
+//!   88% for the 4x3 tile). Batched decode overlaps the widening of the next
+//!   K block with the FMAs; prefill chunks run K block by K block so that
+//!   each group's x stays in L1 (see `avx2::broadcast_panel`).
 //! - Backends: AVX2+FMA+F16C on x86-64 (detected once at run time), NEON on
 //!   aarch64, and a portable chunked scalar loop that LLVM can auto-vectorise.
 //!   The NEON and scalar paths use plain register tiles (8x1 for m = 1, 4x3
