@@ -4,7 +4,7 @@
 //! sequence brings `q_len >= 1` new tokens (a whole prompt, a prompt chunk
 //! on top of a cached prefix, or one decode token) and attends causally to
 //! its context through its block table. Three implementations share one API:
-//! * [`reference`]: naive host loops, obviously right;
+//! * [`reference`](mod@reference): naive host loops, obviously right;
 //! * [`cpu`]: multi-threaded, online softmax, reads K/V in place block by block;
 //! * [`portable`]: candle ops only (gather, matmul, softmax), any device.
 //!
