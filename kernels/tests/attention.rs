@@ -1,7 +1,7 @@
 //! `cpu` and `portable` against `reference` on random inputs: scattered and
 //! shuffled block tables, ragged lengths, decode (q_len 1) and prefill /
 //! chunked prefill (q_len > 1 on a cached prefix), lengths on and across
-//! block boundaries, GQA ratios 1, 2, 4, 8, sliding windows, f32/f16/bf16.
+//! block boundaries, GQA ratios 1, 2, 3, 4, 7, 8, sliding windows, f32/f16/bf16.
 
 use candle_core::{DType, Device, Tensor};
 use kernels::{AttentionMetadata, cpu, portable, reference};
@@ -113,8 +113,8 @@ fn matches_reference_across_shapes_in_f32() {
         &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
         &[(40, 70), (2, 31)],                           // long chunk over several query tiles
     ];
-    // GQA ratios 1, 2, 4, 8.
-    for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2)] {
+    // GQA ratios 1, 2, 4, 8, and 7 and 3 (lanes of 8 partly filled).
+    for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2), (14, 2), (9, 3)] {
         // 12: not whole 8-lane chunks (the portable loops); 24, 40: the AVX2
         // value loop's 8-lane tail after its 32-lane stretches.
         for &head_dim in &[8, 12, 24, 32, 40, 64] {
