@@ -160,11 +160,25 @@ impl PagedAttention<'_> {
             let q_pos = item.pos0 + r / group;
             (window_start(q_pos).saturating_sub(start), len.min((q_pos + 1).saturating_sub(start)))
         };
-        for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(window_start(item.pos0) / bs) {
+        let row_stride = d.num_kv_heads * hd;
+        let last_block = last_pos / bs;
+        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(window_start(item.pos0) / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
-            let row_stride = d.num_kv_heads * hd;
+            // The pool's blocks lie anywhere and a block's rows for one kv
+            // head are `row_stride` apart, which the hardware prefetchers do
+            // not follow: ask for the next block's rows while this one computes.
+            if let Some(&next) = table.get(b + 1).filter(|_| b < last_block) {
+                let next_base = (next as usize * bs * d.num_kv_heads + item.kv_head) * hd;
+                for cache in [k, v] {
+                    let end = cache.as_ptr_range().end.cast::<u8>();
+                    for t in 0..bs {
+                        let row = cache.as_ptr().wrapping_add(next_base + t * row_stride).cast::<u8>();
+                        super::prefetch_within(row, hd * size_of::<T>(), end);
+                    }
+                }
+            }
             let (kr, vr, stride) = match (T::as_f32(&k[base..]), T::as_f32(&v[base..])) {
                 (Some(kr), Some(vr)) => (kr, vr, row_stride),
                 _ => {
