@@ -179,16 +179,7 @@ impl PagedAttention<'_> {
                     }
                 }
             }
-            let (kr, vr, stride) = match (T::as_f32(&k[base..]), T::as_f32(&v[base..])) {
-                (Some(kr), Some(vr)) => (kr, vr, row_stride),
-                _ => {
-                    for t in 0..len {
-                        widen(&k[base + t * row_stride..][..hd], &mut kb[t * hd..][..hd]);
-                        widen(&v[base + t * row_stride..][..hd], &mut vb[t * hd..][..hd]);
-                    }
-                    (&kb[..], &vb[..], hd)
-                }
-            };
+            let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
             // SAFETY (the three calls): AVX2 and FMA per the caller; qf is
             // [hd, nl], rows 0..len of kr/vr lie inside them `stride` apart,
             // scores holds len x nl, acc nl x hd, max/sum/corr nl.
@@ -246,20 +237,8 @@ impl PagedAttention<'_> {
         for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(first_key / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
-            // This block's K and V rows for our kv head: f32 caches are read in
-            // place (rows `stride` apart), others widened once for all q heads.
             let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
-            let row_stride = d.num_kv_heads * hd;
-            let (kr, vr, stride) = match (T::as_f32(&k[base..]), T::as_f32(&v[base..])) {
-                (Some(kr), Some(vr)) => (kr, vr, row_stride),
-                _ => {
-                    for t in 0..len {
-                        widen(&k[base + t * row_stride..][..hd], &mut kb[t * hd..][..hd]);
-                        widen(&v[base + t * row_stride..][..hd], &mut vb[t * hd..][..hd]);
-                    }
-                    (&kb[..], &vb[..], hd)
-                }
-            };
+            let (kr, vr, stride) = block_rows((k, v), base, d.num_kv_heads * hd, hd, len, (kb, vb));
             for r in 0..n {
                 // Keys t0..t1 of this block are visible to this query.
                 let q_pos = item.pos0 + r / group;
@@ -378,6 +357,29 @@ fn exp_shifted_in_place(v: &mut [f32], shift: f32) -> f32 {
     }
     let tail: f32 = chunks.into_remainder().iter_mut().map(exp).sum();
     lanes.iter().sum::<f32>() + tail
+}
+
+/// The first `len` K and V rows of a block for one kv head, from `base`
+/// (rows `row_stride` apart) as `(k rows, v rows, their stride)`: f32 caches
+/// are read in place, others widened once into `bufs` for all the group's
+/// query heads (rows `hd` apart).
+#[inline(always)]
+fn block_rows<'a, T: Elem>(
+    (k, v): (&'a [T], &'a [T]),
+    base: usize,
+    row_stride: usize,
+    hd: usize,
+    len: usize,
+    (kb, vb): (&'a mut [f32], &'a mut [f32]),
+) -> (&'a [f32], &'a [f32], usize) {
+    if let (Some(kr), Some(vr)) = (T::as_f32(&k[base..]), T::as_f32(&v[base..])) {
+        return (kr, vr, row_stride);
+    }
+    for t in 0..len {
+        widen(&k[base + t * row_stride..][..hd], &mut kb[t * hd..][..hd]);
+        widen(&v[base + t * row_stride..][..hd], &mut vb[t * hd..][..hd]);
+    }
+    (kb, vb, hd)
 }
 
 #[inline(always)]
