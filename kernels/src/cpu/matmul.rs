@@ -713,13 +713,7 @@ mod avx2 {
                 if let Some((nt, nk0)) = after {
                     let (first, nlen) = (n0 + nt * R, KB.min(k - nk0));
                     let (_, g, at) = groups[0];
-                    let fused = T::DTYPE == WeightDType::F16 && rows_of(t) == R && rows_of(nt) == R && g == 16;
-                    if !fused {
-                        for ri in 0..rows_of(nt) {
-                            prefetch_ahead(w, k, first + ri, nk0, PF_BLOCKS, R, nlen);
-                        }
-                    }
-                    if fused {
+                    if T::DTYPE == WeightDType::F16 && rows_of(t) == R && rows_of(nt) == R && g == 16 {
                         let src = &w[first * k + nk0..(first + R - 1) * k + nk0 + nlen];
                         // SAFETY: x holds len k's of the group from k0 (as
                         // in `tile`), cur R rows of len; src (f16, per
@@ -734,6 +728,7 @@ mod avx2 {
                         first_done = true;
                     } else {
                         for ri in 0..rows_of(nt) {
+                            prefetch_ahead(w, k, first + ri, nk0, PF_BLOCKS, R, nlen);
                             let src = &w[(first + ri) * k + nk0..(first + ri) * k + nk0 + nlen];
                             // SAFETY: features are enabled on this function.
                             unsafe { widen(src, &mut other[ri * KB..ri * KB + nlen]) };
