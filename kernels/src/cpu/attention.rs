@@ -77,6 +77,18 @@ struct Item {
 }
 
 impl PagedAttention<'_> {
+    /// The first key position a query at `pos` sees (its sliding window).
+    fn window_start(&self, pos: usize) -> usize {
+        self.meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// Keys t0..t1 of the block at position `start` (of `len` keys) that a
+    /// query at `q_pos` sees.
+    #[inline(always)]
+    fn visible_keys(&self, q_pos: usize, start: usize, len: usize) -> (usize, usize) {
+        (self.window_start(q_pos).saturating_sub(start), len.min((q_pos + 1).saturating_sub(start)))
+    }
+
     fn items(&self) -> Vec<Item> {
         let mut items = Vec::new();
         for s in 0..self.meta.num_seqs() {
@@ -154,15 +166,10 @@ impl PagedAttention<'_> {
         refill(vb, bs * hd, 0.0);
         let last_pos = item.pos0 + item.rows - 1;
         let table = &self.meta.block_tables[item.seq];
-        let window_start = |pos: usize| self.meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        // Keys t0..t1 of the block at `start` (of `len`) that pair r sees.
-        let visible = |r: usize, start: usize, len: usize| {
-            let q_pos = item.pos0 + r / group;
-            (window_start(q_pos).saturating_sub(start), len.min((q_pos + 1).saturating_sub(start)))
-        };
+        let visible = |r: usize, start: usize, len: usize| self.visible_keys(item.pos0 + r / group, start, len);
         let row_stride = d.num_kv_heads * hd;
         let last_block = last_pos / bs;
-        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(window_start(item.pos0) / bs) {
+        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(self.window_start(item.pos0) / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
@@ -232,18 +239,14 @@ impl PagedAttention<'_> {
         refill(kb, bs * hd, 0.0);
         refill(vb, bs * hd, 0.0);
         refill(scores, bs, 0.0);
-        let window_start = |pos: usize| self.meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let first_key = window_start(item.pos0);
+        let first_key = self.window_start(item.pos0);
         for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(first_key / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
             let (kr, vr, stride) = block_rows((k, v), base, d.num_kv_heads * hd, hd, len, (kb, vb));
             for r in 0..n {
-                // Keys t0..t1 of this block are visible to this query.
-                let q_pos = item.pos0 + r / group;
-                let t0 = window_start(q_pos).saturating_sub(start);
-                let t1 = len.min((q_pos + 1).saturating_sub(start));
+                let (t0, t1) = self.visible_keys(item.pos0 + r / group, start, len);
                 if t0 >= t1 {
                     continue;
                 }
