@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use half::f16;
 use kernels::cpu::matmul::matmul_xwt;
+use kernels::cpu::packed::{PackedWeight, matmul_packed, packing_pays};
 use kernels::cpu::quant::{BlockQ8_0, PackedQ8_0, QK8_0, matmul_packed_q8_0, matmul_q8_0, quantize_matrix_q8_0};
+use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
 use rayon::prelude::*;
 
 /// TinyLlama-1.1B's decode matmuls: (name, n, k).
@@ -77,7 +79,13 @@ fn main() {
         let w16: Vec<Vec<f16>> = (0..copies).map(|_| base16.clone()).collect();
         let (d, gbs) = time_rotating(copies, bytes, |c| matmul_xwt(&x, 1, k, &w16[c], n, None, &mut y));
         println!("{name:20} f16   {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
-        drop(w16);
+        if packing_pays() {
+            let wp: Vec<PackedWeight<f16>> = w16.iter().map(|w| PackedWeight::pack(w, n, k).expect("shape")).collect();
+            drop(w16);
+            let (d, gbs) =
+                time_rotating(copies, bytes, |c| matmul_packed(&x, 1, &wp[c], None, &mut y).expect("shapes"));
+            println!("{name:20} f16p  {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
+        }
 
         let bytes = n * k / QK8_0 * size_of::<BlockQ8_0>();
         let copies = ROTATE_BYTES.div_ceil(bytes);
@@ -89,6 +97,12 @@ fn main() {
         let wp: Vec<PackedQ8_0> = (0..copies).map(|_| PackedQ8_0::pack(&q, n, k / QK8_0).expect("shape")).collect();
         let (d, gbs) = time_rotating(copies, bytes, |c| matmul_packed_q8_0(&x, 1, &wp[c], &mut y).expect("shapes"));
         println!("{name:20} q8_0p {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
+        drop(wp);
+        if vnni_available() {
+            let wv: Vec<VnniQ8_0> = (0..copies).map(|_| VnniQ8_0::pack(&q, n, k / QK8_0).expect("shape")).collect();
+            let (d, gbs) = time_rotating(copies, bytes, |c| matmul_vnni_q8_0(&x, 1, &wv[c], &mut y).expect("shapes"));
+            println!("{name:20} q8_0v {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
+        }
     }
     layer_sequence();
     cache_resident();
@@ -119,6 +133,11 @@ fn cache_resident() {
             let p = PackedQ8_0::pack(&q, n, k / QK8_0).expect("shape");
             let (_, gbs) = time_rotating(1, bytes, |_| matmul_packed_q8_0(&x, 1, &p, &mut y).expect("shapes"));
             println!("{:20} q8_0p {gbs:5.1} GB/s  ({threads} thread(s))", "weights in cache");
+            if vnni_available() {
+                let v = VnniQ8_0::pack(&q, n, k / QK8_0).expect("shape");
+                let (_, gbs) = time_rotating(1, bytes, |_| matmul_vnni_q8_0(&x, 1, &v, &mut y).expect("shapes"));
+                println!("{:20} q8_0v {gbs:5.1} GB/s  ({threads} thread(s))", "weights in cache");
+            }
         });
     }
 }

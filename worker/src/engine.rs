@@ -123,6 +123,7 @@ impl Engine {
             );
         }
         if config.device.is_cpu() {
+            model.pack_weights()?;
             model.place_weights_in_huge_pages();
         }
         let cfg = model.config().clone();

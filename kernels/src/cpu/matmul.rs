@@ -56,6 +56,7 @@ pub enum WeightDType {
 /// by [`WeightElem::DTYPE`], which is only sound for the three impls here.
 pub trait WeightElem: sealed::Sealed + Copy + Send + Sync + 'static {
     const DTYPE: WeightDType;
+    const ZERO: Self;
     fn to_f32(self) -> f32;
     /// Widens `src` into `dst` (same length).
     fn widen_slice(src: &[Self], dst: &mut [f32]);
@@ -63,6 +64,7 @@ pub trait WeightElem: sealed::Sealed + Copy + Send + Sync + 'static {
 
 impl WeightElem for f32 {
     const DTYPE: WeightDType = WeightDType::F32;
+    const ZERO: Self = 0.0;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -74,6 +76,7 @@ impl WeightElem for f32 {
 
 impl WeightElem for f16 {
     const DTYPE: WeightDType = WeightDType::F16;
+    const ZERO: Self = f16::ZERO;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
@@ -86,6 +89,7 @@ impl WeightElem for f16 {
 
 impl WeightElem for bf16 {
     const DTYPE: WeightDType = WeightDType::BF16;
+    const ZERO: Self = bf16::ZERO;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
@@ -98,7 +102,7 @@ impl WeightElem for bf16 {
 
 /// Which inner kernels this machine runs; decided once per process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Backend {
+pub(crate) enum Backend {
     #[cfg(target_arch = "x86_64")]
     Avx2,
     #[cfg(target_arch = "aarch64")]
@@ -106,7 +110,7 @@ enum Backend {
     Scalar,
 }
 
-static BACKEND: LazyLock<Backend> = LazyLock::new(detect_backend);
+pub(crate) static BACKEND: LazyLock<Backend> = LazyLock::new(detect_backend);
 
 fn detect_backend() -> Backend {
     #[cfg(target_arch = "x86_64")]
@@ -201,7 +205,7 @@ fn check_shapes(x_len: usize, m: usize, k: usize, w_len: usize, n: usize, bias_l
 /// A raw pointer to y that tasks share; each task writes a disjoint set of
 /// columns `n0..n1` of every row.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint elements of y (distinct column ranges), and the
 // borrow of y outlives the parallel loop, so sharing the pointer is race-free.
 unsafe impl Send for OutPtr {}
@@ -466,7 +470,7 @@ fn scalar_tile<W: WeightElem>(x: &[f32], ldx: usize, w: &[W], r: usize, c: usize
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     //! AVX2 + FMA + F16C tiles. Callers must have checked those features.
     use super::{Problem, WeightDType, WeightElem};
     use crate::cpu::prefetch_within;
@@ -474,10 +478,22 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// Widens 8 consecutive weights at `p` to f32 lanes.
-    pub(super) trait Load8: WeightElem {
+    pub(crate) trait Load8: WeightElem {
         /// # Safety
         /// `p..p+8` must be readable and the CPU must support AVX2, FMA, F16C.
         unsafe fn load8(p: *const Self) -> __m256;
+
+        /// As [`Load8::load8`], letting the compiler fold the load into the
+        /// conversion: one instruction fewer for loops bound by issue width
+        /// rather than by the conversion's throughput (the packed tiles).
+        ///
+        /// # Safety
+        /// As [`Load8::load8`].
+        #[inline(always)]
+        unsafe fn load8_folded(p: *const Self) -> __m256 {
+            // SAFETY: forwarded from the caller.
+            unsafe { Self::load8(p) }
+        }
     }
 
     impl Load8 for f32 {
@@ -496,6 +512,12 @@ mod avx2 {
             // them into `vcvtph2ps ymm, m128`, which on Zen 1 issues once per
             // 3.1 cycles against 2.7 for the register form after a load.
             unsafe { cvtph_ps_register(_mm_loadu_si128(p.cast())) }
+        }
+
+        #[inline(always)]
+        unsafe fn load8_folded(p: *const Self) -> __m256 {
+            // SAFETY: caller guarantees 16 readable bytes and F16C support.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
         }
     }
 

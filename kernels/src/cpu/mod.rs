@@ -5,7 +5,9 @@ mod buffers;
 mod cache;
 mod fused;
 pub mod matmul;
+pub mod packed;
 pub mod quant;
+pub mod vnni;
 
 pub use attention::{paged_attention, paged_attention_into};
 pub use buffers::{copy_columns, read_f32, write_f32};

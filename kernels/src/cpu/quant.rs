@@ -495,10 +495,16 @@ fn quantized_activations(backend: Backend, x: &[f32], blocks: usize) -> (Vec<Blo
     (xq, xd)
 }
 
+/// [`quantized_activations`] on this machine's quantizer, for the other
+/// Q8_0 layouts' kernels.
+pub(crate) fn quantize_activations_q8_0(x: &[f32], blocks: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
+    quantized_activations(*BACKEND, x, blocks)
+}
+
 /// Runs `f(i0, i1)` over `0..items` cut into spans on rayon's pool: about 8
 /// per thread, so both cores balance, each `clamp.0..=clamp.1` items long,
 /// so scheduling costs nothing next to streaming a span's weights.
-fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usize, usize) + Sync) {
+pub(crate) fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usize, usize) + Sync) {
     let threads = rayon::current_num_threads().max(1);
     let per_task = items.div_ceil(threads * 8).clamp(clamp.0, clamp.1);
     let tasks = items.div_ceil(per_task);

@@ -5,15 +5,19 @@
 //! weights to a fresh f32 copy on every call, and is very slow for f16
 //! with a transposed weight at m > 1. Activations go through the kernel in
 //! f32. Other devices, and large f32 batches (where candle's GEMM is
-//! good), use candle's matmul.
+//! good), use candle's matmul. On x86 with AVX2, f16 and bf16 weights are
+//! packed in panels at load time (`kernels::cpu::packed`; [`Linear::pack`]):
+//! every batch size then streams them as one linear stream per task.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
-use kernels::cpu::matmul::matmul_xwt;
+use kernels::cpu::matmul::{WeightElem, matmul_xwt};
+use kernels::cpu::packed::{PackedWeight, matmul_packed};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant, quantize_matrix};
+use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
 use kernels::cpu::{read_f32, write_f32};
 
 use super::placement::back_with_huge_pages;
@@ -36,6 +40,51 @@ pub struct Linear {
     bias: Option<Tensor>,
     bias_f32: Option<Vec<f32>>,
     quant: Option<Arc<QuantWeight>>,
+    /// The weight packed in panels for the AVX2 kernels; `weight` is then
+    /// a 0-element placeholder, as after quantization.
+    packed: Option<Arc<Packed>>,
+}
+
+/// A dense weight in panels (`kernels::cpu::packed`), in its stored dtype.
+#[derive(Debug)]
+enum Packed {
+    F16(PackedWeight<f16>),
+    BF16(PackedWeight<bf16>),
+}
+
+impl Packed {
+    fn dims(&self) -> (usize, usize) {
+        match self {
+            Self::F16(w) => w.dims(),
+            Self::BF16(w) => w.dims(),
+        }
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            Self::F16(w) => w.size_in_bytes(),
+            Self::BF16(w) => w.size_in_bytes(),
+        }
+    }
+
+    /// The weight `[out, in]` back in f32.
+    fn to_f32(&self) -> Vec<f32> {
+        fn widen<W: WeightElem>(w: &PackedWeight<W>) -> Vec<f32> {
+            w.unpack().into_iter().map(W::to_f32).collect()
+        }
+        match self {
+            Self::F16(w) => widen(w),
+            Self::BF16(w) => widen(w),
+        }
+    }
+
+    fn matmul(&self, x: &[f32], m: usize, bias: Option<&[f32]>, y: &mut [f32]) -> candle_core::Result<()> {
+        let r = match self {
+            Self::F16(w) => matmul_packed(x, m, w, bias, y),
+            Self::BF16(w) => matmul_packed(x, m, w, bias, y),
+        };
+        r.map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
 }
 
 /// A quantized weight: `out` rows of `inp / 32` blocks.
@@ -46,17 +95,34 @@ pub struct QuantWeight {
     inp: usize,
 }
 
-/// Q8_0 is kept regrouped for the kernel ([`PackedQ8_0`]: 4 rows' codes
-/// together, scales apart); Q4_0 in GGML's row-major blocks.
+/// Q8_0 is kept regrouped for the kernel: in 16-row panels for
+/// `vpdpbusd` where the CPU has AVX-512 VNNI ([`VnniQ8_0`]), else 4 rows'
+/// codes together, scales apart ([`PackedQ8_0`]); Q4_0 in GGML's row-major
+/// blocks.
 #[derive(Clone, Debug)]
 enum QuantBlocks {
     Q8_0(PackedQ8_0),
+    Q8_0Vnni(VnniQ8_0),
     Q4_0(Vec<BlockQ4_0>),
 }
 
 fn pack_q8_0(blocks: &[BlockQ8_0], out: usize, inp: usize) -> candle_core::Result<QuantBlocks> {
-    let packed = PackedQ8_0::pack(blocks, out, inp / QK).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    Ok(QuantBlocks::Q8_0(packed))
+    let err = |e: kernels::cpu::quant::QuantError| candle_core::Error::Msg(e.to_string());
+    if vnni_available() {
+        return Ok(QuantBlocks::Q8_0Vnni(VnniQ8_0::pack(blocks, out, inp / QK).map_err(err)?));
+    }
+    Ok(QuantBlocks::Q8_0(PackedQ8_0::pack(blocks, out, inp / QK).map_err(err)?))
+}
+
+impl QuantBlocks {
+    /// Q8_0 weights back in GGML's row-major blocks.
+    fn q8_0_rows(&self) -> Option<Vec<BlockQ8_0>> {
+        match self {
+            Self::Q8_0(p) => Some(p.unpack()),
+            Self::Q8_0Vnni(p) => Some(p.unpack()),
+            Self::Q4_0(_) => None,
+        }
+    }
 }
 
 impl QuantWeight {
@@ -90,7 +156,7 @@ impl QuantWeight {
 
     pub fn format(&self) -> QuantFormat {
         match self.blocks {
-            QuantBlocks::Q8_0(_) => QuantFormat::Q8_0,
+            QuantBlocks::Q8_0(_) | QuantBlocks::Q8_0Vnni(_) => QuantFormat::Q8_0,
             QuantBlocks::Q4_0(_) => QuantFormat::Q4_0,
         }
     }
@@ -106,16 +172,14 @@ impl QuantWeight {
             *v = perm.iter().flat_map(|&r| v[r * kb..(r + 1) * kb].iter().copied()).collect();
         }
         let kb = self.inp / QK;
-        match &mut self.blocks {
-            QuantBlocks::Q8_0(p) => {
-                let mut rows = p.unpack();
-                apply(&mut rows, perm, kb);
-                // Same shape as before, so packing cannot fail.
-                if let Ok(repacked) = PackedQ8_0::pack(&rows, self.out, kb) {
-                    *p = repacked;
-                }
+        if let Some(mut rows) = self.blocks.q8_0_rows() {
+            apply(&mut rows, perm, kb);
+            // Same shape as before, so packing cannot fail.
+            if let Ok(repacked) = pack_q8_0(&rows, self.out, self.inp) {
+                self.blocks = repacked;
             }
-            QuantBlocks::Q4_0(v) => apply(v, perm, kb),
+        } else if let QuantBlocks::Q4_0(v) = &mut self.blocks {
+            apply(v, perm, kb);
         }
     }
 
@@ -123,6 +187,7 @@ impl QuantWeight {
         let err = |e: kernels::cpu::quant::QuantError| candle_core::Error::Msg(e.to_string());
         match &self.blocks {
             QuantBlocks::Q8_0(p) => matmul_packed_q8_0(x, m, p, y).map_err(err),
+            QuantBlocks::Q8_0Vnni(p) => matmul_vnni_q8_0(x, m, p, y).map_err(err),
             QuantBlocks::Q4_0(b) => matmul_quant(x, m, self.inp, b, self.out, y).map_err(err),
         }
     }
@@ -131,6 +196,7 @@ impl QuantWeight {
     pub fn size_in_bytes(&self) -> usize {
         match &self.blocks {
             QuantBlocks::Q8_0(p) => p.size_in_bytes(),
+            QuantBlocks::Q8_0Vnni(p) => p.size_in_bytes(),
             QuantBlocks::Q4_0(b) => std::mem::size_of_val(b.as_slice()),
         }
     }
@@ -163,7 +229,33 @@ impl Linear {
             Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
         };
-        Ok(Self { weight, bias, bias_f32, quant: None })
+        Ok(Self { weight, bias, bias_f32, quant: None, packed: None })
+    }
+
+    /// Packs an f16 or bf16 weight on the CPU in panels for the AVX2
+    /// kernels, where they pay (`kernels::cpu::packed::packing_pays`), in
+    /// place of the row-major one. Returns whether it did.
+    pub fn pack(&mut self) -> candle_core::Result<bool> {
+        if self.quant.is_some() || self.packed.is_some() || !kernels::cpu::packed::packing_pays() {
+            return Ok(false);
+        }
+        if !self.weight.device().is_cpu() || !matches!(self.weight.dtype(), DType::F16 | DType::BF16) {
+            return Ok(false);
+        }
+        let (n, k) = self.weight.dims2()?;
+        let packed = {
+            let (storage, layout) = self.weight.storage_and_layout();
+            let Some((a, b)) = layout.contiguous_offsets() else { return Ok(false) };
+            let err = |e: kernels::cpu::packed::PackError| candle_core::Error::Msg(e.to_string());
+            match &*storage {
+                Storage::Cpu(CpuStorage::F16(w)) => Packed::F16(PackedWeight::pack(&w[a..b], n, k).map_err(err)?),
+                Storage::Cpu(CpuStorage::BF16(w)) => Packed::BF16(PackedWeight::pack(&w[a..b], n, k).map_err(err)?),
+                _ => return Ok(false),
+            }
+        };
+        self.packed = Some(Arc::new(packed));
+        self.weight = Tensor::zeros(0, self.weight.dtype(), self.weight.device())?;
+        Ok(true)
     }
 
     /// Backs the weight with huge pages (CPU only; see `placement`):
@@ -176,9 +268,19 @@ impl Linear {
                     back_with_huge_pages(codes);
                     back_with_huge_pages(scales);
                 }
+                QuantBlocks::Q8_0Vnni(p) => {
+                    let (codes, scales) = p.arrays();
+                    back_with_huge_pages(codes);
+                    back_with_huge_pages(scales);
+                }
                 QuantBlocks::Q4_0(b) => back_with_huge_pages(b),
             }
             return;
+        }
+        match self.packed.as_deref() {
+            Some(Packed::F16(w)) => return back_with_huge_pages(w.as_slice()),
+            Some(Packed::BF16(w)) => return back_with_huge_pages(w.as_slice()),
+            None => {}
         }
         let (storage, layout) = self.weight.storage_and_layout();
         let Some((a, b)) = layout.contiguous_offsets() else { return };
@@ -197,6 +299,10 @@ impl Linear {
     /// (different formats or dtypes).
     pub fn stack(parts: Vec<Linear>) -> candle_core::Result<std::result::Result<Linear, Vec<Linear>>> {
         let Some(first) = parts.first() else { candle_core::bail!("stack: no layers") };
+        // Layers stack as they load, before any is packed.
+        if parts.iter().any(|p| p.packed.is_some()) {
+            return Ok(Err(parts));
+        }
         let same_kind = parts.iter().all(|p| match (&p.quant, &first.quant) {
             (Some(a), Some(b)) => a.format() == b.format() && a.inp == b.inp,
             (None, None) => {
@@ -233,11 +339,10 @@ impl Linear {
             let mixed = || candle_core::Error::Msg("stack: mixed quantization formats".into());
             // The parts' rows in GGML's row-major blocks, one after another.
             let blocks = match quants[0].blocks {
-                QuantBlocks::Q8_0(_) => {
+                QuantBlocks::Q8_0(_) | QuantBlocks::Q8_0Vnni(_) => {
                     let mut rows = Vec::new();
                     for q in &quants {
-                        let QuantBlocks::Q8_0(p) = &q.blocks else { return Err(mixed()) };
-                        rows.extend(p.unpack());
+                        rows.extend(q.blocks.q8_0_rows().ok_or_else(mixed)?);
                     }
                     pack_q8_0(&rows, out, inp)?
                 }
@@ -258,18 +363,20 @@ impl Linear {
 
     /// Bytes of weight (and bias) read by one pass over the layer.
     pub fn size_in_bytes(&self) -> usize {
-        let weight = match &self.quant {
-            Some(q) => q.size_in_bytes(),
-            None => self.weight.elem_count() * self.weight.dtype().size_in_bytes(),
+        let weight = match (&self.quant, &self.packed) {
+            (Some(q), _) => q.size_in_bytes(),
+            (None, Some(p)) => p.size_in_bytes(),
+            (None, None) => self.weight.elem_count() * self.weight.dtype().size_in_bytes(),
         };
         weight + self.bias.as_ref().map_or(0, |b| b.elem_count() * b.dtype().size_in_bytes())
     }
 
     /// Rows of the weight: the width of the output.
     pub fn out_features(&self) -> candle_core::Result<usize> {
-        match &self.quant {
-            Some(q) => Ok(q.out),
-            None => self.weight.dim(0),
+        match (&self.quant, &self.packed) {
+            (Some(q), _) => Ok(q.out),
+            (None, Some(p)) => Ok(p.dims().0),
+            (None, None) => self.weight.dim(0),
         }
     }
 
@@ -280,7 +387,7 @@ impl Linear {
             None => None,
         };
         let placeholder = Tensor::zeros(0, DType::F32, &candle_core::Device::Cpu)?;
-        Ok(Self { weight: placeholder, bias, bias_f32, quant: Some(Arc::new(weight)) })
+        Ok(Self { weight: placeholder, bias, bias_f32, quant: Some(Arc::new(weight)), packed: None })
     }
 
     pub fn quant_format(&self) -> Option<QuantFormat> {
@@ -298,11 +405,17 @@ impl Linear {
         if self.quant.is_some() {
             return Ok(false);
         }
-        let (out, inp) = self.weight.dims2()?;
+        let (out, inp) = match &self.packed {
+            Some(p) => p.dims(),
+            None => self.weight.dims2()?,
+        };
         if !self.weight.device().is_cpu() || !inp.is_multiple_of(QK) {
             return Ok(false);
         }
-        let w = self.weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let w = match self.packed.take() {
+            Some(p) => p.to_f32(),
+            None => self.weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+        };
         self.quant = Some(Arc::new(QuantWeight::quantize(format, &w, out, inp)?));
         self.weight = Tensor::zeros(0, self.weight.dtype(), self.weight.device())?;
         Ok(true)
@@ -331,6 +444,19 @@ impl Linear {
             y.chunks_exact_mut(q.out).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
         }
         Ok(())
+    }
+
+    /// x: [m, in] -> [m, out] through the packed kernel.
+    fn packed_forward(&self, p: &Packed, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (m, k) = x.dims2()?;
+        let (n, pk) = p.dims();
+        if k != pk {
+            candle_core::bail!("linear: input has {k} features, the weight takes {pk}");
+        }
+        let x32 = x.to_dtype(DType::F32)?.contiguous()?;
+        let mut y = vec![0f32; m * n];
+        read_f32(&x32, |xv| p.matmul(xv, m, self.bias_f32.as_deref(), &mut y))?;
+        Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())
     }
 
     fn candle_forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -386,6 +512,12 @@ impl Linear {
             }
             return read_f32(x, |xv| write_f32(out, &|y| self.quant_into(q, xv, m, y)));
         }
+        if let Some(p) = &self.packed {
+            if k != p.dims().1 {
+                candle_core::bail!("linear: input has {k} features, the weight takes {}", p.dims().1);
+            }
+            return read_f32(x, |xv| write_f32(out, &|y| p.matmul(xv, m, self.bias_f32.as_deref(), y)));
+        }
         if self.weight.dims2()?.1 != k {
             candle_core::bail!("linear: input has {k} features, the weight takes {}", self.weight.dims2()?.1);
         }
@@ -430,6 +562,9 @@ impl Module for Linear {
         if let Some(q) = &self.quant {
             return self.quant_forward(q, x);
         }
+        if let Some(p) = &self.packed {
+            return self.packed_forward(p, x);
+        }
         if self.uses_kernel(x) { self.kernel_forward(x) } else { self.candle_forward(x) }
     }
 }
@@ -456,6 +591,43 @@ mod tests {
         // In-features not a multiple of 32 stay unquantized.
         let mut odd = Linear::new(Tensor::zeros((3, 29), DType::F32, &dev).unwrap(), None).unwrap();
         assert!(!odd.quantize_q8_0().unwrap());
+    }
+
+    #[test]
+    fn packed_weights_give_the_row_major_results() {
+        let dev = Device::Cpu;
+        for dtype in [DType::F16, DType::BF16] {
+            let w = Tensor::randn(0f32, 0.2, (37, 64), &dev).unwrap().to_dtype(dtype).unwrap();
+            let b = Tensor::randn(0f32, 0.2, 37, &dev).unwrap();
+            let plain = Linear::new(w.clone(), Some(b.clone())).unwrap();
+            let mut packed = Linear::new(w, Some(b)).unwrap();
+            assert_eq!(packed.pack().unwrap(), kernels::cpu::packed::packing_pays(), "{dtype:?}");
+            assert!(!packed.pack().unwrap(), "packs once");
+            assert_eq!(packed.out_features().unwrap(), 37);
+            for m in [1, 5, 16] {
+                let x = Tensor::randn(0f32, 1.0, (m, 64), &dev).unwrap();
+                let want = plain.forward(&x).unwrap();
+                let got = packed.forward(&x).unwrap();
+                let out = Tensor::zeros((m, 37), DType::F32, &dev).unwrap();
+                packed.forward_into(&x, &out).unwrap();
+                for got in [got, out] {
+                    let diff: f32 = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+                    assert!(diff < 1e-4, "{dtype:?} m={m}: {diff}");
+                }
+            }
+            // A packed weight still quantizes (from its unpacked values).
+            assert!(packed.quantize_q8_0().unwrap());
+            let x = Tensor::randn(0f32, 1.0, (3, 64), &dev).unwrap();
+            let diff: f32 = (packed.forward(&x).unwrap() - plain.forward(&x).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(diff < 0.05, "{dtype:?} q8_0 after packing: {diff}");
+        }
     }
 
     #[test]

@@ -457,6 +457,21 @@ impl CausalLm {
         Ok((quantized, total))
     }
 
+    /// Packs every f16/bf16 linear weight for the CPU kernels where that
+    /// pays (`Linear::pack`; a tied lm_head shares the embedding table and
+    /// stays). Returns how many it packed.
+    pub fn pack_weights(&mut self) -> Result<usize> {
+        let mut linears = layer_linears(&mut self.layers);
+        if !self.cfg.tie_word_embeddings {
+            linears.push(&mut self.lm_head);
+        }
+        let mut packed = 0;
+        for linear in linears {
+            packed += usize::from(linear.pack()?);
+        }
+        Ok(packed)
+    }
+
     /// Backs every linear weight with huge pages (on the CPU, where decode
     /// streams them all each step; see `placement`).
     pub fn place_weights_in_huge_pages(&mut self) {

@@ -1,0 +1,418 @@
+//! Q8_0 weights for AVX-512 VNNI: `y = x @ W^T` with W in GGML's Q8_0
+//! blocks, regrouped so that `vpdpbusd` does the dot products.
+//!
+//! Layout ([`VnniQ8_0`]): output rows in panels of 16 (the last padded with
+//! zero rows); per panel and block index, the 16 rows' 32 codes as 8 groups
+//! of 4 k's, each group one 64-byte vector whose lane r holds row r's 4
+//! codes ([`PanelBlock`]), and the 16 scales together in a second array.
+//! The same 34 bytes per 32 weights as GGML's blocks.
+//!
+//! Why: one `vpdpbusd` multiplies 64 byte pairs and adds each lane's 4
+//! products to that lane's i32: with 4 activation codes broadcast to every
+//! lane, it advances 16 output rows by 4 k's, with no horizontal sum
+//! anywhere, so a block of 16 rows is 8 instructions, against ~4 per row
+//! and block for AVX2's `vpmaddubsw`/`vpmaddwd`/`vphaddd` with the sign
+//! moved onto w. `vpdpbusd` takes unsigned times signed bytes, so the
+//! activation codes go in offset by 128 (`q + 128` in 0..=254) and
+//! `128 * sum(w)`, one more `vpdpbusd` per 4 k's shared by all the x rows
+//! of a tile, comes off before the block's i32 sums are scaled: exact.
+//!
+//! Tiles: up to 12 x rows at once (12 i32 and 12 f32 accumulators), so
+//! each weight vector loaded serves 12 rows; m = 1 (decode) streams each
+//! panel once, prefetched ahead. Rows past 256 run in chunks of 256 whose
+//! quantized activations (1.4 MB at k = 5632) stay in L2 while the panels
+//! pass.
+//!
+//! Activations are quantized to Q8_0 once per call, as for every Q8_0 path
+//! here and in llama.cpp; the results equal [`super::quant`]'s up to the
+//! order of the float additions.
+
+use half::f16;
+
+use super::quant::{BlockQ8_0, QK, QuantError, for_each_span, quantize_activations_q8_0};
+
+/// Output rows per panel: the 16 i32 lanes of a vector.
+pub const PANEL: usize = 16;
+
+/// x rows per call of the tiles: their quantized activations stay in L2.
+const CHUNK_ROWS: usize = 256;
+
+/// One panel's codes at one block index: `[k / 4][row][4]`, 512 bytes, each
+/// group of 4 k's one aligned vector.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PanelBlock(pub [[[i8; 4]; PANEL]; QK / 4]);
+
+const ZERO_BLOCK: PanelBlock = PanelBlock([[[0; 4]; PANEL]; QK / 4]);
+
+/// Q8_0 weights `[n, kb blocks]` in panels of 16 rows for `vpdpbusd`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VnniQ8_0 {
+    n: usize,
+    kb: usize,
+    /// `[n / 16 rounded up, kb]`.
+    codes: Vec<PanelBlock>,
+    /// `[n / 16 rounded up, kb]`, row r of the panel in lane r.
+    scales: Vec<[f16; PANEL]>,
+}
+
+/// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI, with the
+/// AVX2 set for the activation quantizer); detected once.
+pub fn vnni_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        });
+        *HAS
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+impl VnniQ8_0 {
+    /// Regroups `n` rows of `kb` blocks (row-major, GGML's order).
+    pub fn pack(blocks: &[BlockQ8_0], n: usize, kb: usize) -> Result<Self, QuantError> {
+        if blocks.len() != n * kb {
+            return Err(QuantError::Shape(format!("{} blocks for {n} rows of {kb}", blocks.len())));
+        }
+        let panels = n.div_ceil(PANEL);
+        let mut codes = vec![ZERO_BLOCK; panels * kb];
+        let mut scales = vec![[f16::ZERO; PANEL]; panels * kb];
+        for (row, blocks) in blocks.chunks_exact(kb.max(1)).enumerate().take(n) {
+            let (p, r) = (row / PANEL, row % PANEL);
+            for (b, blk) in blocks.iter().enumerate() {
+                let dst = &mut codes[p * kb + b].0;
+                for (t, quad) in blk.qs.chunks_exact(4).enumerate() {
+                    dst[t][r].copy_from_slice(quad);
+                }
+                scales[p * kb + b][r] = blk.d;
+            }
+        }
+        Ok(Self { n, kb, codes, scales })
+    }
+
+    /// Back to GGML's row-major blocks.
+    pub fn unpack(&self) -> Vec<BlockQ8_0> {
+        (0..self.n).flat_map(|row| (0..self.kb).map(move |b| self.block(row, b))).collect()
+    }
+
+    /// Row `row`'s block `b` in GGML's form.
+    fn block(&self, row: usize, b: usize) -> BlockQ8_0 {
+        let (p, r) = (row / PANEL, row % PANEL);
+        let src = &self.codes[p * self.kb + b].0;
+        let mut qs = [0i8; QK];
+        for (t, quad) in qs.chunks_exact_mut(4).enumerate() {
+            quad.copy_from_slice(&src[t][r]);
+        }
+        BlockQ8_0 { d: self.scales[p * self.kb + b][r], qs }
+    }
+
+    /// `(rows, blocks per row)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.kb)
+    }
+
+    /// The two arrays, for placing them in memory (huge pages).
+    pub fn arrays(&self) -> (&[PanelBlock], &[[f16; PANEL]]) {
+        (&self.codes, &self.scales)
+    }
+
+    /// Bytes of weight read per pass (padding rows included).
+    pub fn size_in_bytes(&self) -> usize {
+        std::mem::size_of_val(self.codes.as_slice()) + std::mem::size_of_val(self.scales.as_slice())
+    }
+}
+
+/// `y = x @ W^T` (x `[m, k]`, y `[m, n]`, every element overwritten), on the
+/// VNNI kernel where the CPU has it, else on the portable loop.
+pub fn matmul_vnni_q8_0(x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    matmul_with(vnni_available(), x, m, w, y)
+}
+
+/// [`matmul_vnni_q8_0`] on the portable loop (for tests).
+pub fn matmul_vnni_q8_0_scalar(x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    matmul_with(false, x, m, w, y)
+}
+
+/// One chunk's operands: activations quantized (codes offset by 128, as
+/// `vpdpbusd` takes them) and their scales, the weights, y.
+struct Operands<'a> {
+    xu: &'a [u8],
+    xd: &'a [f32],
+    w: &'a VnniQ8_0,
+    m: usize,
+    y: OutPtr,
+}
+
+/// Pointer to y shared by tasks that write disjoint columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint columns of y, and y's borrow outlives the
+// parallel loop.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    let (n, kb) = (w.n, w.kb);
+    let k = kb * QK;
+    if x.len() != m * k || y.len() != m * n {
+        return Err(QuantError::Shape(format!("x {} (m {m} k {k}), y {} (n {n})", x.len(), y.len())));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    for (xc, yc) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
+        let rows = xc.len() / k;
+        let (xq, xd) = quantize_activations_q8_0(xc, rows * kb);
+        let mut xu = vec![0u8; xq.len() * QK];
+        for (dst, block) in xu.chunks_exact_mut(QK).zip(&xq) {
+            for (d, &q) in dst.iter_mut().zip(&block.qs) {
+                *d = (q as u8) ^ 0x80; // q + 128
+            }
+        }
+        let ops = Operands { xu: &xu, xd: &xd, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
+        // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
+        for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
+    }
+    Ok(())
+}
+
+/// y[.., columns of panels p0..p1].
+fn panels(vnni: bool, ops: &Operands<'_>, p0: usize, p1: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if vnni {
+        // SAFETY: `vnni` is only true where `vnni_available` detected the
+        // features; the caller checked the shapes; this task alone writes
+        // the columns of panels p0..p1.
+        unsafe { avx512::panels(ops, p0, p1) };
+        return;
+    }
+    let _ = vnni;
+    scalar_panels(ops, p0, p1);
+}
+
+/// Writes row `i`'s sums of panel p to y, dropping padding rows.
+fn store(ops: &Operands<'_>, p: usize, i: usize, sums: &[f32; PANEL]) {
+    let n = ops.w.n;
+    let c0 = p * PANEL;
+    for (c, &v) in sums.iter().enumerate().take(n - c0) {
+        // SAFETY: i < m and c0 + c < n, so the index is < m * n = y.len();
+        // this task alone writes panel p's columns.
+        unsafe { *ops.y.0.add(i * n + c0 + c) = v };
+    }
+}
+
+/// Portable path: exact i32 block sums, scaled as the VNNI kernel does.
+fn scalar_panels(ops: &Operands<'_>, p0: usize, p1: usize) {
+    let kb = ops.w.kb;
+    for p in p0..p1 {
+        for i in 0..ops.m {
+            let mut acc = [0f32; PANEL];
+            for b in 0..kb {
+                let blk = &ops.w.codes[p * kb + b].0;
+                let x = &ops.xu[(i * kb + b) * QK..][..QK];
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let mut s = 0i32;
+                    for (t, quad) in blk.iter().enumerate() {
+                        for (j, &wq) in quad[r].iter().enumerate() {
+                            s += (x[4 * t + j] as i32 - 128) * wq as i32;
+                        }
+                    }
+                    *a += s as f32 * (ops.w.scales[p * kb + b][r].to_f32() * ops.xd[i * kb + b]);
+                }
+            }
+            store(ops, p, i, &acc);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Operands, PANEL, PanelBlock, QK, store};
+    use crate::cpu::prefetch_within;
+
+    /// Most x rows per tile: 12 i32 and 12 f32 accumulators, the weight
+    /// vector, the correction, the offset bytes and the scales take 28 of
+    /// the 32 vector registers.
+    const TILE_ROWS: usize = 12;
+
+    /// How far ahead the first row group prefetches a panel's codes.
+    const PF_BYTES: usize = 4 << 10;
+
+    /// y[.., columns of panels p0..p1].
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VNNI (and AVX2, FMA, F16C) must be available; the
+    /// operands' shapes must have been checked; no other thread may write
+    /// these columns of y.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn panels(ops: &Operands<'_>, p0: usize, p1: usize) {
+        let m = ops.m;
+        // Groups of equal height: 16 rows run as 8 + 8, not 12 + 4.
+        let groups = m.div_ceil(TILE_ROWS);
+        let height = m.div_ceil(groups);
+        for p in p0..p1 {
+            for g in 0..groups {
+                let i0 = g * height;
+                let rows = (m - i0).min(height);
+                let mut sums = [[0f32; PANEL]; TILE_ROWS];
+                // SAFETY: rows i0..i0 + rows < m; panel p < panels.
+                unsafe {
+                    match rows {
+                        12 => tile::<12>(ops, p, i0, g == 0, &mut sums),
+                        11 => tile::<11>(ops, p, i0, g == 0, &mut sums),
+                        10 => tile::<10>(ops, p, i0, g == 0, &mut sums),
+                        9 => tile::<9>(ops, p, i0, g == 0, &mut sums),
+                        8 => tile::<8>(ops, p, i0, g == 0, &mut sums),
+                        7 => tile::<7>(ops, p, i0, g == 0, &mut sums),
+                        6 => tile::<6>(ops, p, i0, g == 0, &mut sums),
+                        5 => tile::<5>(ops, p, i0, g == 0, &mut sums),
+                        4 => tile::<4>(ops, p, i0, g == 0, &mut sums),
+                        3 => tile::<3>(ops, p, i0, g == 0, &mut sums),
+                        2 => tile::<2>(ops, p, i0, g == 0, &mut sums),
+                        _ => tile::<1>(ops, p, i0, g == 0, &mut sums),
+                    }
+                }
+                for (r, s) in sums.iter().enumerate().take(rows) {
+                    store(ops, p, i0 + r, s);
+                }
+            }
+        }
+    }
+
+    /// Panel p's 16 dot products with x rows i0..i0 + R, into `sums[..R]`.
+    /// Per block: 8 weight vectors, each fed to R `vpdpbusd` with 4 of a
+    /// row's activation codes broadcast, and one with 128s for the
+    /// correction; then per row one subtraction, conversion and FMA with
+    /// the 16 weight scales times the row's activation scale.
+    ///
+    /// # Safety
+    /// As [`panels`]; rows i0..i0 + R < m, p < the panel count.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        ops: &Operands<'_>,
+        p: usize,
+        i0: usize,
+        prefetch: bool,
+        sums: &mut [[f32; PANEL]; TILE_ROWS],
+    ) {
+        let kb = ops.w.kb;
+        // SAFETY: every block index is < kb in panel p's span of the codes
+        // and scales, and every activation index is in rows i0..i0 + R;
+        // prefetches are hints and stay within the codes array.
+        unsafe {
+            let codes = ops.w.codes.as_ptr().add(p * kb);
+            let scales = ops.w.scales.as_ptr().add(p * kb);
+            let end = ops.w.codes.as_ptr_range().end.cast::<u8>();
+            let xu: [*const u8; R] = std::array::from_fn(|r| ops.xu.as_ptr().add((i0 + r) * kb * QK));
+            let xd: [*const f32; R] = std::array::from_fn(|r| ops.xd.as_ptr().add((i0 + r) * kb));
+            let offset = _mm512_set1_epi8(-128); // 0x80: 128 as an unsigned byte
+            let mut acc = [_mm512_setzero_ps(); R];
+            for b in 0..kb {
+                let blk: *const PanelBlock = codes.add(b);
+                if prefetch {
+                    prefetch_within(blk.cast::<u8>().wrapping_add(PF_BYTES), size_of::<PanelBlock>(), end);
+                }
+                let mut dots = [_mm512_setzero_si512(); R];
+                let mut corr = _mm512_setzero_si512();
+                for t in 0..QK / 4 {
+                    let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
+                    corr = _mm512_dpbusd_epi32(corr, offset, wv);
+                    for (d, x) in dots.iter_mut().zip(&xu) {
+                        let xv = _mm512_set1_epi32(x.add(b * QK + 4 * t).cast::<i32>().read_unaligned());
+                        *d = _mm512_dpbusd_epi32(*d, xv, wv);
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(b).cast()));
+                for ((a, d), x) in acc.iter_mut().zip(&dots).zip(&xd) {
+                    let s = _mm512_cvtepi32_ps(_mm512_sub_epi32(*d, corr));
+                    *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw, _mm512_set1_ps(*x.add(b))), *a);
+                }
+            }
+            for (a, s) in acc.iter().zip(sums.iter_mut()) {
+                _mm512_storeu_ps(s.as_mut_ptr(), *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::quant::{matmul_q8_0_scalar, quantize_matrix_q8_0};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn random(rng: &mut StdRng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// Odd row counts (padding rows), every tile height, one and several
+    /// row groups, a chunk boundary (257 rows): the kernel and the portable
+    /// loop against GGML-layout Q8_0, which quantizes activations the same.
+    #[test]
+    fn matches_the_row_major_q8_0_kernel() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let shapes = [(1, 32, 1), (1, 64, 16), (1, 96, 37), (2, 64, 17), (3, 128, 31), (5, 32, 48), (7, 64, 15)];
+        let more = [(11, 96, 33), (12, 64, 16), (13, 32, 20), (16, 160, 40), (25, 64, 18), (40, 96, 50), (257, 64, 17)];
+        for (m, k, n) in shapes.into_iter().chain(more) {
+            let x = random(&mut rng, m * k);
+            let blocks = quantize_matrix_q8_0(&random(&mut rng, n * k), n, k).expect("k is a multiple of 32");
+            let packed = VnniQ8_0::pack(&blocks, n, k / QK).expect("consistent shape");
+            assert_eq!(packed.unpack(), blocks, "unpack(pack(w)) for [{n}, {k}]");
+            let mut want = vec![0f32; m * n];
+            matmul_q8_0_scalar(&x, m, k, &blocks, n, &mut want).expect("consistent shapes");
+            for (name, f) in [("dispatch", matmul_vnni_q8_0 as MatmulFn), ("scalar", matmul_vnni_q8_0_scalar)] {
+                let mut got = vec![f32::NAN; m * n];
+                f(&x, m, &packed, &mut got).expect("consistent shapes");
+                for (j, (g, r)) in got.iter().zip(&want).enumerate() {
+                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{name} m={m} k={k} n={n} at {j}: {g} vs {r}");
+                }
+            }
+        }
+    }
+
+    type MatmulFn = fn(&[f32], usize, &VnniQ8_0, &mut [f32]) -> Result<(), QuantError>;
+
+    #[test]
+    fn extreme_codes_are_exact() {
+        // Codes of +-127 on both sides: the 128 offset and its correction
+        // must cancel exactly (a sum of 32 * 127 * 127 fits i32 easily).
+        let n = 3;
+        let blocks: Vec<BlockQ8_0> = (0..n * 2)
+            .map(|i| BlockQ8_0 { d: f16::ONE, qs: std::array::from_fn(|j| if (i + j) % 3 == 0 { -127 } else { 127 }) })
+            .collect();
+        let packed = VnniQ8_0::pack(&blocks, n, 2).expect("consistent");
+        let x: Vec<f32> = (0..64).map(|j| if j % 2 == 0 { 1.0 } else { -1.0 }).collect();
+        let mut want = vec![0f32; n];
+        matmul_q8_0_scalar(&x, 1, 64, &blocks, n, &mut want).expect("shapes");
+        let mut got = vec![0f32; n];
+        matmul_vnni_q8_0(&x, 1, &packed, &mut got).expect("shapes");
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn shapes_are_checked() {
+        let blocks = vec![BlockQ8_0 { d: f16::ONE, qs: [1; QK] }; 4];
+        assert!(matches!(VnniQ8_0::pack(&blocks, 3, 2), Err(QuantError::Shape(_))));
+        let packed = VnniQ8_0::pack(&blocks, 2, 2).expect("consistent");
+        assert_eq!(packed.size_in_bytes(), 2 * (512 + 32), "one padded panel, 2 blocks");
+        let mut y = [0f32; 2];
+        assert!(matmul_vnni_q8_0(&[0.0; 63], 1, &packed, &mut y).is_err());
+        assert!(matmul_vnni_q8_0(&[0.0; 64], 1, &packed, &mut y[..1]).is_err());
+        assert!(matmul_vnni_q8_0(&[0.0; 64], 1, &packed, &mut y).is_ok());
+    }
+}
