@@ -57,12 +57,14 @@ pub struct VnniQ8_0 {
 }
 
 /// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI, with the
-/// AVX2 set for the activation quantizer); detected once.
+/// AVX2 set for the activation quantizer, and `TINYVLLM_CPU_ISA` not
+/// capping it below AVX-512); detected once.
 pub fn vnni_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-            is_x86_feature_detected!("avx512f")
+            // The AVX-512 cap of `TINYVLLM_CPU_ISA` holds here too.
+            *super::packed::ISA == super::packed::Isa::Avx512
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx2")
@@ -317,18 +319,26 @@ mod avx512 {
             let codes = ops.w.codes.as_ptr().add(p * kb);
             let scales = ops.w.scales.as_ptr().add(p * kb);
             let end = ops.w.codes.as_ptr_range().end.cast::<u8>();
+            let scales_end = ops.w.scales.as_ptr_range().end.cast::<u8>();
             let xu: [*const u8; R] = std::array::from_fn(|r| ops.xu.as_ptr().add((i0 + r) * kb * QK));
             let xd: [*const f32; R] = std::array::from_fn(|r| ops.xd.as_ptr().add((i0 + r) * kb));
             let offset = _mm512_set1_epi8(-128); // 0x80: 128 as an unsigned byte
             let mut acc = [_mm512_setzero_ps(); R];
             for b in 0..kb {
                 let blk: *const PanelBlock = codes.add(b);
-                if prefetch {
-                    prefetch_within(blk.cast::<u8>().wrapping_add(PF_BYTES), size_of::<PanelBlock>(), end);
+                if prefetch && b % 2 == 0 {
+                    // The scales: 32 bytes a block, as far ahead as the codes.
+                    let at = scales.add(b).cast::<u8>().wrapping_add(PF_BYTES / 16);
+                    prefetch_within(at, 64, scales_end);
                 }
                 let mut dots = [_mm512_setzero_si512(); R];
                 let mut corr = _mm512_setzero_si512();
                 for t in 0..QK / 4 {
+                    // One line ahead per line read: a burst of 8 would wait
+                    // for free miss buffers.
+                    if prefetch {
+                        prefetch_within(blk.cast::<u8>().wrapping_add(PF_BYTES + 64 * t), 64, end);
+                    }
                     let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
                     corr = _mm512_dpbusd_epi32(corr, offset, wv);
                     for (d, x) in dots.iter_mut().zip(&xu) {
