@@ -244,7 +244,6 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{Operands, PANEL, PanelBlock, QK, store};
-    use crate::cpu::prefetch_within;
 
     /// Most x rows per tile: 12 i32 and 12 f32 accumulators, the weight
     /// vector, the correction, the offset bytes and the scales take 28 of
@@ -253,6 +252,19 @@ mod avx512 {
 
     /// How far ahead the first row group prefetches a panel's codes.
     const PF_BYTES: usize = 4 << 10;
+
+    /// Prefetches the line at `at` into L2 unless it lies past `end`. Into
+    /// L2, not L1: decode from DRAM on the Xeon, alternating builds, read
+    /// 29.3-32.6 GB/s against 27.3-29.1 (TinyLlama decode 27.6-28.3 tok/s
+    /// against 25.6-26.7); 4 or 8 KiB ahead read the same.
+    #[inline(always)]
+    fn prefetch_l2(at: *const u8, end: *const u8) {
+        if (at as usize) < end as usize {
+            // SAFETY: SSE is baseline on x86-64; a prefetch does not access
+            // memory.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(at.cast()) };
+        }
+    }
 
     /// y[.., columns of panels p0..p1].
     ///
@@ -328,8 +340,7 @@ mod avx512 {
                 let blk: *const PanelBlock = codes.add(b);
                 if prefetch && b % 2 == 0 {
                     // The scales: 32 bytes a block, as far ahead as the codes.
-                    let at = scales.add(b).cast::<u8>().wrapping_add(PF_BYTES / 16);
-                    prefetch_within(at, 64, scales_end);
+                    prefetch_l2(scales.add(b).cast::<u8>().wrapping_add(PF_BYTES / 16), scales_end);
                 }
                 let mut dots = [_mm512_setzero_si512(); R];
                 let mut corr = _mm512_setzero_si512();
@@ -337,7 +348,7 @@ mod avx512 {
                     // One line ahead per line read: a burst of 8 would wait
                     // for free miss buffers.
                     if prefetch {
-                        prefetch_within(blk.cast::<u8>().wrapping_add(PF_BYTES + 64 * t), 64, end);
+                        prefetch_l2(blk.cast::<u8>().wrapping_add(PF_BYTES + 64 * t), end);
                     }
                     let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
                     corr = _mm512_dpbusd_epi32(corr, offset, wv);
