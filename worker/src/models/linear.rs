@@ -618,15 +618,13 @@ mod tests {
             // A packed weight still quantizes (from its unpacked values).
             assert!(packed.quantize_q8_0().unwrap());
             let x = Tensor::randn(0f32, 1.0, (3, 64), &dev).unwrap();
-            let diff: f32 = (packed.forward(&x).unwrap() - plain.forward(&x).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            assert!(diff < 0.05, "{dtype:?} q8_0 after packing: {diff}");
+            let exact = plain.forward(&x).unwrap();
+            let diff: f32 =
+                (packed.forward(&x).unwrap() - &exact).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            // Q8_0 rounding of x and w, relative to the outputs' scale (as in
+            // `q8_0_linear_is_close_to_f32`): the draws are unseeded.
+            let scale: f32 = exact.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            assert!(diff < 0.02 * scale, "{dtype:?} q8_0 after packing: {diff} vs {scale}");
         }
     }
 
