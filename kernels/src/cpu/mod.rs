@@ -1,4 +1,5 @@
-//! CPU kernels: paged attention and the KV-cache write.
+//! CPU kernels: paged attention, the KV-cache write, the matmuls (dense,
+//! packed, quantized) and the fused elementwise passes.
 
 mod attention;
 mod buffers;
@@ -18,6 +19,22 @@ pub use fused::{
 };
 
 use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Runs `f(i0, i1)` over `0..items` cut into spans on rayon's pool: about 8
+/// per thread, so both cores balance, each `clamp.0..=clamp.1` items long,
+/// so scheduling costs nothing next to streaming a span's weights.
+pub(crate) fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usize, usize) + Sync) {
+    let threads = rayon::current_num_threads().max(1);
+    let per_task = items.div_ceil(threads * 8).clamp(clamp.0, clamp.1);
+    let tasks = items.div_ceil(per_task);
+    let run = |t: usize| f(t * per_task, ((t + 1) * per_task).min(items));
+    if tasks == 1 || threads == 1 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
 
 /// Software-prefetches the cache lines of `at..at + len` that lie before
 /// `end` (the end of the array being streamed). A prefetch never faults,

@@ -36,6 +36,7 @@ use std::sync::LazyLock;
 
 use rayon::prelude::*;
 
+use super::for_each_span;
 #[cfg(target_arch = "x86_64")]
 use super::matmul::{BACKEND, Backend, WeightDType};
 use super::matmul::{OutPtr, WeightElem};
@@ -179,7 +180,8 @@ pub fn matmul_packed<W: WeightElem>(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<(), PackError> {
-    matmul_packed_on(*ISA, x, m, w, bias, y)
+    // ISA is one of `supported_isas` by construction: no check per call.
+    matmul_with(*ISA, x, m, w, bias, y)
 }
 
 /// [`matmul_packed`] on a given instruction set, one of
@@ -242,16 +244,12 @@ fn matmul_with<W: WeightElem>(
     // AVX-512 tiles take panels in pairs (the array holds an even number).
     let unit = if is_avx512(isa) { 2 } else { 1 };
     let units = n.div_ceil(PANEL).div_ceil(unit);
-    let threads = rayon::current_num_threads().max(1);
-    // About 8 tasks per thread so that a core slowed by something else does
-    // not leave the other idle at the end; at most 64 rows each.
-    let per_task = units.div_ceil(8 * threads).clamp(1, 4 / unit);
-    let tasks = units.div_ceil(per_task);
-    let run = |t: usize| compute_panels(isa, &ops, t * per_task * unit, ((t + 1) * per_task).min(units) * unit);
-    if tasks == 1 || threads == 1 || m * n * k < SERIAL_MACS {
-        (0..tasks).for_each(run);
+    let run = |u0: usize, u1: usize| compute_panels(isa, &ops, u0 * unit, u1 * unit);
+    if m * n * k < SERIAL_MACS {
+        run(0, units);
     } else {
-        (0..tasks).into_par_iter().for_each(run);
+        // At most 64 rows a task.
+        for_each_span(units, (1, 4 / unit), run);
     }
     Ok(())
 }

@@ -36,6 +36,9 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::for_each_span;
+use super::matmul::OutPtr;
+
 /// Weights per block, in every format here.
 pub const QK: usize = 32;
 /// Weights per Q8_0 block.
@@ -433,15 +436,6 @@ fn scalar_packed_groups(ops: &PackedOperands<'_>, g0: usize, g1: usize) {
     }
 }
 
-/// Pointer to y shared by tasks that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint columns of y, and y's borrow outlives the
-// parallel loop.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
 /// One call's operands: activations quantized to Q8_0 (`m` rows of `kb`
 /// blocks) with their scales widened once, and the weights.
 struct Operands<'a, B> {
@@ -499,21 +493,6 @@ fn quantized_activations(backend: Backend, x: &[f32], blocks: usize) -> (Vec<Blo
 /// Q8_0 layouts' kernels.
 pub(crate) fn quantize_activations_q8_0(x: &[f32], blocks: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
     quantized_activations(*BACKEND, x, blocks)
-}
-
-/// Runs `f(i0, i1)` over `0..items` cut into spans on rayon's pool: about 8
-/// per thread, so both cores balance, each `clamp.0..=clamp.1` items long,
-/// so scheduling costs nothing next to streaming a span's weights.
-pub(crate) fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usize, usize) + Sync) {
-    let threads = rayon::current_num_threads().max(1);
-    let per_task = items.div_ceil(threads * 8).clamp(clamp.0, clamp.1);
-    let tasks = items.div_ceil(per_task);
-    let run = |t: usize| f(t * per_task, ((t + 1) * per_task).min(items));
-    if tasks == 1 || threads == 1 {
-        (0..tasks).for_each(run);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
 }
 
 /// Quantizes activation rows (`x.len() == 32 * xq.len()`) to Q8_0 and

@@ -29,7 +29,9 @@
 
 use half::f16;
 
-use super::quant::{BlockQ8_0, QK, QuantError, for_each_span, quantize_activations_q8_0};
+use super::for_each_span;
+use super::matmul::OutPtr;
+use super::quant::{BlockQ8_0, QK, QuantError, quantize_activations_q8_0};
 
 /// Output rows per panel: the 16 i32 lanes of a vector.
 pub const PANEL: usize = 16;
@@ -142,24 +144,16 @@ pub fn matmul_vnni_q8_0_scalar(x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32])
     matmul_with(false, x, m, w, y)
 }
 
-/// One chunk's operands: activations quantized (codes offset by 128, as
-/// `vpdpbusd` takes them) and their scales, the weights, y.
+/// One chunk's operands: activations quantized, their codes' bits flipped
+/// to `q + 128` as unsigned bytes (as `vpdpbusd` takes them), and their
+/// scales; the weights; y.
 struct Operands<'a> {
-    xu: &'a [u8],
+    xu: &'a [BlockQ8_0],
     xd: &'a [f32],
     w: &'a VnniQ8_0,
     m: usize,
     y: OutPtr,
 }
-
-/// Pointer to y shared by tasks that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint columns of y, and y's borrow outlives the
-// parallel loop.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
 
 fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
@@ -176,12 +170,9 @@ fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> 
     }
     for (xc, yc) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
         let rows = xc.len() / k;
-        let (xq, xd) = quantize_activations_q8_0(xc, rows * kb);
-        let mut xu = vec![0u8; xq.len() * QK];
-        for (dst, block) in xu.chunks_exact_mut(QK).zip(&xq) {
-            for (d, &q) in dst.iter_mut().zip(&block.qs) {
-                *d = (q as u8) ^ 0x80; // q + 128
-            }
+        let (mut xu, xd) = quantize_activations_q8_0(xc, rows * kb);
+        for q in xu.iter_mut().flat_map(|block| block.qs.iter_mut()) {
+            *q ^= i8::MIN; // as u8: q + 128
         }
         let ops = Operands { xu: &xu, xd: &xd, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
         // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
@@ -223,12 +214,12 @@ fn scalar_panels(ops: &Operands<'_>, p0: usize, p1: usize) {
             let mut acc = [0f32; PANEL];
             for b in 0..kb {
                 let blk = &ops.w.codes[p * kb + b].0;
-                let x = &ops.xu[(i * kb + b) * QK..][..QK];
+                let x = &ops.xu[i * kb + b].qs;
                 for (r, a) in acc.iter_mut().enumerate() {
                     let mut s = 0i32;
                     for (t, quad) in blk.iter().enumerate() {
                         for (j, &wq) in quad[r].iter().enumerate() {
-                            s += (x[4 * t + j] as i32 - 128) * wq as i32;
+                            s += (x[4 * t + j] as u8 as i32 - 128) * wq as i32;
                         }
                     }
                     *a += s as f32 * (ops.w.scales[p * kb + b][r].to_f32() * ops.xd[i * kb + b]);
@@ -243,7 +234,7 @@ fn scalar_panels(ops: &Operands<'_>, p0: usize, p1: usize) {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Operands, PANEL, PanelBlock, QK, store};
+    use super::{BlockQ8_0, Operands, PANEL, PanelBlock, QK, store};
 
     /// Most x rows per tile: 12 i32 and 12 f32 accumulators, the weight
     /// vector, the correction, the offset bytes and the scales take 28 of
@@ -332,7 +323,7 @@ mod avx512 {
             let scales = ops.w.scales.as_ptr().add(p * kb);
             let end = ops.w.codes.as_ptr_range().end.cast::<u8>();
             let scales_end = ops.w.scales.as_ptr_range().end.cast::<u8>();
-            let xu: [*const u8; R] = std::array::from_fn(|r| ops.xu.as_ptr().add((i0 + r) * kb * QK));
+            let xu: [*const BlockQ8_0; R] = std::array::from_fn(|r| ops.xu.as_ptr().add((i0 + r) * kb));
             let xd: [*const f32; R] = std::array::from_fn(|r| ops.xd.as_ptr().add((i0 + r) * kb));
             let offset = _mm512_set1_epi8(-128); // 0x80: 128 as an unsigned byte
             let mut acc = [_mm512_setzero_ps(); R];
@@ -353,7 +344,8 @@ mod avx512 {
                     let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
                     corr = _mm512_dpbusd_epi32(corr, offset, wv);
                     for (d, x) in dots.iter_mut().zip(&xu) {
-                        let xv = _mm512_set1_epi32(x.add(b * QK + 4 * t).cast::<i32>().read_unaligned());
+                        let quad = (*x.add(b)).qs.as_ptr().add(4 * t);
+                        let xv = _mm512_set1_epi32(quad.cast::<i32>().read_unaligned());
                         *d = _mm512_dpbusd_epi32(*d, xv, wv);
                     }
                 }

@@ -371,6 +371,23 @@ impl Linear {
         weight + self.bias.as_ref().map_or(0, |b| b.elem_count() * b.dtype().size_in_bytes())
     }
 
+    /// Columns of the weight: the width of the input.
+    fn in_features(&self) -> candle_core::Result<usize> {
+        match (&self.quant, &self.packed) {
+            (Some(q), _) => Ok(q.inp),
+            (None, Some(p)) => Ok(p.dims().1),
+            (None, None) => self.weight.dim(1),
+        }
+    }
+
+    fn check_input(&self, k: usize) -> candle_core::Result<()> {
+        let inp = self.in_features()?;
+        if k != inp {
+            candle_core::bail!("linear: input has {k} features, the weight takes {inp}");
+        }
+        Ok(())
+    }
+
     /// Rows of the weight: the width of the output.
     pub fn out_features(&self) -> candle_core::Result<usize> {
         match (&self.quant, &self.packed) {
@@ -405,10 +422,7 @@ impl Linear {
         if self.quant.is_some() {
             return Ok(false);
         }
-        let (out, inp) = match &self.packed {
-            Some(p) => p.dims(),
-            None => self.weight.dims2()?,
-        };
+        let (out, inp) = (self.out_features()?, self.in_features()?);
         if !self.weight.device().is_cpu() || !inp.is_multiple_of(QK) {
             return Ok(false);
         }
@@ -425,18 +439,6 @@ impl Linear {
         self.quantize(QuantFormat::Q8_0)
     }
 
-    /// x: [m, in] -> [m, out] through the quantized kernel.
-    fn quant_forward(&self, q: &QuantWeight, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (m, k) = x.dims2()?;
-        if k != q.inp {
-            candle_core::bail!("linear: input has {k} features, the weight takes {}", q.inp);
-        }
-        let x32 = x.to_dtype(DType::F32)?.contiguous()?;
-        let mut y = vec![0f32; m * q.out];
-        read_f32(&x32, |xv| self.quant_into(q, xv, m, &mut y))?;
-        Tensor::from_vec(y, (m, q.out), x.device())?.to_dtype(x.dtype())
-    }
-
     /// `y = x W^T + b` through the quantized kernel, `x: [m, in]`, `y: [m, out]`.
     fn quant_into(&self, q: &QuantWeight, xv: &[f32], m: usize, y: &mut [f32]) -> candle_core::Result<()> {
         q.matmul(xv, m, y)?;
@@ -444,19 +446,6 @@ impl Linear {
             y.chunks_exact_mut(q.out).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
         }
         Ok(())
-    }
-
-    /// x: [m, in] -> [m, out] through the packed kernel.
-    fn packed_forward(&self, p: &Packed, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (m, k) = x.dims2()?;
-        let (n, pk) = p.dims();
-        if k != pk {
-            candle_core::bail!("linear: input has {k} features, the weight takes {pk}");
-        }
-        let x32 = x.to_dtype(DType::F32)?.contiguous()?;
-        let mut y = vec![0f32; m * n];
-        read_f32(&x32, |xv| p.matmul(xv, m, self.bias_f32.as_deref(), &mut y))?;
-        Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())
     }
 
     fn candle_forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -468,20 +457,26 @@ impl Linear {
     }
 
     /// x: [m, in] -> [m, out] through our kernel.
+    /// x: [m, in] -> [m, out] through our kernels.
     fn kernel_forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (m, k) = x.dims2()?;
-        let (n, wk) = self.weight.dims2()?;
-        if k != wk {
-            candle_core::bail!("linear: input has {k} features, the weight takes {wk}");
-        }
+        self.check_input(k)?;
+        let n = self.out_features()?;
         let x32 = x.to_dtype(DType::F32)?.contiguous()?;
         let mut y = vec![0f32; m * n];
         read_f32(&x32, |xv| self.kernel_into(xv, m, &mut y))?;
         Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())
     }
 
-    /// `y = x W^T + b` through our kernel, `x: [m, in]`, `y: [m, out]`.
+    /// `y = x W^T + b` through our kernels (quantized, packed or row-major),
+    /// `x: [m, in]`, `y: [m, out]`.
     fn kernel_into(&self, xv: &[f32], m: usize, y: &mut [f32]) -> candle_core::Result<()> {
+        if let Some(q) = &self.quant {
+            return self.quant_into(q, xv, m, y);
+        }
+        if let Some(p) = &self.packed {
+            return p.matmul(xv, m, self.bias_f32.as_deref(), y);
+        }
         let (n, k) = self.weight.dims2()?;
         let (ws, wl) = self.weight.storage_and_layout();
         let Some((w0, w1)) = wl.contiguous_offsets() else { candle_core::bail!("linear: weight must be contiguous") };
@@ -506,28 +501,19 @@ impl Linear {
         if out.dims2()? != (m, n) {
             candle_core::bail!("linear: [{m}, {k}] input into a {:?} output, weight has {n} rows", out.dims());
         }
-        if let Some(q) = &self.quant {
-            if k != q.inp {
-                candle_core::bail!("linear: input has {k} features, the weight takes {}", q.inp);
-            }
-            return read_f32(x, |xv| write_f32(out, &|y| self.quant_into(q, xv, m, y)));
-        }
-        if let Some(p) = &self.packed {
-            if k != p.dims().1 {
-                candle_core::bail!("linear: input has {k} features, the weight takes {}", p.dims().1);
-            }
-            return read_f32(x, |xv| write_f32(out, &|y| p.matmul(xv, m, self.bias_f32.as_deref(), y)));
-        }
-        if self.weight.dims2()?.1 != k {
-            candle_core::bail!("linear: input has {k} features, the weight takes {}", self.weight.dims2()?.1);
-        }
+        self.check_input(k)?;
         if self.uses_kernel(x) {
             return read_f32(x, |xv| write_f32(out, &|y| self.kernel_into(xv, m, y)));
         }
         kernels::cpu::copy_columns(&self.candle_forward(x)?.to_dtype(DType::F32)?.contiguous()?, 0, out)
     }
 
+    /// Whether `x` goes through our kernels: quantized and packed weights
+    /// always (they have no other path), the others on the CPU for 2-D x.
     fn uses_kernel(&self, x: &Tensor) -> bool {
+        if self.quant.is_some() || self.packed.is_some() {
+            return true;
+        }
         let rows = x.dims().iter().rev().skip(1).product::<usize>();
         x.device().is_cpu()
             && x.rank() == 2
@@ -559,12 +545,6 @@ pub fn linear(
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _t = crate::profile::scope(crate::profile::Section::Matmul);
-        if let Some(q) = &self.quant {
-            return self.quant_forward(q, x);
-        }
-        if let Some(p) = &self.packed {
-            return self.packed_forward(p, x);
-        }
         if self.uses_kernel(x) { self.kernel_forward(x) } else { self.candle_forward(x) }
     }
 }
