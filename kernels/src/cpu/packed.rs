@@ -21,8 +21,8 @@
 //! With AVX-512 (checked at run time) a panel's 16 rows are one vector:
 //! the tiles take pairs of panels (the array holds an even number of
 //! panels) and up to 14 x rows, 28 accumulators, so that per k 2
-//! conversions feed 28 FMAs of twice the width, and weights are prefetched
-//! 4 KiB ahead into L2 rather than 1 KiB into L1 (+5-15% from DRAM). On a
+//! conversions feed 28 FMAs of twice the width; the GEMV prefetches 4 KiB
+//! ahead into L2 rather than 1 KiB into L1 (+5-15% from DRAM). On a
 //! 2-vCPU Xeon with AVX-512 (2 FMA ports of 16 lanes: 232 GFLOP/s a core
 //! against 119 for AVX2), f16 GEMM at m = 16-256 reads 280-332 GFLOP/s
 //! against 205-218 for the row-major AVX2 kernel. `TINYVLLM_CPU_ISA=avx2`
@@ -518,13 +518,21 @@ mod avx512 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
-    /// Prefetches the `size_of::<T>()` cache lines that 4 k's of a panel
-    /// span, 4 KiB past `at`, into L2: decode GEMV from DRAM on the Xeon,
-    /// alternating builds, 29.6-31.7 GB/s against 25.3-30.1 for 1 KiB into
-    /// L1 (the AVX2 kernels' rule); the tiles read the same.
+    /// For the GEMV (decode): prefetches the `size_of::<T>()` cache lines
+    /// that 4 k's of a panel span, 4 KiB past `at`, into L2. From DRAM on
+    /// the Xeon, alternating builds, 29.6-31.7 GB/s against 25.3-30.1 for
+    /// 1 KiB into L1.
+    #[inline(always)]
+    fn prefetch_4k_l2<T>(at: *const T) {
+        super::prefetch_lines::<T, _MM_HINT_T1>(at, super::PREFETCH_BYTES);
+    }
+
+    /// For the tiles (prefill, batches): the same lines 1 KiB ahead into
+    /// L1, the AVX2 kernels' rule. Into L2 the 16-sequence decode step took
+    /// 140-146 ms against 137-138.
     #[inline(always)]
     fn prefetch_4k<T>(at: *const T) {
-        super::prefetch_lines::<T, _MM_HINT_T1>(at, super::PREFETCH_BYTES);
+        super::prefetch_lines::<T, _MM_HINT_T0>(at, 1024);
     }
 
     /// Widens 16 consecutive weights to f32 lanes.
@@ -665,7 +673,7 @@ mod avx512 {
         // row of PANEL weights at (i + s) * PANEL are in bounds.
         unsafe {
             while i + 4 <= k {
-                prefetch_4k(w.add(i * PANEL));
+                prefetch_4k_l2(w.add(i * PANEL));
                 for (s, acc) in acc.iter_mut().enumerate() {
                     let xv = _mm512_set1_ps(*x.add(i + s));
                     *acc = _mm512_fmadd_ps(xv, T::load16(w.add((i + s) * PANEL)), *acc);
