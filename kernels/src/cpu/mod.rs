@@ -36,6 +36,61 @@ pub(crate) fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usiz
     }
 }
 
+/// Runs `f(i)` for every `i` in `0..items` on rayon's pool, for decode's
+/// GEMVs: each thread owns a contiguous share that it walks upwards, one
+/// linear stream of weights, and a thread whose share runs out takes items
+/// from the top of another's, so all end within one item of each other.
+///
+/// Spans handed out by rayon's splitting (`for_each_span`) break a thread's
+/// stream wherever a steal lands and leave up to a span's time of one core
+/// idle at the end of every call; decode makes ~90 calls a token. TinyLlama
+/// shapes in sequence from DRAM on the Xeon, 2 threads, alternating in one
+/// process: Q8_0 VNNI 32.9-34.4 GB/s against 31.0-33.8, f16 35.1-35.6
+/// against 33.6-34.4.
+pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// A thread's share, `lo << 32 | hi`, on a line of its own: the owner
+    /// claims at every item, and sharing a line would slow every claim.
+    #[repr(align(128))]
+    struct Share(AtomicU64);
+    let threads = rayon::current_num_threads().clamp(1, items.max(1));
+    let items = items.min(u32::MAX as usize) as u64;
+    let shares: Vec<Share> = (0..threads as u64)
+        .map(|t| Share(AtomicU64::new((t * items / threads as u64) << 32 | (t + 1) * items / threads as u64)))
+        .collect();
+    // The owner takes from the bottom of its share, others from the top.
+    let take = |share: &Share, from_top: bool| -> Option<usize> {
+        let mut cur = share.0.load(Ordering::Relaxed);
+        loop {
+            let (lo, hi) = (cur >> 32, cur & u64::from(u32::MAX));
+            if lo >= hi {
+                return None;
+            }
+            let (next, item) = if from_top { (lo << 32 | (hi - 1), hi - 1) } else { ((lo + 1) << 32 | hi, lo) };
+            match share.0.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(item as usize),
+                Err(now) => cur = now,
+            }
+        }
+    };
+    let run = |t: usize| {
+        while let Some(i) = take(&shares[t], false) {
+            f(i);
+        }
+        for other in (1..threads).map(|d| &shares[(t + d) % threads]) {
+            while let Some(i) = take(other, true) {
+                f(i);
+            }
+        }
+    };
+    if threads == 1 {
+        run(0);
+    } else {
+        // A thread that starts late finds its share taken: nothing is lost.
+        (0..threads).into_par_iter().for_each(run);
+    }
+}
+
 /// Software-prefetches the cache lines of `at..at + len` that lie before
 /// `end` (the end of the array being streamed). A prefetch never faults,
 /// but one past the array may land on an unmapped page, and the failed page
@@ -135,6 +190,27 @@ impl Elem for bf16 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn for_each_owned_runs_every_item_once() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        for threads in [1, 2, 3, 5] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            for items in [0, 1, 2, 3, 4, 7, 64, 1001] {
+                let seen: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
+                pool.install(|| {
+                    super::for_each_owned(items, |i| {
+                        // Uneven items, so that threads run out and take from others.
+                        if i % 7 == 0 {
+                            std::thread::sleep(std::time::Duration::from_micros(50));
+                        }
+                        seen[i].fetch_add(1, Ordering::Relaxed);
+                    })
+                });
+                assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "{threads} threads, {items} items");
+            }
+        }
+    }
+
     #[test]
     fn exp_poly_is_within_3e_7_of_exp_and_clamps_its_tails() {
         let mut x = -87.0f32;

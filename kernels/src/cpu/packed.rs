@@ -37,10 +37,10 @@ use std::sync::LazyLock;
 
 use rayon::prelude::*;
 
-use super::for_each_span;
 #[cfg(target_arch = "x86_64")]
 use super::matmul::{BACKEND, Backend, WeightDType};
 use super::matmul::{OutPtr, WeightElem};
+use super::{for_each_owned, for_each_span};
 
 /// Output rows per panel: two vectors of 8 lanes.
 pub const PANEL: usize = 16;
@@ -248,6 +248,8 @@ fn matmul_with<W: WeightElem>(
     let run = |u0: usize, u1: usize| compute_panels(isa, &ops, u0 * unit, u1 * unit);
     if m * n * k < SERIAL_MACS {
         run(0, units);
+    } else if m == 1 {
+        for_each_owned(units, |u| run(u, u + 1));
     } else {
         // At most 64 rows a task.
         for_each_span(units, (1, 4 / unit), run);

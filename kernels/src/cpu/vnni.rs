@@ -29,9 +29,9 @@
 
 use half::f16;
 
-use super::for_each_span;
 use super::matmul::OutPtr;
 use super::quant::{BlockQ8_0, QK, QuantError, quantize_activations_q8_0};
+use super::{for_each_owned, for_each_span};
 
 /// Output rows per panel: the 16 i32 lanes of a vector.
 pub const PANEL: usize = 16;
@@ -175,8 +175,12 @@ fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> 
             *q ^= i8::MIN; // as u8: q + 128
         }
         let ops = Operands { xu: &xu, xd: &xd, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
-        // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
-        for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
+        if rows == 1 {
+            for_each_owned(n.div_ceil(PANEL), |p| panels(vnni, &ops, p, p + 1));
+        } else {
+            // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
+            for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
+        }
     }
     Ok(())
 }
