@@ -55,9 +55,9 @@ pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
     struct Share(AtomicU64);
     let threads = rayon::current_num_threads().clamp(1, items.max(1));
     let items = items.min(u32::MAX as usize) as u64;
-    let shares: Vec<Share> = (0..threads as u64)
-        .map(|t| Share(AtomicU64::new((t * items / threads as u64) << 32 | (t + 1) * items / threads as u64)))
-        .collect();
+    let pack = |lo: u64, hi: u64| (lo << 32) | hi;
+    let bound = |t: u64| t * items / threads as u64;
+    let shares: Vec<Share> = (0..threads as u64).map(|t| Share(AtomicU64::new(pack(bound(t), bound(t + 1))))).collect();
     // The owner takes from the bottom of its share, others from the top.
     let take = |share: &Share, from_top: bool| -> Option<usize> {
         let mut cur = share.0.load(Ordering::Relaxed);
@@ -66,7 +66,7 @@ pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
             if lo >= hi {
                 return None;
             }
-            let (next, item) = if from_top { (lo << 32 | (hi - 1), hi - 1) } else { ((lo + 1) << 32 | hi, lo) };
+            let (next, item) = if from_top { (pack(lo, hi - 1), hi - 1) } else { (pack(lo + 1, hi), lo) };
             match share.0.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return Some(item as usize),
                 Err(now) => cur = now,
