@@ -128,7 +128,7 @@ fn steps() {
                         let (n, k) = shapes[j];
                         let h: Vec<f16> = weights(n, k, l).iter().map(|&v| f16::from_f32(v)).collect();
                         let p = PackedWeight::pack(&h, n, k).expect("shape");
-                        huge_pages(p.as_slice());
+                        huge_pages(p.allocation());
                         p
                     })
                     .collect()
@@ -149,7 +149,7 @@ fn steps() {
                         let (n, k) = shapes[j];
                         let q = quantize_matrix_q8_0(&weights(n, k, l), n, k).expect("aligned");
                         let p = VnniQ8_0::pack(&q, n, k / 32).expect("shape");
-                        let (codes, scales) = p.arrays();
+                        let (codes, scales) = p.allocations();
                         huge_pages(codes);
                         huge_pages(scales);
                         p

@@ -9,6 +9,7 @@ pub mod matmul;
 pub mod packed;
 pub mod quant;
 pub mod vnni;
+mod weight_buf;
 
 pub use attention::{paged_attention, paged_attention_into};
 pub use buffers::{copy_columns, read_f32, write_f32};
@@ -17,6 +18,7 @@ pub use fused::{
     HeadNorm, Rope, add_in_place, add_in_place_op, rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op,
     silu_mul, silu_mul_into_op,
 };
+pub use weight_buf::WeightBuf;
 
 use half::{bf16, f16};
 use rayon::prelude::*;

@@ -40,7 +40,7 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use super::matmul::{BACKEND, Backend, WeightDType};
 use super::matmul::{OutPtr, WeightElem};
-use super::{for_each_owned, for_each_span};
+use super::{WeightBuf, for_each_owned, for_each_span};
 
 /// Output rows per panel: two vectors of 8 lanes.
 pub const PANEL: usize = 16;
@@ -109,11 +109,17 @@ pub fn supported_isas() -> Vec<Isa> {
 /// A weight `[n, k]` in panels of [`PANEL`] rows (the last one padded with
 /// zero rows, and a zero panel added to make their number even), then
 /// [`PREFETCH_BYTES`] of zeros.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub struct PackedWeight<W> {
     n: usize,
     k: usize,
-    data: Vec<W>,
+    data: WeightBuf<W>,
+}
+
+impl<W: Copy> Clone for PackedWeight<W> {
+    fn clone(&self) -> Self {
+        Self { n: self.n, k: self.k, data: self.data.clone() }
+    }
 }
 
 /// Whether the packed kernels beat the row-major ones on this machine (the
@@ -130,7 +136,7 @@ impl<W: WeightElem> PackedWeight<W> {
         }
         let panel_len = k * PANEL;
         let panels = n.div_ceil(PANEL).next_multiple_of(2);
-        let mut data = vec![W::ZERO; panels * panel_len + PREFETCH_BYTES / size_of::<W>()];
+        let mut data = WeightBuf::filled(W::ZERO, panels * panel_len + PREFETCH_BYTES / size_of::<W>());
         if panel_len > 0 {
             data.par_chunks_mut(panel_len).zip(w.par_chunks(panel_len)).for_each(|(dst, rows)| {
                 // The last chunks of `data` are zero padding: no rows left.
@@ -164,6 +170,12 @@ impl<W: WeightElem> PackedWeight<W> {
     /// The packed array, for placing it in memory (huge pages).
     pub fn as_slice(&self) -> &[W] {
         &self.data
+    }
+
+    /// The whole allocation behind the array (2 MiB pages on Linux for
+    /// large weights): the range to back with huge pages.
+    pub fn allocation(&self) -> &[W] {
+        self.data.allocation()
     }
 
     /// Bytes one pass over the weight reads (padding rows included).

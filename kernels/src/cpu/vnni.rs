@@ -31,7 +31,7 @@ use half::f16;
 
 use super::matmul::OutPtr;
 use super::quant::{BlockQ8_0, QK, QuantError, quantize_activations_q8_0};
-use super::{for_each_owned, for_each_span};
+use super::{WeightBuf, for_each_owned, for_each_span};
 
 /// Output rows per panel: the 16 i32 lanes of a vector.
 pub const PANEL: usize = 16;
@@ -53,9 +53,9 @@ pub struct VnniQ8_0 {
     n: usize,
     kb: usize,
     /// `[n / 16 rounded up, kb]`.
-    codes: Vec<PanelBlock>,
+    codes: WeightBuf<PanelBlock>,
     /// `[n / 16 rounded up, kb]`, row r of the panel in lane r.
-    scales: Vec<[f16; PANEL]>,
+    scales: WeightBuf<[f16; PANEL]>,
 }
 
 /// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI, with the
@@ -86,8 +86,8 @@ impl VnniQ8_0 {
             return Err(QuantError::Shape(format!("{} blocks for {n} rows of {kb}", blocks.len())));
         }
         let panels = n.div_ceil(PANEL);
-        let mut codes = vec![ZERO_BLOCK; panels * kb];
-        let mut scales = vec![[f16::ZERO; PANEL]; panels * kb];
+        let mut codes = WeightBuf::filled(ZERO_BLOCK, panels * kb);
+        let mut scales = WeightBuf::filled([f16::ZERO; PANEL], panels * kb);
         for (row, blocks) in blocks.chunks_exact(kb.max(1)).enumerate().take(n) {
             let (p, r) = (row / PANEL, row % PANEL);
             for (b, blk) in blocks.iter().enumerate() {
@@ -127,9 +127,15 @@ impl VnniQ8_0 {
         (&self.codes, &self.scales)
     }
 
+    /// The whole allocations behind the two arrays (2 MiB pages on Linux
+    /// for large weights): the ranges to back with huge pages.
+    pub fn allocations(&self) -> (&[PanelBlock], &[[f16; PANEL]]) {
+        (self.codes.allocation(), self.scales.allocation())
+    }
+
     /// Bytes of weight read per pass (padding rows included).
     pub fn size_in_bytes(&self) -> usize {
-        std::mem::size_of_val(self.codes.as_slice()) + std::mem::size_of_val(self.scales.as_slice())
+        std::mem::size_of_val(&*self.codes) + std::mem::size_of_val(&*self.scales)
     }
 }
 

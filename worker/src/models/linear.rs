@@ -269,7 +269,8 @@ impl Linear {
                     back_with_huge_pages(scales);
                 }
                 QuantBlocks::Q8_0Vnni(p) => {
-                    let (codes, scales) = p.arrays();
+                    // Padding included: allocated whole 2 MiB pages.
+                    let (codes, scales) = p.allocations();
                     back_with_huge_pages(codes);
                     back_with_huge_pages(scales);
                 }
@@ -278,8 +279,8 @@ impl Linear {
             return;
         }
         match self.packed.as_deref() {
-            Some(Packed::F16(w)) => return back_with_huge_pages(w.as_slice()),
-            Some(Packed::BF16(w)) => return back_with_huge_pages(w.as_slice()),
+            Some(Packed::F16(w)) => return back_with_huge_pages(w.allocation()),
+            Some(Packed::BF16(w)) => return back_with_huge_pages(w.allocation()),
             None => {}
         }
         let (storage, layout) = self.weight.storage_and_layout();
