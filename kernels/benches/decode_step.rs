@@ -2,9 +2,10 @@
 //! them: 22 layers of qkv, o, gate/up and down, then lm_head (89 calls,
 //! m = 1), weights in f16 panels and in Q8_0 VNNI panels (where the CPU has
 //! them), in huge pages, called from a thread of the pool. Next to it, the
-//! read probe the worker's `bench --profile` divides by (a sum over 1 GiB of
-//! huge pages) and each shape's time per call, whose excess over
-//! bytes / probe is what a call costs beyond streaming its weights.
+//! read probe the worker's `bench --profile` divides by
+//! (`kernels::cpu::measure_read_bandwidth`), and each shape's time per
+//! call, whose excess over bytes / probe is what a call costs beyond
+//! streaming its weights.
 //!
 //! `RAYON_NUM_THREADS=2 cargo bench -p tinyvllm-kernels --bench decode_step`
 
@@ -14,7 +15,7 @@ use half::f16;
 use kernels::cpu::packed::{PackedWeight, matmul_packed, packing_pays};
 use kernels::cpu::quant::quantize_matrix_q8_0;
 use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
-use rayon::prelude::*;
+use kernels::cpu::{back_with_huge_pages, measure_read_bandwidth};
 
 /// One layer's matmuls (name, n, k), q/k/v and gate/up stacked as the
 /// model stacks them; then lm_head.
@@ -24,50 +25,17 @@ const LAYERS: usize = 22;
 const LM_HEAD: (usize, usize) = (32000, 2048);
 const ROUNDS: usize = 5;
 
-/// Backs `data` with 2 MiB pages where Linux allows, as the worker does.
-fn huge_pages<T>(data: &[T]) {
-    #[cfg(target_os = "linux")]
-    {
-        const MADV_COLLAPSE: libc::c_int = 25;
-        let (ptr, len) = (data.as_ptr() as usize, size_of_val(data));
-        let (start, end) = (ptr.next_multiple_of(4096), (ptr + len) / 4096 * 4096);
-        if end > start {
-            // SAFETY: the range lies inside `data`'s allocation; advice
-            // changes how it is backed, never its contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-                libc::madvise(start as *mut libc::c_void, end - start, MADV_COLLAPSE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = data;
-}
-
-fn probe(buf: &[u64]) -> f64 {
-    let mut v: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            let s: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
-            std::hint::black_box(s);
-            size_of_val(buf) as f64 / t.elapsed().as_secs_f64() / 1e9
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[2]
-}
-
 fn weights(n: usize, k: usize, salt: usize) -> Vec<f32> {
     (0..n * k).map(|i| (((i + salt) * 31) % 997) as f32 / 997.0 - 0.5).collect()
 }
 
 /// Times `ROUNDS` steps of `call(layer, matrix)` (matrix 4 is lm_head) and
 /// prints GB/s per step and time per call of each shape.
-fn run(format: &str, bytes: &[usize; 5], probe_buf: &[u64], mut call: impl FnMut(usize, usize)) {
+fn run(format: &str, bytes: &[usize; 5], mut call: impl FnMut(usize, usize)) {
     let total = LAYERS * bytes[..4].iter().sum::<usize>() + bytes[4];
     let mut per_shape = [0f64; 5];
     let mut steps = Vec::new();
-    let before = probe(probe_buf);
+    let before = measure_read_bandwidth();
     for _ in 0..ROUNDS {
         let step = Instant::now();
         for l in 0..=LAYERS {
@@ -83,7 +51,7 @@ fn run(format: &str, bytes: &[usize; 5], probe_buf: &[u64], mut call: impl FnMut
         }
         steps.push(step.elapsed().as_secs_f64());
     }
-    let read = (before + probe(probe_buf)) / 2.0;
+    let read = (before + measure_read_bandwidth()) / 2.0;
     steps.sort_by(f64::total_cmp);
     let gbs = total as f64 / steps[ROUNDS / 2] / 1e9;
     println!(
@@ -111,8 +79,6 @@ fn main() {
 
 fn steps() {
     println!("threads: {}", rayon::current_num_threads());
-    let probe_buf: Vec<u64> = (0..(1u64 << 27)).collect();
-    huge_pages(&probe_buf);
     let x: Vec<f32> = (0..5632).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     let shapes: Vec<(usize, usize)> = LAYER.iter().map(|&(_, n, k)| (n, k)).chain([LM_HEAD]).collect();
     let mut ys: Vec<Vec<f32>> = shapes.iter().map(|&(n, _)| vec![0f32; n]).collect();
@@ -128,7 +94,7 @@ fn steps() {
                         let (n, k) = shapes[j];
                         let h: Vec<f16> = weights(n, k, l).iter().map(|&v| f16::from_f32(v)).collect();
                         let p = PackedWeight::pack(&h, n, k).expect("shape");
-                        huge_pages(p.allocation());
+                        back_with_huge_pages(p.allocation());
                         p
                     })
                     .collect()
@@ -136,7 +102,7 @@ fn steps() {
             .collect();
         let bytes =
             std::array::from_fn(|j| if j == 4 { w[LAYERS][0].size_in_bytes() } else { w[0][j].size_in_bytes() });
-        run("f16", &bytes, &probe_buf, |l, j| {
+        run("f16", &bytes, |l, j| {
             matmul_packed(&x[..shapes[j].1], 1, &w[l][pick(l, j)], None, &mut ys[j]).expect("shapes");
         });
     }
@@ -150,8 +116,8 @@ fn steps() {
                         let q = quantize_matrix_q8_0(&weights(n, k, l), n, k).expect("aligned");
                         let p = VnniQ8_0::pack(&q, n, k / 32).expect("shape");
                         let (codes, scales) = p.allocations();
-                        huge_pages(codes);
-                        huge_pages(scales);
+                        back_with_huge_pages(codes);
+                        back_with_huge_pages(scales);
                         p
                     })
                     .collect()
@@ -159,7 +125,7 @@ fn steps() {
             .collect();
         let bytes =
             std::array::from_fn(|j| if j == 4 { w[LAYERS][0].size_in_bytes() } else { w[0][j].size_in_bytes() });
-        run("q8_0v", &bytes, &probe_buf, |l, j| {
+        run("q8_0v", &bytes, |l, j| {
             matmul_vnni_q8_0(&x[..shapes[j].1], 1, &w[l][pick(l, j)], &mut ys[j]).expect("shapes");
         });
     }

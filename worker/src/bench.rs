@@ -91,26 +91,6 @@ impl BandwidthLimit {
     }
 }
 
-/// Read bandwidth over a 1 GiB buffer (far beyond the caches) with the
-/// pool's threads, median of 5 passes, in GB/s. The buffer sits in huge
-/// pages where the weights do, so the limit is the best this memory reads.
-pub fn measure_read_bandwidth() -> f64 {
-    use rayon::prelude::*;
-    let words = (1usize << 30) / 8;
-    let buf: Vec<u64> = (0..words as u64).collect();
-    crate::models::placement::back_with_huge_pages(&buf);
-    let mut secs: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            let s: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
-            std::hint::black_box(s);
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    secs.sort_by(f64::total_cmp);
-    (words * 8) as f64 / secs[2] / 1e9
-}
-
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let a = &self.args;
@@ -167,7 +147,7 @@ impl std::fmt::Display for BenchReport {
 /// Runs the benchmark on `engine`, which should be idle.
 pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let vocab = engine.model_config().vocab_size as u64;
-    let read_before = (args.profile && engine.device().is_cpu()).then(measure_read_bandwidth);
+    let read_before = (args.profile && engine.device().is_cpu()).then(kernels::cpu::measure_read_bandwidth);
     let mut state = args.seed;
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];
@@ -210,7 +190,7 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let elapsed = start.elapsed();
     let bandwidth = read_before.map(|read_before_gb_s| BandwidthLimit {
         read_before_gb_s,
-        read_after_gb_s: measure_read_bandwidth(),
+        read_after_gb_s: kernels::cpu::measure_read_bandwidth(),
         weight_bytes: engine.weight_bytes_per_token(),
     });
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();

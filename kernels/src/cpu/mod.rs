@@ -5,6 +5,7 @@ mod attention;
 mod buffers;
 mod cache;
 mod fused;
+mod huge_pages;
 pub mod matmul;
 pub mod packed;
 pub mod quant;
@@ -18,6 +19,7 @@ pub use fused::{
     HeadNorm, Rope, add_in_place, add_in_place_op, rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op,
     silu_mul, silu_mul_into_op,
 };
+pub use huge_pages::{back_with_huge_pages, measure_read_bandwidth};
 pub use weight_buf::WeightBuf;
 
 use half::{bf16, f16};

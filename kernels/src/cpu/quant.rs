@@ -381,12 +381,19 @@ pub fn matmul_packed_q8_0_scalar(x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f
     packed_with(Backend::Scalar, x, m, w, y)
 }
 
-fn packed_with(backend: Backend, x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
-    let (n, kb) = (w.n, w.kb);
-    let k = kb * QK;
+/// Errors unless x is `[m, k]` and y `[m, n]`: the check of the kernels
+/// whose weight carries its own shape (`PackedQ8_0`, `VnniQ8_0`).
+pub(crate) fn check_xy(x: &[f32], m: usize, k: usize, y: &[f32], n: usize) -> Result<(), QuantError> {
     if x.len() != m * k || y.len() != m * n {
         return Err(QuantError::Shape(format!("x {} (m {m} k {k}), y {} (n {n})", x.len(), y.len())));
     }
+    Ok(())
+}
+
+fn packed_with(backend: Backend, x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    let (n, kb) = (w.n, w.kb);
+    let k = kb * QK;
+    check_xy(x, m, k, y, n)?;
     if m == 0 || n == 0 {
         return Ok(());
     }

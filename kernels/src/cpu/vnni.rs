@@ -30,7 +30,7 @@
 use half::f16;
 
 use super::matmul::OutPtr;
-use super::quant::{BlockQ8_0, QK, QuantError, quantize_activations_q8_0};
+use super::quant::{BlockQ8_0, QK, QuantError, check_xy, quantize_activations_q8_0};
 use super::{WeightBuf, for_each_owned, for_each_span};
 
 /// Output rows per panel: the 16 i32 lanes of a vector.
@@ -164,9 +164,7 @@ struct Operands<'a> {
 fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
     let k = kb * QK;
-    if x.len() != m * k || y.len() != m * n {
-        return Err(QuantError::Shape(format!("x {} (m {m} k {k}), y {} (n {n})", x.len(), y.len())));
-    }
+    check_xy(x, m, k, y, n)?;
     if m == 0 || n == 0 {
         return Ok(());
     }

@@ -20,7 +20,7 @@ use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, matmul_packed_q8
 use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
 use kernels::cpu::{read_f32, write_f32};
 
-use super::placement::back_with_huge_pages;
+use kernels::cpu::back_with_huge_pages;
 
 /// GGML block formats a linear weight can be stored in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -258,7 +258,7 @@ impl Linear {
         Ok(true)
     }
 
-    /// Backs the weight with huge pages (CPU only; see `placement`):
+    /// Backs the weight with huge pages (CPU only; see `kernels::cpu::back_with_huge_pages`):
     /// streaming it then costs fewer page walks.
     pub fn place_in_huge_pages(&self) {
         if let Some(q) = &self.quant {

@@ -473,7 +473,7 @@ impl CausalLm {
     }
 
     /// Backs every linear weight with huge pages (on the CPU, where decode
-    /// streams them all each step; see `placement`).
+    /// streams them all each step; see `kernels::cpu::back_with_huge_pages`).
     pub fn place_weights_in_huge_pages(&mut self) {
         layer_linears(&mut self.layers).into_iter().for_each(|l| l.place_in_huge_pages());
         self.lm_head.place_in_huge_pages();

@@ -5,7 +5,6 @@ pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod loader;
-pub(crate) mod placement;
 mod workspace;
 
 pub use config::{Architecture, ModelConfig};
