@@ -10,6 +10,13 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Explicit instantiations name their host function with Metal attributes,
+// which clang cannot parse in that position; the Linux syntax check's shim
+// (shim/metal_shim.h) defines this macro empty.
+#ifndef TINYVLLM_KERNEL
+#define TINYVLLM_KERNEL(name) [[host_name(name)]] [[kernel]]
+#endif
+
 struct CacheWriteParams {
   uint row;        // elements per slot: kv_heads * head_dim
   uint num_slots;  // num_blocks * block_size
@@ -45,7 +52,7 @@ template <typename T>
 }
 
 #define INSTANTIATE_CACHE_WRITE(T, NAME)                            \
-  template [[host_name("reshape_and_cache_" #NAME)]] [[kernel]]     \
+  template TINYVLLM_KERNEL("reshape_and_cache_" #NAME)              \
   decltype(reshape_and_cache<T>) reshape_and_cache<T>;
 
 INSTANTIATE_CACHE_WRITE(float, f32)

@@ -13,6 +13,13 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Explicit instantiations name their host function with Metal attributes,
+// which clang cannot parse in that position; the Linux syntax check's shim
+// (shim/metal_shim.h) defines this macro empty.
+#ifndef TINYVLLM_KERNEL
+#define TINYVLLM_KERNEL(name) [[host_name(name)]] [[kernel]]
+#endif
+
 // Keys per partition (the host's PARTITION_SIZE).
 static constant constexpr const uint kPartitionSize = 512;
 static constant constexpr const uint kSimdWidth = 32;
@@ -284,9 +291,9 @@ template <typename T, uint HEAD_DIM>
 }
 
 #define INSTANTIATE_DECODE(T, NAME, HD)                                              \
-  template [[host_name("paged_attention_decode_" #NAME "_hd" #HD)]] [[kernel]]       \
+  template TINYVLLM_KERNEL("paged_attention_decode_" #NAME "_hd" #HD)                \
   decltype(paged_attention_decode<T, HD>) paged_attention_decode<T, HD>;             \
-  template [[host_name("paged_attention_reduce_" #NAME "_hd" #HD)]] [[kernel]]       \
+  template TINYVLLM_KERNEL("paged_attention_reduce_" #NAME "_hd" #HD)                \
   decltype(paged_attention_reduce<T, HD>) paged_attention_reduce<T, HD>;
 
 // Head dims supported by the host (`HEAD_DIMS` in mod.rs): multiples of the

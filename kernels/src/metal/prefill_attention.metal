@@ -16,6 +16,13 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Explicit instantiations name their host function with Metal attributes,
+// which clang cannot parse in that position; the Linux syntax check's shim
+// (shim/metal_shim.h) defines this macro empty.
+#ifndef TINYVLLM_KERNEL
+#define TINYVLLM_KERNEL(name) [[host_name(name)]] [[kernel]]
+#endif
+
 static constant constexpr const uint kSimdWidth = 32;
 static constant constexpr const uint kNumSimds = 4;
 static constant constexpr const uint kThreads = kSimdWidth * kNumSimds;
@@ -195,7 +202,7 @@ template <typename T, uint HEAD_DIM>
 }
 
 #define INSTANTIATE_PREFILL(T, NAME, HD)                                           \
-  template [[host_name("paged_attention_prefill_" #NAME "_hd" #HD)]] [[kernel]]    \
+  template TINYVLLM_KERNEL("paged_attention_prefill_" #NAME "_hd" #HD)             \
   decltype(paged_attention_prefill<T, HD>) paged_attention_prefill<T, HD>;
 
 // The same head dims as paged_attention.metal (`HEAD_DIMS` in mod.rs).

@@ -24,6 +24,11 @@
 #define thread
 #define kernel
 
+// The kernels' explicit instantiations carry [[host_name]] and [[kernel]],
+// which clang cannot parse on an explicit instantiation; the attributes mean
+// nothing off Apple's compiler, so the shim drops them.
+#define TINYVLLM_KERNEL(name)
+
 // Metal >= 3.1 defines this when `bfloat` exists; check those kernels too.
 #define __HAVE_BFLOAT__ 1
 
