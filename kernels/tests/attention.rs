@@ -5,8 +5,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use kernels::{AttentionMetadata, cpu, portable, reference};
-use rand::rngs::StdRng;
 use rand::SeedableRng;
+use rand::rngs::StdRng;
 
 mod common;
 use common::{Case, Geometry, make_case, max_rel_err, to_vec};

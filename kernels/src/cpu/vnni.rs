@@ -253,11 +253,12 @@ mod avx512 {
         if (at as usize) >= end as usize {
             return;
         }
-        // SAFETY (both): SSE is baseline on x86-64; a prefetch does not
-        // access memory.
         match how {
             Prefetch::No => {}
+            // SAFETY: SSE is baseline on x86-64; a prefetch does not access
+            // memory.
             Prefetch::L1 => unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) },
+            // SAFETY: as above.
             Prefetch::L2 => unsafe { _mm_prefetch::<_MM_HINT_T1>(at.cast()) },
         }
     }

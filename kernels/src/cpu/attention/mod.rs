@@ -175,9 +175,9 @@ impl PagedAttention<'_> {
                 }
             }
             let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
-            // SAFETY (the three calls): AVX2 and FMA per the caller; qf is
-            // [hd, nl], rows 0..len of kr/vr lie inside them `stride` apart,
-            // scores holds len x nl, acc nl x hd, max/sum/corr nl.
+            // SAFETY: AVX2 and FMA per the caller (here and in the two calls
+            // below); qf is [hd, nl], rows 0..len of kr lie inside it
+            // `stride` apart, scores holds len x nl.
             unsafe { avx2::scores(qf, nl, kr, stride, hd, len, scores) };
             // Keys a pair does not see (the causal diagonal of a prompt,
             // a window's edge) drop out as -inf; decode sees the whole block.
@@ -189,7 +189,10 @@ impl PagedAttention<'_> {
                     }
                 }
             }
+            // SAFETY: scores holds len x nl, max/sum/corr nl.
             unsafe { avx2::softmax(scores, nl, len, max, sum, corr) };
+            // SAFETY: acc holds nl x hd, rows 0..len of vr lie inside it
+            // `stride` apart, scores len x nl, corr nl.
             unsafe { avx2::accumulate(acc, hd, n, scores, nl, len, vr, stride, corr) };
         }
         for r in 0..n {

@@ -280,14 +280,16 @@ fn by_row_groups(x: &[f32], m: usize, k: usize, out: &mut Vec<f32>) -> usize {
 fn compute_rows<W: WeightElem>(backend: Simd, p: &Problem<'_, W>, n0: usize, n1: usize) {
     match backend {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY (all Avx2 arms): `isa::simd` only picks Avx2 after detecting
+        // SAFETY: `isa::simd` only picks Avx2 after detecting
         // AVX2, FMA and F16C; DTYPE names W's concrete type (the trait is
         // sealed), so each cast is an identity; shapes were checked by the
         // caller and this task alone owns columns n0..n1.
-        Simd::Avx2 => match W::DTYPE {
-            WeightDType::F32 => unsafe { avx2::panel::<f32>(p, cast_weights(p.w), n0, n1) },
-            WeightDType::F16 => unsafe { avx2::panel::<f16>(p, cast_weights(p.w), n0, n1) },
-            WeightDType::BF16 => unsafe { avx2::panel::<bf16>(p, cast_weights(p.w), n0, n1) },
+        Simd::Avx2 => unsafe {
+            match W::DTYPE {
+                WeightDType::F32 => avx2::panel::<f32>(p, cast_weights(p.w), n0, n1),
+                WeightDType::F16 => avx2::panel::<f16>(p, cast_weights(p.w), n0, n1),
+                WeightDType::BF16 => avx2::panel::<bf16>(p, cast_weights(p.w), n0, n1),
+            }
         },
         #[cfg(target_arch = "aarch64")]
         Simd::Neon => drive(p, n0, n1, |x, ldx, w, r, c| neon::tile(x, ldx, w, r, c, p.k)),

@@ -88,7 +88,7 @@ pub(super) unsafe fn panels<T: Load8>(ops: &Operands<'_, T>, p0: usize, p1: usiz
 unsafe fn gemv<T: Load8>(x: *const f32, w: *const T, k: usize) -> [f32; PANEL] {
     let mut acc = [[_mm256_setzero_ps(); 2]; 4];
     let mut i = 0;
-    // SAFETY (both loops): i + s < k, so x[i + s] and the panel's k-th
+    // SAFETY: in both loops i + s < k, so x[i + s] and the panel's k-th
     // row of PANEL weights at (i + s) * PANEL are in bounds.
     unsafe {
         while i + 4 <= k {

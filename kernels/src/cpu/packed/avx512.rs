@@ -158,7 +158,7 @@ unsafe fn gemv<T: Load16>(x: *const f32, w: *const T, k: usize) -> [f32; PANEL] 
     const STEP: usize = 8;
     let mut acc = [_mm512_setzero_ps(); STEP];
     let mut i = 0;
-    // SAFETY (both loops): i + s < k, so x[i + s] and the panel's k-th
+    // SAFETY: in both loops i + s < k, so x[i + s] and the panel's k-th
     // row of PANEL weights at (i + s) * PANEL are in bounds.
     unsafe {
         while i + STEP <= k {

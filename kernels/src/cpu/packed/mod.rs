@@ -238,22 +238,28 @@ fn is_avx512(isa: Isa) -> bool {
 /// the padding panel's end).
 fn compute_panels<W: WeightElem>(isa: Isa, ops: &Operands<'_, W>, p0: usize, p1: usize) {
     match isa {
-        // SAFETY (all arms): `supported_isas` only lists Avx2 after
-        // detecting AVX2, FMA and F16C, and Avx512 after AVX-512F too;
-        // DTYPE names W's concrete type (the trait is sealed), so each cast
-        // is an identity; the caller checked the shapes, and this task alone
-        // writes the columns of panels p0..p1.
+        // SAFETY: `supported_isas` only lists Avx512 after detecting
+        // AVX-512F besides AVX2, FMA and F16C; DTYPE names W's concrete type
+        // (the trait is sealed), so each cast is an identity; the caller
+        // checked the shapes, and this task alone writes the columns of
+        // panels p0..p1.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => match W::DTYPE {
-            WeightDType::F32 => unsafe { avx512::panels::<f32>(&cast(ops), p0, p1) },
-            WeightDType::F16 => unsafe { avx512::panels::<half::f16>(&cast(ops), p0, p1) },
-            WeightDType::BF16 => unsafe { avx512::panels::<half::bf16>(&cast(ops), p0, p1) },
+        Isa::Avx512 => unsafe {
+            match W::DTYPE {
+                WeightDType::F32 => avx512::panels::<f32>(&cast(ops), p0, p1),
+                WeightDType::F16 => avx512::panels::<half::f16>(&cast(ops), p0, p1),
+                WeightDType::BF16 => avx512::panels::<half::bf16>(&cast(ops), p0, p1),
+            }
         },
+        // SAFETY: as above, Avx2 is only listed after detecting AVX2, FMA
+        // and F16C.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => match W::DTYPE {
-            WeightDType::F32 => unsafe { avx2::panels::<f32>(&cast(ops), p0, p1) },
-            WeightDType::F16 => unsafe { avx2::panels::<half::f16>(&cast(ops), p0, p1) },
-            WeightDType::BF16 => unsafe { avx2::panels::<half::bf16>(&cast(ops), p0, p1) },
+        Isa::Avx2 => unsafe {
+            match W::DTYPE {
+                WeightDType::F32 => avx2::panels::<f32>(&cast(ops), p0, p1),
+                WeightDType::F16 => avx2::panels::<half::f16>(&cast(ops), p0, p1),
+                WeightDType::BF16 => avx2::panels::<half::bf16>(&cast(ops), p0, p1),
+            }
         },
         Isa::Scalar => scalar_panels(ops, p0, p1),
     }
