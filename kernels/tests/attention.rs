@@ -5,76 +5,11 @@
 
 use candle_core::{DType, Device, Tensor};
 use kernels::{AttentionMetadata, cpu, portable, reference};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
 
-struct Case {
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttentionMetadata,
-}
-
-/// Head and cache geometry of a case.
-#[derive(Clone, Copy)]
-struct Geometry {
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    block_size: usize,
-    window: Option<usize>,
-    dtype: DType,
-}
-
-impl Geometry {
-    fn new(heads: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> Self {
-        Self { heads, kv_heads, head_dim, block_size, window: None, dtype: DType::F32 }
-    }
-}
-
-/// Random q and caches, with (q_len, context_len) per sequence; each
-/// sequence's blocks are drawn from a shuffled pool with spares left over.
-fn make_case(rng: &mut StdRng, seqs: &[(usize, usize)], g: Geometry) -> Case {
-    let Geometry { heads, kv_heads, head_dim, block_size, window, dtype } = g;
-    let blocks_needed: usize = seqs.iter().map(|&(_, ctx)| ctx.div_ceil(block_size)).sum();
-    let num_blocks = blocks_needed + 7; // spare blocks stay untouched
-    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-    ids.shuffle(rng);
-    let mut meta =
-        AttentionMetadata { query_start_loc: vec![0], block_size, sliding_window: window, ..Default::default() };
-    let mut next = 0;
-    for &(q_len, ctx) in seqs {
-        let n = ctx.div_ceil(block_size);
-        let table = ids[next..next + n].to_vec();
-        next += n;
-        for p in ctx - q_len..ctx {
-            meta.slot_mapping.push(table[p / block_size] * block_size as u32 + (p % block_size) as u32);
-        }
-        meta.block_tables.push(table);
-        meta.context_lens.push(ctx as u32);
-        meta.query_start_loc.push(meta.query_start_loc.last().unwrap() + q_len as u32);
-    }
-    let t: usize = seqs.iter().map(|s| s.0).sum();
-    let mut randn = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
-    let dev = Device::Cpu;
-    // Queries spread over [-3, 3) give peaked softmaxes, so a wrong running max shows.
-    let q: Vec<f32> = randn(t * heads * head_dim).into_iter().map(|x| 3.0 * x).collect();
-    let q = Tensor::from_vec(q, (t, heads, head_dim), &dev).unwrap().to_dtype(dtype).unwrap();
-    let shape = (num_blocks, block_size, kv_heads, head_dim);
-    let n = num_blocks * block_size * kv_heads * head_dim;
-    let k_cache = Tensor::from_vec(randn(n), shape, &dev).unwrap().to_dtype(dtype).unwrap();
-    let v_cache = Tensor::from_vec(randn(n), shape, &dev).unwrap().to_dtype(dtype).unwrap();
-    Case { q, k_cache, v_cache, meta }
-}
-
-fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a: Vec<f32> = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-    a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
+mod common;
+use common::{Case, Geometry, make_case, max_rel_err, to_vec};
 
 fn compare(case: &Case, tol: f32, what: &str) {
     let scale = 1.0 / (case.q.dim(2).unwrap() as f32).sqrt();
@@ -97,10 +32,6 @@ fn compare(case: &Case, tol: f32, what: &str) {
         assert_eq!(to_vec(&view), to_vec(&cpu), "{what}: into a buffer");
         assert!(to_vec(&buffer.narrow(0, t, 3).unwrap()).iter().all(|&x| x == 7.0), "{what}: wrote past its rows");
     }
-}
-
-fn to_vec(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 #[test]

@@ -11,8 +11,10 @@ use candle_core::{DType, Device, Tensor};
 use kernels::metal::{self, PARTITION_SIZE};
 use kernels::{AttentionMetadata, KernelError, reference};
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+
+mod common;
+use common::{Case, Geometry, make_case, to_vec};
 
 /// f32 outputs differ from the f64 reference by fast-math exp and another
 /// summation order; f16/bf16 by their own resolution.
@@ -35,85 +37,10 @@ fn metal_device() -> Option<Device> {
     }
 }
 
-struct Case {
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttentionMetadata,
-}
-
-impl Case {
-    fn to_device(&self, dev: &Device) -> Case {
-        Case {
-            q: self.q.to_device(dev).unwrap(),
-            k_cache: self.k_cache.to_device(dev).unwrap(),
-            v_cache: self.v_cache.to_device(dev).unwrap(),
-            meta: self.meta.clone(),
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-struct Geometry {
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    block_size: usize,
-    window: Option<usize>,
-    dtype: DType,
-}
-
-impl Geometry {
-    fn new(heads: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> Self {
-        Self { heads, kv_heads, head_dim, block_size, window: None, dtype: DType::F32 }
-    }
-}
-
-/// Random q and caches on the CPU, with (q_len, context_len) per sequence;
-/// each sequence's blocks come from a shuffled pool with spares left over.
-fn make_case(rng: &mut StdRng, seqs: &[(usize, usize)], g: Geometry) -> Case {
-    let Geometry { heads, kv_heads, head_dim, block_size, window, dtype } = g;
-    let blocks_needed: usize = seqs.iter().map(|&(_, ctx)| ctx.div_ceil(block_size)).sum();
-    let num_blocks = blocks_needed + 7;
-    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-    ids.shuffle(rng);
-    let mut meta =
-        AttentionMetadata { query_start_loc: vec![0], block_size, sliding_window: window, ..Default::default() };
-    let mut next = 0;
-    for &(q_len, ctx) in seqs {
-        let n = ctx.div_ceil(block_size);
-        let table = ids[next..next + n].to_vec();
-        next += n;
-        for p in ctx - q_len..ctx {
-            meta.slot_mapping.push(table[p / block_size] * block_size as u32 + (p % block_size) as u32);
-        }
-        meta.block_tables.push(table);
-        meta.context_lens.push(ctx as u32);
-        meta.query_start_loc.push(meta.query_start_loc.last().unwrap() + q_len as u32);
-    }
-    let t: usize = seqs.iter().map(|s| s.0).sum();
-    let mut randn = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
-    let dev = Device::Cpu;
-    // Queries spread over [-3, 3) give peaked softmaxes, so a wrong running max shows.
-    let q: Vec<f32> = randn(t * heads * head_dim).into_iter().map(|x| 3.0 * x).collect();
-    let q = Tensor::from_vec(q, (t, heads, head_dim), &dev).unwrap().to_dtype(dtype).unwrap();
-    let shape = (num_blocks, block_size, kv_heads, head_dim);
-    let n = num_blocks * block_size * kv_heads * head_dim;
-    let k_cache = Tensor::from_vec(randn(n), shape, &dev).unwrap().to_dtype(dtype).unwrap();
-    let v_cache = Tensor::from_vec(randn(n), shape, &dev).unwrap().to_dtype(dtype).unwrap();
-    Case { q, k_cache, v_cache, meta }
-}
-
-fn to_vec(t: &Tensor) -> Vec<f32> {
-    t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-}
-
+/// [`common::max_rel_err`] of an output that must be finite.
 fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let (a, b) = (to_vec(a), to_vec(b));
-    assert_eq!(a.len(), b.len());
-    assert!(a.iter().all(|x| x.is_finite()), "non-finite output");
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-    a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    assert!(to_vec(a).iter().all(|x| x.is_finite()), "non-finite output");
+    common::max_rel_err(a, b)
 }
 
 /// Runs the Metal kernel on `case` (built on the CPU) and compares it with

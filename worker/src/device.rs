@@ -76,13 +76,7 @@ fn open_metal() -> std::result::Result<SelectedDevice, String> {
 
 fn cpu_description() -> String {
     let threads = rayon::current_num_threads();
-    #[cfg(target_arch = "x86_64")]
-    let simd =
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") { "avx2+fma" } else { "portable" };
-    #[cfg(target_arch = "aarch64")]
-    let simd = "neon";
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let simd = "portable";
+    let simd = kernels::cpu::isa::describe();
     format!("cpu ({simd}, {threads} threads)")
 }
 

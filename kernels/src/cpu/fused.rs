@@ -54,8 +54,7 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) -> Result<()> {
 }
 
 /// `out = silu(gate) * up`: 8 lanes wide with AVX2 where the CPU has it
-/// (the exp is [`exp_poly`], not libm's call per value: 24 -> 11.5 us for a
-/// TinyLlama row).
+/// (the exp is [`exp_poly`], which vectorises, not libm's call per value).
 fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[inline(always)]
     fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -64,7 +63,7 @@ fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if super::has_avx2_fma() {
+    if super::isa::has_avx2_fma() {
         /// # Safety
         /// AVX2 and FMA must be available.
         #[target_feature(enable = "avx2,fma")]

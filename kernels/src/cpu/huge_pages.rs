@@ -2,9 +2,8 @@
 //!
 //! A decode step streams every weight once, at the memory's full rate; with
 //! 4 KiB pages that is a page walk every 4 KiB per stream, which the
-//! prefetchers cannot hide. On the 2-core EPYC of BENCHMARKS.md, one
-//! TinyLlama layer's f16 GEMVs read 18.0–18.7 GB/s from 4 KiB pages and
-//! 20.0–20.4 GB/s from 2 MiB pages. Weights are loaded into memory malloc
+//! prefetchers cannot hide, and a GEMV reads less than from 2 MiB pages.
+//! Weights are loaded into memory malloc
 //! already touched, which `MADV_HUGEPAGE` alone does not change, so the
 //! pages are collapsed in place (`MADV_COLLAPSE`, Linux 6.1) at load.
 

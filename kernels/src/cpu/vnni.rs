@@ -29,9 +29,8 @@
 
 use half::f16;
 
-use super::matmul::OutPtr;
 use super::quant::{BlockQ8_0, QK, QuantError, check_xy, quantize_activations_q8_0};
-use super::{WeightBuf, for_each_owned, for_each_span};
+use super::{OutPtr, WeightBuf, for_each_owned, for_each_span};
 
 /// Output rows per panel: the 16 i32 lanes of a vector.
 pub const PANEL: usize = 16;
@@ -60,23 +59,9 @@ pub struct VnniQ8_0 {
 
 /// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI, with the
 /// AVX2 set for the activation quantizer, and `TINYVLLM_CPU_ISA` not
-/// capping it below AVX-512); detected once.
+/// capping it below AVX-512); detected once ([`super::isa`]).
 pub fn vnni_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-            // The AVX-512 cap of `TINYVLLM_CPU_ISA` holds here too.
-            *super::packed::ISA == super::packed::Isa::Avx512
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        });
-        *HAS
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    super::isa::vnni()
 }
 
 impl VnniQ8_0 {
@@ -205,13 +190,9 @@ fn panels(vnni: bool, ops: &Operands<'_>, p0: usize, p1: usize) {
 
 /// Writes row `i`'s sums of panel p to y, dropping padding rows.
 fn store(ops: &Operands<'_>, p: usize, i: usize, sums: &[f32; PANEL]) {
-    let n = ops.w.n;
-    let c0 = p * PANEL;
-    for (c, &v) in sums.iter().enumerate().take(n - c0) {
-        // SAFETY: i < m and c0 + c < n, so the index is < m * n = y.len();
-        // this task alone writes panel p's columns.
-        unsafe { *ops.y.0.add(i * n + c0 + c) = v };
-    }
+    // SAFETY: i < m and panel p < n / 16 rounded up, so the row and the
+    // columns are within y; this task alone writes panel p's columns.
+    unsafe { ops.y.store_rows(ops.w.n, i, p * PANEL, std::slice::from_ref(sums), None) };
 }
 
 /// Portable path: exact i32 block sums, scaled as the VNNI kernel does.
@@ -257,14 +238,12 @@ mod avx512 {
     enum Prefetch {
         /// Not at all: an earlier row group of the call brought them in.
         No,
-        /// Into L1, for the first row group of several (prefill, batches):
-        /// Q8_0 prefill 512 on the Xeon, 289-320 tok/s against 192 with L2.
+        /// Into L1, for the first row group of several (prefill, batches),
+        /// where L2 left the tiles waiting.
         L1,
         /// Into L2, for decode (one x row): the loads right behind find the
-        /// lines in L2 and the line-fill buffers stay free for them. From
-        /// DRAM on the Xeon, alternating builds, 29.3-32.6 GB/s against
-        /// 27.3-29.1 with L1 (TinyLlama decode 27.6-28.3 tok/s against
-        /// 25.6-26.7); 4 or 8 KiB ahead read the same.
+        /// lines in L2 and the line-fill buffers stay free for them; 4 or
+        /// 8 KiB ahead read the same.
         L2,
     }
 
@@ -274,11 +253,12 @@ mod avx512 {
         if (at as usize) >= end as usize {
             return;
         }
-        // SAFETY (both): SSE is baseline on x86-64; a prefetch does not
-        // access memory.
         match how {
             Prefetch::No => {}
+            // SAFETY: SSE is baseline on x86-64; a prefetch does not access
+            // memory.
             Prefetch::L1 => unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) },
+            // SAFETY: as above.
             Prefetch::L2 => unsafe { _mm_prefetch::<_MM_HINT_T1>(at.cast()) },
         }
     }

@@ -7,10 +7,6 @@
 //! Q8_0) has more than half of itself there. [`WeightBuf`] starts such
 //! arrays on a 2 MiB boundary and pads them to a whole number of 2 MiB
 //! pages (at most 2 MiB more per matrix), so all of each can be collapsed.
-//! TinyLlama Q8_0 decode on the Xeon of BENCHMARKS.md, six alternating
-//! rounds: 27.3-30.3 tok/s (mean 28.8) against 26.6-28.6 (28.0); f16 17.0
-//! and 17.2 against 16.6 and 16.9. The worker's resident memory fell from
-//! 1.61 to 1.43 GB and the part in huge pages rose from 0.83 to 1.06 GB.
 
 use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
 use std::ops::{Deref, DerefMut};

@@ -24,7 +24,7 @@
 //! (each task owns its columns). Backends: AVX2 (`vpmaddubsw` of |x|, taken
 //! once per activation block for all rows, with w carrying x's sign by one
 //! `vpsignb` per row, then `vpmaddwd`), NEON widening multiplies (`smull`,
-//! `sadalp`), and a portable scalar loop; all detected once at run time.
+//! `sadalp`), and a portable scalar loop; detected once ([`super::isa`]).
 //! Q8_0 codes must lie in [-127, 127], as GGML's and our quantizers write
 //! them (the GGUF loader clamps a stray -128).
 //!
@@ -36,8 +36,13 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::for_each_span;
-use super::matmul::OutPtr;
+use super::isa::{self, Simd};
+use super::{OutPtr, for_each_span};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 /// Weights per block, in every format here.
 pub const QK: usize = 32;
@@ -236,29 +241,6 @@ pub fn quantize_matrix_q8_0(src: &[f32], rows: usize, k: usize) -> Result<Vec<Bl
     quantize_matrix(src, rows, k)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Backend {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "aarch64")]
-    Neon,
-}
-
-fn detect() -> Backend {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-        return Backend::Avx2;
-    }
-    #[cfg(target_arch = "aarch64")]
-    if std::arch::is_aarch64_feature_detected!("neon") {
-        return Backend::Neon;
-    }
-    Backend::Scalar
-}
-
-static BACKEND: std::sync::LazyLock<Backend> = std::sync::LazyLock::new(detect);
-
 /// `y[m, n] = x[m, k] @ W^T` with W in a quantized format (`n` rows of `k / 32` blocks).
 pub fn matmul_quant<B: QuantBlock>(
     x: &[f32],
@@ -268,7 +250,7 @@ pub fn matmul_quant<B: QuantBlock>(
     n: usize,
     y: &mut [f32],
 ) -> Result<(), QuantError> {
-    matmul_with(*BACKEND, x, m, k, w, n, y)
+    matmul_with(isa::simd(), x, m, k, w, n, y)
 }
 
 /// The portable path, for tests that compare backends.
@@ -280,7 +262,7 @@ pub fn matmul_quant_scalar<B: QuantBlock>(
     n: usize,
     y: &mut [f32],
 ) -> Result<(), QuantError> {
-    matmul_with(Backend::Scalar, x, m, k, w, n, y)
+    matmul_with(Simd::Scalar, x, m, k, w, n, y)
 }
 
 pub fn matmul_q8_0(x: &[f32], m: usize, k: usize, w: &[BlockQ8_0], n: usize, y: &mut [f32]) -> Result<(), QuantError> {
@@ -373,12 +355,12 @@ impl PackedQ8_0 {
 /// `y = x @ W^T` for packed Q8_0 weights (x `[m, k]`, y `[m, n]`); as
 /// [`matmul_quant`].
 pub fn matmul_packed_q8_0(x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
-    packed_with(*BACKEND, x, m, w, y)
+    packed_with(isa::simd(), x, m, w, y)
 }
 
 /// [`matmul_packed_q8_0`] on the portable path (for tests).
 pub fn matmul_packed_q8_0_scalar(x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
-    packed_with(Backend::Scalar, x, m, w, y)
+    packed_with(Simd::Scalar, x, m, w, y)
 }
 
 /// Errors unless x is `[m, k]` and y `[m, n]`: the check of the kernels
@@ -390,7 +372,7 @@ pub(crate) fn check_xy(x: &[f32], m: usize, k: usize, y: &[f32], n: usize) -> Re
     Ok(())
 }
 
-fn packed_with(backend: Backend, x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+fn packed_with(backend: Simd, x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
     let k = kb * QK;
     check_xy(x, m, k, y, n)?;
@@ -413,15 +395,15 @@ struct PackedOperands<'a> {
 }
 
 /// y[.., rows of groups g0..g1].
-fn packed_groups(backend: Backend, ops: &PackedOperands<'_>, g0: usize, g1: usize) {
+fn packed_groups(backend: Simd, ops: &PackedOperands<'_>, g0: usize, g1: usize) {
     match backend {
         // SAFETY: the backend was chosen because the CPU has these features;
         // shapes were checked by the caller; this task owns these columns.
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => unsafe { avx2::packed_groups(ops, g0, g1) },
+        Simd::Avx2 => unsafe { avx2::packed_groups(ops, g0, g1) },
         #[cfg(target_arch = "aarch64")]
-        Backend::Neon => unsafe { neon::packed_groups(ops, g0, g1) },
-        Backend::Scalar => scalar_packed_groups(ops, g0, g1),
+        Simd::Neon => unsafe { neon::packed_groups(ops, g0, g1) },
+        Simd::Scalar => scalar_packed_groups(ops, g0, g1),
     }
 }
 
@@ -456,7 +438,7 @@ struct Operands<'a, B> {
 }
 
 fn matmul_with<B: QuantBlock>(
-    backend: Backend,
+    backend: Simd,
     x: &[f32],
     m: usize,
     k: usize,
@@ -489,7 +471,7 @@ fn matmul_with<B: QuantBlock>(
 
 /// Activations quantized once per call (small next to the weights):
 /// `blocks` Q8_0 blocks of `x` and their scales widened.
-fn quantized_activations(backend: Backend, x: &[f32], blocks: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
+fn quantized_activations(backend: Simd, x: &[f32], blocks: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
     let mut xq = vec![BlockQ8_0::ZERO; blocks];
     let mut xd = vec![0f32; blocks];
     quantize_activations(backend, x, &mut xq, &mut xd);
@@ -499,7 +481,7 @@ fn quantized_activations(backend: Backend, x: &[f32], blocks: usize) -> (Vec<Blo
 /// [`quantized_activations`] on this machine's quantizer, for the other
 /// Q8_0 layouts' kernels.
 pub(crate) fn quantize_activations_q8_0(x: &[f32], blocks: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
-    quantized_activations(*BACKEND, x, blocks)
+    quantized_activations(isa::simd(), x, blocks)
 }
 
 /// Quantizes activation rows (`x.len() == 32 * xq.len()`) to Q8_0 and
@@ -507,14 +489,14 @@ pub(crate) fn quantize_activations_q8_0(x: &[f32], blocks: usize) -> (Vec<BlockQ
 /// [`QuantBlock::quantize`] gives: the AVX2 path repeats its arithmetic
 /// (scale, reciprocal, round half away from zero, NaN to 0) lane by lane.
 /// Run per matmul call, so it has to be cheap: scalar `round` is a libm
-/// call per value on baseline x86-64, which cost ~15 ns per activation
-/// (4-5% of a Q8_0 decode step).
-fn quantize_activations(backend: Backend, x: &[f32], xq: &mut [BlockQ8_0], xd: &mut [f32]) {
+/// call per value on baseline x86-64, a visible share of a Q8_0 decode
+/// step.
+fn quantize_activations(backend: Simd, x: &[f32], xq: &mut [BlockQ8_0], xd: &mut [f32]) {
     debug_assert!(x.len() == xq.len() * QK && xd.len() == xq.len());
     match backend {
         // SAFETY: the backend was chosen because the CPU has AVX2, FMA, F16C.
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => unsafe { avx2::quantize_activations(x, xq, xd) },
+        Simd::Avx2 => unsafe { avx2::quantize_activations(x, xq, xd) },
         _ => {
             for ((src, block), d) in x.chunks_exact(QK).zip(xq.iter_mut()).zip(xd.iter_mut()) {
                 let src: &[f32; QK] = src.try_into().expect("chunks_exact(QK)");
@@ -526,15 +508,15 @@ fn quantize_activations(backend: Backend, x: &[f32], xq: &mut [BlockQ8_0], xd: &
 }
 
 /// y[.., n0..n1].
-fn rows<B: QuantBlock>(backend: Backend, ops: &Operands<'_, B>, n0: usize, n1: usize) {
+fn rows<B: QuantBlock>(backend: Simd, ops: &Operands<'_, B>, n0: usize, n1: usize) {
     match backend {
         // SAFETY: the backend was chosen because the CPU has these features;
         // shapes were checked by the caller; this task owns columns n0..n1.
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => unsafe { avx2::rows(ops, n0, n1) },
+        Simd::Avx2 => unsafe { avx2::rows(ops, n0, n1) },
         #[cfg(target_arch = "aarch64")]
-        Backend::Neon => unsafe { neon::rows(ops, n0, n1) },
-        Backend::Scalar => scalar_rows(ops, n0, n1),
+        Simd::Neon => unsafe { neon::rows(ops, n0, n1) },
+        Simd::Scalar => scalar_rows(ops, n0, n1),
     }
 }
 
@@ -557,372 +539,6 @@ fn scalar_rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: usize) {
 /// Exact dot product of two blocks of codes (portable path).
 fn int_dot(x: &[i8; QK], w: &[i8; QK]) -> i32 {
     x.iter().zip(w).map(|(&a, &b)| a as i32 * b as i32).sum()
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{BlockQ8_0, Codes4, Operands, PackedOperands, QK, QuantBlock};
-    use crate::cpu::prefetch_within;
-    use half::f16;
-
-    /// See [`super::quantize_activations`].
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn quantize_activations(x: &[f32], xq: &mut [BlockQ8_0], xd: &mut [f32]) {
-        let sign = _mm256_set1_ps(-0.0);
-        // The largest float below 0.5: s + copysign(it, s) truncates to
-        // round-half-away-from-zero(s) for |s| < 2^22 (ties land on the
-        // next integer, everything else below it).
-        let half = _mm256_set1_ps(0.499_999_97);
-        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-        for ((src, block), d_out) in x.chunks_exact(QK).zip(xq.iter_mut()).zip(xd.iter_mut()) {
-            // SAFETY: src holds 32 floats; AVX2 is enabled on this function.
-            let v = [0, 8, 16, 24].map(|o| unsafe { _mm256_loadu_ps(src.as_ptr().add(o)) });
-            // max |v| ignoring NaN like f32::max: max_ps returns its second
-            // operand, the running maximum, when the first is NaN.
-            let m = v.iter().fold(_mm256_setzero_ps(), |m, &x| _mm256_max_ps(_mm256_andnot_ps(sign, x), m));
-            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
-            let d = amax / 127.0;
-            let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
-            let q = v.map(|x| {
-                let s = _mm256_mul_ps(x, inv);
-                let s = _mm256_and_ps(s, _mm256_cmp_ps::<_CMP_ORD_Q>(s, s)); // NaN -> 0
-                let r = _mm256_add_ps(s, _mm256_or_ps(half, _mm256_and_ps(s, sign)));
-                let r = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(r);
-                _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-            });
-            // i32 -> i8 packs work per 128-bit lane: restore the order of
-            // the 8 groups of 4 bytes afterwards.
-            let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            let bytes = _mm256_permutevar8x32_epi32(bytes, order);
-            // SAFETY: qs is 32 writable bytes.
-            unsafe { _mm256_storeu_si256(block.qs.as_mut_ptr().cast(), bytes) };
-            block.d = f16::from_f32(d);
-            *d_out = block.d.to_f32();
-        }
-    }
-
-    /// How far ahead of use the weights are prefetched, in bytes: measured
-    /// best of 1-64 KiB on the 2-vCPU EPYC (Zen 1) (16 KiB: 14-16 GB/s; 1-8 KiB: 7-11 GB/s).
-    const PF_BYTES: usize = 16 << 10;
-    /// The same for packed weights, one stream per task: 4-32 KiB read the
-    /// same on the big shapes; 8 KiB is 20% faster on the smallest (k/v).
-    const PACKED_PF_BYTES: usize = 8 << 10;
-
-    /// y[.., n0..n1], 4 weight rows at a time (then single rows).
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available; operand shapes must be
-    /// consistent (checked by the caller); no other thread writes columns
-    /// n0..n1 of y during the call.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: usize) {
-        let mut j = n0;
-        while j + 4 <= n1 {
-            for i in 0..ops.m {
-                // SAFETY: forwarded; rows j..j + 4 < n1 <= n.
-                let s = unsafe { tile4(ops, j, i) };
-                for (r, v) in s.iter().enumerate() {
-                    // SAFETY: i * n + j + r < m * n; this task owns column j + r.
-                    unsafe { *ops.y.0.add(i * ops.n + j + r) = *v };
-                }
-            }
-            j += 4;
-        }
-        while j < n1 {
-            for i in 0..ops.m {
-                // SAFETY: as above, one row.
-                let s = unsafe { tile::<B, 1>(ops, j, i) };
-                // SAFETY: as above.
-                unsafe { *ops.y.0.add(i * ops.n + j) = s[0] };
-            }
-            j += 1;
-        }
-    }
-
-    /// Dot products of weight rows j..j + 4 with activation row i: as
-    /// [`tile`], but the 4 rows' f16 scales of a block are gathered into one
-    /// register and widened by one conversion, and the 4 rows' integer block
-    /// sums are folded into one register (lane r of each half: row r) before
-    /// a single int-to-float conversion and FMA with those scales. Per row,
-    /// that saves a conversion, an FMA and a scale broadcast per block,
-    /// ~10% of this kernel, which is compute-bound (Q8_0 decode is).
-    #[inline(always)]
-    unsafe fn tile4<B: QuantBlock>(ops: &Operands<'_, B>, j: usize, i: usize) -> [f32; 4] {
-        let kb = ops.kb;
-        let pf = PF_BYTES;
-        // SAFETY: every index below is < kb within rows j..j + 4 < n (weights)
-        // or row i < m (activations); prefetches are hints and never fault.
-        unsafe {
-            let w = ops.w.as_ptr().add(j * kb);
-            let x = ops.xq.as_ptr().add(i * kb);
-            let xd = ops.xd.as_ptr().add(i * kb);
-            let mut acc = _mm256_setzero_ps();
-            let span = w.cast::<u8>();
-            let w_end = ops.w.as_ptr_range().end.cast::<u8>();
-            let step = 4 * size_of::<B>();
-            for b in 0..kb {
-                if i == 0 {
-                    prefetch_within(span.wrapping_add(pf + b * step), step, w_end);
-                }
-                let blocks = [&*w.add(b), &*w.add(kb + b), &*w.add(2 * kb + b), &*w.add(3 * kb + b)];
-                let bits =
-                    blocks.iter().enumerate().fold(0u64, |a, (r, blk)| a | (blk.scale().to_bits() as u64) << (16 * r));
-                let d4 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)), _mm_broadcast_ss(&*xd.add(b)));
-                let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
-                acc = fma_block4(acc, d4, xv, blocks);
-            }
-            sum_halves(acc)
-        }
-    }
-
-    /// `acc + [d4, d4] * s`, s the exact i32 block sums of 4 weight rows'
-    /// codes `w` with the activation block `xv`, folded into one register
-    /// (lane r of each 128-bit half: half of row r's sum) so that they are
-    /// converted and scaled once. As in `tile`: |x| (once for the 4 rows)
-    /// times w with x's sign, pairs summed to i32.
-    ///
-    /// Loops and plain functions only, here and in the callers: closures do
-    /// not inherit the caller's target features, and the intrinsics in them
-    /// would become calls.
-    #[inline(always)]
-    unsafe fn fma_block4(acc: __m256, d4: __m128, xv: __m256i, w: impl FourRows) -> __m256 {
-        // SAFETY: AVX2 and FMA are enabled in every caller; w's rows are readable.
-        unsafe {
-            let ones = _mm256_set1_epi16(1);
-            let x_abs = _mm256_sign_epi8(xv, xv);
-            let mut sums = [_mm256_setzero_si256(); 4];
-            for (r, s) in sums.iter_mut().enumerate() {
-                // Loaded here, one row at a time: loading all four first
-                // made the GGML-layout tile 4% slower.
-                *s = _mm256_madd_epi16(_mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(w.codes(r), xv)), ones);
-            }
-            // Exact in i32 (|sum| <= 32 * 127 * 127).
-            let s = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
-            _mm256_fmadd_ps(_mm256_set_m128(d4, d4), _mm256_cvtepi32_ps(s), acc)
-        }
-    }
-
-    /// Four weight rows' codes at one block index.
-    trait FourRows {
-        /// # Safety
-        /// AVX2 must be available; r < 4.
-        unsafe fn codes(&self, r: usize) -> __m256i;
-    }
-
-    /// GGML's blocks, one per row.
-    impl<B: QuantBlock> FourRows for [&B; 4] {
-        #[inline(always)]
-        unsafe fn codes(&self, r: usize) -> __m256i {
-            // SAFETY: per the trait.
-            unsafe { self[r].codes_avx2() }
-        }
-    }
-
-    /// Packed rows: aligned, adjacent.
-    impl FourRows for &Codes4 {
-        #[inline(always)]
-        unsafe fn codes(&self, r: usize) -> __m256i {
-            // SAFETY: per the trait; Codes4 is 64-byte aligned, rows 32 bytes.
-            unsafe { _mm256_load_si256(self.0[r].as_ptr().cast()) }
-        }
-    }
-
-    /// The 4 row sums of a [`fma_block4`] accumulator.
-    #[inline(always)]
-    unsafe fn sum_halves(acc: __m256) -> [f32; 4] {
-        let mut out = [0f32; 4];
-        // SAFETY: AVX is enabled in every caller; out holds 4 floats.
-        unsafe {
-            _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)))
-        };
-        out
-    }
-
-    /// y[.., rows of groups g0..g1] for packed Q8_0 weights.
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available; shapes consistent (checked by
-    /// the caller); no other thread writes these columns of y.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn packed_groups(ops: &PackedOperands<'_>, g0: usize, g1: usize) {
-        let n = ops.w.n;
-        for g in g0..g1 {
-            for i in 0..ops.m {
-                // SAFETY: forwarded; group g < n / 4 rounded up, row i < m.
-                let s = unsafe { packed_tile(ops, g, i) };
-                for (r, v) in s.iter().enumerate().take(n - 4 * g) {
-                    // SAFETY: i * n + 4g + r < m * n; this task owns the column.
-                    unsafe { *ops.y.0.add(i * n + 4 * g + r) = *v };
-                }
-            }
-        }
-    }
-
-    /// Dot products of group g's 4 weight rows with activation row i.
-    #[inline(always)]
-    unsafe fn packed_tile(ops: &PackedOperands<'_>, g: usize, i: usize) -> [f32; 4] {
-        let kb = ops.w.kb;
-        // SAFETY: every index below is < kb within group g or row i < m;
-        // prefetches are hints and never fault.
-        unsafe {
-            let codes = ops.w.codes.as_ptr().add(g * kb);
-            let scales = ops.w.scales.as_ptr().add(g * kb);
-            let x = ops.xq.as_ptr().add(i * kb);
-            let xd = ops.xd.as_ptr().add(i * kb);
-            let mut acc = _mm256_setzero_ps();
-            let end = ops.w.codes.as_ptr_range().end.cast::<u8>();
-            let step = size_of::<Codes4>();
-            for b in 0..kb {
-                if i == 0 {
-                    prefetch_within(codes.cast::<u8>().wrapping_add(PACKED_PF_BYTES + b * step), step, end);
-                }
-                let d4 = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(scales.add(b).cast())), _mm_broadcast_ss(&*xd.add(b)));
-                let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
-                acc = fma_block4(acc, d4, xv, &*codes.add(b));
-            }
-            sum_halves(acc)
-        }
-    }
-
-    /// Dot products of weight rows j..j + R with activation row i.
-    #[inline(always)]
-    unsafe fn tile<B: QuantBlock, const R: usize>(ops: &Operands<'_, B>, j: usize, i: usize) -> [f32; R] {
-        let kb = ops.kb;
-        let pf = PF_BYTES;
-        // SAFETY: every index below is < kb within rows j..j + R < n (weights)
-        // or row i < m (activations); prefetches are hints and never fault.
-        unsafe {
-            let ones = _mm256_set1_epi16(1);
-            let w = ops.w.as_ptr().add(j * kb);
-            let x = ops.xq.as_ptr().add(i * kb);
-            let xd = ops.xd.as_ptr().add(i * kb);
-            let mut acc = [_mm256_setzero_ps(); R];
-            // Rows j..j + R are one contiguous span, read as R interleaved
-            // streams; prefetch it as one linear stream running ahead into
-            // the next tile (R * size_of::<B>() bytes consumed per block).
-            let span = w.cast::<u8>();
-            let w_end = ops.w.as_ptr_range().end.cast::<u8>();
-            let step = R * size_of::<B>();
-            for b in 0..kb {
-                if i == 0 {
-                    prefetch_within(span.wrapping_add(pf + b * step), step, w_end);
-                }
-                let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
-                let x_abs = _mm256_sign_epi8(xv, xv); // shared by the R rows
-                let dx = _mm_set_ss(*xd.add(b));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let blk = &*w.add(r * kb + b);
-                    let wv = blk.codes_avx2();
-                    // vpmaddubsw takes unsigned x signed bytes: |x| (once
-                    // per block, for all rows) meets w with x's sign moved
-                    // onto it, one vpsignb per row. Pairs fit i16 because
-                    // |x| <= 127 and |w| <= 127 (codes of -128 are clamped
-                    // at load: negating one would overflow).
-                    let pairs = _mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(wv, xv));
-                    let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                    let dw = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.scale().to_bits() as i32));
-                    let d = _mm256_broadcastss_ps(_mm_mul_ss(dw, dx));
-                    *a = _mm256_fmadd_ps(d, sums, *a);
-                }
-            }
-            acc.map(|a| hsum(a))
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: AVX is enabled in every caller.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-            _mm_cvtss_f32(s)
-        }
-    }
-}
-
-#[cfg(target_arch = "aarch64")]
-mod neon {
-    use std::arch::aarch64::*;
-
-    use super::{Operands, PackedOperands, QuantBlock};
-
-    /// i32 lanes summing to the dot product of an activation block with the
-    /// 32 codes `(w0, w1)`. i8 x i8 fits i16; pairwise widening adds into
-    /// i32 lanes (sdot would be one instruction, but is not in stable Rust
-    /// yet).
-    #[inline(always)]
-    unsafe fn block_dot(x: &[i8; 32], (w0, w1): (int8x16_t, int8x16_t)) -> int32x4_t {
-        // SAFETY: x is 32 readable bytes; NEON per the caller.
-        unsafe {
-            let (x0, x1) = (vld1q_s8(x.as_ptr()), vld1q_s8(x.as_ptr().add(16)));
-            let mut s = vpaddlq_s16(vmull_s8(vget_low_s8(x0), vget_low_s8(w0)));
-            s = vpadalq_s16(s, vmull_high_s8(x0, w0));
-            s = vpadalq_s16(s, vmull_s8(vget_low_s8(x1), vget_low_s8(w1)));
-            vpadalq_s16(s, vmull_high_s8(x1, w1))
-        }
-    }
-
-    /// y[.., rows of groups g0..g1] for packed Q8_0 weights, one weight row
-    /// at a time.
-    ///
-    /// # Safety
-    /// NEON must be available; shapes consistent; this task owns these
-    /// columns of y.
-    #[target_feature(enable = "neon")]
-    pub(super) unsafe fn packed_groups(ops: &PackedOperands<'_>, g0: usize, g1: usize) {
-        let (n, kb) = (ops.w.n, ops.w.kb);
-        for g in g0..g1 {
-            for r in 0..4.min(n - 4 * g) {
-                for i in 0..ops.m {
-                    // SAFETY: indices < kb within group g and row i < m.
-                    unsafe {
-                        let mut acc = vdupq_n_f32(0.0);
-                        for b in 0..kb {
-                            let codes = &ops.w.codes[g * kb + b].0[r];
-                            let w = (vld1q_s8(codes.as_ptr()), vld1q_s8(codes.as_ptr().add(16)));
-                            let s = block_dot(&ops.xq[i * kb + b].qs, w);
-                            let d = ops.xd[i * kb + b] * ops.w.scales[g * kb + b][r].to_f32();
-                            acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), d);
-                        }
-                        *ops.y.0.add(i * n + 4 * g + r) = vaddvq_f32(acc);
-                    }
-                }
-            }
-        }
-    }
-
-    /// y[.., n0..n1], one weight row at a time.
-    ///
-    /// # Safety
-    /// NEON must be available; shapes consistent; this task owns columns
-    /// n0..n1 of y.
-    #[target_feature(enable = "neon")]
-    pub(super) unsafe fn rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: usize) {
-        let kb = ops.kb;
-        for j in n0..n1 {
-            for i in 0..ops.m {
-                // SAFETY: indices < kb within row j < n and row i < m.
-                unsafe {
-                    let mut acc = vdupq_n_f32(0.0);
-                    for b in 0..kb {
-                        let blk = &ops.w[j * kb + b];
-                        let s = block_dot(&ops.xq[i * kb + b].qs, blk.codes_neon());
-                        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), ops.xd[i * kb + b] * blk.scale().to_f32());
-                    }
-                    *ops.y.0.add(i * ops.n + j) = vaddvq_f32(acc);
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -967,7 +583,7 @@ mod tests {
         let blocks = x.len() / QK;
         let expected: Vec<BlockQ8_0> =
             x.chunks_exact(QK).map(|c| BlockQ8_0::quantize(c.try_into().expect("32"))).collect();
-        for backend in [Backend::Scalar, *BACKEND] {
+        for backend in [Simd::Scalar, isa::simd()] {
             let mut xq = vec![BlockQ8_0::ZERO; blocks];
             let mut xd = vec![0f32; blocks];
             quantize_activations(backend, &x, &mut xq, &mut xd);

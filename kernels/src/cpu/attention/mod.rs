@@ -9,7 +9,12 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::buffers::{read_f32, write_f32};
-use super::{Elem, exp_poly};
+use super::{Elem, OutPtr, exp_poly};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 use crate::{AttentionMetadata, Dims, KernelError, Result, check};
 
 /// Queries per work item: bounds the per-item state while amortising each
@@ -48,21 +53,6 @@ struct Scratch {
 fn refill(v: &mut Vec<f32>, len: usize, value: f32) {
     v.clear();
     v.resize(len, value);
-}
-
-/// The output of a parallel call, written by work items at disjoint places.
-#[derive(Clone, Copy)]
-struct OutPtr<T>(*mut T);
-// SAFETY: items write disjoint elements (see `run_into`).
-unsafe impl<T> Send for OutPtr<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for OutPtr<T> {}
-
-impl<T> OutPtr<T> {
-    /// A method, so closures capture the Sync wrapper, not the raw pointer.
-    fn get(self) -> *mut T {
-        self.0
-    }
 }
 
 /// One unit of parallel work.
@@ -112,7 +102,7 @@ impl PagedAttention<'_> {
     /// summation order), all within the tests' tolerance of the reference.
     fn run_item<T: Elem>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
         #[cfg(target_arch = "x86_64")]
-        if super::has_avx2_fma() && self.dims.head_dim.is_multiple_of(8) {
+        if super::isa::has_avx2_fma() && self.dims.head_dim.is_multiple_of(8) {
             // SAFETY: the CPU has AVX2 and FMA; head_dim is whole 8-lane chunks.
             return unsafe { self.run_item_lanes(item, q, k, v, s) };
         }
@@ -130,11 +120,9 @@ impl PagedAttention<'_> {
     /// come from 8 keys at a time against the transposed queries, the online
     /// softmax runs lane-wise, and values accumulate in tiles of 4 pairs x
     /// 16 dims (8 FMA chains). Decode of a GQA group (8 heads of TinyLlama)
-    /// is one vector per key and dim. Against a pair at a time with 4-key
-    /// dot products (the NEON path's shape), on Zen 3 with 2 threads: a
-    /// TinyLlama layer's decode of 16 sequences at 105-165 tokens 474 ->
-    /// 226 us, its prefill of 16 prompts 36 -> 18 ms, one 512-token prompt
-    /// 26 -> 13 ms.
+    /// is one vector per key and dim. That halves the time of a pair at a
+    /// time with 4-key dot products (the NEON path's shape) in decode and
+    /// in prefill.
     ///
     /// # Safety
     /// AVX2 and FMA must be available and head_dim a multiple of 8.
@@ -187,10 +175,10 @@ impl PagedAttention<'_> {
                 }
             }
             let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
-            // SAFETY (the three calls): AVX2 and FMA per the caller; qf is
-            // [hd, nl], rows 0..len of kr/vr lie inside them `stride` apart,
-            // scores holds len x nl, acc nl x hd, max/sum/corr nl.
-            unsafe { lanes::scores(qf, nl, kr, stride, hd, len, scores) };
+            // SAFETY: AVX2 and FMA per the caller (here and in the two calls
+            // below); qf is [hd, nl], rows 0..len of kr lie inside it
+            // `stride` apart, scores holds len x nl.
+            unsafe { avx2::scores(qf, nl, kr, stride, hd, len, scores) };
             // Keys a pair does not see (the causal diagonal of a prompt,
             // a window's edge) drop out as -inf; decode sees the whole block.
             if (0..n).any(|r| visible(r, start, len) != (0, len)) {
@@ -201,8 +189,11 @@ impl PagedAttention<'_> {
                     }
                 }
             }
-            unsafe { lanes::softmax(scores, nl, len, max, sum, corr) };
-            unsafe { lanes::accumulate(acc, hd, n, scores, nl, len, vr, stride, corr) };
+            // SAFETY: scores holds len x nl, max/sum/corr nl.
+            unsafe { avx2::softmax(scores, nl, len, max, sum, corr) };
+            // SAFETY: acc holds nl x hd, rows 0..len of vr lie inside it
+            // `stride` apart, scores len x nl, corr nl.
+            unsafe { avx2::accumulate(acc, hd, n, scores, nl, len, vr, stride, corr) };
         }
         for r in 0..n {
             let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
@@ -255,7 +246,7 @@ impl PagedAttention<'_> {
                 if SIMD {
                     // SAFETY: NEON, and head_dim % 8 == 0 (see run_item); the
                     // rows t0..t1 of kr lie inside it, `stride` apart.
-                    unsafe { simd::scores(qr, kr, stride, t0..t1, scores) };
+                    unsafe { neon::scores(qr, kr, stride, t0..t1, scores) };
                 }
                 if !SIMD || cfg!(not(target_arch = "aarch64")) {
                     for t in t0..t1 {
@@ -276,7 +267,7 @@ impl PagedAttention<'_> {
                 #[cfg(target_arch = "aarch64")]
                 if SIMD {
                     // SAFETY: as for the scores.
-                    unsafe { simd::accumulate(a, scores, vr, stride, t0..t1) };
+                    unsafe { neon::accumulate(a, scores, vr, stride, t0..t1) };
                 }
                 if !SIMD || cfg!(not(target_arch = "aarch64")) {
                     for t in t0..t1 {
@@ -404,325 +395,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     lanes.iter().sum::<f32>() + tail
-}
-
-#[cfg(target_arch = "aarch64")]
-use neon as simd;
-
-/// The lane-wise loops of [`PagedAttention::run_item_lanes`] (AVX2, FMA):
-/// the item's (query row, head) pairs are the lanes, `nl` of them, a
-/// multiple of 8 (padding lanes compute harmless values nobody reads).
-#[cfg(target_arch = "x86_64")]
-mod lanes {
-    use std::arch::x86_64::*;
-
-    /// `s[t * nl + r] = q[.., r] . k[t * stride..][..hd]` for keys t < len,
-    /// with q `[hd, nl]`.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available; q must hold hd x nl, s len x nl, and
-    /// rows 0..len of k be in bounds.
-    #[inline(always)]
-    pub(super) unsafe fn scores(q: &[f32], nl: usize, k: &[f32], stride: usize, hd: usize, len: usize, s: &mut [f32]) {
-        assert!(nl.is_multiple_of(8) && q.len() >= hd * nl && s.len() >= len * nl);
-        assert!(len == 0 || (len - 1) * stride + hd <= k.len());
-        let (q, k, s) = (q.as_ptr(), k.as_ptr(), s.as_mut_ptr());
-        let mut t = 0;
-        // SAFETY: the asserts cover keys t.. of each call.
-        unsafe {
-            while t + 8 <= len {
-                keys::<8>(q, nl, k, stride, hd, t, s);
-                t += 8;
-            }
-            if t + 4 <= len {
-                keys::<4>(q, nl, k, stride, hd, t, s);
-                t += 4;
-            }
-            while t < len {
-                keys::<1>(q, nl, k, stride, hd, t, s);
-                t += 1;
-            }
-        }
-    }
-
-    /// [`scores`] of keys t..t + KT: KT independent FMA chains, each key's
-    /// value broadcast against a vector of 8 pairs' queries.
-    #[inline(always)]
-    unsafe fn keys<const KT: usize>(
-        q: *const f32,
-        nl: usize,
-        k: *const f32,
-        stride: usize,
-        hd: usize,
-        t: usize,
-        s: *mut f32,
-    ) {
-        // SAFETY: in bounds per `scores`.
-        unsafe {
-            for v in (0..nl).step_by(8) {
-                let mut a = [_mm256_setzero_ps(); KT];
-                for c in 0..hd {
-                    let qv = _mm256_loadu_ps(q.add(c * nl + v));
-                    for (j, a) in a.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(_mm256_broadcast_ss(&*k.add((t + j) * stride + c)), qv, *a);
-                    }
-                }
-                for (j, a) in a.iter().enumerate() {
-                    _mm256_storeu_ps(s.add((t + j) * nl + v), *a);
-                }
-            }
-        }
-    }
-
-    /// One block of the online softmax, lane by lane: `s` (len x nl) becomes
-    /// exp(s - new max); `corr` gets the factor that rescales what earlier
-    /// blocks summed (also applied to `sum` here, to the outputs by
-    /// [`accumulate`]).
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available; s holds len x nl, the others nl.
-    #[inline(always)]
-    pub(super) unsafe fn softmax(
-        s: &mut [f32],
-        nl: usize,
-        len: usize,
-        max: &mut [f32],
-        sum: &mut [f32],
-        corr: &mut [f32],
-    ) {
-        assert!(nl.is_multiple_of(8) && s.len() >= len * nl && max.len() >= nl && sum.len() >= nl && corr.len() >= nl);
-        let sp = s.as_mut_ptr();
-        // SAFETY: in bounds per the assert.
-        unsafe {
-            for v in (0..nl).step_by(8) {
-                let old = _mm256_loadu_ps(max.as_ptr().add(v));
-                let mut m = old;
-                for t in 0..len {
-                    m = _mm256_max_ps(m, _mm256_loadu_ps(sp.add(t * nl + v)));
-                }
-                // A lane that has seen no visible key keeps max -inf: shift it
-                // by 0, so its exps come out ~0 rather than NaN.
-                let unseen = _mm256_cmp_ps::<_CMP_EQ_OQ>(m, _mm256_set1_ps(f32::NEG_INFINITY));
-                let shift = _mm256_blendv_ps(m, _mm256_setzero_ps(), unseen);
-                let c = exp8(_mm256_sub_ps(old, shift));
-                let mut total = _mm256_mul_ps(_mm256_loadu_ps(sum.as_ptr().add(v)), c);
-                for t in 0..len {
-                    let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(t * nl + v)), shift));
-                    _mm256_storeu_ps(sp.add(t * nl + v), p);
-                    total = _mm256_add_ps(total, p);
-                }
-                _mm256_storeu_ps(max.as_mut_ptr().add(v), m);
-                _mm256_storeu_ps(sum.as_mut_ptr().add(v), total);
-                _mm256_storeu_ps(corr.as_mut_ptr().add(v), c);
-            }
-        }
-    }
-
-    /// `acc[r] = acc[r] * corr[r] + sum over t < len of p[t * nl + r] *
-    /// v[t * stride..][..hd]` for pairs r < n, acc `[nl, hd]`: tiles of 4
-    /// pairs x 16 dims (8 accumulators) across the block's keys.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available; hd a multiple of 8, n <= nl, acc
-    /// nl x hd, p len x nl, corr nl, rows 0..len of v in bounds.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn accumulate(
-        acc: &mut [f32],
-        hd: usize,
-        n: usize,
-        p: &[f32],
-        nl: usize,
-        len: usize,
-        v: &[f32],
-        stride: usize,
-        corr: &[f32],
-    ) {
-        assert!(hd.is_multiple_of(8) && nl.is_multiple_of(8) && n <= nl && acc.len() >= nl * hd);
-        assert!(p.len() >= len * nl && corr.len() >= nl && (len == 0 || (len - 1) * stride + hd <= v.len()));
-        let (a, p, v, corr) = (acc.as_mut_ptr(), p.as_ptr(), v.as_ptr(), corr.as_ptr());
-        // SAFETY: pairs r..r + 4 <= nl and dims c..c + 8 * DV <= hd of each
-        // tile are in bounds per the asserts.
-        unsafe {
-            for r in (0..n).step_by(4) {
-                let mut c = 0;
-                while c + 16 <= hd {
-                    tile::<2>(a, hd, p, nl, len, v, stride, corr, r, c);
-                    c += 16;
-                }
-                if c < hd {
-                    tile::<1>(a, hd, p, nl, len, v, stride, corr, r, c);
-                }
-            }
-        }
-    }
-
-    /// [`accumulate`] for pairs r..r + 4 and dims c..c + 8 * DV.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile<const DV: usize>(
-        acc: *mut f32,
-        hd: usize,
-        p: *const f32,
-        nl: usize,
-        len: usize,
-        v: *const f32,
-        stride: usize,
-        corr: *const f32,
-        r: usize,
-        c: usize,
-    ) {
-        // SAFETY: in bounds per `accumulate`. (Loops, not closures: a closure
-        // would not inherit the target features.)
-        unsafe {
-            let mut a = [[_mm256_setzero_ps(); DV]; 4];
-            for (i, row) in a.iter_mut().enumerate() {
-                let f = _mm256_broadcast_ss(&*corr.add(r + i));
-                for (o, x) in row.iter_mut().enumerate() {
-                    *x = _mm256_mul_ps(_mm256_loadu_ps(acc.add((r + i) * hd + c + 8 * o)), f);
-                }
-            }
-            for t in 0..len {
-                let mut vv = [_mm256_setzero_ps(); DV];
-                for (o, x) in vv.iter_mut().enumerate() {
-                    *x = _mm256_loadu_ps(v.add(t * stride + c + 8 * o));
-                }
-                for (i, row) in a.iter_mut().enumerate() {
-                    let w = _mm256_broadcast_ss(&*p.add(t * nl + r + i));
-                    for (x, vv) in row.iter_mut().zip(vv) {
-                        *x = _mm256_fmadd_ps(w, vv, *x);
-                    }
-                }
-            }
-            for (i, row) in a.iter().enumerate() {
-                for (o, x) in row.iter().enumerate() {
-                    _mm256_storeu_ps(acc.add((r + i) * hd + c + 8 * o), *x);
-                }
-            }
-        }
-    }
-
-    /// [`super::exp_poly`] on 8 lanes.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available.
-    #[inline(always)]
-    pub(super) unsafe fn exp8(x: __m256) -> __m256 {
-        const ROUND: f32 = 12_582_912.0;
-        // SAFETY: AVX2 and FMA per the callers.
-        unsafe {
-            let x0 = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
-            let t = _mm256_fmadd_ps(x0, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(ROUND));
-            let n = _mm256_sub_ps(t, _mm256_set1_ps(ROUND));
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x0);
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-            let mut p = _mm256_set1_ps(1.987_569_1e-4);
-            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-            }
-            let e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0));
-            let bits = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(_mm256_set1_ps(ROUND)));
-            let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(bits, _mm256_set1_epi32(127)));
-            _mm256_mul_ps(e, _mm256_castsi256_ps(scale))
-        }
-    }
-}
-
-/// [`avx2`]'s loops with NEON: four keys' dot products at a time, a
-/// 16-lane stretch of the output row in registers across a block's keys.
-#[cfg(target_arch = "aarch64")]
-mod neon {
-    use std::arch::aarch64::*;
-    use std::ops::Range;
-
-    /// As [`super::avx2::scores`], with NEON.
-    ///
-    /// # Safety
-    /// `q.len()` a multiple of 8; those rows of `k` and `scores[keys]` in bounds.
-    #[inline(always)]
-    pub(super) unsafe fn scores(q: &[f32], k: &[f32], stride: usize, keys: Range<usize>, scores: &mut [f32]) {
-        let hd = q.len();
-        debug_assert!(hd.is_multiple_of(8) && keys.end <= scores.len());
-        debug_assert!(keys.is_empty() || (keys.end - 1) * stride + hd <= k.len());
-        // SAFETY: per the contract, every row read is inside k and every
-        // score written inside scores.
-        unsafe {
-            let (q, k) = (q.as_ptr(), k.as_ptr());
-            let mut t = keys.start;
-            while t + 4 <= keys.end {
-                let rows = [0, 1, 2, 3].map(|i| k.add((t + i) * stride));
-                let mut acc = [vdupq_n_f32(0.0); 4];
-                for c in (0..hd).step_by(4) {
-                    let qv = vld1q_f32(q.add(c));
-                    for (a, row) in acc.iter_mut().zip(rows) {
-                        *a = vfmaq_f32(*a, qv, vld1q_f32(row.add(c)));
-                    }
-                }
-                // Pairwise adds: lane i ends up with key t + i's sum.
-                let four = vpaddq_f32(vpaddq_f32(acc[0], acc[1]), vpaddq_f32(acc[2], acc[3]));
-                vst1q_f32(scores.as_mut_ptr().add(t), four);
-                t += 4;
-            }
-            for (t, score) in scores.iter_mut().enumerate().take(keys.end).skip(t) {
-                let row = k.add(t * stride);
-                let mut acc = vdupq_n_f32(0.0);
-                for c in (0..hd).step_by(4) {
-                    acc = vfmaq_f32(acc, vld1q_f32(q.add(c)), vld1q_f32(row.add(c)));
-                }
-                *score = vaddvq_f32(acc);
-            }
-        }
-    }
-
-    /// As [`super::avx2::accumulate`], with NEON.
-    ///
-    /// # Safety
-    /// As [`scores`], with `acc.len()` the multiple of 8.
-    #[inline(always)]
-    pub(super) unsafe fn accumulate(acc: &mut [f32], w: &[f32], v: &[f32], stride: usize, keys: Range<usize>) {
-        let hd = acc.len();
-        debug_assert!(hd.is_multiple_of(8) && keys.end <= w.len());
-        debug_assert!(keys.is_empty() || (keys.end - 1) * stride + hd <= v.len());
-        // SAFETY: per the contract, as in `scores`.
-        let (out, v) = (acc.as_mut_ptr(), v.as_ptr());
-        // 16 lanes (4 independent FMA chains) at a time, then 8.
-        let wide = hd / 16 * 16;
-        // SAFETY: per the contract, columns c.. of every row are in bounds.
-        unsafe {
-            for c in (0..wide).step_by(16) {
-                stretch::<4>(out, w, v, stride, keys.clone(), c);
-            }
-            for c in (wide..hd).step_by(8) {
-                stretch::<2>(out, w, v, stride, keys.clone(), c);
-            }
-        }
-    }
-
-    /// [`accumulate`] for columns `c..c + 4 * N`, held in N registers
-    /// across the keys.
-    #[inline(always)]
-    unsafe fn stretch<const N: usize>(
-        out: *mut f32,
-        w: &[f32],
-        v: *const f32,
-        stride: usize,
-        keys: Range<usize>,
-        c: usize,
-    ) {
-        // SAFETY: the caller's columns and rows are in bounds.
-        unsafe {
-            let mut a: [float32x4_t; N] = std::array::from_fn(|o| vld1q_f32(out.add(c + 4 * o)));
-            for t in keys {
-                let row = v.add(t * stride + c);
-                for (o, x) in a.iter_mut().enumerate() {
-                    *x = vfmaq_n_f32(*x, vld1q_f32(row.add(4 * o)), w[t]);
-                }
-            }
-            for (o, x) in a.iter().enumerate() {
-                vst1q_f32(out.add(c + 4 * o), *x);
-            }
-        }
-    }
 }
 
 fn slice<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
@@ -863,7 +535,7 @@ mod tests {
     #[test]
     fn lane_exp_matches_the_scalar_one() {
         use std::arch::x86_64::{_mm256_loadu_ps, _mm256_storeu_ps};
-        if !super::super::has_avx2_fma() {
+        if !crate::cpu::isa::has_avx2_fma() {
             return;
         }
         let xs: Vec<f32> = (0..400).map(|i| -90.0 + i as f32 * 0.4537).chain([f32::NEG_INFINITY, -1e-7, 0.0]).collect();
@@ -872,7 +544,7 @@ mod tests {
             x[..c.len()].copy_from_slice(c);
             let mut got = [0f32; 8];
             // SAFETY: AVX2 and FMA were detected; both arrays hold 8 floats.
-            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), lanes::exp8(_mm256_loadu_ps(x.as_ptr()))) };
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), avx2::exp8(_mm256_loadu_ps(x.as_ptr()))) };
             for (&x, &g) in x.iter().zip(&got) {
                 let want = exp_poly(x);
                 assert!((g - want).abs() <= 4e-7 * want, "exp({x}): {g} vs {want}");

@@ -1,0 +1,155 @@
+//! How the CPU kernels share a call among rayon's threads: spans of items
+//! handed out by rayon's splitting, contiguous shares that threads own and
+//! steal from, and the output the tasks write.
+
+use rayon::prelude::*;
+
+/// The output of a parallel call, which tasks write at disjoint places
+/// (each kernel says which are a task's: columns, panels, rows).
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr<T = f32>(pub(crate) *mut T);
+// SAFETY: tasks write disjoint elements, and the borrow the pointer came
+// from outlives the parallel loop, so sharing it is race-free.
+unsafe impl<T> Send for OutPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for OutPtr<T> {}
+
+impl<T> OutPtr<T> {
+    /// A method, so closures capture the Sync wrapper, not the raw pointer.
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+impl OutPtr<f32> {
+    /// Writes `rows[r]` plus the bias to row `row0 + r` of y `[.., n]`,
+    /// columns `c0..`, dropping the values past column n (padding rows of a
+    /// panel).
+    ///
+    /// # Safety
+    /// y must hold rows `row0..row0 + rows.len()` of n, `c0 <= n`, and no
+    /// other thread may write these elements during the call.
+    #[inline]
+    pub(crate) unsafe fn store_rows<const W: usize>(
+        self,
+        n: usize,
+        row0: usize,
+        c0: usize,
+        rows: &[[f32; W]],
+        bias: Option<&[f32]>,
+    ) {
+        let cols = (n - c0).min(W);
+        for (r, s) in rows.iter().enumerate() {
+            for (c, &v) in s.iter().enumerate().take(cols) {
+                let v = match bias {
+                    Some(b) => v + b[c0 + c],
+                    None => v,
+                };
+                // SAFETY: (row0 + r) * n + c0 + c < y.len() per the caller,
+                // who also owns these elements.
+                unsafe { *self.0.add((row0 + r) * n + c0 + c) = v };
+            }
+        }
+    }
+}
+
+/// y `[.., n]` for an empty inner dimension: every row is the bias, or 0.
+pub(crate) fn fill_with_bias(y: &mut [f32], n: usize, bias: Option<&[f32]>) {
+    for row in y.chunks_exact_mut(n) {
+        match bias {
+            Some(b) => row.copy_from_slice(b),
+            None => row.fill(0.0),
+        }
+    }
+}
+
+/// Runs `f(i0, i1)` over `0..items` cut into spans on rayon's pool: about 8
+/// per thread, so both cores balance, each `clamp.0..=clamp.1` items long,
+/// so scheduling costs nothing next to streaming a span's weights.
+pub(crate) fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usize, usize) + Sync) {
+    let threads = rayon::current_num_threads().max(1);
+    let per_task = items.div_ceil(threads * 8).clamp(clamp.0, clamp.1);
+    let tasks = items.div_ceil(per_task);
+    let run = |t: usize| f(t * per_task, ((t + 1) * per_task).min(items));
+    if tasks == 1 || threads == 1 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+/// Runs `f(i)` for every `i` in `0..items` on rayon's pool, for decode's
+/// GEMVs: each thread owns a contiguous share that it walks upwards, one
+/// linear stream of weights, and a thread whose share runs out takes items
+/// from the top of another's, so all end within one item of each other.
+///
+/// Spans handed out by rayon's splitting (`for_each_span`) break a thread's
+/// stream wherever a steal lands and leave up to a span's time of one core
+/// idle at the end of every call, and decode makes ~90 calls a token.
+pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// A thread's share, `lo << 32 | hi`, on a line of its own: the owner
+    /// claims at every item, and sharing a line would slow every claim.
+    #[repr(align(128))]
+    struct Share(AtomicU64);
+    let threads = rayon::current_num_threads().clamp(1, items.max(1));
+    let items = items.min(u32::MAX as usize) as u64;
+    let pack = |lo: u64, hi: u64| (lo << 32) | hi;
+    let bound = |t: u64| t * items / threads as u64;
+    let shares: Vec<Share> = (0..threads as u64).map(|t| Share(AtomicU64::new(pack(bound(t), bound(t + 1))))).collect();
+    // The owner takes from the bottom of its share, others from the top.
+    let take = |share: &Share, from_top: bool| -> Option<usize> {
+        let mut cur = share.0.load(Ordering::Relaxed);
+        loop {
+            let (lo, hi) = (cur >> 32, cur & u64::from(u32::MAX));
+            if lo >= hi {
+                return None;
+            }
+            let (next, item) = if from_top { (pack(lo, hi - 1), hi - 1) } else { (pack(lo + 1, hi), lo) };
+            match share.0.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(item as usize),
+                Err(now) => cur = now,
+            }
+        }
+    };
+    let run = |t: usize| {
+        while let Some(i) = take(&shares[t], false) {
+            f(i);
+        }
+        for other in (1..threads).map(|d| &shares[(t + d) % threads]) {
+            while let Some(i) = take(other, true) {
+                f(i);
+            }
+        }
+    };
+    if threads == 1 {
+        run(0);
+    } else {
+        // A thread that starts late finds its share taken: nothing is lost.
+        (0..threads).into_par_iter().for_each(run);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn for_each_owned_runs_every_item_once() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        for threads in [1, 2, 3, 5] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            for items in [0, 1, 2, 3, 4, 7, 64, 1001] {
+                let seen: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
+                pool.install(|| {
+                    super::for_each_owned(items, |i| {
+                        // Uneven items, so that threads run out and take from others.
+                        if i % 7 == 0 {
+                            std::thread::sleep(std::time::Duration::from_micros(50));
+                        }
+                        seen[i].fetch_add(1, Ordering::Relaxed);
+                    })
+                });
+                assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "{threads} threads, {items} items");
+            }
+        }
+    }
+}
