@@ -5,7 +5,7 @@
 
 use serde::Deserialize;
 
-use crate::error::{Result, WorkerError};
+use super::{ModelError, Result};
 
 /// The architectures we can run, from `config.json`'s `architectures[0]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,7 +23,7 @@ impl Architecture {
             "MistralForCausalLM" => Ok(Self::Mistral),
             "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "Qwen3ForCausalLM" => Ok(Self::Qwen3),
-            other => Err(WorkerError::UnsupportedArchitecture(other.to_string())),
+            other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
         }
     }
 
@@ -134,33 +134,33 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     pub fn from_json(text: &str) -> Result<Self> {
-        let hf: HfConfig = serde_json::from_str(text).map_err(|e| WorkerError::InvalidConfig(e.to_string()))?;
+        let hf: HfConfig = serde_json::from_str(text).map_err(|e| ModelError::InvalidConfig(e.to_string()))?;
         let arch_name = hf
             .architectures
             .first()
-            .ok_or_else(|| WorkerError::InvalidConfig("`architectures` is missing or empty".into()))?;
+            .ok_or_else(|| ModelError::InvalidConfig("`architectures` is missing or empty".into()))?;
         let architecture = Architecture::from_hf_name(arch_name)?;
         if let Some(act) = hf.hidden_act.as_ref().filter(|&act| act != "silu") {
-            return Err(WorkerError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
+            return Err(ModelError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
         }
         if hf.num_attention_heads == 0 || hf.num_hidden_layers == 0 || hf.hidden_size == 0 {
-            return Err(WorkerError::InvalidConfig("sizes must be positive".into()));
+            return Err(ModelError::InvalidConfig("sizes must be positive".into()));
         }
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
         if num_kv_heads == 0 || !hf.num_attention_heads.is_multiple_of(num_kv_heads) {
-            return Err(WorkerError::InvalidConfig(format!(
+            return Err(ModelError::InvalidConfig(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_kv_heads})",
                 hf.num_attention_heads
             )));
         }
         let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads);
         if !head_dim.is_multiple_of(2) {
-            return Err(WorkerError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
+            return Err(ModelError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
         }
         if let Some(scaling) = &hf.rope_scaling {
             let kind = scaling.rope_type.as_str();
             if kind != "default" && kind != "llama3" {
-                return Err(WorkerError::InvalidConfig(format!("rope_scaling type {kind:?} is not supported")));
+                return Err(ModelError::InvalidConfig(format!("rope_scaling type {kind:?} is not supported")));
             }
         }
         // Qwen2 configs carry a sliding_window that only applies when
@@ -275,8 +275,8 @@ mod tests {
     #[test]
     fn rejects_unknown_architectures_and_bad_shapes() {
         let bad = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":4}"#;
-        assert!(matches!(ModelConfig::from_json(bad), Err(WorkerError::UnsupportedArchitecture(_))));
+        assert!(matches!(ModelConfig::from_json(bad), Err(ModelError::UnsupportedArchitecture(_))));
         let bad = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2,"vocab_size":4}"#;
-        assert!(matches!(ModelConfig::from_json(bad), Err(WorkerError::InvalidConfig(_))));
+        assert!(matches!(ModelConfig::from_json(bad), Err(ModelError::InvalidConfig(_))));
     }
 }
