@@ -1,6 +1,6 @@
-//! A model's files, found from its [`ModelSource`]: a local Hugging Face
-//! directory, a hub id downloaded into the standard HF cache, a GGUF file,
-//! or a `random:<preset>` (no files at all). Also the few facts every side
+//! A model's files, found from its [`ModelSource`] (`--model` of either
+//! binary): a local Hugging Face directory, a hub id downloaded into the
+//! standard HF cache, a GGUF file, or a `random:<preset>` (no files at all). Also the few facts every side
 //! reads from them: the config, EOS/BOS ids and the config hash that tells
 //! two checkpoints apart. Building the model from the files is the worker's
 //! job (`worker::models::loader::load`).
@@ -10,11 +10,57 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::config::ModelConfig;
+use super::config::{self, ModelConfig};
 use super::hub::{self, WEIGHTS_FILE, WEIGHTS_INDEX};
-use super::source::ModelSource;
-use super::{ModelError, Result, gguf, presets};
+use super::{ModelError, Result, gguf};
 use crate::protocol::{ModelIdentity, config_hash};
+
+/// Where a model comes from, parsed from `--model`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelSource {
+    Dir(PathBuf),
+    /// A GGUF file (llama.cpp's format).
+    Gguf(PathBuf),
+    Hub(String),
+    Random(String),
+}
+
+impl ModelSource {
+    /// `random:<preset>`, an existing directory, a `.gguf` file, or else a
+    /// hub id `org/name`.
+    pub fn parse(spec: &str) -> Result<Self> {
+        if let Some(preset) = spec.strip_prefix("random:") {
+            return Ok(Self::Random(preset.to_string()));
+        }
+        let path = Path::new(spec);
+        if path.is_dir() {
+            return Ok(Self::Dir(path.to_path_buf()));
+        }
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            if path.is_file() {
+                return Ok(Self::Gguf(path.to_path_buf()));
+            }
+            return Err(ModelError::file(path, "no such GGUF file"));
+        }
+        let looks_like_hub_id = spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.starts_with('/');
+        if looks_like_hub_id {
+            return Ok(Self::Hub(spec.to_string()));
+        }
+        Err(ModelError::file(path, "no such model directory"))
+    }
+}
+
+/// The default `--served-model-name` of coordinator and worker alike (they
+/// must agree): a directory's base name, else the model string (hub id,
+/// file, preset) as given.
+pub fn default_served_name(model: &str) -> String {
+    let path = Path::new(model);
+    path.canonicalize()
+        .ok()
+        .filter(|p| p.is_dir())
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| model.to_string())
+}
 
 /// What a side reads of a model. Both read the config and tokenizer files;
 /// only the worker runs the weights, so only it downloads and looks for them.
@@ -97,7 +143,7 @@ impl ModelFiles {
                 })
             }
             ModelSource::Random(preset) => {
-                let config = presets::random_preset(preset)?;
+                let config = config::random_preset(preset)?;
                 Ok(Self {
                     name: format!("random:{preset}"),
                     config,
@@ -258,5 +304,24 @@ mod tests {
         let files = ModelFiles::resolve(&ModelSource::Random("smollm-135m".into()), Need::Weights).unwrap();
         assert!(files.random_weights && files.weights.is_empty() && files.gguf.is_none());
         assert_eq!(files.config_hash, config_hash(b"random:smollm-135m"));
+    }
+
+    #[test]
+    fn specs_parse_by_shape() {
+        assert_eq!(ModelSource::parse("random:smollm-135m").unwrap(), ModelSource::Random("smollm-135m".into()));
+        assert_eq!(ModelSource::parse("Qwen/Qwen3-0.6B").unwrap(), ModelSource::Hub("Qwen/Qwen3-0.6B".into()));
+        let dir = env!("CARGO_MANIFEST_DIR");
+        assert_eq!(ModelSource::parse(dir).unwrap(), ModelSource::Dir(dir.into()));
+        for missing in ["./nowhere/model", "/nowhere", "nowhere.gguf", "a/b/c"] {
+            assert!(matches!(ModelSource::parse(missing), Err(ModelError::ModelFile { .. })), "{missing}");
+        }
+    }
+
+    #[test]
+    fn served_name_is_the_directory_or_the_spec() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/../src");
+        assert_eq!(default_served_name(dir), "src");
+        assert_eq!(default_served_name("Qwen/Qwen3-0.6B"), "Qwen/Qwen3-0.6B");
+        assert_eq!(default_served_name("random:qwen3-0.6b"), "random:qwen3-0.6b");
     }
 }

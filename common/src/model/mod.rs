@@ -10,16 +10,12 @@ pub mod config;
 pub mod files;
 pub mod gguf;
 pub mod hub;
-pub mod presets;
-pub mod source;
 
 use std::path::PathBuf;
 
-pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use files::{ModelFiles, Need};
+pub use config::{Architecture, ModelConfig, RopeScaling, random_preset, random_preset_json};
+pub use files::{ModelFiles, ModelSource, Need, default_served_name};
 pub use gguf::{GgufInfo, read_info};
-pub use presets::{random_preset, random_preset_json};
-pub use source::{ModelSource, default_served_name};
 
 /// Why a model's files could not be found or understood.
 #[derive(Debug, thiserror::Error)]

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-pub use common::model::presets::{random_preset, random_preset_json};
 use common::model::{ModelConfig, ModelFiles};
+pub use common::model::{random_preset, random_preset_json};
 use rayon::prelude::*;
 
 use super::llama::CausalLm;
