@@ -1,10 +1,12 @@
 //! Types and functions shared by the coordinator and the workers: ids, the
 //! chained block hash (the single source of truth for prefix caching and
-//! routing), and sampling parameters.
+//! routing), sampling parameters, the wire protocol, and what a model is
+//! (its source, files, config and GGUF metadata) short of its tensors.
 
 pub mod block_hash;
 pub mod ids;
 pub mod kv_events;
+pub mod model;
 pub mod protocol;
 pub mod sampling;
 #[cfg(feature = "transport")]

@@ -14,6 +14,10 @@ pub const PROTOCOL_VERSION: u32 = 4;
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
 
+/// How often a worker reports its stats; the coordinator declares a worker
+/// lost after a few missed intervals.
+pub const STATS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Bytes of the length prefix.
 pub const FRAME_HEADER_BYTES: usize = 4;
 

@@ -32,7 +32,7 @@ use crate::router::{EventOutcome, Policy, Router};
 
 /// A worker that misses this many stats intervals is declared lost.
 pub const MISSED_STATS_LIMIT: u32 = 3;
-pub const STATS_INTERVAL: Duration = Duration::from_secs(1);
+pub use common::protocol::STATS_INTERVAL;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

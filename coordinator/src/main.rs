@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use common::model::{ModelFiles, ModelSource, Need, default_served_name};
 use coordinator::app::AppState;
 use coordinator::cluster::Cluster;
 use coordinator::text::{ChatTemplate, Tokenizer};
-use worker::models::{ModelFiles, ModelSource};
 
 #[derive(Parser)]
 #[command(name = "tinyvllm-coordinator", version, about = "tinyvllm coordinator: HTTP front door of a worker cluster")]
@@ -78,7 +78,8 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let source = ModelSource::parse(&args.model)?;
-    let files = tokio::task::spawn_blocking(move || ModelFiles::resolve(&source)).await??;
+    // Tokenizing needs the config and tokenizer files, never the weights.
+    let files = tokio::task::spawn_blocking(move || ModelFiles::resolve(&source, Need::Tokenizer)).await??;
     let tokenizer_path =
         files.tokenizer_json.clone().with_context(|| format!("{} has no tokenizer.json", files.name))?;
     let model_dir = tokenizer_path.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -174,12 +175,6 @@ fn local_worker_args(args: &Args) -> Vec<String> {
 
 fn served_model_name(args: &Args) -> String {
     args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.model))
-}
-
-fn default_served_name(model: &str) -> String {
-    let path = Path::new(model);
-    let dir_name = || path.canonicalize().ok()?.file_name().map(|n| n.to_string_lossy().into_owned());
-    path.is_dir().then(dir_name).flatten().unwrap_or_else(|| model.to_string())
 }
 
 /// Reads the secret, or creates one readable only by this user.

@@ -111,7 +111,7 @@ pub struct StepInfo {
 impl Engine {
     /// Loads the model and allocates the KV cache.
     pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
-        let mut model = files.load(config.dtype, &config.device)?;
+        let mut model = crate::models::loader::load(files, config.dtype, &config.device)?;
         if let Some(q) = config.quantization {
             if !config.device.is_cpu() {
                 return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));

@@ -6,10 +6,10 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use candle_core::{DType, Device};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use common::model::{ModelFiles, ModelSource, Need, default_served_name};
 use common::{RequestId, SamplingParams};
 use worker::device::DeviceChoice;
 use worker::kv_cache::KvBudget;
-use worker::models::{ModelFiles, ModelSource};
 use worker::{Engine, EngineConfig};
 
 #[derive(Parser)]
@@ -228,7 +228,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
-    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?)?;
+    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
     if files.random_weights {
         eprintln!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
     }
@@ -454,17 +454,6 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     Ok(result?)
 }
 
-/// The coordinator's default `--served-model-name`: a directory's base name,
-/// else the model string (hub id) as given.
-fn default_served_name(model: &str) -> String {
-    let path = Path::new(model);
-    path.canonicalize()
-        .ok()
-        .filter(|p| p.is_dir())
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| model.to_string())
-}
-
 fn export_random(args: ExportRandomArgs) -> anyhow::Result<()> {
     use worker::models::loader::{random_preset_json, random_weights};
     let source: serde_json::Value = serde_json::from_str(
@@ -522,7 +511,7 @@ fn watch_parent() {
 
 fn export_gguf(args: ExportGgufArgs) -> anyhow::Result<()> {
     use worker::models::gguf::{ExportType, Vocab};
-    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?)?;
+    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
     let tensors = if files.random_weights {
         worker::models::loader::random_weights(&files.config, DType::F32, &Device::Cpu, args.seed)?
     } else {

@@ -22,7 +22,7 @@ use crate::engine::Engine;
 use crate::metrics::{EngineMetrics, RequestTimings};
 
 /// How often stats are reported (the coordinator declares a worker lost after 3 missed).
-pub const STATS_INTERVAL: Duration = Duration::from_secs(1);
+pub use common::protocol::STATS_INTERVAL;
 
 pub struct ServeConfig {
     pub coordinator: String,

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 
 use common::{RequestId, SamplingParams};
 use worker::core::FinishReason;
-use worker::models::{ModelFiles, ModelSource};
+use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 fn model() -> ModelFiles {
     let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models/stories260K"));
-    ModelFiles::resolve(&ModelSource::Dir(dir)).unwrap()
+    ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap()
 }
 
 fn engine(config: EngineConfig) -> Engine {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use common::{RequestId, SamplingParams};
 use worker::models::gguf::{ExportType, Vocab};
-use worker::models::{ModelFiles, ModelSource};
+use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
 
 fn shared() -> PathBuf {
@@ -33,7 +33,7 @@ fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
 /// Exports stories260K; `via_f16` rounds the weights to f16 first (what
 /// `--dtype f16 --quantize` quantizes from).
 fn export(dir: &Path, ty: ExportType, via_f16: bool) -> PathBuf {
-    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K"))).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K")), Need::Weights).unwrap();
     let mut tensors: HashMap<_, _> = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
     if via_f16 {
         for t in tensors.values_mut() {
@@ -50,7 +50,7 @@ fn export(dir: &Path, ty: ExportType, via_f16: bool) -> PathBuf {
 fn run_cases(source: &str, dtype: DType, quantization: Option<Quantization>) -> Vec<(Vec<u32>, Vec<u32>)> {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(shared().join("golden/stories260K.json")).unwrap()).unwrap();
-    let files = ModelFiles::resolve(&ModelSource::parse(source).unwrap()).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::parse(source).unwrap(), Need::Weights).unwrap();
     assert_eq!(files.config.vocab_size, 512);
     assert!(files.config.tie_word_embeddings);
     let config = EngineConfig { num_blocks: Some(256), dtype, quantization, ..EngineConfig::default() };
@@ -100,7 +100,9 @@ fn bad_gguf_files_are_clear_errors() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("broken.gguf");
     std::fs::write(&path, b"not a gguf").unwrap();
-    let err = ModelFiles::resolve(&ModelSource::parse(path.to_str().unwrap()).unwrap()).unwrap_err().to_string();
+    let err = ModelFiles::resolve(&ModelSource::parse(path.to_str().unwrap()).unwrap(), Need::Weights)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("GGUF"), "{err}");
     let missing = dir.join("missing.gguf");
     assert!(ModelSource::parse(missing.to_str().unwrap()).is_err());

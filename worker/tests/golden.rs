@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use common::{RequestId, SamplingParams};
 use serde::Deserialize;
 use worker::engine::LogprobsMode;
-use worker::models::{ModelFiles, ModelSource};
+use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 fn shared() -> PathBuf {
@@ -45,7 +45,7 @@ fn load_golden(file: &str) -> Golden {
 
 fn engine(model: &str, max_num_batched_tokens: usize) -> Engine {
     let dir = shared().join("models").join(model);
-    let files = ModelFiles::resolve(&ModelSource::Dir(dir)).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap();
     let config = EngineConfig {
         num_blocks: Some(512),
         max_num_batched_tokens,

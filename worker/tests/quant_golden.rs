@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use common::{RequestId, SamplingParams};
-use worker::models::{ModelFiles, ModelSource};
+use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
 
 fn shared() -> PathBuf {
@@ -44,7 +44,7 @@ fn teacher_forced(quantization: Quantization) -> (usize, usize, f64) {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(shared().join("golden/stories260K.json")).expect("golden file"))
             .unwrap();
-    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K"))).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K")), Need::Weights).unwrap();
     let config = |quantization| EngineConfig { num_blocks: Some(512), quantization, ..EngineConfig::default() };
     let mut f32_engine = Engine::new(&files, config(None)).unwrap();
     let mut q_engine = Engine::new(&files, config(Some(quantization))).unwrap();

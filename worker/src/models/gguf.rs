@@ -2,9 +2,11 @@
 //! Mistral, Qwen2 and Qwen3, and writing one (`tinyvllm-worker
 //! export-gguf`), so llama.cpp and this engine can run the very same file.
 //!
-//! Reading goes through candle's GGUF parser. The config comes from the
-//! `{arch}.*` metadata, mapped onto the same `config.json` fields (and the
-//! same checks) as a Hugging Face directory. Tensor names map to HF names.
+//! The config comes from the `{arch}.*` metadata, read by
+//! `common::model::gguf` (the coordinator reads it too) and mapped onto the
+//! same `config.json` fields (and the same checks) as a Hugging Face
+//! directory. The tensors go through candle's GGUF parser; their names map
+//! to HF names.
 //! Q8_0 and Q4_0 linear weights stay in their blocks and run on the int8
 //! kernels (no dequantized copy); f32/f16/bf16 load as tensors; any other
 //! GGML type is dequantized at load time (correct, but not fast).
@@ -23,23 +25,14 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+pub use common::model::gguf::{GgufInfo, read_info};
+use common::model::{Architecture, ModelConfig};
 use half::f16;
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
-use super::config::{Architecture, ModelConfig};
 use super::linear::{Prequantized, QuantWeight};
 use super::llama::CausalLm;
 use crate::error::{Result, WorkerError};
-
-/// What a GGUF file says about its model, besides the weights.
-#[derive(Clone, Debug)]
-pub struct GgufInfo {
-    /// The equivalent `config.json` text (hashed to identify the model).
-    pub config_json: String,
-    pub config: ModelConfig,
-    pub bos_token_id: Option<u32>,
-    pub eos_token_ids: Vec<u32>,
-}
 
 fn err(path: &Path, message: impl Into<String>) -> WorkerError {
     WorkerError::ModelFile { path: path.to_path_buf(), message: message.into() }
@@ -51,16 +44,6 @@ fn open(path: &Path) -> Result<(gguf_file::Content, BufReader<File>)> {
     Ok((content, reader))
 }
 
-/// The GGUF architecture name and ours.
-fn architecture(name: &str) -> Option<Architecture> {
-    match name {
-        "llama" => Some(Architecture::Llama),
-        "qwen2" => Some(Architecture::Qwen2),
-        "qwen3" => Some(Architecture::Qwen3),
-        _ => None,
-    }
-}
-
 fn gguf_architecture(arch: Architecture) -> &'static str {
     match arch {
         // llama.cpp runs Mistral (no sliding window) as `llama`.
@@ -68,67 +51,6 @@ fn gguf_architecture(arch: Architecture) -> &'static str {
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
     }
-}
-
-/// Reads the metadata of a GGUF file.
-pub fn read_info(path: &Path) -> Result<GgufInfo> {
-    let (content, _) = open(path)?;
-    info_from(&content, path)
-}
-
-fn info_from(content: &gguf_file::Content, path: &Path) -> Result<GgufInfo> {
-    let md = &content.metadata;
-    let get = |key: &str| md.get(key).ok_or_else(|| err(path, format!("metadata {key} is missing")));
-    let arch_name = get("general.architecture")?.to_string().map_err(|e| err(path, e.to_string()))?.clone();
-    let arch = architecture(&arch_name)
-        .ok_or_else(|| err(path, format!("GGUF architecture {arch_name:?} is not supported (llama, qwen2, qwen3)")))?;
-    let num = |key: &str| -> Result<u64> {
-        let v = get(&format!("{arch_name}.{key}"))?;
-        v.to_u64()
-            .or_else(|_| v.to_u32().map(u64::from))
-            .or_else(|_| v.to_i32().map(|x| x as u64))
-            .map_err(|e| err(path, format!("{arch_name}.{key}: {e}")))
-    };
-    let float = |key: &str, default: f64| -> f64 {
-        md.get(&format!("{arch_name}.{key}")).and_then(|v| v.to_f32().ok()).map_or(default, f64::from)
-    };
-    let embd = content.tensor_infos.get("token_embd.weight").ok_or_else(|| err(path, "no token_embd.weight"))?;
-    let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
-    let heads = num("attention.head_count")?;
-    let hidden = num("embedding_length")?;
-    let mut json = serde_json::json!({
-        "architectures": [arch.hf_name()],
-        "hidden_size": hidden,
-        "intermediate_size": num("feed_forward_length")?,
-        "num_hidden_layers": num("block_count")?,
-        "num_attention_heads": heads,
-        "num_key_value_heads": num("attention.head_count_kv").unwrap_or(heads),
-        "vocab_size": vocab_size,
-        "rms_norm_eps": float("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": float("rope.freq_base", 10_000.0),
-        "max_position_embeddings": num("context_length").unwrap_or(4096),
-        "tie_word_embeddings": !content.tensor_infos.contains_key("output.weight"),
-        "hidden_act": "silu",
-    });
-    // Dense parts load in f16 when the file's matrices are f16 or quantized
-    // (what `--dtype auto` then picks), else f32.
-    let half = content.tensor_infos.values().any(|t| t.shape.rank() == 2 && t.ggml_dtype != GgmlDType::F32);
-    json["torch_dtype"] = (if half { "float16" } else { "float32" }).into();
-    if let Ok(head_dim) = num("attention.key_length") {
-        json["head_dim"] = head_dim.into();
-    }
-    if content.tensor_infos.contains_key("rope_freqs.weight") {
-        return Err(err(path, "RoPE frequency factors (rope_freqs.weight, Llama 3.1+ scaling) are not supported"));
-    }
-    let config_json = json.to_string();
-    let config = ModelConfig::from_json(&config_json).map_err(|e| err(path, e.to_string()))?;
-    let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
-    Ok(GgufInfo {
-        config_json,
-        config,
-        bos_token_id: id("tokenizer.ggml.bos_token_id"),
-        eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
-    })
 }
 
 /// HF tensor name for a GGUF one (None for tensors we do not use).
@@ -255,8 +177,8 @@ fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<QuantWeight> {
 /// Loads the model of a GGUF file. Linear weights in Q8_0/Q4_0 stay
 /// quantized (CPU only); everything else becomes `dtype` tensors.
 pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<CausalLm> {
+    let info = read_info(path)?;
     let (content, mut reader) = open(path)?;
-    let info = info_from(&content, path)?;
     let cfg = &info.config;
     let mut dense = HashMap::new();
     let mut quantized = HashMap::new();
@@ -464,5 +386,61 @@ mod tests {
         assert_eq!(llama_qk_permutation(4, 1), vec![0, 2, 1, 3]);
         let p = llama_qk_permutation(16, 2);
         assert_eq!(invert(&invert(&p)), p);
+    }
+
+    /// `common::model::gguf` reads the metadata, candle the tensors: both
+    /// must see the same file.
+    #[test]
+    fn common_reader_agrees_with_candle() {
+        use common::model::gguf::{GgufHeader, GgufValue};
+        use common::model::{ModelFiles, ModelSource, Need};
+        let dir = std::env::temp_dir().join(format!("tinyvllm-gguf-reader-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for model in ["stories260K", "tiny-qwen3"] {
+            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models").join(model);
+            let files = ModelFiles::resolve(&ModelSource::Dir(src), Need::Weights).unwrap();
+            let tensors = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
+            let vocab =
+                Vocab::from_tokenizer_json(files.tokenizer_json.as_deref(), files.config.vocab_size, 1, 2).unwrap();
+            for ty in [ExportType::F32, ExportType::Q8_0] {
+                let path = dir.join(format!("{model}-{ty:?}.gguf"));
+                write(&path, &files.config, &tensors, ty, &vocab).unwrap();
+                let (content, _) = open(&path).unwrap();
+                let header = GgufHeader::open(&path).unwrap();
+                assert_eq!(content.tensor_infos.len(), header.tensors.len());
+                for (name, t) in &content.tensor_infos {
+                    let ours = &header.tensors[name];
+                    // candle lists the dimensions slowest-varying first.
+                    let dims: Vec<usize> = ours.dims.iter().rev().map(|&d| d as usize).collect();
+                    assert_eq!((t.shape.dims(), t.offset), (dims.as_slice(), ours.offset), "{name}");
+                    let id = match t.ggml_dtype {
+                        GgmlDType::F32 => 0,
+                        GgmlDType::F16 => 1,
+                        GgmlDType::Q4_0 => 2,
+                        GgmlDType::Q8_0 => 8,
+                        other => panic!("{name}: {other:?} is not a type export writes"),
+                    };
+                    assert_eq!(id, ours.ggml_type, "{name}");
+                }
+                assert_eq!(content.metadata.len(), header.metadata.len());
+                for (key, value) in &content.metadata {
+                    let same = match (value, &header.metadata[key]) {
+                        (Value::U32(a), GgufValue::U32(b)) => a == b,
+                        (Value::I32(a), GgufValue::I32(b)) => a == b,
+                        (Value::F32(a), GgufValue::F32(b)) => a.to_bits() == b.to_bits(),
+                        (Value::String(a), GgufValue::String(b)) => a == b,
+                        (Value::Array(a), GgufValue::Array { len, .. }) => a.len() as u64 == *len,
+                        _ => false,
+                    };
+                    assert!(same, "{key}: {value:?} vs {:?}", header.metadata[key]);
+                }
+                let info = read_info(&path).unwrap();
+                assert_eq!(
+                    (info.config.vocab_size, info.config.num_layers),
+                    (files.config.vocab_size, files.config.num_layers)
+                );
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,12 +1,13 @@
-//! Model architectures and their loading.
+//! Model architectures and their loading. What a model is (source, files,
+//! config, GGUF metadata) lives in `common::model`; this crate adds the
+//! tensors.
 
-pub mod config;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod loader;
 mod workspace;
 
-pub use config::{Architecture, ModelConfig};
+pub use common::model::config;
+pub use common::model::{Architecture, ModelConfig, ModelFiles, ModelSource, Need};
 pub use llama::CausalLm;
-pub use loader::{ModelFiles, ModelSource};

@@ -1,11 +1,13 @@
 //! A model's `config.json`, read into one normalised description of a
 //! Llama-family decoder. Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2 and Qwen3
 //! differ only in the flags below, so they share one implementation (as
-//! vLLM's `qwen2.py` and `mistral` reuse `llama.py`).
+//! vLLM's `qwen2.py` and `mistral` reuse `llama.py`). Also the configs of
+//! the `random:<preset>` models: real models' shapes for benchmarks without
+//! weight files (the worker makes seeded random weights for them).
 
 use serde::Deserialize;
 
-use crate::error::{Result, WorkerError};
+use super::{ModelError, Result};
 
 /// The architectures we can run, from `config.json`'s `architectures[0]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,7 +25,7 @@ impl Architecture {
             "MistralForCausalLM" => Ok(Self::Mistral),
             "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "Qwen3ForCausalLM" => Ok(Self::Qwen3),
-            other => Err(WorkerError::UnsupportedArchitecture(other.to_string())),
+            other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
         }
     }
 
@@ -134,33 +136,33 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     pub fn from_json(text: &str) -> Result<Self> {
-        let hf: HfConfig = serde_json::from_str(text).map_err(|e| WorkerError::InvalidConfig(e.to_string()))?;
+        let hf: HfConfig = serde_json::from_str(text).map_err(|e| ModelError::InvalidConfig(e.to_string()))?;
         let arch_name = hf
             .architectures
             .first()
-            .ok_or_else(|| WorkerError::InvalidConfig("`architectures` is missing or empty".into()))?;
+            .ok_or_else(|| ModelError::InvalidConfig("`architectures` is missing or empty".into()))?;
         let architecture = Architecture::from_hf_name(arch_name)?;
         if let Some(act) = hf.hidden_act.as_ref().filter(|&act| act != "silu") {
-            return Err(WorkerError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
+            return Err(ModelError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
         }
         if hf.num_attention_heads == 0 || hf.num_hidden_layers == 0 || hf.hidden_size == 0 {
-            return Err(WorkerError::InvalidConfig("sizes must be positive".into()));
+            return Err(ModelError::InvalidConfig("sizes must be positive".into()));
         }
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
         if num_kv_heads == 0 || !hf.num_attention_heads.is_multiple_of(num_kv_heads) {
-            return Err(WorkerError::InvalidConfig(format!(
+            return Err(ModelError::InvalidConfig(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_kv_heads})",
                 hf.num_attention_heads
             )));
         }
         let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads);
         if !head_dim.is_multiple_of(2) {
-            return Err(WorkerError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
+            return Err(ModelError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
         }
         if let Some(scaling) = &hf.rope_scaling {
             let kind = scaling.rope_type.as_str();
             if kind != "default" && kind != "llama3" {
-                return Err(WorkerError::InvalidConfig(format!("rope_scaling type {kind:?} is not supported")));
+                return Err(ModelError::InvalidConfig(format!("rope_scaling type {kind:?} is not supported")));
             }
         }
         // Qwen2 configs carry a sliding_window that only applies when
@@ -234,6 +236,44 @@ impl ModelConfig {
     }
 }
 
+/// Configs of real models, for `random:<preset>`.
+pub fn random_preset(name: &str) -> Result<ModelConfig> {
+    ModelConfig::from_json(random_preset_json(name)?)
+}
+
+/// The config.json text of a preset (HF field names).
+pub fn random_preset_json(name: &str) -> Result<&'static str> {
+    Ok(match name {
+        // HuggingFaceTB/SmolLM-135M
+        "smollm-135m" => {
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":576,"intermediate_size":1536,
+            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,
+            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":true}"#
+        }
+        // TinyLlama/TinyLlama-1.1B-Chat-v1.0
+        "tinyllama-1.1b" => {
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":5632,
+            "num_hidden_layers":22,"num_attention_heads":32,"num_key_value_heads":4,"vocab_size":32000,
+            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":false}"#
+        }
+        // Qwen/Qwen3-0.6B
+        "qwen3-0.6b" => {
+            r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"intermediate_size":3072,
+            "num_hidden_layers":28,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,
+            "rms_norm_eps":1e-6,"rope_theta":1000000.0,"max_position_embeddings":40960,"tie_word_embeddings":true}"#
+        }
+        // meta-llama/Llama-3.2-1B
+        "llama-3.2-1b" => {
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
+            "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":64,"vocab_size":128256,
+            "rms_norm_eps":1e-5,"rope_theta":500000.0,"max_position_embeddings":131072,"tie_word_embeddings":true,
+            "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+            "original_max_position_embeddings":8192}}"#
+        }
+        other => return Err(ModelError::UnknownPreset(other.to_string())),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,8 +315,17 @@ mod tests {
     #[test]
     fn rejects_unknown_architectures_and_bad_shapes() {
         let bad = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":4}"#;
-        assert!(matches!(ModelConfig::from_json(bad), Err(WorkerError::UnsupportedArchitecture(_))));
+        assert!(matches!(ModelConfig::from_json(bad), Err(ModelError::UnsupportedArchitecture(_))));
         let bad = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2,"vocab_size":4}"#;
-        assert!(matches!(ModelConfig::from_json(bad), Err(WorkerError::InvalidConfig(_))));
+        assert!(matches!(ModelConfig::from_json(bad), Err(ModelError::InvalidConfig(_))));
+    }
+
+    #[test]
+    fn presets_have_the_real_shapes() {
+        let tl = random_preset("tinyllama-1.1b").unwrap();
+        assert_eq!((tl.num_layers, tl.num_kv_heads, tl.head_dim), (22, 4, 64));
+        let q3 = random_preset("qwen3-0.6b").unwrap();
+        assert!(q3.qk_norm && q3.tie_word_embeddings);
+        assert!(matches!(random_preset("gpt-5"), Err(ModelError::UnknownPreset(_))));
     }
 }
