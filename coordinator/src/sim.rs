@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use common::protocol::WorkerStats;
 use common::{BlockHash, BlockId, RequestId, hash_block_tokens};
-use worker::core::BlockPool;
+use engine_core::BlockPool;
 
 use crate::router::{Policy, Router};
 

@@ -5,17 +5,17 @@
 use candle_core::{DType, Device};
 use common::{KvEventRecord, RequestId, SamplingParams};
 
-use crate::core::{
-    RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats, SchedulingPolicy,
-    TokenLogprobs,
-};
-use crate::device_sampler::{DeviceRow, LogprobValues};
 use crate::error::{Result, WorkerError};
-use crate::kv_cache::{self, KvBudget};
-use crate::model_runner::{BatchInputs, ModelRunner};
-use crate::models::ModelFiles;
+use crate::models::{ModelFiles, Quantization};
 use crate::profile::{self, Section};
-use crate::sampler::{self, SeqSamplingInput};
+use crate::runner::device_sampler::{DeviceRow, LogprobValues};
+use crate::runner::kv_cache::{self, KvBudget};
+use crate::runner::model_runner::{BatchInputs, ModelRunner};
+use crate::runner::sampler::{self, SeqSamplingInput};
+use engine_core::{
+    Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
+    SchedulingPolicy, TokenLogprobs,
+};
 
 /// Most logits a step keeps for prompt logprobs (128 MiB of f32): 1,000
 /// rows of a 32k vocabulary, 220 of a 152k one.
@@ -36,29 +36,11 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     pub policy: SchedulingPolicy,
     pub logprobs_mode: LogprobsMode,
-    /// Quantize linear weights at load time (CPU only).
+    /// Quantize linear weights at load time to a block format (CPU only).
     pub quantization: Option<Quantization>,
     /// Where tokens are drawn: `None` means on the device for GPUs (only ids
     /// come back) and on the host for the CPU, where the logits already are.
     pub device_sampling: Option<bool>,
-}
-
-/// Weight quantization applied at load time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Quantization {
-    /// GGML's Q8_0: i8 weights with an f16 scale per 32 (8.5 bits per weight).
-    Q8_0,
-    /// GGML's Q4_0: 4-bit weights with an f16 scale per 32 (4.5 bits per weight).
-    Q4_0,
-}
-
-impl Quantization {
-    pub fn format(self) -> crate::models::linear::QuantFormat {
-        match self {
-            Self::Q8_0 => crate::models::linear::QuantFormat::Q8_0,
-            Self::Q4_0 => crate::models::linear::QuantFormat::Q4_0,
-        }
-    }
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -113,10 +95,13 @@ impl Engine {
     pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
         let mut model = crate::models::loader::load(files, config.dtype, &config.device)?;
         if let Some(q) = config.quantization {
+            if !q.is_block_format() {
+                return Err(WorkerError::Unsupported(format!("{q:?} is not a quantization to apply at load time")));
+            }
             if !config.device.is_cpu() {
                 return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
             }
-            let (quantized, total) = model.quantize(q.format())?;
+            let (quantized, total) = model.quantize(q)?;
             eprintln!(
                 "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple \
                  of 32, or were quantized already)"
@@ -176,7 +161,7 @@ impl Engine {
         }
         let seed = params.seed.unwrap_or_else(random_seed);
         self.scheduler
-            .add_request(id, prompt, params, priority, seed)
+            .add_request(Request::new(id, prompt, params, priority, seed))
             .map_err(|e| WorkerError::InvalidRequest { id, message: e.to_string() })
     }
 
@@ -251,19 +236,13 @@ impl Engine {
             self.runner.execute(&batch)?
         };
         let sampling_timer = profile::scope(Section::Sampling);
-        let inputs: Vec<SeqSamplingInput> = step
-            .scheduled
-            .iter()
-            .filter(|s| s.samples)
-            .map(|s| {
-                let req = self.scheduler.request(s.id).expect("scheduled request exists");
-                SeqSamplingInput {
-                    params: &req.params,
-                    prompt_token_ids: req.prompt_token_ids(),
-                    output_token_ids: req.output_token_ids(),
-                    seed: req.sampling_seed,
-                    eos_token_ids: &self.eos_token_ids,
-                }
+        let inputs: Vec<SeqSamplingInput> = sampling_requests(&self.scheduler, &step)
+            .map(|req| SeqSamplingInput {
+                params: &req.params,
+                prompt_token_ids: req.prompt_token_ids(),
+                output_token_ids: req.output_token_ids(),
+                seed: req.sampling_seed,
+                eos_token_ids: &self.eos_token_ids,
             })
             .collect();
         let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * self.vocab_size);
@@ -281,11 +260,26 @@ impl Engine {
             })
             .collect();
         drop(inputs);
-        let prompt_logprobs = self.prompt_logprobs(&step, prompt_logits);
         drop(sampling_timer);
+        Ok(self.finish_step(&step, sampled, prompt_logits))
+    }
+
+    /// The end of every step: the prompt logprobs from their rows of
+    /// logits, then the scheduler takes the sampled tokens and finishes the
+    /// requests that stop.
+    fn finish_step(
+        &mut self,
+        step: &SchedulerOutput,
+        sampled: Vec<SampledToken>,
+        prompt_logits: &[f32],
+    ) -> Vec<RequestOutput> {
+        let prompt_logprobs = {
+            let _t = profile::scope(Section::Sampling);
+            self.prompt_logprobs(step, prompt_logits)
+        };
         let _t = profile::scope(Section::Scheduler);
-        let outputs = self.scheduler.update_from_output(&step, sampled);
-        Ok(self.with_prompt_logprobs(outputs, prompt_logprobs))
+        let outputs = self.scheduler.update_from_output(step, sampled);
+        self.with_prompt_logprobs(outputs, prompt_logprobs)
     }
 
     /// `token`'s logprob and the top list as `logprobs_mode` reports them;
@@ -337,15 +331,7 @@ impl Engine {
             if let Some(o) = outputs.iter_mut().find(|o| o.id == id) {
                 o.prompt_logprobs = lps;
             } else if let Some(req) = self.scheduler.request(id) {
-                outputs.push(RequestOutput {
-                    id,
-                    prompt_logprobs: lps,
-                    new_token_ids: Vec::new(),
-                    logprobs: Vec::new(),
-                    finish_reason: None,
-                    num_prompt_tokens: req.num_prompt_tokens,
-                    num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
-                });
+                outputs.push(RequestOutput { prompt_logprobs: lps, ..RequestOutput::empty(req) });
             }
         }
         outputs
@@ -359,19 +345,10 @@ impl Engine {
     /// draw uses its own request's uniform, so seeded output does not
     /// depend on the batch.
     fn step_sampling_on_device(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
-        let rows: Vec<DeviceRow> = step
-            .scheduled
-            .iter()
-            .filter(|s| s.samples)
-            .map(|s| {
-                let req = self.scheduler.request(s.id).expect("scheduled request exists");
-                DeviceRow::for_request(
-                    &req.params,
-                    req.prompt_token_ids(),
-                    req.output_token_ids(),
-                    req.sampling_seed,
-                    &self.eos_token_ids,
-                )
+        let rows: Vec<DeviceRow> = sampling_requests(&self.scheduler, step)
+            .map(|req| {
+                let (prompt, output) = (req.prompt_token_ids(), req.output_token_ids());
+                DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids)
             })
             .collect();
         let values = match self.logprobs_mode {
@@ -391,11 +368,15 @@ impl Engine {
             })
             .collect();
         drop(rows);
-        let prompt_logprobs = self.prompt_logprobs(step, &prompt_logits);
-        let _t = profile::scope(Section::Scheduler);
-        let outputs = self.scheduler.update_from_output(step, sampled);
-        Ok(self.with_prompt_logprobs(outputs, prompt_logprobs))
+        Ok(self.finish_step(step, sampled, &prompt_logits))
     }
+}
+
+/// The requests of `step` that sample a token, in the step's order: the
+/// order of its rows of sampling logits.
+fn sampling_requests<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> impl Iterator<Item = &'a Request> {
+    let request = |id| scheduler.request(id).expect("scheduled request exists");
+    step.scheduled.iter().filter(|s| s.samples).map(move |s| request(s.id))
 }
 
 /// A seed for requests that gave none: different per request and per run.

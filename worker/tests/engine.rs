@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use common::{RequestId, SamplingParams};
-use worker::core::FinishReason;
+use engine_core::FinishReason;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
@@ -46,6 +46,18 @@ fn prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Seeded sampling with top-p and top-k, 24 tokens.
+fn seeded(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    }
+}
+
 #[test]
 fn concurrent_requests_match_each_alone_greedy() {
     let requests: Vec<_> = prompts()
@@ -63,14 +75,7 @@ fn concurrent_requests_match_each_alone_greedy() {
 
 #[test]
 fn seeded_sampling_does_not_depend_on_the_batch() {
-    let sampled = |seed| SamplingParams {
-        temperature: 0.9,
-        top_p: 0.95,
-        top_k: 40,
-        seed: Some(seed),
-        ignore_eos: true,
-        ..SamplingParams::greedy(24)
-    };
+    let sampled = seeded;
     let mut requests: Vec<_> = prompts().into_iter().enumerate().map(|(i, p)| (p, sampled(i as u64))).collect();
     // Mix in greedy and differently parametrised neighbours.
     requests[3].1 = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(30) };
@@ -149,7 +154,7 @@ fn prompt_logprobs_equal_the_decode_logprobs() {
     for (i, (prompt, params)) in decode.iter().enumerate() {
         e.add_request(RequestId(i as u64), prompt.clone(), params.clone(), 0).unwrap();
     }
-    let mut outputs: HashMap<u64, (Vec<u32>, Vec<worker::core::TokenLogprobs>)> = HashMap::new();
+    let mut outputs: HashMap<u64, (Vec<u32>, Vec<engine_core::TokenLogprobs>)> = HashMap::new();
     while e.has_unfinished() {
         for o in e.step().unwrap() {
             let entry = outputs.entry(o.id.0).or_default();
@@ -194,7 +199,7 @@ fn prompt_logprobs_equal_the_decode_logprobs() {
                     e.add_request(RequestId((pass * 100 + 50 + i) as u64), prompt.clone(), params, 0).unwrap();
                 }
             }
-            let mut scored: HashMap<u64, Vec<worker::core::TokenLogprobs>> = HashMap::new();
+            let mut scored: HashMap<u64, Vec<engine_core::TokenLogprobs>> = HashMap::new();
             while e.has_unfinished() {
                 for o in e.step().unwrap() {
                     let scores = o.id.0 % 100 < 50;
@@ -280,15 +285,7 @@ fn half_precision_weights_follow_the_f32_model() {
 fn device_sampling_keeps_the_guarantees() {
     let device_engine =
         || engine(EngineConfig { num_blocks: Some(1024), device_sampling: Some(true), ..EngineConfig::default() });
-    let sampled = |seed| SamplingParams {
-        temperature: 0.9,
-        top_p: 0.95,
-        top_k: 40,
-        min_p: 0.01,
-        seed: Some(seed),
-        ignore_eos: true,
-        ..SamplingParams::greedy(24)
-    };
+    let sampled = |seed| SamplingParams { min_p: 0.01, ..seeded(seed) };
     let mut requests: Vec<_> = prompts().into_iter().enumerate().map(|(i, p)| (p, sampled(i as u64))).collect();
     requests[3].1 = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(30) };
     requests[5].1 = SamplingParams { repetition_penalty: 1.3, frequency_penalty: 0.4, ..requests[3].1.clone() };

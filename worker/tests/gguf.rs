@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use common::{RequestId, SamplingParams};
-use worker::models::gguf::{ExportType, Vocab};
+use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
 
@@ -32,7 +32,7 @@ fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
 
 /// Exports stories260K; `via_f16` rounds the weights to f16 first (what
 /// `--dtype f16 --quantize` quantizes from).
-fn export(dir: &Path, ty: ExportType, via_f16: bool) -> PathBuf {
+fn export(dir: &Path, ty: Quantization, via_f16: bool) -> PathBuf {
     let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K")), Need::Weights).unwrap();
     let mut tensors: HashMap<_, _> = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
     if via_f16 {
@@ -75,7 +75,7 @@ fn gguf_exports_load_and_match() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = |ty| export(&dir, ty, false).to_str().unwrap().to_string();
     // Unquantized files reproduce Hugging Face's tokens exactly.
-    for (ty, dtype) in [(ExportType::F32, DType::F32), (ExportType::F16, DType::F16)] {
+    for (ty, dtype) in [(Quantization::F32, DType::F32), (Quantization::F16, DType::F16)] {
         for (got, want) in run_cases(&path(ty), dtype, None) {
             assert_eq!(got, want, "{ty:?} GGUF");
         }
@@ -83,12 +83,12 @@ fn gguf_exports_load_and_match() {
     // Quantized files hold exactly the blocks `--quantize` makes from the
     // same weights (GGML's rounding, same layout), so the tokens are the same.
     let model_dir = shared().join("models/stories260K");
-    for (ty, q) in [(ExportType::Q8_0, Quantization::Q8_0), (ExportType::Q4_0, Quantization::Q4_0)] {
-        let file = export(&dir, ty, true);
+    for q in Quantization::BLOCK_FORMATS {
+        let file = export(&dir, q, true);
         let from_file = run_cases(file.to_str().unwrap(), DType::F16, None);
         let in_place = run_cases(model_dir.to_str().unwrap(), DType::F16, Some(q));
         for ((a, _), (b, _)) in from_file.iter().zip(&in_place) {
-            assert_eq!(a, b, "{ty:?} GGUF vs --quantize");
+            assert_eq!(a, b, "{q:?} GGUF vs --quantize");
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -50,7 +50,7 @@ fn engine(model: &str, max_num_batched_tokens: usize) -> Engine {
         num_blocks: Some(512),
         max_num_batched_tokens,
         logprobs_mode: LogprobsMode::RawLogits,
-        device: worker::device::test_device(),
+        device: worker::runner::device::test_device(),
         ..EngineConfig::default()
     };
     Engine::new(&files, config).unwrap()
@@ -170,7 +170,7 @@ fn check_prompt_logprobs(golden_file: &str) {
             let params = SamplingParams { prompt_logprobs: Some(20), ..SamplingParams::greedy(1) };
             e.add_request(RequestId(i as u64), prompt, params, 0).unwrap();
         }
-        let mut prompt_logprobs: HashMap<u64, Vec<worker::core::TokenLogprobs>> = HashMap::new();
+        let mut prompt_logprobs: HashMap<u64, Vec<engine_core::TokenLogprobs>> = HashMap::new();
         while e.has_unfinished() {
             for out in e.step().unwrap() {
                 prompt_logprobs.entry(out.id.0).or_default().extend(out.prompt_logprobs);

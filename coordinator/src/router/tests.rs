@@ -3,8 +3,8 @@
 
 use common::protocol::WorkerStats;
 use common::{BlockHash, KvEvent, KvEventRecord, RequestId, hash_prompt_blocks};
+use engine_core::BlockPool;
 use proptest::prelude::*;
-use worker::core::BlockPool;
 
 use super::*;
 

@@ -30,8 +30,9 @@ use common::model::{Architecture, ModelConfig};
 use half::f16;
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
-use super::linear::{Prequantized, QuantWeight};
+use super::linear::Weight;
 use super::llama::CausalLm;
+use super::quant::{Prequantized, Quantization};
 use crate::error::{Result, WorkerError};
 
 fn err(path: &Path, message: impl Into<String>) -> WorkerError {
@@ -53,57 +54,55 @@ fn gguf_architecture(arch: Architecture) -> &'static str {
     }
 }
 
-/// HF tensor name for a GGUF one (None for tensors we do not use).
-fn hf_name(gguf: &str) -> Option<String> {
-    let fixed = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(name) = fixed {
-        return Some(name.to_string());
+/// (GGUF, HF) names of the tensors outside the decoder blocks.
+const FIXED_NAMES: [[&str; 2]; 3] = [
+    ["token_embd.weight", "model.embed_tokens.weight"],
+    ["output_norm.weight", "model.norm.weight"],
+    ["output.weight", "lm_head.weight"],
+];
+
+/// (GGUF, HF) prefixes of a decoder block's tensors, before the layer number.
+const BLOCK_PREFIXES: [&str; 2] = ["blk.", "model.layers."];
+
+/// (GGUF, HF) module names inside a decoder block.
+const BLOCK_NAMES: [[&str; 2]; 11] = [
+    ["attn_norm", "input_layernorm"],
+    ["attn_q", "self_attn.q_proj"],
+    ["attn_k", "self_attn.k_proj"],
+    ["attn_v", "self_attn.v_proj"],
+    ["attn_output", "self_attn.o_proj"],
+    ["attn_q_norm", "self_attn.q_norm"],
+    ["attn_k_norm", "self_attn.k_norm"],
+    ["ffn_norm", "post_attention_layernorm"],
+    ["ffn_gate", "mlp.gate_proj"],
+    ["ffn_up", "mlp.up_proj"],
+    ["ffn_down", "mlp.down_proj"],
+];
+
+/// A tensor's name in the other convention: column `from` of the tables
+/// above (0 GGUF, 1 HF) to the other one. None for tensors we do not use.
+fn rename(name: &str, from: usize) -> Option<String> {
+    let to = 1 - from;
+    if let Some(fixed) = FIXED_NAMES.iter().find(|n| n[from] == name) {
+        return Some(fixed[to].to_string());
     }
-    let rest = gguf.strip_prefix("blk.")?;
+    let rest = name.strip_prefix(BLOCK_PREFIXES[from])?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (module, param) = rest.rsplit_once('.')?;
-    let hf_module = BLOCK_NAMES.iter().find(|(g, _)| *g == module)?.1;
-    Some(format!("model.layers.{layer}.{hf_module}.{param}"))
+    let module = BLOCK_NAMES.iter().find(|n| n[from] == module)?[to];
+    Some(format!("{}{layer}.{module}.{param}", BLOCK_PREFIXES[to]))
 }
 
-/// The inverse of [`hf_name`].
+/// HF tensor name for a GGUF one.
+fn hf_name(gguf: &str) -> Option<String> {
+    rename(gguf, 0)
+}
+
+/// GGUF tensor name for an HF one.
 fn gguf_name(hf: &str) -> Option<String> {
-    let fixed = match hf {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(name) = fixed {
-        return Some(name.to_string());
-    }
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let (module, param) = rest.rsplit_once('.')?;
-    let gguf_module = BLOCK_NAMES.iter().find(|(_, h)| *h == module)?.0;
-    Some(format!("blk.{layer}.{gguf_module}.{param}"))
+    rename(hf, 1)
 }
-
-/// (GGUF, HF) module names inside a decoder block.
-const BLOCK_NAMES: [(&str, &str); 11] = [
-    ("attn_norm", "input_layernorm"),
-    ("attn_q", "self_attn.q_proj"),
-    ("attn_k", "self_attn.k_proj"),
-    ("attn_v", "self_attn.v_proj"),
-    ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
-];
 
 /// Row order llama.cpp's converter gives q/k of the `llama` architecture:
 /// within each head, row (j * d/2 + i) of HF moves to row (2i + j).
@@ -155,17 +154,17 @@ fn parse_blocks<B>(bytes: &[u8], block_bytes: usize, make: impl Fn(f16, &[u8]) -
     bytes.chunks_exact(block_bytes).map(|b| make(f16::from_le_bytes([b[0], b[1]]), &b[2..])).collect()
 }
 
-fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<QuantWeight> {
+fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<Weight> {
     let (out, inp) = q.shape().dims2()?;
     let data = q.data()?;
     match q.dtype() {
-        GgmlDType::Q8_0 => QuantWeight::from_q8_0(
+        GgmlDType::Q8_0 => Weight::from_q8_0(
             // -128 (never written by GGML's quantizer) is clamped: the int8 kernel negates codes.
             parse_blocks(&data, 2 + QK, |d, c| BlockQ8_0 { d, qs: std::array::from_fn(|i| (c[i] as i8).max(-127)) }),
             out,
             inp,
         ),
-        GgmlDType::Q4_0 => QuantWeight::from_q4_0(
+        GgmlDType::Q4_0 => Weight::from_q4_0(
             parse_blocks(&data, 2 + QK / 2, |d, c| BlockQ4_0 { d, qs: std::array::from_fn(|i| c[i]) }),
             out,
             inp,
@@ -192,7 +191,7 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<CausalLm> {
         if is_linear && matches!(q.dtype(), GgmlDType::Q8_0 | GgmlDType::Q4_0) && device.is_cpu() {
             let mut w = quant_weight(&q, gguf).map_err(|e| err(path, e.to_string()))?;
             if let Some(p) = &perm {
-                w.permute_rows(p);
+                w.permute_rows(p).map_err(|e| err(path, format!("{gguf}: {e}")))?;
             }
             quantized.insert(hf, w);
             continue;
@@ -217,15 +216,6 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<CausalLm> {
         return Err(err(path, format!("quantized tensors the model did not use: {unused:?}")));
     }
     Ok(model)
-}
-
-/// How `export-gguf` stores linear weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExportType {
-    F32,
-    F16,
-    Q8_0,
-    Q4_0,
 }
 
 /// The vocabulary written into a GGUF (llama.cpp refuses a file without one).
@@ -261,7 +251,7 @@ pub fn write(
     path: &Path,
     cfg: &ModelConfig,
     tensors: &HashMap<String, Tensor>,
-    ty: ExportType,
+    ty: Quantization,
     vocab: &Vocab,
 ) -> Result<()> {
     if cfg.rope_scaling.is_some() {
@@ -305,10 +295,10 @@ pub fn write(
         (
             "general.file_type".into(),
             u32v(match ty {
-                ExportType::F32 => 0,
-                ExportType::F16 => 1,
-                ExportType::Q4_0 => 2,
-                ExportType::Q8_0 => 7,
+                Quantization::F32 => 0,
+                Quantization::F16 => 1,
+                Quantization::Q4_0 => 2,
+                Quantization::Q8_0 => 7,
             }),
         ),
         ("tokenizer.ggml.model".into(), Value::String("llama".into())),
@@ -342,12 +332,12 @@ pub fn write(
         let is_matrix = t.rank() == 2;
         let ggml = match ty {
             _ if !is_matrix => GgmlDType::F32,
-            ExportType::F32 => GgmlDType::F32,
-            ExportType::F16 => GgmlDType::F16,
+            Quantization::F32 => GgmlDType::F32,
+            Quantization::F16 => GgmlDType::F16,
             _ if hf == "model.embed_tokens.weight" => GgmlDType::F16,
             _ if t.dims()[1] % QK != 0 => GgmlDType::F16,
-            ExportType::Q8_0 => GgmlDType::Q8_0,
-            ExportType::Q4_0 => GgmlDType::Q4_0,
+            Quantization::Q8_0 => GgmlDType::Q8_0,
+            Quantization::Q4_0 => GgmlDType::Q4_0,
         };
         qtensors.push((gguf, QTensor::quantize(&t, ggml)?));
     }
@@ -402,7 +392,7 @@ mod tests {
             let tensors = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
             let vocab =
                 Vocab::from_tokenizer_json(files.tokenizer_json.as_deref(), files.config.vocab_size, 1, 2).unwrap();
-            for ty in [ExportType::F32, ExportType::Q8_0] {
+            for ty in [Quantization::F32, Quantization::Q8_0] {
                 let path = dir.join(format!("{model}-{ty:?}.gguf"));
                 write(&path, &files.config, &tensors, ty, &vocab).unwrap();
                 let (content, _) = open(&path).unwrap();

@@ -1,13 +1,18 @@
 //! Model architectures and their loading. What a model is (source, files,
-//! config, GGUF metadata) lives in `common::model`; this crate adds the
-//! tensors.
+//! config, GGUF metadata) lives in `common::model`; this module adds the
+//! tensors: the Llama family's layers (`layers`) and decoder (`llama`),
+//! linear weights in every representation (`linear`, `quant`), and loading
+//! them (`loader`, `gguf`).
 
 pub mod gguf;
+mod layers;
 pub mod linear;
 pub mod llama;
 pub mod loader;
+pub mod quant;
 mod workspace;
 
 pub use common::model::config;
 pub use common::model::{Architecture, ModelConfig, ModelFiles, ModelSource, Need};
 pub use llama::CausalLm;
+pub use quant::Quantization;

@@ -7,12 +7,12 @@ use candle_core::{DType, Device, Tensor};
 use common::RequestId;
 use kernels::AttentionMetadata;
 
-use crate::core::{Request, SchedulerOutput};
-use crate::device_sampler::{self, DeviceRow, LogprobValues};
 use crate::error::Result;
-use crate::kv_cache::LayerKvCache;
 use crate::models::CausalLm;
-use crate::sampler::SampledToken;
+use crate::runner::device_sampler::{self, DeviceRow, LogprobValues};
+use crate::runner::kv_cache::LayerKvCache;
+use crate::runner::sampler::SampledToken;
+use engine_core::{Request, SchedulerOutput};
 
 pub struct ModelRunner {
     model: CausalLm,

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use common::{BlockHash, BlockId, KvEventRecord, RequestId};
 
-use super::block_pool::BlockPool;
-use super::request::Request;
+use crate::block_pool::BlockPool;
+use crate::request::Request;
 
 /// Prefix-cache counters, in tokens (vLLM's `prefix_cache_queries/hits`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 //! the CPU kernel block by block), and the whole pool can be viewed as
 //! `[num_slots, num_kv_heads * head_dim]` so a step's new K/V land in their
 //! slots with one scatter (slot = block * block_size + offset).
-//! Which block belongs to whom is decided by `core::kv_cache_manager`; this
+//! Which block belongs to whom is decided by `engine_core::kv_cache_manager`; this
 //! module only owns memory.
 
 use candle_core::{DType, Device, Tensor};

@@ -16,7 +16,7 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry, TextEncoder, core::Collector,
 };
 
-use crate::core::{FinishReason, RequestOutput, SchedulerStats};
+use engine_core::{FinishReason, RequestOutput, SchedulerStats};
 
 /// vLLM's buckets for request-level latencies (seconds).
 const REQUEST_LATENCY_BUCKETS: [f64; 21] = [

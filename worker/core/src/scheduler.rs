@@ -13,131 +13,14 @@
 //! runner computes it, `update_from_output()` takes the sampled tokens.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ops::Range;
 
-use common::{BlockId, RequestId, SamplingParams};
+use common::RequestId;
 
-use super::kv_cache_manager::{KvCacheManager, PrefixCacheStats};
-use super::request::{FinishReason, Request, RequestStatus};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SchedulingPolicy {
-    /// First come, first served; `priority` is ignored.
-    Fcfs,
-    /// Lowest `priority` value first, then arrival.
-    Priority,
-}
-
-#[derive(Clone, Debug)]
-pub struct SchedulerConfig {
-    pub max_num_batched_tokens: usize,
-    pub max_num_seqs: usize,
-    pub max_model_len: usize,
-    pub block_size: usize,
-    pub num_blocks: usize,
-    pub enable_prefix_caching: bool,
-    pub policy: SchedulingPolicy,
-    /// Generation stops on these unless `ignore_eos`.
-    pub eos_token_ids: Vec<u32>,
-    /// Most prompt positions per step whose logits are kept for
-    /// `prompt_logprobs` (each is a row of vocabulary size); requests that
-    /// ask for them are computed in chunks of at most this many tokens.
-    pub max_prompt_logprob_rows: usize,
-}
-
-impl SchedulerConfig {
-    pub fn new(max_model_len: usize, block_size: usize, num_blocks: usize) -> Self {
-        Self {
-            max_num_batched_tokens: 2048,
-            max_num_seqs: 64,
-            max_model_len,
-            block_size,
-            num_blocks,
-            enable_prefix_caching: true,
-            policy: SchedulingPolicy::Fcfs,
-            eos_token_ids: Vec::new(),
-            max_prompt_logprob_rows: 512,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum AddRequestError {
-    #[error("request {0} already exists")]
-    DuplicateId(RequestId),
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error("the prompt has {prompt} tokens, but the model's maximum context length is {max_model_len}")]
-    PromptTooLong { prompt: usize, max_model_len: usize },
-    #[error("invalid sampling parameters: {0}")]
-    InvalidParams(#[from] common::SamplingParamsError),
-}
-
-/// One request's share of a step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ScheduledRequest {
-    pub id: RequestId,
-    /// Position of the first token computed this step.
-    pub num_computed_tokens: usize,
-    pub num_new_tokens: usize,
-    /// The request's whole block table after this step's allocation.
-    pub block_ids: Vec<BlockId>,
-    /// True when this step reaches the last known token, so its logits
-    /// give the next token (false for all but the last chunk of a prompt).
-    pub samples: bool,
-    /// Positions computed this step whose logits give the log-probability
-    /// of the prompt token after them (`prompt_logprobs`); empty for most.
-    pub prompt_logprob_positions: Range<usize>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SchedulerOutput {
-    pub scheduled: Vec<ScheduledRequest>,
-    pub num_batched_tokens: usize,
-    pub preempted: Vec<RequestId>,
-}
-
-/// Log-probabilities of one sampled token.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprobs {
-    pub logprob: f32,
-    /// The top-n tokens, most likely first.
-    pub top: Vec<(u32, f32)>,
-}
-
-/// What the sampler chose for one request that sampled this step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SampledToken {
-    pub token_id: u32,
-    pub logprobs: Option<TokenLogprobs>,
-}
-
-/// New tokens of one request after a step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RequestOutput {
-    pub id: RequestId,
-    /// Log-probabilities of prompt tokens computed this step, in order
-    /// (see `SamplingParams::prompt_logprobs`); all come before the first new token.
-    pub prompt_logprobs: Vec<TokenLogprobs>,
-    pub new_token_ids: Vec<u32>,
-    /// One entry per new token, when the request asked for logprobs.
-    pub logprobs: Vec<TokenLogprobs>,
-    pub finish_reason: Option<FinishReason>,
-    pub num_prompt_tokens: usize,
-    pub num_cached_tokens: usize,
-}
-
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SchedulerStats {
-    pub num_running: usize,
-    pub num_waiting: usize,
-    pub kv_blocks_total: usize,
-    pub kv_blocks_used: usize,
-    /// Blocks holding a reusable prefix, in use or not.
-    pub kv_blocks_cached: usize,
-    pub prefix_cache: PrefixCacheStats,
-    pub num_preemptions: u64,
-}
+use crate::config::{SchedulerConfig, SchedulingPolicy};
+use crate::error::AddRequestError;
+use crate::kv_cache_manager::KvCacheManager;
+use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats};
+use crate::request::{FinishReason, Request, RequestStatus};
 
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -172,36 +55,29 @@ impl Scheduler {
         &self.config
     }
 
-    pub fn add_request(
-        &mut self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        priority: i32,
-        sampling_seed: u64,
-    ) -> Result<(), AddRequestError> {
-        if self.requests.contains_key(&id) {
-            return Err(AddRequestError::DuplicateId(id));
+    /// Queues `req` (built by `Request::new`): its arrival is now, and its
+    /// priority counts only under `SchedulingPolicy::Priority`.
+    pub fn add_request(&mut self, mut req: Request) -> Result<(), AddRequestError> {
+        if self.requests.contains_key(&req.id) {
+            return Err(AddRequestError::DuplicateId(req.id));
         }
-        if prompt.is_empty() {
+        if req.num_prompt_tokens == 0 {
             return Err(AddRequestError::EmptyPrompt);
         }
         // The model must be able to emit at least one token after the prompt.
         let max_len = self.config.max_model_len;
-        if prompt.len() >= max_len {
-            return Err(AddRequestError::PromptTooLong { prompt: prompt.len(), max_model_len: max_len });
+        if req.num_prompt_tokens >= max_len {
+            return Err(AddRequestError::PromptTooLong { prompt: req.num_prompt_tokens, max_model_len: max_len });
         }
-        params.validate()?;
-        let priority = match self.config.policy {
-            SchedulingPolicy::Fcfs => 0,
-            SchedulingPolicy::Priority => priority,
-        };
-        let arrival = self.next_arrival;
+        req.params.validate()?;
+        if self.config.policy == SchedulingPolicy::Fcfs {
+            req.priority = 0;
+        }
+        req.arrival = self.next_arrival;
         self.next_arrival += 1;
-        let mut req = Request::new(id, prompt, params, priority, arrival, sampling_seed);
         req.update_block_hashes(self.config.block_size);
-        self.waiting.insert((priority, arrival), id);
-        self.requests.insert(id, req);
+        self.waiting.insert((req.priority, req.arrival), req.id);
+        self.requests.insert(req.id, req);
         Ok(())
     }
 
@@ -211,15 +87,7 @@ impl Scheduler {
         self.waiting.remove(&(req.priority, req.arrival));
         self.running.retain(|&r| r != id);
         self.kv.free(id);
-        Some(RequestOutput {
-            id,
-            prompt_logprobs: Vec::new(),
-            new_token_ids: Vec::new(),
-            logprobs: Vec::new(),
-            finish_reason: Some(FinishReason::Abort),
-            num_prompt_tokens: req.num_prompt_tokens,
-            num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
-        })
+        Some(RequestOutput { finish_reason: Some(FinishReason::Abort), ..RequestOutput::empty(&req) })
     }
 
     pub fn request(&self, id: RequestId) -> Option<&Request> {
@@ -378,13 +246,10 @@ impl Scheduler {
             req.update_block_hashes(self.config.block_size);
             let finish = stop_reason(req, token.token_id, &self.config);
             outputs.push(RequestOutput {
-                id: req.id,
-                prompt_logprobs: Vec::new(),
                 new_token_ids: vec![token.token_id],
                 logprobs: token.logprobs.into_iter().collect(),
                 finish_reason: finish,
-                num_prompt_tokens: req.num_prompt_tokens,
-                num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                ..RequestOutput::empty(req)
             });
             if let Some(reason) = finish {
                 req.status = RequestStatus::Finished(reason);
@@ -428,6 +293,8 @@ fn stop_reason(req: &Request, token: u32, config: &SchedulerConfig) -> Option<Fi
 
 #[cfg(test)]
 mod tests {
+    use common::SamplingParams;
+
     use super::*;
 
     /// A stand-in for the model: the next token is a function of the last.
@@ -473,10 +340,10 @@ mod tests {
     fn long_prompt_is_chunked_while_decodes_keep_flowing() {
         let mut s = Scheduler::new(config(1024));
         for i in 0..3 {
-            s.add_request(RequestId(i), vec![5; 20], params(200), 0, 0).unwrap();
+            s.add_request(Request::new(RequestId(i), vec![5; 20], params(200), 0, 0)).unwrap();
         }
         step(&mut s); // the three short prompts
-        s.add_request(RequestId(9), vec![7; 4000], params(4), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(9), vec![7; 4000], params(4), 0, 0)).unwrap();
         let mut prefill_steps = 0;
         loop {
             let (out, _) = step(&mut s);
@@ -500,9 +367,9 @@ mod tests {
         a.extend([60, 61, 62]);
         let mut b = prefix.clone();
         b.extend([70, 71]);
-        s.add_request(RequestId(1), a, params(4), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(1), a, params(4), 0, 0)).unwrap();
         run_to_end(&mut s);
-        s.add_request(RequestId(2), b, params(4), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(2), b, params(4), 0, 0)).unwrap();
         let out = s.schedule();
         assert_eq!(out.scheduled[0].num_computed_tokens, 96, "6 full blocks of 16 reused");
         assert_eq!(out.scheduled[0].num_new_tokens, 102 - 96);
@@ -517,14 +384,14 @@ mod tests {
         let reference = {
             let mut s = Scheduler::new(config(1000));
             for (i, p) in prompts.iter().enumerate() {
-                s.add_request(RequestId(i as u64), p.clone(), params(40), 0, 0).unwrap();
+                s.add_request(Request::new(RequestId(i as u64), p.clone(), params(40), 0, 0)).unwrap();
             }
             run_to_end(&mut s)
         };
         // 8 requests need up to 6 blocks each at the end; 20 blocks forces preemption.
         let mut s = Scheduler::new(config(20));
         for (i, p) in prompts.iter().enumerate() {
-            s.add_request(RequestId(i as u64), p.clone(), params(40), 0, 0).unwrap();
+            s.add_request(Request::new(RequestId(i as u64), p.clone(), params(40), 0, 0)).unwrap();
         }
         let tokens = run_to_end(&mut s);
         assert!(s.stats().num_preemptions > 0);
@@ -546,8 +413,14 @@ mod tests {
         for (i, p) in prompts.iter().enumerate() {
             // Even ids ask for prompt logprobs.
             let lp = (i % 2 == 0).then_some(2);
-            s.add_request(RequestId(i as u64), p.clone(), SamplingParams { prompt_logprobs: lp, ..params(40) }, 0, 0)
-                .unwrap();
+            s.add_request(Request::new(
+                RequestId(i as u64),
+                p.clone(),
+                SamplingParams { prompt_logprobs: lp, ..params(40) },
+                0,
+                0,
+            ))
+            .unwrap();
         }
         let mut seen: HashMap<RequestId, Vec<usize>> = HashMap::new();
         while s.has_unfinished() {
@@ -579,7 +452,7 @@ mod tests {
         cfg.max_prompt_logprob_rows = 24;
         let mut s = Scheduler::new(cfg);
         let scoring = SamplingParams { prompt_logprobs: Some(1), ..params(4) };
-        s.add_request(RequestId(1), (0..100).map(|t| t % 45 + 3).collect(), scoring, 5, 0).unwrap();
+        s.add_request(Request::new(RequestId(1), (0..100).map(|t| t % 45 + 3).collect(), scoring, 5, 0)).unwrap();
         let mut positions = Vec::new();
         let mut starts = Vec::new();
         let mut record = |out: &SchedulerOutput| {
@@ -590,7 +463,7 @@ mod tests {
         };
         record(&step(&mut s).0);
         // A more important request arrives and, as it grows, takes request 1's blocks.
-        s.add_request(RequestId(2), vec![4; 100], params(10), 1, 0).unwrap();
+        s.add_request(Request::new(RequestId(2), vec![4; 100], params(10), 1, 0)).unwrap();
         while s.has_unfinished() {
             record(&step(&mut s).0);
         }
@@ -607,10 +480,10 @@ mod tests {
     fn prompt_logprobs_bypass_the_prefix_cache() {
         let mut s = Scheduler::new(config(256));
         let prompt: Vec<u32> = (0..70).map(|i| i % 40 + 3).collect();
-        s.add_request(RequestId(1), prompt.clone(), params(4), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(1), prompt.clone(), params(4), 0, 0)).unwrap();
         run_to_end(&mut s);
         let scoring = SamplingParams { prompt_logprobs: Some(0), ..params(4) };
-        s.add_request(RequestId(2), prompt.clone(), scoring, 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(2), prompt.clone(), scoring, 0, 0)).unwrap();
         let out = s.schedule();
         assert_eq!(
             (out.scheduled[0].num_computed_tokens, out.scheduled[0].prompt_logprob_positions.clone()),
@@ -620,7 +493,7 @@ mod tests {
         s.update_from_output(&out, vec![SampledToken { token_id: 5, logprobs: None }]);
         run_to_end(&mut s);
         // Without prompt logprobs the same prompt hits: 4 full blocks of 16.
-        s.add_request(RequestId(3), prompt, params(4), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(3), prompt, params(4), 0, 0)).unwrap();
         assert_eq!(s.schedule().scheduled[0].num_computed_tokens, 64);
     }
 
@@ -629,8 +502,8 @@ mod tests {
         let mut cfg = config(8);
         cfg.policy = SchedulingPolicy::Priority;
         let mut s = Scheduler::new(cfg);
-        s.add_request(RequestId(1), vec![3; 40], params(100), 5, 0).unwrap();
-        s.add_request(RequestId(2), vec![4; 40], params(100), 1, 0).unwrap();
+        s.add_request(Request::new(RequestId(1), vec![3; 40], params(100), 5, 0)).unwrap();
+        s.add_request(Request::new(RequestId(2), vec![4; 40], params(100), 1, 0)).unwrap();
         let (out, _) = step(&mut s);
         // Request 2 is more important and goes first though it arrived later.
         assert_eq!(out.scheduled[0].id, RequestId(2));
@@ -645,7 +518,7 @@ mod tests {
     #[test]
     fn abort_frees_blocks_at_once() {
         let mut s = Scheduler::new(config(64));
-        s.add_request(RequestId(1), vec![3; 50], params(100), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(1), vec![3; 50], params(100), 0, 0)).unwrap();
         step(&mut s);
         assert!(s.kv_cache_manager().num_used_blocks() > 0);
         let out = s.abort(RequestId(1)).unwrap();
@@ -658,18 +531,24 @@ mod tests {
     #[test]
     fn rejects_bad_requests() {
         let mut s = Scheduler::new(SchedulerConfig::new(64, 16, 100));
-        assert_eq!(s.add_request(RequestId(1), vec![], params(1), 0, 0), Err(AddRequestError::EmptyPrompt));
+        assert_eq!(
+            s.add_request(Request::new(RequestId(1), vec![], params(1), 0, 0)),
+            Err(AddRequestError::EmptyPrompt)
+        );
         assert!(matches!(
-            s.add_request(RequestId(1), vec![3; 64], params(1), 0, 0),
+            s.add_request(Request::new(RequestId(1), vec![3; 64], params(1), 0, 0)),
             Err(AddRequestError::PromptTooLong { prompt: 64, max_model_len: 64 })
         ));
-        s.add_request(RequestId(1), vec![3; 10], params(1), 0, 0).unwrap();
+        s.add_request(Request::new(RequestId(1), vec![3; 10], params(1), 0, 0)).unwrap();
         assert_eq!(
-            s.add_request(RequestId(1), vec![3; 10], params(1), 0, 0),
+            s.add_request(Request::new(RequestId(1), vec![3; 10], params(1), 0, 0)),
             Err(AddRequestError::DuplicateId(RequestId(1)))
         );
         let bad = SamplingParams { top_p: 2.0, ..params(1) };
-        assert!(matches!(s.add_request(RequestId(2), vec![3], bad, 0, 0), Err(AddRequestError::InvalidParams(_))));
+        assert!(matches!(
+            s.add_request(Request::new(RequestId(2), vec![3], bad, 0, 0)),
+            Err(AddRequestError::InvalidParams(_))
+        ));
     }
 
     #[test]
@@ -678,7 +557,7 @@ mod tests {
         cfg.eos_token_ids = vec![2];
         let mut s = Scheduler::new(cfg);
         let stop_on = |token: u32, params: SamplingParams, s: &mut Scheduler, id: u64| {
-            s.add_request(RequestId(id), vec![3, 4], params, 0, 0).unwrap();
+            s.add_request(Request::new(RequestId(id), vec![3, 4], params, 0, 0)).unwrap();
             let out = s.schedule();
             let outputs = s.update_from_output(&out, vec![SampledToken { token_id: token, logprobs: None }]);
             s.abort(RequestId(id));
@@ -700,8 +579,10 @@ mod proptests {
     //! requests (with shared prefixes, so cache hits happen), steps, aborts
     //! and pool pressure never double-free, leak, or hand out a block in use
     //! (checked by `check_invariants`: ref counts equal block-table counts).
-    use super::*;
+    use common::SamplingParams;
     use proptest::prelude::*;
+
+    use super::*;
 
     #[derive(Clone, Debug)]
     enum Op {
@@ -733,7 +614,7 @@ mod proptests {
                     Op::Add { prefix, len, max_tokens } => {
                         let prompt: Vec<u32> = (0..len as u32).map(|t| if t < 24 { prefix as u32 * 100 + t } else { t * 7 + next_id as u32 }).collect();
                         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens as u32) };
-                        if s.add_request(RequestId(next_id), prompt, params, 0, 0).is_ok() {
+                        if s.add_request(Request::new(RequestId(next_id), prompt, params, 0, 0)).is_ok() {
                             live.push(RequestId(next_id));
                         }
                         next_id += 1;

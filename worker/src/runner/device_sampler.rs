@@ -23,7 +23,7 @@ use candle_core::{D, DType, Device, Tensor};
 use common::SamplingParams;
 
 use crate::error::Result;
-use crate::sampler::{self, SampledToken};
+use crate::runner::sampler::{self, SampledToken};
 
 /// Below this scaled logit a token's weight is 0 in f32 (e^-87).
 const MIN_SCALED: f32 = -87.0;
@@ -468,7 +468,7 @@ mod tests {
 
     #[test]
     fn penalties_bans_and_logprobs_match_the_host_sampler() {
-        use crate::sampler::{SeqSamplingInput, sample_batch};
+        use crate::runner::sampler::{SeqSamplingInput, sample_batch};
         let vocab = 257;
         let mut st = 3u64;
         let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (lcg(&mut st) * vocab as f64) as u32).collect() };

@@ -17,9 +17,9 @@ use common::transport::{self, Role};
 use common::{RequestId, SamplingParams};
 use tokio::sync::mpsc;
 
-use crate::core::{FinishReason, RequestOutput, SchedulerStats};
 use crate::engine::Engine;
-use crate::metrics::{EngineMetrics, RequestTimings};
+use crate::serve::metrics::{EngineMetrics, RequestTimings};
+use engine_core::{FinishReason, RequestOutput, SchedulerStats};
 
 /// How often stats are reported (the coordinator declares a worker lost after 3 missed).
 pub use common::protocol::STATS_INTERVAL;
@@ -29,7 +29,8 @@ pub struct ServeConfig {
     pub name: String,
     pub secret: String,
     pub model: ModelIdentity,
-    pub block_size: u32,
+    /// Tokens per KV block (a u32 on the wire).
+    pub block_size: usize,
     pub max_model_len: u64,
     /// The bound address of the worker's metrics endpoint, if any.
     pub metrics_address: Option<String>,
@@ -51,6 +52,8 @@ pub enum ServiceError {
     Connection(String),
     #[error("engine thread stopped")]
     EngineStopped,
+    #[error("a block size of {0} tokens does not fit the protocol")]
+    BlockSize(usize),
 }
 
 /// Commands from the network side to the engine thread.
@@ -240,7 +243,11 @@ pub async fn serve(
                 eprintln!("worker {}: lost the coordinator ({why}); reconnecting", config.name);
                 backoff = Duration::from_millis(100);
             }
-            Err(e @ (ServiceError::Refused(_) | ServiceError::CoordinatorNotAuthenticated)) => return Err(e),
+            Err(
+                e @ (ServiceError::Refused(_) | ServiceError::CoordinatorNotAuthenticated | ServiceError::BlockSize(_)),
+            ) => {
+                return Err(e);
+            }
             Err(e) => eprintln!("worker {}: {e}; retrying in {backoff:?}", config.name),
         }
         commands.send(EngineCommand::AbortAll).map_err(|_| ServiceError::EngineStopped)?;
@@ -273,7 +280,7 @@ async fn session(
         protocol_version: PROTOCOL_VERSION,
         worker_name: config.name.clone(),
         model: config.model.clone(),
-        block_size: config.block_size,
+        block_size: u32::try_from(config.block_size).map_err(|_| ServiceError::BlockSize(config.block_size))?,
         kv_capacity_blocks,
         max_model_len: config.max_model_len,
         metrics_address: config.metrics_address.clone(),

@@ -40,6 +40,7 @@ pub struct Request {
     pub params: SamplingParams,
     /// Lower values are served first (vLLM's convention); ties by arrival.
     pub priority: i32,
+    /// Order of arrival, set when the scheduler queues the request.
     pub arrival: u64,
     /// Prompt then output token ids.
     pub token_ids: Vec<u32>,
@@ -61,19 +62,13 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        priority: i32,
-        arrival: u64,
-        sampling_seed: u64,
-    ) -> Self {
+    /// A request not yet queued; `sampling_seed` seeds its sampling stream.
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams, priority: i32, sampling_seed: u64) -> Self {
         Self {
             id,
             params,
             priority,
-            arrival,
+            arrival: 0,
             num_prompt_tokens: prompt.len(),
             token_ids: prompt,
             num_computed_tokens: 0,

@@ -1,0 +1,61 @@
+//! `tinyvllm-worker bench`: the offline throughput benchmark
+//! (`worker::bench`), reported as text or JSON.
+
+use clap::Args;
+
+use super::engine_args::{EngineArgs, build_engine, on_the_kernel_pool};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[arg(long, default_value_t = 16)]
+    num_prompts: usize,
+    #[arg(long, default_value_t = 128)]
+    input_len: usize,
+    #[arg(long, default_value_t = 64)]
+    output_len: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also print where a decode step's time goes (matmuls, attention,
+    /// other model ops, sampling, scheduler, other).
+    #[arg(long)]
+    profile: bool,
+    /// Score each prompt as well: the logprob of every prompt token and of
+    /// this many top tokens at each position (vLLM's `prompt_logprobs`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=20))]
+    prompt_logprobs: Option<u32>,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let (mut engine, files, _device) = build_engine(&args.engine)?;
+    let bench_args = worker::bench::BenchArgs {
+        num_prompts: args.num_prompts,
+        input_len: args.input_len,
+        output_len: args.output_len,
+        seed: args.seed,
+        profile: args.profile,
+        prompt_logprobs: args.prompt_logprobs,
+    };
+    let report = on_the_kernel_pool(|| worker::bench::run(&mut engine, &bench_args))?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": files.name, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                "elapsed_s": report.elapsed.as_secs_f64(), "requests_per_s": report.requests_per_s,
+                "output_tok_per_s": report.output_tok_per_s, "total_tok_per_s": report.total_tok_per_s,
+                "ttft_ms": {"mean": report.ttft.mean_ms, "p50": report.ttft.p50_ms, "p99": report.ttft.p99_ms},
+                "tpot_ms": {"mean": report.tpot.mean_ms, "p50": report.tpot.p50_ms, "p99": report.tpot.p99_ms},
+                "peak_kv_blocks_used": report.peak_kv_blocks_used, "kv_blocks_total": report.kv_blocks_total,
+            })
+        );
+    } else {
+        println!("model: {}{}", files.name, if files.random_weights { " (random weights)" } else { "" });
+        println!("{report}");
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! The options every engine-running subcommand shares (`generate`, `bench`,
+//! `serve`), and the engine they build.
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use clap::{Args, ValueEnum};
+use worker::models::{ModelFiles, ModelSource, Need};
+use worker::runner::device::DeviceChoice;
+use worker::runner::kv_cache::KvBudget;
+use worker::{Engine, EngineConfig, Quantization};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DTypeArg {
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DeviceArg {
+    Auto,
+    Cpu,
+    Metal,
+}
+
+#[derive(Args)]
+pub struct EngineArgs {
+    /// A Hugging Face model directory, a hub id (e.g. Qwen/Qwen3-0.6B), or random:<preset>
+    /// (tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b) for seeded random weights.
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DTypeArg,
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// KV cache size in bytes (default: a quarter of the available memory).
+    #[arg(long)]
+    kv_cache_memory: Option<u64>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Token budget of one step.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Context length (default: the model's max_position_embeddings).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    #[arg(long)]
+    no_prefix_caching: bool,
+    /// Quantize linear weights at load time, in GGML's formats (CPU only):
+    /// q8_0 (8.5 bits per weight) or q4_0 (4.5 bits).
+    #[arg(long, value_parser = super::weight_format(&Quantization::BLOCK_FORMATS))]
+    quantize: Option<Quantization>,
+}
+
+/// The loaded engine, its model's files, and the device in words.
+pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
+    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    if files.random_weights {
+        eprintln!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
+    }
+    let selected = worker::runner::device::select(match args.device {
+        DeviceArg::Auto => DeviceChoice::Auto,
+        DeviceArg::Cpu => DeviceChoice::Cpu,
+        DeviceArg::Metal => DeviceChoice::Metal,
+    })?;
+    eprintln!("device: {}", selected.description);
+    let device = selected.device.clone();
+    let dtype = resolve_dtype(args.dtype, &files, &device);
+    let config = EngineConfig {
+        device,
+        dtype,
+        block_size: args.block_size,
+        kv_budget: args.kv_cache_memory.map_or(KvBudget::FractionOfAvailable(0.25), KvBudget::Bytes),
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len: args.max_model_len,
+        enable_prefix_caching: !args.no_prefix_caching,
+        quantization: args.quantize,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
+    let stats = engine.stats();
+    eprintln!("loaded {} ({dtype:?}), KV cache: {} blocks of {}", files.name, stats.kv_blocks_total, args.block_size);
+    Ok((engine, files, selected.description))
+}
+
+/// `auto` keeps the checkpoint's precision, except that bf16 runs as f32 on
+/// a CPU without our packed kernels (x86-64 has them: bf16 is then widened
+/// in registers, exactly, at f16's speed and half f32's memory; elsewhere
+/// candle's bf16 matmul would widen the whole weight on every call); random
+/// presets use f16, the precision of the llama.cpp baseline.
+fn resolve_dtype(arg: DTypeArg, files: &ModelFiles, device: &Device) -> DType {
+    match arg {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::F16 => DType::F16,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::Auto if files.random_weights => DType::F16,
+        DTypeArg::Auto => match files.config.weights_dtype.as_deref() {
+            Some("float16") => DType::F16,
+            Some("bfloat16") if !device.is_cpu() || kernels::cpu::packed::packing_pays() => DType::BF16,
+            _ => DType::F32,
+        },
+    }
+}
+
+/// Runs `f` (the engine's step loop) on one of the threads of rayon's
+/// global pool, the pool the CPU kernels split their work over. From a
+/// thread outside the pool every kernel call hands its work to the pool and
+/// sleeps until it is done: two cross-thread wake-ups per call, ~90 calls
+/// per decode step. On a pool thread the caller works on its share at once
+/// and takes back what a sleeping sibling has not yet started.
+pub fn on_the_kernel_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}

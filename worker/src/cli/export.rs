@@ -1,0 +1,105 @@
+//! `tinyvllm-worker export-random` and `export-gguf`: write model files, a
+//! Hugging Face directory of seeded random weights at a real model's shape,
+//! or any model as one GGUF file for llama.cpp.
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use clap::Args;
+use worker::Quantization;
+use worker::models::{ModelFiles, ModelSource, Need};
+
+use super::engine_args::DTypeArg;
+
+#[derive(Args)]
+pub struct ExportGgufArgs {
+    /// A Hugging Face model directory or random:<preset>.
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    out: std::path::PathBuf,
+    /// Storage of the linear weights (norms stay f32, the embedding f16).
+    #[arg(long, value_parser = super::weight_format(&Quantization::ALL), default_value = "f16")]
+    r#type: Quantization,
+    /// Seed of random:<preset> weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+pub struct ExportRandomArgs {
+    /// smollm-135m, tinyllama-1.1b, qwen3-0.6b or llama-3.2-1b.
+    #[arg(long)]
+    preset: String,
+    /// A model directory whose tokenizer (and vocabulary size, BOS/EOS) to use.
+    #[arg(long)]
+    tokenizer_from: std::path::PathBuf,
+    #[arg(long)]
+    out: std::path::PathBuf,
+    #[arg(long, value_enum, default_value = "f16")]
+    dtype: DTypeArg,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub fn random(args: ExportRandomArgs) -> anyhow::Result<()> {
+    use worker::models::loader::{random_preset_json, random_weights};
+    let source: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(args.tokenizer_from.join("config.json"))
+            .with_context(|| format!("reading {}/config.json", args.tokenizer_from.display()))?,
+    )?;
+    let mut config: serde_json::Value = serde_json::from_str(random_preset_json(&args.preset)?)?;
+    for key in ["vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"] {
+        if let Some(v) = source.get(key) {
+            config[key] = v.clone();
+        }
+    }
+    let dtype = match args.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F16 | DTypeArg::Auto => DType::F16,
+    };
+    config["torch_dtype"] = serde_json::json!(match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        _ => "float16",
+    });
+    let cfg = worker::models::ModelConfig::from_json(&config.to_string())?;
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let weights = random_weights(&cfg, dtype, &Device::Cpu, args.seed)?;
+    candle_core::safetensors::save(&weights, args.out.join("model.safetensors"))?;
+    for file in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "tokenizer.model"] {
+        let from = args.tokenizer_from.join(file);
+        if from.exists() {
+            std::fs::copy(&from, args.out.join(file))?;
+        }
+    }
+    let params: usize = weights.values().map(|t| t.elem_count()).sum();
+    println!("wrote {} ({} parameters, {:?})", args.out.display(), params, dtype);
+    Ok(())
+}
+
+pub fn gguf(args: ExportGgufArgs) -> anyhow::Result<()> {
+    use worker::models::gguf::Vocab;
+    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    let tensors = if files.random_weights {
+        worker::models::loader::random_weights(&files.config, DType::F32, &Device::Cpu, args.seed)?
+    } else {
+        anyhow::ensure!(files.gguf.is_none(), "{} already is a GGUF file", files.name);
+        let mut all = std::collections::HashMap::new();
+        for path in &files.weights {
+            all.extend(candle_core::safetensors::load(path, &Device::Cpu)?);
+        }
+        all
+    };
+    let vocab = Vocab::from_tokenizer_json(
+        files.tokenizer_json.as_deref(),
+        files.config.vocab_size,
+        files.bos_token_id.unwrap_or(1),
+        files.eos_token_ids.first().copied().unwrap_or(2),
+    )?;
+    let ty = args.r#type;
+    worker::models::gguf::write(&args.out, &files.config, &tensors, ty, &vocab)?;
+    eprintln!("wrote {} ({ty:?}) from {}", args.out.display(), files.name);
+    Ok(())
+}

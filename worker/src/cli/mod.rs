@@ -1,0 +1,54 @@
+//! The command line of `tinyvllm-worker`: one module per subcommand, and
+//! the engine options they share (`engine_args`).
+
+mod bench;
+mod engine_args;
+mod export;
+mod generate;
+mod serve;
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{Parser, Subcommand};
+use worker::Quantization;
+
+#[derive(Parser)]
+#[command(name = "tinyvllm-worker", version, about = "tinyvllm worker: a vLLM-style engine on candle")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of one prompt, streamed to stdout.
+    Generate(generate::GenerateArgs),
+    /// Offline throughput benchmark (vLLM's benchmark_throughput style).
+    Bench(bench::BenchArgs),
+    /// Join a cluster: dial the coordinator over QUIC and serve its requests.
+    Serve(serve::ServeArgs),
+    /// Write a Hugging Face directory with seeded random weights at a real
+    /// model's shape and another model's tokenizer (for cluster benchmarks
+    /// that need realistic compute without downloading a model).
+    ExportRandom(export::ExportRandomArgs),
+    /// Write a model (a HF directory or random:<preset>) as one GGUF file,
+    /// so llama.cpp and this engine can run the same weights.
+    ExportGguf(export::ExportGgufArgs),
+}
+
+impl Cli {
+    pub fn run(self) -> anyhow::Result<()> {
+        match self.command {
+            Command::Generate(args) => generate::run(args),
+            Command::Bench(args) => bench::run(args),
+            Command::Serve(args) => serve::run(args),
+            Command::ExportRandom(args) => export::random(args),
+            Command::ExportGguf(args) => export::gguf(args),
+        }
+    }
+}
+
+/// Parses a weight format by its GGML name, accepting only `formats`
+/// (`--quantize` takes the block formats, `export-gguf --type` all).
+fn weight_format(formats: &'static [Quantization]) -> impl TypedValueParser<Value = Quantization> {
+    PossibleValuesParser::new(formats.iter().map(|q| q.name())).try_map(|name| name.parse::<Quantization>())
+}

@@ -1,0 +1,383 @@
+//! The layers of a Llama-family decoder, in candle's style (`new(cfg, vb)`
+//! with Hugging Face weight names, checks once at construction): RMSNorm,
+//! rotary embeddings, attention over the paged KV cache, the SwiGLU MLP, and
+//! the stacked projections both use.
+//!
+//! Each layer has two paths. `forward` composes candle ops and the device's
+//! kernels (GPUs, and non-f32 activations). `forward_into` / `forward_cpu`
+//! run f32 activations on the CPU through the fused kernels of
+//! `kernels::cpu`, reading and writing the reused buffers of
+//! [`super::workspace::Workspace`] so a step allocates no activation.
+//! Shapes: `T` new tokens in the step's flattened batch, `H` query heads,
+//! `KVH` key/value heads, `D` head dim, `I` the MLP's intermediate size.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use kernels::AttentionMetadata;
+
+use super::config::ModelConfig;
+use super::linear::{Linear, linear};
+use super::quant::Prequantized;
+use super::workspace::Buffers;
+use crate::error::Result;
+use crate::runner::kv_cache::LayerKvCache;
+
+/// The dtype activations (and the KV cache) use. On the CPU they stay f32
+/// whatever the weights are: the linear layers widen f16/bf16 weights in
+/// registers anyway, and f32 activations avoid a conversion around every op.
+pub fn activation_dtype(weights: DType, device: &Device) -> DType {
+    if device.is_cpu() { DType::F32 } else { weights }
+}
+
+/// f32 activations on the CPU take the fused kernels (`kernels::cpu`);
+/// other devices and dtypes compose candle ops.
+fn fused_cpu_path(act: DType, device: &Device) -> bool {
+    device.is_cpu() && act == DType::F32
+}
+
+/// RMSNorm over the last dimension: `x / rms(x) * weight`.
+pub struct RmsNorm {
+    weight: Tensor, // [dim]
+    /// The weight as f32 on the host, for the fused CPU kernels.
+    host: Option<Vec<f32>>,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let act = activation_dtype(vb.dtype(), vb.device());
+        let weight = vb.get(dim, "weight")?.to_dtype(act)?;
+        let host = if fused_cpu_path(act, vb.device()) { Some(weight.to_vec1::<f32>()?) } else { None };
+        Ok(Self { weight, host, eps: eps as f32 })
+    }
+
+    /// Bytes of weight one pass reads.
+    pub fn size_in_bytes(&self) -> usize {
+        self.weight.elem_count() * self.weight.dtype().size_in_bytes()
+    }
+
+    /// Normalises the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
+    }
+
+    /// Normalises `x` into `out` (f32 CPU buffers).
+    pub fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        match &self.host {
+            Some(w) => kernels::cpu::rms_norm_into_op(x, w, self.eps, out)?,
+            None => kernels::cpu::copy_columns(&self.forward(x)?, 0, out)?,
+        }
+        Ok(())
+    }
+}
+
+/// cos/sin tables for every position up to `max_position_embeddings`,
+/// `[max_pos, head_dim / 2]`: host slices on the CPU (read by the fused
+/// in-place kernel), tensors elsewhere.
+pub enum RotaryEmbedding {
+    Host { cos: Vec<f32>, sin: Vec<f32> },
+    Device { cos: Tensor, sin: Tensor },
+}
+
+impl RotaryEmbedding {
+    pub fn new(cfg: &ModelConfig, max_positions: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let inv_freq = cfg.rope_inv_freq();
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for pos in 0..max_positions {
+            for &f in &inv_freq {
+                let angle = pos as f64 * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        if fused_cpu_path(dtype, device) {
+            return Ok(Self::Host { cos, sin });
+        }
+        let cos = Tensor::from_vec(cos, (max_positions, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (max_positions, half), device)?.to_dtype(dtype)?;
+        Ok(Self::Device { cos, sin })
+    }
+}
+
+/// A CPU step's rotation: the host tables and each row's position.
+pub struct HostRope<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// `[T]`, each row's absolute position.
+    pub positions: &'a [u32],
+}
+
+/// Applies HF's `rotate_half` RoPE to x: [T, heads, head_dim].
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let x = x.unsqueeze(0)?.contiguous()?; // [1, T, heads, head_dim]
+    Ok(candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)?)
+}
+
+/// Linear layers that read the same input, stacked into one when their
+/// weights allow (q/k/v, gate/up); the output is always their outputs side
+/// by side, `[T, out_a + out_b + …]`.
+enum Projection {
+    Stacked(Linear),
+    Separate(Vec<Linear>),
+}
+
+impl Projection {
+    fn new(parts: Vec<Linear>) -> Result<Self> {
+        Ok(match Linear::stack(parts)? {
+            Ok(stacked) => Self::Stacked(stacked),
+            Err(parts) => Self::Separate(parts),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::Stacked(l) => l.forward(x)?,
+            Self::Separate(parts) => {
+                let outs = parts.iter().map(|l| l.forward(x)).collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&outs, 1)?
+            }
+        })
+    }
+
+    /// As `forward`, into `out` (f32, on the CPU).
+    fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        match self {
+            Self::Stacked(l) => l.forward_into(x, out)?,
+            // Parts that could not be stacked (mixed formats): computed apart.
+            Self::Separate(_) => {
+                let y = self.forward(x)?.to_dtype(DType::F32)?;
+                kernels::cpu::copy_columns(&y, 0, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            Self::Stacked(l) => l.size_in_bytes(),
+            Self::Separate(parts) => parts.iter().map(Linear::size_in_bytes).sum(),
+        }
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            Self::Stacked(l) => vec![l],
+            Self::Separate(parts) => parts.iter_mut().collect(),
+        }
+    }
+}
+
+/// Attention with grouped key/value heads (GQA) over the paged KV cache.
+pub struct Attention {
+    /// q, k and v projections: `[T, (heads + 2 kv_heads) * head_dim]`.
+    qkv_proj: Projection,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+impl Attention {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
+        let (h, q_dim, kv_dim) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, vb.pp("q_norm"))?),
+                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, vb.pp("k_norm"))?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            qkv_proj: Projection::new(vec![
+                linear(h, q_dim, cfg.qkv_bias, vb.pp("q_proj"), pre)?,
+                linear(h, kv_dim, cfg.qkv_bias, vb.pp("k_proj"), pre)?,
+                linear(h, kv_dim, cfg.qkv_bias, vb.pp("v_proj"), pre)?,
+            ])?,
+            o_proj: linear(q_dim, h, cfg.o_bias, vb.pp("o_proj"), pre)?,
+            q_norm,
+            k_norm,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+        })
+    }
+
+    /// Its linear layers: the q/k/v projection (one, or three where they
+    /// could not be stacked), then o_proj.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut linears = self.qkv_proj.linears_mut();
+        linears.push(&mut self.o_proj);
+        linears
+    }
+
+    /// Bytes of weight one pass reads.
+    pub fn size_in_bytes(&self) -> usize {
+        let norms = self.q_norm.iter().chain(&self.k_norm).map(RmsNorm::size_in_bytes).sum::<usize>();
+        norms + self.qkv_proj.size_in_bytes() + self.o_proj.size_in_bytes()
+    }
+
+    /// The composed step (GPUs): candle ops and the device's kernels.
+    pub fn forward(
+        &self,
+        x: &Tensor,   // [T, hidden]
+        cos: &Tensor, // [T, head_dim / 2], this step's rows
+        sin: &Tensor,
+        kv: &LayerKvCache,
+        meta: &AttentionMetadata,
+    ) -> Result<Tensor> {
+        let t = x.dim(0)?;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        // 1. Project: one [T, (H + 2 KVH) * D] output, q then k then v.
+        let qkv = self.qkv_proj.forward(x)?;
+        // 2. Rotate q and k by absolute position (Qwen3 normalises each head first).
+        let q = qkv.narrow(1, 0, h * d)?.reshape((t, h, d))?;
+        let k = qkv.narrow(1, h * d, kvh * d)?.reshape((t, kvh, d))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        let (q, k) = (apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?);
+        let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?.reshape((t, kvh, d))?;
+        // 3. One batched write of this step's K/V into their slots, then
+        //    attention over each sequence's blocks (cached prefix + new).
+        let out = {
+            let _t = crate::profile::scope(crate::profile::Section::Attention);
+            kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
+            kernels::paged_attention(&q, &kv.k, &kv.v, meta, self.scale)? // [T, H, D]
+        };
+        Ok(self.o_proj.forward(&out.reshape((t, h * d))?)?)
+    }
+}
+
+impl Attention {
+    /// RoPE of the q and k heads of a fused qkv row, with Qwen3's head norm.
+    fn host_rope<'a>(&'a self, rope: &HostRope<'a>) -> kernels::cpu::Rope<'a> {
+        let HostRope { cos, sin, positions } = *rope;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let head_norm = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => match (&qn.host, &kn.host) {
+                (Some(qw), Some(kw)) => {
+                    Some(kernels::cpu::HeadNorm { q_heads: h, q_weight: qw, k_weight: kw, eps: qn.eps })
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        let row_len = (h + 2 * kvh) * d;
+        kernels::cpu::Rope { head_dim: d, heads: h + kvh, row_len, positions, cos, sin, head_norm }
+    }
+
+    /// The CPU step in the workspace: `b.normed` -> `b.proj`.
+    pub fn forward_cpu(&self, b: &Buffers, rope: &HostRope, kv: &LayerKvCache, meta: &AttentionMetadata) -> Result<()> {
+        let t = b.qkv.dim(0)?;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        self.qkv_proj.forward_into(&b.normed, &b.qkv)?;
+        kernels::cpu::rope_in_place_op(&b.qkv, self.host_rope(rope))?;
+        kernels::cpu::copy_columns(&b.qkv, 0, &b.q)?;
+        kernels::cpu::copy_columns(&b.qkv, h * d, &b.k)?;
+        kernels::cpu::copy_columns(&b.qkv, (h + kvh) * d, &b.v)?;
+        {
+            let _t = crate::profile::scope(crate::profile::Section::Attention);
+            let (k, v) = (b.k.reshape((t, kvh, d))?, b.v.reshape((t, kvh, d))?);
+            kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
+            let (q, out) = (b.q.reshape((t, h, d))?, b.attn.reshape((t, h, d))?);
+            kernels::cpu::paged_attention_into(&q, &kv.k, &kv.v, meta, self.scale, &out)?;
+        }
+        self.o_proj.forward_into(&b.attn, &b.proj)?;
+        Ok(())
+    }
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+pub struct Mlp {
+    /// gate and up projections: `[T, 2 * intermediate]`.
+    gate_up_proj: Projection,
+    down_proj: Linear,
+    intermediate: usize,
+}
+
+impl Mlp {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_up_proj: Projection::new(vec![
+                linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"), pre)?,
+                linear(h, i, cfg.mlp_bias, vb.pp("up_proj"), pre)?,
+            ])?,
+            down_proj: linear(i, h, cfg.mlp_bias, vb.pp("down_proj"), pre)?,
+            intermediate: i,
+        })
+    }
+
+    /// Its linear layers: gate/up (one, or two where they could not be
+    /// stacked), then down_proj.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut linears = self.gate_up_proj.linears_mut();
+        linears.push(&mut self.down_proj);
+        linears
+    }
+
+    /// Bytes of weight one pass reads.
+    pub fn size_in_bytes(&self) -> usize {
+        self.gate_up_proj.size_in_bytes() + self.down_proj.size_in_bytes()
+    }
+
+    /// The composed step (GPUs).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate_up = self.gate_up_proj.forward(x)?; // [T, 2 * I]
+        let i = self.intermediate;
+        let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)? * gate_up.narrow(1, i, i)?)?;
+        Ok(self.down_proj.forward(&act)?)
+    }
+}
+
+impl Mlp {
+    /// The CPU step in the workspace: `b.normed` -> `b.proj`.
+    pub fn forward_cpu(&self, b: &Buffers) -> Result<()> {
+        self.gate_up_proj.forward_into(&b.normed, &b.gate_up)?;
+        kernels::cpu::silu_mul_into_op(&b.gate_up, &b.act)?;
+        self.down_proj.forward_into(&b.act, &b.proj)?;
+        Ok(())
+    }
+}
+
+/// Rows `ids` of the embedding table `[vocab, hidden]` (f32, f16 or bf16
+/// on the CPU), widened into `out: [ids.len(), hidden]`.
+pub fn embed_into(table: &Tensor, ids: &[u32], out: &Tensor) -> Result<()> {
+    use candle_core::{CpuStorage, Storage};
+    let (vocab, hidden) = table.dims2()?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(candle_core::Error::Msg(format!("token id {id} is outside the vocabulary of {vocab}")).into());
+    }
+    let (storage, layout) = table.storage_and_layout();
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        return Err(candle_core::Error::Msg("embedding table must be contiguous".into()).into());
+    };
+    fn gather<T: Copy>(table: &[T], ids: &[u32], hidden: usize, out: &mut [f32], widen: impl Fn(T) -> f32) {
+        for (row, &id) in out.chunks_exact_mut(hidden).zip(ids) {
+            let src = &table[id as usize * hidden..][..hidden];
+            row.iter_mut().zip(src).for_each(|(o, &x)| *o = widen(x));
+        }
+    }
+    kernels::cpu::write_f32(out, &|o| {
+        match &*storage {
+            Storage::Cpu(CpuStorage::F32(t)) => gather(&t[start..], ids, hidden, o, |x| x),
+            Storage::Cpu(CpuStorage::F16(t)) => gather(&t[start..], ids, hidden, o, half::f16::to_f32),
+            Storage::Cpu(CpuStorage::BF16(t)) => gather(&t[start..], ids, hidden, o, half::bf16::to_f32),
+            _ => candle_core::bail!("embedding table: unsupported {:?} storage", table.dtype()),
+        }
+        Ok(())
+    })?;
+    Ok(())
+}

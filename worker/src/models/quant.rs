@@ -1,0 +1,197 @@
+//! Weight formats in GGML's names, and the block formats' side of a linear
+//! weight: quantizing a dense matrix, taking blocks as a GGUF file stores
+//! them, regrouping Q8_0 for the kernel in use, and reordering or stacking
+//! rows of quantized weights.
+//!
+//! Q8_0 is kept regrouped for the kernel: in 16-row panels for `vpdpbusd`
+//! where the CPU has AVX-512 VNNI ([`VnniQ8_0`]), else 4 rows' codes
+//! together, scales apart ([`PackedQ8_0`]); Q4_0 stays in GGML's row-major
+//! blocks.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::Mutex;
+
+use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, QuantError, quantize_matrix};
+use kernels::cpu::vnni::{VnniQ8_0, vnni_available};
+
+use super::linear::Weight;
+
+/// How weights are stored, in GGML's type names: dense f32 or f16, or a
+/// block format (integer codes with one f16 scale per 32 weights).
+/// `--quantize` takes the block formats, `export-gguf --type` all four.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantization {
+    F32,
+    F16,
+    /// GGML's Q8_0: i8 weights with an f16 scale per 32 (8.5 bits per weight).
+    Q8_0,
+    /// GGML's Q4_0: 4-bit weights with an f16 scale per 32 (4.5 bits per weight).
+    Q4_0,
+}
+
+impl Quantization {
+    pub const ALL: [Self; 4] = [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0];
+    /// The formats a loaded model can be quantized to (`--quantize`).
+    pub const BLOCK_FORMATS: [Self; 2] = [Self::Q8_0, Self::Q4_0];
+
+    /// The name on the command line (GGML's, lower case).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+        }
+    }
+
+    pub fn is_block_format(self) -> bool {
+        Self::BLOCK_FORMATS.contains(&self)
+    }
+}
+
+impl FromStr for Quantization {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|q| q.name() == s).ok_or_else(|| format!("unknown weight format {s:?}"))
+    }
+}
+
+fn kernel_err(e: QuantError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// Q8_0 blocks (row-major, GGML's order) regrouped for this CPU's kernel.
+fn pack_q8_0(blocks: &[BlockQ8_0], out: usize, inp: usize) -> candle_core::Result<Weight> {
+    if vnni_available() {
+        return Ok(Weight::Q8_0Vnni(VnniQ8_0::pack(blocks, out, inp / QK).map_err(kernel_err)?));
+    }
+    Ok(Weight::Q8_0(PackedQ8_0::pack(blocks, out, inp / QK).map_err(kernel_err)?))
+}
+
+fn check_blocks(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()> {
+    if !inp.is_multiple_of(QK) || blocks != out * (inp / QK) {
+        candle_core::bail!("{blocks} quantized blocks do not make a [{out}, {inp}] weight");
+    }
+    Ok(())
+}
+
+impl Weight {
+    /// Quantizes a row-major `[out, inp]` f32 matrix to a block format.
+    pub fn quantize(format: Quantization, w: &[f32], out: usize, inp: usize) -> candle_core::Result<Self> {
+        match format {
+            Quantization::Q8_0 => pack_q8_0(&quantize_matrix::<BlockQ8_0>(w, out, inp).map_err(kernel_err)?, out, inp),
+            Quantization::Q4_0 => {
+                Ok(Self::Q4_0 { blocks: quantize_matrix(w, out, inp).map_err(kernel_err)?, out, inp })
+            }
+            Quantization::F32 | Quantization::F16 => candle_core::bail!("{} is not a block format", format.name()),
+        }
+    }
+
+    /// Q8_0 blocks as stored in a file (GGUF), checked against the shape.
+    pub fn from_q8_0(blocks: Vec<BlockQ8_0>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        check_blocks(blocks.len(), out, inp)?;
+        pack_q8_0(&blocks, out, inp)
+    }
+
+    /// Q4_0 blocks as stored in a file (GGUF), checked against the shape.
+    pub fn from_q4_0(blocks: Vec<BlockQ4_0>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        check_blocks(blocks.len(), out, inp)?;
+        Ok(Self::Q4_0 { blocks, out, inp })
+    }
+
+    /// The block format, for quantized weights.
+    pub fn block_format(&self) -> Option<Quantization> {
+        match self {
+            Self::Q8_0(_) | Self::Q8_0Vnni(_) => Some(Quantization::Q8_0),
+            Self::Q4_0 { .. } => Some(Quantization::Q4_0),
+            Self::Dense(_) | Self::PackedF16(_) | Self::PackedBf16(_) => None,
+        }
+    }
+
+    /// Q8_0 weights back in GGML's row-major blocks.
+    fn q8_0_rows(&self) -> Option<Vec<BlockQ8_0>> {
+        match self {
+            Self::Q8_0(p) => Some(p.unpack()),
+            Self::Q8_0Vnni(p) => Some(p.unpack()),
+            _ => None,
+        }
+    }
+
+    /// Reorders whole output rows of a quantized weight: row `r` of the
+    /// result is row `perm[r]` (dense weights are left as they are).
+    pub fn permute_rows(&mut self, perm: &[usize]) -> candle_core::Result<()> {
+        fn apply<B: Copy>(v: &mut Vec<B>, perm: &[usize], kb: usize) {
+            *v = perm.iter().flat_map(|&r| v[r * kb..(r + 1) * kb].iter().copied()).collect();
+        }
+        let (out, inp) = self.dims()?;
+        let kb = inp / QK;
+        if let Some(mut rows) = self.q8_0_rows() {
+            apply(&mut rows, perm, kb);
+            *self = pack_q8_0(&rows, out, inp)?;
+        } else if let Self::Q4_0 { blocks, .. } = self {
+            apply(blocks, perm, kb);
+        }
+        Ok(())
+    }
+
+    /// Quantized weights of one format and width, their rows one after
+    /// another (`[out_a + out_b + …, inp]`); `None` for other weights.
+    pub(super) fn stack_quantized(parts: &[&Weight]) -> candle_core::Result<Option<Weight>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        let (Some(format), inp) = (first.block_format(), first.dims()?.1) else { return Ok(None) };
+        let mut out = 0;
+        for p in parts {
+            let (rows, cols) = p.dims()?;
+            if p.block_format() != Some(format) || cols != inp {
+                return Ok(None);
+            }
+            out += rows;
+        }
+        if format == Quantization::Q4_0 {
+            let blocks = parts.iter().flat_map(|p| match p {
+                Self::Q4_0 { blocks, .. } => blocks.as_slice(),
+                _ => &[],
+            });
+            return Ok(Some(Self::Q4_0 { blocks: blocks.copied().collect(), out, inp }));
+        }
+        let rows: Vec<BlockQ8_0> = parts.iter().filter_map(|p| p.q8_0_rows()).flatten().collect();
+        pack_q8_0(&rows, out, inp).map(Some)
+    }
+}
+
+/// Weights that arrive already quantized (from a GGUF file), by HF tensor
+/// name; [`super::linear::linear`] takes its weight from here when present.
+#[derive(Debug, Default)]
+pub struct Prequantized(Mutex<HashMap<String, Weight>>);
+
+impl Prequantized {
+    pub fn new(weights: HashMap<String, Weight>) -> Self {
+        Self(Mutex::new(weights))
+    }
+
+    pub(super) fn take(&self, name: &str) -> Option<Weight> {
+        self.0.lock().ok()?.remove(name)
+    }
+
+    /// Names nobody took (a mapping bug, or tensors the model does not use).
+    pub fn remaining(&self) -> Vec<String> {
+        self.0.lock().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for q in Quantization::ALL {
+            assert_eq!(q.name().parse::<Quantization>(), Ok(q));
+        }
+        assert!("q5_k".parse::<Quantization>().is_err());
+        assert!(Quantization::BLOCK_FORMATS.iter().all(|q| q.is_block_format()));
+        assert!(!Quantization::F16.is_block_format());
+    }
+}

@@ -1,0 +1,11 @@
+//! What runs a step on the device: the model runner (a scheduler step in,
+//! one batched forward pass out), the KV cache's tensors, the samplers
+//! (on the host and on the device), and the choice of device.
+
+pub mod device;
+pub mod device_sampler;
+pub mod kv_cache;
+pub mod model_runner;
+pub mod sampler;
+
+pub use model_runner::{BatchInputs, ModelRunner};

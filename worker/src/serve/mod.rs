@@ -1,0 +1,5 @@
+//! `tinyvllm-worker serve`: the QUIC service shell around the engine and
+//! the Prometheus metrics it records.
+
+pub mod metrics;
+pub mod service;
