@@ -1,9 +1,9 @@
 //! A model's files, found from its [`ModelSource`] (`--model` of either
 //! binary): a local Hugging Face directory, a hub id downloaded into the
-//! standard HF cache, a GGUF file, or a `random:<preset>` (no files at all). Also the few facts every side
-//! reads from them: the config, EOS/BOS ids and the config hash that tells
-//! two checkpoints apart. Building the model from the files is the worker's
-//! job (`worker::models::loader::load`).
+//! standard HF cache, a GGUF file, or a `random:<preset>` (no files at
+//! all). Also the few facts every side reads from them: the config, EOS/BOS
+//! ids and the config hash that tells two checkpoints apart. Building the
+//! model from the files is the worker's job (`worker::models::loader::load`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
