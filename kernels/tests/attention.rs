@@ -189,34 +189,14 @@ fn invalid_metadata_is_an_error_not_a_panic() {
             && portable::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
             && reference::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
     };
-    let (q, kc, vc) = (&case.q, &case.k_cache, &case.v_cache);
-    let bad = |edit: fn(&mut AttentionMetadata)| {
-        let mut meta = case.meta.clone();
-        edit(&mut meta);
-        all_fail(q, kc, vc, &meta)
-    };
-    assert!(
-        bad(|m| {
-            m.block_tables[0].pop();
-        }),
-        "short block table"
-    );
-    assert!(bad(|m| m.block_tables[0][0] = 10_000), "block id out of range");
-    assert!(bad(|m| m.context_lens[0] = 1), "fewer context tokens than new tokens");
-    assert!(bad(|m| m.query_start_loc = vec![0, 5]), "query rows past q");
-    assert!(bad(|m| m.query_start_loc = vec![1, 2]), "query rows not from 0");
-    assert!(bad(|m| m.context_lens.push(3)), "lists of different lengths");
-    assert!(bad(|m| m.block_size = 16), "block size differs from the cache's");
-    assert!(bad(|m| m.sliding_window = Some(0)), "empty window");
+    common::assert_rejects_broken_inputs(&case, all_fail);
+    let (kc, vc) = (&case.k_cache, &case.v_cache);
     // Mismatched shapes and dtypes.
     let q3 = Tensor::zeros((2, 3, 8), DType::F32, &Device::Cpu).unwrap(); // 3 heads over 2 kv heads
     assert!(all_fail(&q3, kc, vc, &case.meta), "heads not a multiple of kv heads");
     let q16 = Tensor::zeros((2, 4, 16), DType::F32, &Device::Cpu).unwrap();
     assert!(all_fail(&q16, kc, vc, &case.meta), "head_dim differs");
-    assert!(all_fail(&q.to_dtype(DType::F16).unwrap(), kc, vc, &case.meta), "dtype differs");
-    assert!(all_fail(q, kc, &vc.narrow(0, 0, 2).unwrap(), &case.meta), "v_cache shape differs");
-    let strided = kc.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
-    assert!(all_fail(q, &strided, vc, &case.meta), "non-contiguous cache");
+    let strided = common::strided(kc);
 
     // Cache writes.
     let k = Tensor::zeros((2, 2, 8), DType::F32, &Device::Cpu).unwrap();

@@ -261,32 +261,12 @@ fn invalid_inputs_are_errors_not_panics() {
     let fails = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
         metal::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
     };
+    common::assert_rejects_broken_inputs(&case, fails);
     let (q, kc, vc) = (&case.q, &case.k_cache, &case.v_cache);
-    let bad = |edit: fn(&mut AttentionMetadata)| {
-        let mut meta = case.meta.clone();
-        edit(&mut meta);
-        fails(q, kc, vc, &meta)
-    };
-    assert!(
-        bad(|m| {
-            m.block_tables[0].pop();
-        }),
-        "short block table"
-    );
-    assert!(bad(|m| m.block_tables[0][0] = 10_000), "block id out of range");
-    assert!(bad(|m| m.context_lens[0] = 1), "fewer context tokens than new tokens");
-    assert!(bad(|m| m.query_start_loc = vec![0, 5]), "query rows past q");
-    assert!(bad(|m| m.query_start_loc = vec![1, 2]), "query rows not from 0");
-    assert!(bad(|m| m.context_lens.push(3)), "lists of different lengths");
-    assert!(bad(|m| m.block_size = 16), "block size differs from the cache's");
-    assert!(bad(|m| m.sliding_window = Some(0)), "empty window");
     let zeros = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
     assert!(fails(&zeros((2, 3, 32), DType::F32), kc, vc, &case.meta), "heads not a multiple of kv heads");
     assert!(fails(&zeros((2, 4, 64), DType::F32), kc, vc, &case.meta), "head_dim differs");
-    assert!(fails(&q.to_dtype(DType::F16).unwrap(), kc, vc, &case.meta), "dtype differs");
-    assert!(fails(q, kc, &vc.narrow(0, 0, 2).unwrap(), &case.meta), "v_cache shape differs");
-    let strided = kc.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
-    assert!(fails(q, &strided, vc, &case.meta), "non-contiguous cache");
+    let strided = common::strided(kc);
     assert!(fails(&q.to_device(&Device::Cpu).unwrap(), kc, vc, &case.meta), "q on another device");
     let hd16 = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 16, 8)).to_device(&dev);
     assert!(fails(&hd16.q, &hd16.k_cache, &hd16.v_cache, &hd16.meta), "head_dim without a kernel");

@@ -110,15 +110,16 @@ impl Choice {
         {
             simd = Simd::Scalar;
         }
-        let mut packed_isas = Vec::new();
+        // Best first: each better one goes in front.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut packed_isas = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         if simd == Simd::Avx2 {
+            packed_isas.insert(0, Isa::Avx2);
             if f.avx512f {
-                packed_isas.push(Isa::Avx512);
+                packed_isas.insert(0, Isa::Avx512);
             }
-            packed_isas.push(Isa::Avx2);
         }
-        packed_isas.push(Isa::Scalar);
         let capped = match cap.to_ascii_lowercase().as_str() {
             #[cfg(target_arch = "x86_64")]
             "avx2" => packed_isas.iter().copied().find(|&isa| isa != Isa::Avx512),

@@ -148,11 +148,10 @@ struct Operands<'a> {
 
 fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
-    let k = kb * QK;
-    check_xy(x, m, k, y, n)?;
-    if m == 0 || n == 0 {
+    if !check_xy(x, m, kb, y, n)? {
         return Ok(());
     }
+    let k = kb * QK;
     if k == 0 {
         y.fill(0.0);
         return Ok(());

@@ -92,3 +92,39 @@ pub fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
     a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
+
+/// Asserts that `fails` rejects every broken variant of `case` (a valid
+/// one): metadata that does not fit its caches, q in another dtype, a
+/// v_cache of another shape, a strided cache.
+pub fn assert_rejects_broken_inputs(
+    case: &Case,
+    fails: impl Fn(&Tensor, &Tensor, &Tensor, &AttentionMetadata) -> bool,
+) {
+    let (q, kc, vc) = (&case.q, &case.k_cache, &case.v_cache);
+    let bad = |edit: fn(&mut AttentionMetadata)| {
+        let mut meta = case.meta.clone();
+        edit(&mut meta);
+        fails(q, kc, vc, &meta)
+    };
+    assert!(
+        bad(|m| {
+            m.block_tables[0].pop();
+        }),
+        "short block table"
+    );
+    assert!(bad(|m| m.block_tables[0][0] = 10_000), "block id out of range");
+    assert!(bad(|m| m.context_lens[0] = 1), "fewer context tokens than new tokens");
+    assert!(bad(|m| m.query_start_loc = vec![0, 5]), "query rows past q");
+    assert!(bad(|m| m.query_start_loc = vec![1, 2]), "query rows not from 0");
+    assert!(bad(|m| m.context_lens.push(3)), "lists of different lengths");
+    assert!(bad(|m| m.block_size = 16), "block size differs from the cache's");
+    assert!(bad(|m| m.sliding_window = Some(0)), "empty window");
+    assert!(fails(&q.to_dtype(DType::F16).unwrap(), kc, vc, &case.meta), "dtype differs");
+    assert!(fails(q, kc, &vc.narrow(0, 0, 2).unwrap(), &case.meta), "v_cache shape differs");
+    assert!(fails(q, &strided(kc), vc, &case.meta), "non-contiguous cache");
+}
+
+/// `cache` with its elements in another order: not contiguous.
+pub fn strided(cache: &Tensor) -> Tensor {
+    cache.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap()
+}

@@ -363,20 +363,20 @@ pub fn matmul_packed_q8_0_scalar(x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f
     packed_with(Simd::Scalar, x, m, w, y)
 }
 
-/// Errors unless x is `[m, k]` and y `[m, n]`: the check of the kernels
-/// whose weight carries its own shape (`PackedQ8_0`, `VnniQ8_0`).
-pub(crate) fn check_xy(x: &[f32], m: usize, k: usize, y: &[f32], n: usize) -> Result<(), QuantError> {
+/// Errors unless x is `[m, kb * 32]` and y `[m, n]`: the check of the
+/// kernels whose weight carries its own shape (`PackedQ8_0`, `VnniQ8_0`).
+/// Ok(false) when the product is empty (m or n is 0).
+pub(crate) fn check_xy(x: &[f32], m: usize, kb: usize, y: &[f32], n: usize) -> Result<bool, QuantError> {
+    let k = kb * QK;
     if x.len() != m * k || y.len() != m * n {
         return Err(QuantError::Shape(format!("x {} (m {m} k {k}), y {} (n {n})", x.len(), y.len())));
     }
-    Ok(())
+    Ok(m > 0 && n > 0)
 }
 
 fn packed_with(backend: Simd, x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
-    let k = kb * QK;
-    check_xy(x, m, k, y, n)?;
-    if m == 0 || n == 0 {
+    if !check_xy(x, m, kb, y, n)? {
         return Ok(());
     }
     let (xq, xd) = quantized_activations(backend, x, m * kb);
@@ -401,6 +401,8 @@ fn packed_groups(backend: Simd, ops: &PackedOperands<'_>, g0: usize, g1: usize) 
         // shapes were checked by the caller; this task owns these columns.
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => unsafe { avx2::packed_groups(ops, g0, g1) },
+        // SAFETY: NEON was detected (it is baseline on aarch64); shapes
+        // were checked by the caller; this task owns these columns.
         #[cfg(target_arch = "aarch64")]
         Simd::Neon => unsafe { neon::packed_groups(ops, g0, g1) },
         Simd::Scalar => scalar_packed_groups(ops, g0, g1),
@@ -514,6 +516,8 @@ fn rows<B: QuantBlock>(backend: Simd, ops: &Operands<'_, B>, n0: usize, n1: usiz
         // shapes were checked by the caller; this task owns columns n0..n1.
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => unsafe { avx2::rows(ops, n0, n1) },
+        // SAFETY: NEON was detected (it is baseline on aarch64); shapes
+        // were checked by the caller; this task owns columns n0..n1.
         #[cfg(target_arch = "aarch64")]
         Simd::Neon => unsafe { neon::rows(ops, n0, n1) },
         Simd::Scalar => scalar_rows(ops, n0, n1),
