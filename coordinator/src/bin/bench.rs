@@ -21,40 +21,8 @@ struct Cli {
 enum Command {
     /// Shared-prefix workload with Poisson arrivals against a running coordinator.
     Workload {
-        /// The coordinator's HTTP base URL.
-        #[arg(long, default_value = "http://127.0.0.1:8080")]
-        url: String,
-        #[arg(long)]
-        model: Option<String>,
-        /// G: groups, each with its own shared prefix.
-        #[arg(long, default_value_t = 8)]
-        groups: usize,
-        /// P: shared prefix length in tokens.
-        #[arg(long, default_value_t = 512)]
-        prefix_tokens: usize,
-        /// Q: queries per group.
-        #[arg(long, default_value_t = 8)]
-        queries: usize,
-        /// Distinct suffix length per query, in tokens.
-        #[arg(long, default_value_t = 32)]
-        suffix_tokens: usize,
-        /// R: mean arrivals per second (Poisson).
-        #[arg(long, default_value_t = 1.0)]
-        rate: f64,
-        #[arg(long, default_value_t = 16)]
-        max_tokens: usize,
-        /// Token ids are drawn below this (the model's vocabulary size).
-        #[arg(long, default_value_t = 512)]
-        vocab_size: u32,
-        /// And from this up (skips special tokens).
-        #[arg(long, default_value_t = 3)]
-        first_token: u32,
-        #[arg(long, default_value_t = 16)]
-        block_size: usize,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        #[arg(long, env = "TINYVLLM_API_KEY")]
-        api_key: Option<String>,
+        #[command(flatten)]
+        cfg: WorkloadConfig,
         /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -88,44 +56,18 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Workload {
-            url,
-            model,
-            groups,
-            prefix_tokens,
-            queries,
-            suffix_tokens,
-            rate,
-            max_tokens,
-            vocab_size,
-            first_token,
-            block_size,
-            seed,
-            api_key,
-            json,
-        } => {
-            anyhow::ensure!(rate > 0.0 && block_size > 0 && vocab_size > first_token, "invalid workload parameters");
-            let cfg = WorkloadConfig {
-                url,
-                model,
-                groups,
-                prefix_tokens,
-                queries_per_group: queries,
-                suffix_tokens,
-                rate,
-                max_tokens,
-                vocab_size,
-                first_token,
-                block_size,
-                seed,
-                api_key,
-            };
+        Command::Workload { cfg, json } => {
+            anyhow::ensure!(
+                cfg.rate > 0.0 && cfg.block_size > 0 && cfg.vocab_size > cfg.first_token,
+                "invalid workload parameters"
+            );
             let r = loadgen::run(&cfg);
             if json {
                 println!("{}", r.to_json());
             } else {
                 println!(
-                    "workload: G={groups} P={prefix_tokens} Q={queries} suffix={suffix_tokens} R={rate}/s max_tokens={max_tokens}"
+                    "workload: G={} P={} Q={} suffix={} R={}/s max_tokens={}",
+                    cfg.groups, cfg.prefix_tokens, cfg.queries_per_group, cfg.suffix_tokens, cfg.rate, cfg.max_tokens
                 );
                 println!(
                     "requests {} (errors {}) in {:.1} s: {:.2} req/s, {:.1} output tok/s",
