@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use common::protocol::WorkerStats;
-use common::{BlockHash, KvEventRecord, RequestId, hash_prompt_blocks};
+use common::{BlockHash, KvEventRecord, RequestId, WorkerId, hash_prompt_blocks};
 
 pub use ledger::{Ledger, WorkerLoad};
 pub use prefix_aware::NEW_PREFILL_WEIGHT;
@@ -89,7 +89,7 @@ impl std::fmt::Display for Policy {
 /// A worker the request may go to, as the policies see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Candidate {
-    pub worker: u64,
+    pub worker: WorkerId,
     /// Leading blocks of the prompt the worker holds in its prefix cache.
     pub cached_blocks: usize,
     pub load: WorkerLoad,
@@ -98,7 +98,7 @@ pub struct Candidate {
 /// The router's choice for one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Decision {
-    pub worker: u64,
+    pub worker: WorkerId,
     /// Prompt tokens the chosen worker should find cached.
     pub predicted_cached_tokens: u32,
 }
@@ -112,7 +112,7 @@ pub struct Router {
     rng: u64,
     candidates: Vec<Candidate>,
     /// The worker and block chain of each routed, unfinished request.
-    in_flight: U64Map<RequestId, (u64, Vec<BlockHash>)>,
+    in_flight: U64Map<RequestId, (WorkerId, Vec<BlockHash>)>,
 }
 
 impl Router {
@@ -146,38 +146,38 @@ impl Router {
         &self.index
     }
 
-    pub fn load(&self, worker: u64) -> WorkerLoad {
+    pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.ledger.load(worker)
     }
 
     /// A worker joined. Request its KV snapshot: until it arrives the index
     /// treats its cache as empty.
-    pub fn add_worker(&mut self, worker: u64) {
+    pub fn add_worker(&mut self, worker: WorkerId) {
         self.index.add_worker(worker);
         self.ledger.add_worker(worker);
     }
 
     /// A worker was lost: its index entries and ledger go with it.
-    pub fn remove_worker(&mut self, worker: u64) {
+    pub fn remove_worker(&mut self, worker: WorkerId) {
         self.index.remove_worker(worker);
         self.ledger.remove_worker(worker);
         self.in_flight.retain(|_, (w, _)| *w != worker);
     }
 
-    pub fn apply_kv_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
+    pub fn apply_kv_events(&mut self, worker: WorkerId, events: &[KvEventRecord]) -> EventOutcome {
         self.index.apply_events(worker, events)
     }
 
     pub fn apply_kv_snapshot(
         &mut self,
-        worker: u64,
+        worker: WorkerId,
         last_event_id: Option<u64>,
         hashes: impl IntoIterator<Item = BlockHash>,
     ) {
         self.index.apply_snapshot(worker, last_event_id, hashes);
     }
 
-    pub fn on_stats(&mut self, worker: u64, stats: &WorkerStats) {
+    pub fn on_stats(&mut self, worker: WorkerId, stats: &WorkerStats) {
         self.ledger.on_stats(worker, stats);
     }
 
@@ -190,7 +190,7 @@ impl Router {
     /// Chooses among `eligible` workers (ascending ids, each added before)
     /// for a prompt whose hash chain is `chain`. Does not record the
     /// dispatch: call `on_dispatch` once the request is really sent.
-    pub fn route(&mut self, prompt_len: usize, chain: &[BlockHash], eligible: &[u64]) -> Option<Decision> {
+    pub fn route(&mut self, prompt_len: usize, chain: &[BlockHash], eligible: &[WorkerId]) -> Option<Decision> {
         self.candidates.clear();
         for &worker in eligible {
             self.candidates.push(Candidate { worker, cached_blocks: 0, load: self.ledger.load(worker) });
@@ -233,7 +233,7 @@ impl Router {
     pub fn on_dispatch(
         &mut self,
         request: RequestId,
-        worker: u64,
+        worker: WorkerId,
         prompt_len: usize,
         chain: &[BlockHash],
         predicted_cached_tokens: u32,
