@@ -1,5 +1,5 @@
 //! What a handler answers: a status and a JSON body, or a stream of
-//! server-sent events. `crate::http` turns it into the hyper response.
+//! server-sent events. The HTTP server turns it into the hyper response.
 
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -3,7 +3,7 @@
 
 use common::WorkerId;
 
-use super::Candidate;
+use super::policy::Candidate;
 
 pub fn choose(candidates: &[Candidate], block_size: usize) -> Option<usize> {
     candidates.iter().enumerate().min_by_key(|(_, c)| load_key(c, block_size)).map(|(i, _)| i)

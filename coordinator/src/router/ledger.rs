@@ -8,7 +8,7 @@
 use common::protocol::WorkerStats;
 use common::{RequestId, WorkerId};
 
-use super::U64Map;
+use super::u64map::U64Map;
 
 /// A worker's load as the router scores it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

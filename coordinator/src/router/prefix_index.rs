@@ -25,7 +25,7 @@ use std::hash::BuildHasherDefault;
 
 use common::{BlockHash, KvEvent, KvEventRecord, WorkerId};
 
-use super::{U64Hasher, U64Map};
+use super::u64map::{U64Hasher, U64Map};
 
 type HashSetU64<T> = HashSet<T, BuildHasherDefault<U64Hasher>>;
 
