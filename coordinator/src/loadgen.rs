@@ -25,7 +25,7 @@ pub struct WorkloadConfig {
     #[arg(long, default_value_t = 512)]
     pub prefix_tokens: usize,
     /// Q: queries per group.
-    #[arg(long = "queries", default_value_t = 8)]
+    #[arg(long = "queries", value_name = "QUERIES", default_value_t = 8)]
     pub queries_per_group: usize,
     /// Distinct suffix length per query, in tokens.
     #[arg(long, default_value_t = 32)]

@@ -31,27 +31,50 @@ enum Command {
     Simulate {
         #[arg(long, value_delimiter = ',', default_value = "64,256")]
         workers: Vec<usize>,
-        #[arg(long, default_value_t = 100_000)]
-        requests: usize,
-        #[arg(long, default_value_t = 2_000)]
-        prefixes: usize,
-        #[arg(long, default_value_t = 1.1)]
-        zipf_s: f64,
-        #[arg(long, default_value_t = 32)]
-        prefix_blocks: usize,
-        #[arg(long, default_value_t = 4)]
-        suffix_blocks: usize,
-        /// KV capacity per worker, in blocks.
-        #[arg(long, default_value_t = 4_096)]
-        kv_blocks: usize,
-        #[arg(long, default_value_t = 0.8)]
-        utilization: f64,
+        #[command(flatten)]
+        workload: SimWorkload,
         /// Policies to run (default: all four).
         #[arg(long, value_delimiter = ',')]
         policy: Vec<Policy>,
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `simulate`'s workload: what it sets of `SimConfig`, for each cluster size it sweeps.
+#[derive(clap::Args)]
+struct SimWorkload {
+    #[arg(long, default_value_t = 100_000)]
+    requests: usize,
+    #[arg(long, default_value_t = 2_000)]
+    prefixes: usize,
+    #[arg(long, default_value_t = 1.1)]
+    zipf_s: f64,
+    #[arg(long, default_value_t = 32)]
+    prefix_blocks: usize,
+    #[arg(long, default_value_t = 4)]
+    suffix_blocks: usize,
+    /// KV capacity per worker, in blocks.
+    #[arg(long, default_value_t = 4_096)]
+    kv_blocks: usize,
+    #[arg(long, default_value_t = 0.8)]
+    utilization: f64,
+}
+
+impl SimWorkload {
+    fn config(&self, workers: usize) -> SimConfig {
+        SimConfig {
+            workers,
+            requests: self.requests,
+            prefixes: self.prefixes,
+            zipf_s: self.zipf_s,
+            prefix_blocks: self.prefix_blocks,
+            suffix_blocks: self.suffix_blocks,
+            kv_blocks: self.kv_blocks,
+            utilization: self.utilization,
+            ..SimConfig::default()
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -88,18 +111,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Simulate {
-            workers,
-            requests,
-            prefixes,
-            zipf_s,
-            prefix_blocks,
-            suffix_blocks,
-            kv_blocks,
-            utilization,
-            policy,
-            json,
-        } => {
+        Command::Simulate { workers, workload, policy, json } => {
             let policies = if policy.is_empty() { Policy::ALL.to_vec() } else { policy };
             if !json {
                 println!(
@@ -116,17 +128,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
             for &n in &workers {
-                let cfg = SimConfig {
-                    workers: n,
-                    requests,
-                    prefixes,
-                    zipf_s,
-                    prefix_blocks,
-                    suffix_blocks,
-                    kv_blocks,
-                    utilization,
-                    ..SimConfig::default()
-                };
+                let cfg = workload.config(n);
                 for &p in &policies {
                     let r = sim::simulate(&cfg, p);
                     if json {
