@@ -16,3 +16,15 @@ impl std::fmt::Display for RequestId {
         write!(f, "req-{}", self.0)
     }
 }
+
+/// A worker's id in the cluster, assigned by the coordinator when the worker
+/// registers. Serialized as the bare number (in `/v1/workers` and on the wire).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct WorkerId(pub u64);
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}

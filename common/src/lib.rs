@@ -13,6 +13,6 @@ pub mod sampling;
 pub mod transport;
 
 pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
-pub use ids::{BlockId, RequestId};
+pub use ids::{BlockId, RequestId, WorkerId};
 pub use kv_events::{KvEvent, KvEventRecord};
 pub use sampling::{SamplingParams, SamplingParamsError};

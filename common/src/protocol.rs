@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
-use crate::{KvEventRecord, RequestId, SamplingParams};
+use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
 pub const PROTOCOL_VERSION: u32 = 4;
@@ -61,7 +61,7 @@ pub enum HandshakeReply {
     /// `auth_tag` proves the coordinator knows the secret too, so a worker
     /// never serves a man in the middle.
     Accepted {
-        worker_id: u64,
+        worker_id: WorkerId,
         auth_tag: Vec<u8>,
     },
     Refused {

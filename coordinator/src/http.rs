@@ -1,85 +1,19 @@
 //! The HTTP server (hyper 1.x): routing, API-key check, body-size limit,
-//! queue bound, and the response type (JSON or a server-sent-event stream).
-//! `handle` is a plain function of a request, so tests can call it without
-//! a socket; `serve` runs it on a real listener.
+//! and the shutdown refusal. `handle` is a plain function of a request, so
+//! tests can call it without a socket; `serve` runs it on a real listener.
 
 use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
-use crate::api::{ApiError, handlers};
+use crate::api::reply::ReplyBody;
+use crate::api::{ApiError, Reply, chat, completions, generate, info, tokenize};
 use crate::app::AppState;
-
-/// A response body: a whole buffer, or SSE events as they come.
-pub enum ReplyBody {
-    Full(Option<Bytes>),
-    Stream(mpsc::Receiver<String>),
-}
-
-impl Body for ReplyBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.get_mut() {
-            ReplyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            ReplyBody::Stream(rx) => rx.poll_recv(cx).map(|event| event.map(|e| Ok(Frame::data(Bytes::from(e))))),
-        }
-    }
-}
-
-pub struct Reply {
-    status: StatusCode,
-    body: ReplyBody,
-    sse: bool,
-    retry_after: Option<u64>,
-}
-
-impl Reply {
-    pub fn json(value: serde_json::Value) -> Self {
-        Self::json_status(StatusCode::OK, value)
-    }
-
-    pub fn json_status(status: StatusCode, value: serde_json::Value) -> Self {
-        Self { status, body: ReplyBody::Full(Some(Bytes::from(value.to_string()))), sse: false, retry_after: None }
-    }
-
-    pub fn sse(events: mpsc::Receiver<String>) -> Self {
-        Self { status: StatusCode::OK, body: ReplyBody::Stream(events), sse: true, retry_after: None }
-    }
-
-    fn text(status: StatusCode, body: String) -> Self {
-        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), sse: false, retry_after: None }
-    }
-
-    fn error(e: &ApiError) -> Self {
-        Self {
-            status: e.status,
-            body: ReplyBody::Full(Some(Bytes::from(e.body()))),
-            sse: false,
-            retry_after: e.retry_after,
-        }
-    }
-
-    fn into_response(self) -> Response<ReplyBody> {
-        let content_type = if self.sse { "text/event-stream" } else { "application/json" };
-        let mut builder = Response::builder().status(self.status).header("content-type", content_type);
-        if self.sse {
-            builder = builder.header("cache-control", "no-cache");
-        }
-        if let Some(seconds) = self.retry_after {
-            builder = builder.header("retry-after", seconds.to_string());
-        }
-        builder.body(self.body).unwrap_or_else(|_| Response::new(ReplyBody::Full(None)))
-    }
-}
 
 /// Routes one request. Never panics on input; every failure is a JSON error.
 pub async fn handle(app: Arc<AppState>, req: Request<Incoming>) -> Result<Response<ReplyBody>, Infallible> {
@@ -88,11 +22,11 @@ pub async fn handle(app: Arc<AppState>, req: Request<Incoming>) -> Result<Respon
     let reply = match route(app.clone(), req).await {
         Ok(reply) => reply,
         Err(e) => {
-            app.metrics.rejected(&e);
+            app.metrics.rejected(e.status);
             Reply::error(&e)
         }
     };
-    app.metrics.http_request(&path, reply.status.as_u16(), started.elapsed());
+    app.metrics.http_request(&path, reply.status().as_u16(), started.elapsed());
     Ok(reply.into_response())
 }
 
@@ -101,9 +35,9 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
     let method = req.method().clone();
     // Health and metrics stay open to probes; the API needs the key.
     match (&method, path.as_str()) {
-        (&Method::GET, "/health") => return Ok(handlers::health(&app)),
-        (&Method::GET, "/metrics") => return Ok(Reply::text(StatusCode::OK, app.metrics.render(&app))),
-        (&Method::GET, "/v1/prometheus/targets") => return Ok(handlers::prometheus_targets(&app)),
+        (&Method::GET, "/health") => return Ok(info::health(&app)),
+        (&Method::GET, "/metrics") => return Ok(Reply::text(StatusCode::OK, app.metrics.render(&app.cluster))),
+        (&Method::GET, "/v1/prometheus/targets") => return Ok(info::prometheus_targets(&app)),
         _ => {}
     }
     if let Some(key) = &app.api_key {
@@ -114,19 +48,19 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
         }
     }
     match (&method, path.as_str()) {
-        (&Method::GET, "/v1/models") => Ok(handlers::models(&app)),
-        (&Method::GET, "/v1/workers") => Ok(handlers::workers(&app)),
-        (&Method::POST, "/tokenize") => handlers::tokenize(&app, &read_body(req, app.max_body_bytes).await?),
-        (&Method::POST, "/detokenize") => handlers::detokenize(&app, &read_body(req, app.max_body_bytes).await?),
+        (&Method::GET, "/v1/models") => Ok(info::models(&app)),
+        (&Method::GET, "/v1/workers") => Ok(info::workers(&app)),
+        (&Method::POST, "/tokenize") => tokenize::tokenize(&app, &read_body(req, app.max_body_bytes).await?),
+        (&Method::POST, "/detokenize") => tokenize::detokenize(&app, &read_body(req, app.max_body_bytes).await?),
         (&Method::POST, "/generate" | "/v1/completions" | "/v1/chat/completions") => {
             if app.shutting_down() {
                 return Err(ApiError::unavailable("the server is shutting down"));
             }
             let body = read_body(req, app.max_body_bytes).await?;
             match path.as_str() {
-                "/generate" => handlers::generate(app, &body).await,
-                "/v1/completions" => handlers::completions(app, &body).await,
-                _ => handlers::chat(app, &body).await,
+                "/generate" => generate::generate(app, &body).await,
+                "/v1/completions" => completions::completions(app, &body).await,
+                _ => chat::chat(app, &body).await,
             }
         }
         (

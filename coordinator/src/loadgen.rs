@@ -10,21 +10,42 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-#[derive(Clone, Debug)]
+/// The workload, as `tinyvllm-bench workload` takes it on the command line.
+#[derive(Clone, Debug, clap::Args)]
 pub struct WorkloadConfig {
+    /// The coordinator's HTTP base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
+    #[arg(long)]
     pub model: Option<String>,
+    /// G: groups, each with its own shared prefix.
+    #[arg(long, default_value_t = 8)]
     pub groups: usize,
+    /// P: shared prefix length in tokens.
+    #[arg(long, default_value_t = 512)]
     pub prefix_tokens: usize,
+    /// Q: queries per group.
+    #[arg(long = "queries", value_name = "QUERIES", default_value_t = 8)]
     pub queries_per_group: usize,
+    /// Distinct suffix length per query, in tokens.
+    #[arg(long, default_value_t = 32)]
     pub suffix_tokens: usize,
+    /// R: mean arrivals per second (Poisson).
+    #[arg(long, default_value_t = 1.0)]
     pub rate: f64,
+    #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
-    /// Token ids are drawn from `first_token..vocab_size`.
+    /// Token ids are drawn below this (the model's vocabulary size).
+    #[arg(long, default_value_t = 512)]
     pub vocab_size: u32,
+    /// And from this up (skips special tokens).
+    #[arg(long, default_value_t = 3)]
     pub first_token: u32,
+    #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    #[arg(long, env = "TINYVLLM_API_KEY")]
     pub api_key: Option<String>,
 }
 

@@ -7,9 +7,9 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::api::ApiError;
-use crate::app::AppState;
-use crate::cluster::RoutingMetrics;
+use hyper::StatusCode;
+
+use crate::cluster::{Cluster, RoutingMetrics, WorkerState};
 
 /// Latency buckets in seconds (vLLM's TTFT buckets, extended for CPU workers).
 const LATENCY_BUCKETS: [f64; 17] =
@@ -125,8 +125,9 @@ impl Metrics {
         self.http_latency.with_label_values(&[endpoint]).observe(elapsed.as_secs_f64());
     }
 
-    pub fn rejected(&self, e: &ApiError) {
-        let reason = match e.status.as_u16() {
+    /// A request refused with `status`, counted by reason.
+    pub fn rejected(&self, status: StatusCode) {
+        let reason = match status.as_u16() {
             400 => "invalid_request",
             401 => "unauthorized",
             404 => "not_found",
@@ -138,14 +139,14 @@ impl Metrics {
         self.rejected.with_label_values(&[reason]).inc();
     }
 
-    pub fn render(&self, app: &AppState) -> String {
-        let workers = app.cluster.workers();
-        for state in ["ready", "draining"] {
-            let n = workers.iter().filter(|w| format!("{:?}", w.state).to_lowercase() == state).count();
-            self.workers.with_label_values(&[state]).set(n as i64);
+    pub fn render(&self, cluster: &Cluster) -> String {
+        let workers = cluster.workers();
+        for state in [WorkerState::Ready, WorkerState::Draining] {
+            let n = workers.iter().filter(|w| w.state == state).count();
+            self.workers.with_label_values(&[state.as_str()]).set(n as i64);
         }
-        self.in_flight.set(app.cluster.in_flight() as i64);
-        self.queue_depth.set(app.cluster.queued() as i64);
+        self.in_flight.set(cluster.in_flight() as i64);
+        self.queue_depth.set(cluster.queued() as i64);
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()

@@ -17,7 +17,7 @@ use std::collections::BinaryHeap;
 use std::time::Instant;
 
 use common::protocol::WorkerStats;
-use common::{BlockHash, BlockId, RequestId, hash_block_tokens};
+use common::{BlockHash, BlockId, RequestId, WorkerId, hash_block_tokens};
 use engine_core::BlockPool;
 
 use crate::router::{Policy, Router};
@@ -99,12 +99,12 @@ pub fn simulate(cfg: &SimConfig, policy: Policy) -> SimReport {
     let mut router = Router::with_seed(policy, bs, cfg.seed);
     let mut workers: Vec<SimWorker> = (0..cfg.workers)
         .map(|w| {
-            router.add_worker(w as u64);
-            router.apply_kv_snapshot(w as u64, None, []);
+            router.add_worker(WorkerId(w as u64));
+            router.apply_kv_snapshot(WorkerId(w as u64), None, []);
             SimWorker { pool: BlockPool::new(cfg.kv_blocks, true), free_at: 0.0, prefill_ms: 0.0 }
         })
         .collect();
-    let eligible: Vec<u64> = (0..cfg.workers as u64).collect();
+    let eligible: Vec<WorkerId> = (0..cfg.workers as u64).map(WorkerId).collect();
     let prompt_tokens = (cfg.prefix_blocks + cfg.suffix_blocks) * bs;
     // Arrival rate for the target utilization of the cluster's uncached prefill capacity.
     let service_ms = prompt_tokens as f64 * cfg.prefill_ms_per_token;
@@ -142,7 +142,7 @@ pub fn simulate(cfg: &SimConfig, policy: Policy) -> SimReport {
             stats_at = now;
             for (w, sw) in workers.iter().enumerate() {
                 let used = (sw.pool.num_blocks() - sw.pool.num_free()) as u64;
-                router.on_stats(w as u64, &WorkerStats { kv_blocks_used: used, ..WorkerStats::default() });
+                router.on_stats(WorkerId(w as u64), &WorkerStats { kv_blocks_used: used, ..WorkerStats::default() });
             }
         }
         let prefix = zipf.sample(&mut rng);
@@ -151,7 +151,7 @@ pub fn simulate(cfg: &SimConfig, policy: Policy) -> SimReport {
         let started = Instant::now();
         let decision = router.route(tokens.len(), &chain, &eligible).expect("workers exist");
         decisions.push(started.elapsed().as_secs_f64() * 1e6);
-        let w = decision.worker as usize;
+        let w = decision.worker.0 as usize;
         router.on_dispatch(RequestId(request), decision.worker, tokens.len(), &chain, decision.predicted_cached_tokens);
 
         let (blocks, cached_blocks) = admit(&mut workers[w].pool, &tokens, &chain, bs);
@@ -242,7 +242,7 @@ fn admit(pool: &mut BlockPool, tokens: &[u32], chain: &[BlockHash], bs: usize) -
 fn publish(router: &mut Router, pool: &mut BlockPool, worker: usize) {
     let events = pool.drain_events();
     if !events.is_empty() {
-        router.apply_kv_events(worker as u64, &events);
+        router.apply_kv_events(WorkerId(worker as u64), &events);
     }
 }
 

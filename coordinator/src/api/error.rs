@@ -15,8 +15,9 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
+/// The JSON an error is sent as (a response body, or a stream's last event).
 #[derive(Serialize)]
-struct Body<'a> {
+pub struct ErrorBody<'a> {
     error: Inner<'a>,
 }
 
@@ -85,10 +86,15 @@ impl ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
 
-    pub fn body(&self) -> String {
-        serde_json::to_string(&Body {
+    pub fn to_body(&self) -> ErrorBody<'_> {
+        ErrorBody {
             error: Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code },
+        }
+    }
+
+    pub fn body(&self) -> String {
+        serde_json::to_string(&self.to_body()).unwrap_or_else(|_| {
+            r#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#.into()
         })
-        .unwrap_or_else(|_| r#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#.into())
     }
 }

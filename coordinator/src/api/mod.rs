@@ -1,8 +1,21 @@
-//! The HTTP API: request types, validation, OpenAI-shaped errors, handlers.
+//! The HTTP API: one file per endpoint family (`generate`, `completions`,
+//! `chat`, `tokenize`, `info`), over the request types and their checks
+//! (`request`, `prepare`), the choice runner (`run`), the response shapes
+//! (`openai`, `logprobs`), the SSE stream (`sse`), and OpenAI-shaped errors.
 
+pub mod chat;
+pub mod completions;
 pub mod error;
-pub mod handlers;
+pub mod generate;
+pub mod info;
+pub mod logprobs;
+pub mod openai;
+pub mod prepare;
+pub mod reply;
+pub mod request;
 pub mod run;
-pub mod types;
+pub mod sse;
+pub mod tokenize;
 
 pub use error::ApiError;
+pub use reply::Reply;

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use common::protocol::{WireFinishReason, WireLogprobs};
-use common::{RequestId, SamplingParams};
+use common::{RequestId, SamplingParams, WorkerId};
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
@@ -106,7 +106,7 @@ async fn drive_choice(
     index: usize,
     spec: ChoiceSpec,
     id: RequestId,
-    first_worker: u64,
+    first_worker: WorkerId,
     mut events: mpsc::UnboundedReceiver<RequestEvent>,
     tx: mpsc::UnboundedSender<Update>,
 ) {
@@ -135,7 +135,7 @@ async fn drive_choice(
                 if let Some(stop) = out.stopped {
                     // Looked up before the abort removes the request.
                     let worker = app.cluster.request_worker(id).unwrap_or(first_worker);
-                    let worker = app.cluster.worker_name(worker).unwrap_or_else(|| format!("worker-{worker}"));
+                    let worker = app.cluster.worker_label(worker);
                     let cached_tokens = app.cluster.request_cached_tokens(id).unwrap_or(0);
                     app.cluster.abort(id);
                     guard.armed = false;

@@ -21,40 +21,8 @@ struct Cli {
 enum Command {
     /// Shared-prefix workload with Poisson arrivals against a running coordinator.
     Workload {
-        /// The coordinator's HTTP base URL.
-        #[arg(long, default_value = "http://127.0.0.1:8080")]
-        url: String,
-        #[arg(long)]
-        model: Option<String>,
-        /// G: groups, each with its own shared prefix.
-        #[arg(long, default_value_t = 8)]
-        groups: usize,
-        /// P: shared prefix length in tokens.
-        #[arg(long, default_value_t = 512)]
-        prefix_tokens: usize,
-        /// Q: queries per group.
-        #[arg(long, default_value_t = 8)]
-        queries: usize,
-        /// Distinct suffix length per query, in tokens.
-        #[arg(long, default_value_t = 32)]
-        suffix_tokens: usize,
-        /// R: mean arrivals per second (Poisson).
-        #[arg(long, default_value_t = 1.0)]
-        rate: f64,
-        #[arg(long, default_value_t = 16)]
-        max_tokens: usize,
-        /// Token ids are drawn below this (the model's vocabulary size).
-        #[arg(long, default_value_t = 512)]
-        vocab_size: u32,
-        /// And from this up (skips special tokens).
-        #[arg(long, default_value_t = 3)]
-        first_token: u32,
-        #[arg(long, default_value_t = 16)]
-        block_size: usize,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        #[arg(long, env = "TINYVLLM_API_KEY")]
-        api_key: Option<String>,
+        #[command(flatten)]
+        cfg: WorkloadConfig,
         /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -63,21 +31,8 @@ enum Command {
     Simulate {
         #[arg(long, value_delimiter = ',', default_value = "64,256")]
         workers: Vec<usize>,
-        #[arg(long, default_value_t = 100_000)]
-        requests: usize,
-        #[arg(long, default_value_t = 2_000)]
-        prefixes: usize,
-        #[arg(long, default_value_t = 1.1)]
-        zipf_s: f64,
-        #[arg(long, default_value_t = 32)]
-        prefix_blocks: usize,
-        #[arg(long, default_value_t = 4)]
-        suffix_blocks: usize,
-        /// KV capacity per worker, in blocks.
-        #[arg(long, default_value_t = 4_096)]
-        kv_blocks: usize,
-        #[arg(long, default_value_t = 0.8)]
-        utilization: f64,
+        #[command(flatten)]
+        workload: SimWorkload,
         /// Policies to run (default: all four).
         #[arg(long, value_delimiter = ',')]
         policy: Vec<Policy>,
@@ -86,46 +41,56 @@ enum Command {
     },
 }
 
+/// `simulate`'s workload: what it sets of `SimConfig`, for each cluster size it sweeps.
+#[derive(clap::Args)]
+struct SimWorkload {
+    #[arg(long, default_value_t = 100_000)]
+    requests: usize,
+    #[arg(long, default_value_t = 2_000)]
+    prefixes: usize,
+    #[arg(long, default_value_t = 1.1)]
+    zipf_s: f64,
+    #[arg(long, default_value_t = 32)]
+    prefix_blocks: usize,
+    #[arg(long, default_value_t = 4)]
+    suffix_blocks: usize,
+    /// KV capacity per worker, in blocks.
+    #[arg(long, default_value_t = 4_096)]
+    kv_blocks: usize,
+    #[arg(long, default_value_t = 0.8)]
+    utilization: f64,
+}
+
+impl SimWorkload {
+    fn config(&self, workers: usize) -> SimConfig {
+        SimConfig {
+            workers,
+            requests: self.requests,
+            prefixes: self.prefixes,
+            zipf_s: self.zipf_s,
+            prefix_blocks: self.prefix_blocks,
+            suffix_blocks: self.suffix_blocks,
+            kv_blocks: self.kv_blocks,
+            utilization: self.utilization,
+            ..SimConfig::default()
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Workload {
-            url,
-            model,
-            groups,
-            prefix_tokens,
-            queries,
-            suffix_tokens,
-            rate,
-            max_tokens,
-            vocab_size,
-            first_token,
-            block_size,
-            seed,
-            api_key,
-            json,
-        } => {
-            anyhow::ensure!(rate > 0.0 && block_size > 0 && vocab_size > first_token, "invalid workload parameters");
-            let cfg = WorkloadConfig {
-                url,
-                model,
-                groups,
-                prefix_tokens,
-                queries_per_group: queries,
-                suffix_tokens,
-                rate,
-                max_tokens,
-                vocab_size,
-                first_token,
-                block_size,
-                seed,
-                api_key,
-            };
+        Command::Workload { cfg, json } => {
+            anyhow::ensure!(
+                cfg.rate > 0.0 && cfg.block_size > 0 && cfg.vocab_size > cfg.first_token,
+                "invalid workload parameters"
+            );
             let r = loadgen::run(&cfg);
             if json {
                 println!("{}", r.to_json());
             } else {
                 println!(
-                    "workload: G={groups} P={prefix_tokens} Q={queries} suffix={suffix_tokens} R={rate}/s max_tokens={max_tokens}"
+                    "workload: G={} P={} Q={} suffix={} R={}/s max_tokens={}",
+                    cfg.groups, cfg.prefix_tokens, cfg.queries_per_group, cfg.suffix_tokens, cfg.rate, cfg.max_tokens
                 );
                 println!(
                     "requests {} (errors {}) in {:.1} s: {:.2} req/s, {:.1} output tok/s",
@@ -146,18 +111,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Simulate {
-            workers,
-            requests,
-            prefixes,
-            zipf_s,
-            prefix_blocks,
-            suffix_blocks,
-            kv_blocks,
-            utilization,
-            policy,
-            json,
-        } => {
+        Command::Simulate { workers, workload, policy, json } => {
             let policies = if policy.is_empty() { Policy::ALL.to_vec() } else { policy };
             if !json {
                 println!(
@@ -174,17 +128,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
             for &n in &workers {
-                let cfg = SimConfig {
-                    workers: n,
-                    requests,
-                    prefixes,
-                    zipf_s,
-                    prefix_blocks,
-                    suffix_blocks,
-                    kv_blocks,
-                    utilization,
-                    ..SimConfig::default()
-                };
+                let cfg = workload.config(n);
                 for &p in &policies {
                     let r = sim::simulate(&cfg, p);
                     if json {

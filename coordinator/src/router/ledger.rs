@@ -5,10 +5,10 @@
 //! and corrected by the workers' stats, which see what the ledger cannot:
 //! shared blocks, preemption, other clients.
 
-use common::RequestId;
 use common::protocol::WorkerStats;
+use common::{RequestId, WorkerId};
 
-use super::U64Map;
+use super::u64map::U64Map;
 
 /// A worker's load as the router scores it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -31,38 +31,38 @@ struct WorkerLedger {
 }
 
 struct Entry {
-    worker: u64,
+    worker: WorkerId,
     prefill_tokens: u64,
     tokens: u64,
     started: bool,
 }
 
 pub struct Ledger {
-    block_size: u64,
-    workers: U64Map<u64, WorkerLedger>,
+    block_size: usize,
+    workers: U64Map<WorkerId, WorkerLedger>,
     requests: U64Map<RequestId, Entry>,
 }
 
 impl Ledger {
     pub fn new(block_size: usize) -> Self {
-        Self { block_size: block_size.max(1) as u64, workers: U64Map::default(), requests: U64Map::default() }
+        Self { block_size: block_size.max(1), workers: U64Map::default(), requests: U64Map::default() }
     }
 
-    pub fn add_worker(&mut self, worker: u64) {
+    pub fn add_worker(&mut self, worker: WorkerId) {
         self.workers.insert(worker, WorkerLedger::default());
     }
 
-    pub fn remove_worker(&mut self, worker: u64) {
+    pub fn remove_worker(&mut self, worker: WorkerId) {
         self.workers.remove(&worker);
         self.requests.retain(|_, e| e.worker != worker);
     }
 
-    pub fn load(&self, worker: u64) -> WorkerLoad {
+    pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         let Some(w) = self.workers.get(&worker) else { return WorkerLoad::default() };
         WorkerLoad {
             requests: w.requests,
             pending_prefill_tokens: w.pending_prefill_tokens,
-            active_blocks: w.active_tokens.div_ceil(self.block_size).max(w.reported_used_blocks),
+            active_blocks: w.active_tokens.div_ceil(self.block_size as u64).max(w.reported_used_blocks),
         }
     }
 
@@ -71,7 +71,7 @@ impl Ledger {
     /// the uncached part counts as new KV: cached blocks are shared with the
     /// requests (or the cache) already holding them, as the worker's own
     /// block count reports them.
-    pub fn on_dispatch(&mut self, request: RequestId, worker: u64, prompt_tokens: u64, cached_tokens: u64) {
+    pub fn on_dispatch(&mut self, request: RequestId, worker: WorkerId, prompt_tokens: u64, cached_tokens: u64) {
         self.on_finish(request);
         let prefill_tokens = prompt_tokens.saturating_sub(cached_tokens);
         if let Some(w) = self.workers.get_mut(&worker) {
@@ -105,7 +105,7 @@ impl Ledger {
         }
     }
 
-    pub fn on_stats(&mut self, worker: u64, stats: &WorkerStats) {
+    pub fn on_stats(&mut self, worker: WorkerId, stats: &WorkerStats) {
         if let Some(w) = self.workers.get_mut(&worker) {
             w.reported_used_blocks = stats.kv_blocks_used;
         }

@@ -8,97 +8,26 @@
 
 mod least_load;
 pub mod ledger;
+mod policy;
 mod power_of_two;
 mod prefix_aware;
 pub mod prefix_index;
 mod round_robin;
-
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+mod u64map;
 
 use common::protocol::WorkerStats;
-use common::{BlockHash, KvEventRecord, RequestId, hash_prompt_blocks};
+use common::{BlockHash, KvEventRecord, RequestId, WorkerId, hash_prompt_blocks};
 
 pub use ledger::{Ledger, WorkerLoad};
+pub use policy::{Candidate, Policy};
 pub use prefix_aware::NEW_PREFILL_WEIGHT;
 pub use prefix_index::{EventOutcome, PrefixIndex};
-
-/// Hash maps keyed by one u64 (block hashes, worker and request ids): a
-/// Fibonacci multiply instead of SipHash, since block hashes are already
-/// uniform and ids need only spreading. Routing does hundreds of lookups per
-/// decision at 256 workers; this keeps them cheap.
-pub(crate) type U64Map<K, V> = HashMap<K, V, BuildHasherDefault<U64Hasher>>;
-
-#[derive(Default)]
-pub(crate) struct U64Hasher(u64);
-
-impl Hasher for U64Hasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0 ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Policy {
-    RoundRobin,
-    LeastLoad,
-    PowerOfTwo,
-    #[default]
-    PrefixAware,
-}
-
-impl Policy {
-    pub const ALL: [Policy; 4] = [Policy::RoundRobin, Policy::LeastLoad, Policy::PowerOfTwo, Policy::PrefixAware];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Policy::RoundRobin => "round_robin",
-            Policy::LeastLoad => "least_load",
-            Policy::PowerOfTwo => "power_of_two",
-            Policy::PrefixAware => "prefix_aware",
-        }
-    }
-}
-
-impl std::str::FromStr for Policy {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        Policy::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| {
-            format!("unknown policy {s:?} (one of: round_robin, least_load, power_of_two, prefix_aware)")
-        })
-    }
-}
-
-impl std::fmt::Display for Policy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A worker the request may go to, as the policies see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Candidate {
-    pub worker: u64,
-    /// Leading blocks of the prompt the worker holds in its prefix cache.
-    pub cached_blocks: usize,
-    pub load: WorkerLoad,
-}
+use u64map::U64Map;
 
 /// The router's choice for one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Decision {
-    pub worker: u64,
+    pub worker: WorkerId,
     /// Prompt tokens the chosen worker should find cached.
     pub predicted_cached_tokens: u32,
 }
@@ -112,7 +41,7 @@ pub struct Router {
     rng: u64,
     candidates: Vec<Candidate>,
     /// The worker and block chain of each routed, unfinished request.
-    in_flight: U64Map<RequestId, (u64, Vec<BlockHash>)>,
+    in_flight: U64Map<RequestId, (WorkerId, Vec<BlockHash>)>,
 }
 
 impl Router {
@@ -146,38 +75,38 @@ impl Router {
         &self.index
     }
 
-    pub fn load(&self, worker: u64) -> WorkerLoad {
+    pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.ledger.load(worker)
     }
 
     /// A worker joined. Request its KV snapshot: until it arrives the index
     /// treats its cache as empty.
-    pub fn add_worker(&mut self, worker: u64) {
+    pub fn add_worker(&mut self, worker: WorkerId) {
         self.index.add_worker(worker);
         self.ledger.add_worker(worker);
     }
 
     /// A worker was lost: its index entries and ledger go with it.
-    pub fn remove_worker(&mut self, worker: u64) {
+    pub fn remove_worker(&mut self, worker: WorkerId) {
         self.index.remove_worker(worker);
         self.ledger.remove_worker(worker);
         self.in_flight.retain(|_, (w, _)| *w != worker);
     }
 
-    pub fn apply_kv_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
+    pub fn apply_kv_events(&mut self, worker: WorkerId, events: &[KvEventRecord]) -> EventOutcome {
         self.index.apply_events(worker, events)
     }
 
     pub fn apply_kv_snapshot(
         &mut self,
-        worker: u64,
+        worker: WorkerId,
         last_event_id: Option<u64>,
         hashes: impl IntoIterator<Item = BlockHash>,
     ) {
         self.index.apply_snapshot(worker, last_event_id, hashes);
     }
 
-    pub fn on_stats(&mut self, worker: u64, stats: &WorkerStats) {
+    pub fn on_stats(&mut self, worker: WorkerId, stats: &WorkerStats) {
         self.ledger.on_stats(worker, stats);
     }
 
@@ -190,7 +119,7 @@ impl Router {
     /// Chooses among `eligible` workers (ascending ids, each added before)
     /// for a prompt whose hash chain is `chain`. Does not record the
     /// dispatch: call `on_dispatch` once the request is really sent.
-    pub fn route(&mut self, prompt_len: usize, chain: &[BlockHash], eligible: &[u64]) -> Option<Decision> {
+    pub fn route(&mut self, prompt_len: usize, chain: &[BlockHash], eligible: &[WorkerId]) -> Option<Decision> {
         self.candidates.clear();
         for &worker in eligible {
             self.candidates.push(Candidate { worker, cached_blocks: 0, load: self.ledger.load(worker) });
@@ -233,7 +162,7 @@ impl Router {
     pub fn on_dispatch(
         &mut self,
         request: RequestId,
-        worker: u64,
+        worker: WorkerId,
         prompt_len: usize,
         chain: &[BlockHash],
         predicted_cached_tokens: u32,

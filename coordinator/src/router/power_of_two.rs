@@ -2,8 +2,8 @@
 //! "power of two choices": nearly the balance of `least_load` without every
 //! router herding onto the same worker).
 
-use super::Candidate;
 use super::least_load::load_key;
+use super::policy::Candidate;
 
 /// `draw` is a fresh random u64; the router owns the (seeded) generator.
 pub fn choose(candidates: &[Candidate], draw: u64, block_size: usize) -> Option<usize> {

@@ -22,7 +22,7 @@
 //! Ties break on fewer requests in flight, then the lowest worker id: never
 //! at random, so a decision can be replayed.
 
-use super::Candidate;
+use super::policy::Candidate;
 
 pub const NEW_PREFILL_WEIGHT: f64 = 2.0;
 

@@ -23,9 +23,9 @@
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;
 
-use common::{BlockHash, KvEvent, KvEventRecord};
+use common::{BlockHash, KvEvent, KvEventRecord, WorkerId};
 
-use super::{U64Hasher, U64Map};
+use super::u64map::{U64Hasher, U64Map};
 
 type HashSetU64<T> = HashSet<T, BuildHasherDefault<U64Hasher>>;
 
@@ -51,8 +51,8 @@ pub struct PrefixIndex {
     /// Blocks of in-flight requests, by worker slot, with a count of the
     /// requests claiming each.
     pending: U64Map<BlockHash, Vec<(usize, u32)>>,
-    workers: U64Map<u64, WorkerBlocks>,
-    slot_owner: Vec<Option<u64>>,
+    workers: U64Map<WorkerId, WorkerBlocks>,
+    slot_owner: Vec<Option<WorkerId>>,
     /// Reused by `overlaps` so a routing decision allocates nothing.
     scratch: Vec<usize>,
 }
@@ -61,7 +61,7 @@ impl PrefixIndex {
     /// Starts tracking a worker. Its cache is unknown until its first
     /// snapshot (it may be a restarted worker with a warm cache), so events
     /// are ignored until then.
-    pub fn add_worker(&mut self, worker: u64) {
+    pub fn add_worker(&mut self, worker: WorkerId) {
         self.remove_worker(worker);
         let slot = match self.slot_owner.iter().position(Option::is_none) {
             Some(free) => free,
@@ -79,7 +79,7 @@ impl PrefixIndex {
     }
 
     /// Forgets a lost worker's entries.
-    pub fn remove_worker(&mut self, worker: u64) {
+    pub fn remove_worker(&mut self, worker: WorkerId) {
         let Some(w) = self.workers.remove(&worker) else { return };
         for hash in &w.hashes {
             Self::drop_holder(&mut self.holders, *hash, w.slot);
@@ -92,7 +92,7 @@ impl PrefixIndex {
     }
 
     /// A request with block chain `chain` was routed to `worker`.
-    pub fn add_pending(&mut self, worker: u64, chain: &[BlockHash]) {
+    pub fn add_pending(&mut self, worker: WorkerId, chain: &[BlockHash]) {
         let Some(w) = self.workers.get(&worker) else { return };
         for &hash in chain {
             let slots = self.pending.entry(hash).or_default();
@@ -105,7 +105,7 @@ impl PrefixIndex {
 
     /// That request finished (or moved): its claim goes; what it left cached
     /// is known from the worker's events.
-    pub fn remove_pending(&mut self, worker: u64, chain: &[BlockHash]) {
+    pub fn remove_pending(&mut self, worker: WorkerId, chain: &[BlockHash]) {
         let Some(w) = self.workers.get(&worker) else { return };
         for hash in chain {
             let Some(slots) = self.pending.get_mut(hash) else { continue };
@@ -121,7 +121,7 @@ impl PrefixIndex {
         }
     }
 
-    pub fn apply_events(&mut self, worker: u64, events: &[KvEventRecord]) -> EventOutcome {
+    pub fn apply_events(&mut self, worker: WorkerId, events: &[KvEventRecord]) -> EventOutcome {
         let Some(w) = self.workers.get_mut(&worker) else { return EventOutcome::Applied };
         for record in events {
             if w.awaiting_snapshot {
@@ -161,7 +161,7 @@ impl PrefixIndex {
     /// `last_event_id` (`None`: before its first event).
     pub fn apply_snapshot(
         &mut self,
-        worker: u64,
+        worker: WorkerId,
         last_event_id: Option<u64>,
         hashes: impl IntoIterator<Item = BlockHash>,
     ) {
@@ -180,7 +180,7 @@ impl PrefixIndex {
 
     /// Calls `f(worker, blocks)` for every worker holding at least the first
     /// block of `chain`, with the number of leading blocks it holds.
-    pub fn overlaps(&mut self, chain: &[BlockHash], mut f: impl FnMut(u64, usize)) {
+    pub fn overlaps(&mut self, chain: &[BlockHash], mut f: impl FnMut(WorkerId, usize)) {
         self.scratch.iter_mut().for_each(|n| *n = 0);
         let mut reached = 0;
         for (i, hash) in chain.iter().enumerate() {
@@ -210,7 +210,7 @@ impl PrefixIndex {
 
     /// The number of leading blocks of `chain` that `worker` holds (or is
     /// computing for a request in flight).
-    pub fn overlap(&self, worker: u64, chain: &[BlockHash]) -> usize {
+    pub fn overlap(&self, worker: WorkerId, chain: &[BlockHash]) -> usize {
         let Some(slot) = self.workers.get(&worker).map(|w| w.slot) else { return 0 };
         chain
             .iter()
@@ -222,11 +222,11 @@ impl PrefixIndex {
     }
 
     /// The hashes the index believes `worker` holds (for tests and debugging).
-    pub fn worker_hashes(&self, worker: u64) -> Option<HashSet<BlockHash>> {
+    pub fn worker_hashes(&self, worker: WorkerId) -> Option<HashSet<BlockHash>> {
         self.workers.get(&worker).map(|w| w.hashes.iter().copied().collect())
     }
 
-    pub fn is_awaiting_snapshot(&self, worker: u64) -> bool {
+    pub fn is_awaiting_snapshot(&self, worker: WorkerId) -> bool {
         self.workers.get(&worker).is_some_and(|w| w.awaiting_snapshot)
     }
 

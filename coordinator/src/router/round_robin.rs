@@ -1,6 +1,6 @@
 //! `round_robin`: the next worker in id order, whatever it holds.
 
-use super::Candidate;
+use super::policy::Candidate;
 
 /// `turn` counts decisions made so far.
 pub fn choose(candidates: &[Candidate], turn: u64) -> Option<usize> {

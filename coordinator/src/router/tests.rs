@@ -2,7 +2,7 @@
 //! worker's real block pool.
 
 use common::protocol::WorkerStats;
-use common::{BlockHash, KvEvent, KvEventRecord, RequestId, hash_prompt_blocks};
+use common::{BlockHash, KvEvent, KvEventRecord, RequestId, WorkerId, hash_prompt_blocks};
 use engine_core::BlockPool;
 use proptest::prelude::*;
 
@@ -18,7 +18,7 @@ fn stored(id: u64, hash: BlockHash, parent: Option<BlockHash>) -> KvEventRecord 
 fn hold(router: &mut Router, worker: u64, prompt: &[u32], blocks: usize) {
     let chain = hash_prompt_blocks(prompt, BS);
     let hashes: Vec<_> = chain[..blocks].to_vec();
-    router.apply_kv_snapshot(worker, None, hashes);
+    router.apply_kv_snapshot(WorkerId(worker), None, hashes);
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -28,15 +28,16 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 fn router(policy: Policy, workers: &[u64]) -> Router {
     let mut r = Router::new(policy, BS);
     for &w in workers {
-        r.add_worker(w);
-        r.apply_kv_snapshot(w, None, []);
+        r.add_worker(WorkerId(w));
+        r.apply_kv_snapshot(WorkerId(w), None, []);
     }
     r
 }
 
 fn route(r: &mut Router, p: &[u32], eligible: &[u64]) -> Decision {
     let chain = r.prompt_chain(p);
-    r.route(p.len(), &chain, eligible).expect("a worker")
+    let eligible: Vec<WorkerId> = eligible.iter().copied().map(WorkerId).collect();
+    r.route(p.len(), &chain, &eligible).expect("a worker")
 }
 
 #[test]
@@ -46,7 +47,7 @@ fn prefix_aware_prefers_the_worker_holding_the_prefix() {
     hold(&mut r, 2, &p, 12);
     hold(&mut r, 1, &p, 3);
     let d = route(&mut r, &p, &[0, 1, 2]);
-    assert_eq!(d, Decision { worker: 2, predicted_cached_tokens: 192 });
+    assert_eq!(d, Decision { worker: WorkerId(2), predicted_cached_tokens: 192 });
 }
 
 #[test]
@@ -63,17 +64,17 @@ fn a_loaded_holder_loses_to_an_idle_worker_once_load_outweighs_the_hit() {
     let loaded = |active_tokens: usize| {
         let mut r = router(Policy::PrefixAware, &[0, 1]);
         hold(&mut r, 0, &p, 12);
-        r.on_dispatch(RequestId(100), 0, active_tokens, &[], 0);
+        r.on_dispatch(RequestId(100), WorkerId(0), active_tokens, &[], 0);
         r.on_tokens(RequestId(100), 0);
         r
     };
     // Holder: 2 * 1 + 25 = 27 > idle worker: 2 * 13 = 26.
     let mut r = loaded(400);
-    assert_eq!(r.load(0).active_blocks, 25);
-    assert_eq!(route(&mut r, &p, &[0, 1]).worker, 1);
+    assert_eq!(r.load(WorkerId(0)).active_blocks, 25);
+    assert_eq!(route(&mut r, &p, &[0, 1]).worker, WorkerId(1));
     // Holder: 2 * 1 + 23 = 25 < 26: the hit still wins.
     let mut r = loaded(368);
-    assert_eq!(route(&mut r, &p, &[0, 1]).worker, 0);
+    assert_eq!(route(&mut r, &p, &[0, 1]).worker, WorkerId(0));
 }
 
 #[test]
@@ -89,7 +90,7 @@ fn a_hot_prefix_spreads_as_its_requests_pile_up() {
     for i in 0..64 {
         let d = route(&mut r, &p, &[0, 1, 2, 3]);
         r.on_dispatch(RequestId(i), d.worker, p.len(), &chain, d.predicted_cached_tokens);
-        picks.push(d.worker);
+        picks.push(d.worker.0);
     }
     assert_eq!(picks[..4], [0, 0, 0, 0]);
     let mut used = picks.clone();
@@ -119,25 +120,25 @@ fn a_burst_for_a_new_prefix_follows_the_first_request() {
 fn ties_break_on_requests_then_lowest_id() {
     let mut r = router(Policy::PrefixAware, &[5, 7, 9]);
     let p = prompt(2, 40);
-    assert_eq!(route(&mut r, &p, &[5, 7, 9]).worker, 5);
+    assert_eq!(route(&mut r, &p, &[5, 7, 9]).worker, WorkerId(5));
     // Same cost (pending prefill is what differs... make it equal): a
     // request with zero tokens adds a request but no blocks.
-    r.on_dispatch(RequestId(1), 5, 0, &[], 0);
-    assert_eq!(route(&mut r, &p, &[5, 7, 9]).worker, 7);
+    r.on_dispatch(RequestId(1), WorkerId(5), 0, &[], 0);
+    assert_eq!(route(&mut r, &p, &[5, 7, 9]).worker, WorkerId(7));
 }
 
 #[test]
 fn pending_prefill_counts_until_the_first_token() {
     let mut r = router(Policy::PrefixAware, &[0, 1]);
-    r.on_dispatch(RequestId(1), 0, 320, &[], 0);
-    assert_eq!(r.load(0), WorkerLoad { requests: 1, pending_prefill_tokens: 320, active_blocks: 0 });
+    r.on_dispatch(RequestId(1), WorkerId(0), 320, &[], 0);
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad { requests: 1, pending_prefill_tokens: 320, active_blocks: 0 });
     r.on_tokens(RequestId(1), 1);
-    assert_eq!(r.load(0), WorkerLoad { requests: 1, pending_prefill_tokens: 0, active_blocks: 21 });
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad { requests: 1, pending_prefill_tokens: 0, active_blocks: 21 });
     r.on_finish(RequestId(1));
-    assert_eq!(r.load(0), WorkerLoad::default());
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad::default());
     // Stats correct the ledger upwards (blocks it cannot see).
-    r.on_stats(1, &WorkerStats { kv_blocks_used: 50, ..WorkerStats::default() });
-    assert_eq!(r.load(1).active_blocks, 50);
+    r.on_stats(WorkerId(1), &WorkerStats { kv_blocks_used: 50, ..WorkerStats::default() });
+    assert_eq!(r.load(WorkerId(1)).active_blocks, 50);
 }
 
 #[test]
@@ -145,25 +146,25 @@ fn round_robin_cycles_in_id_order() {
     let mut r = router(Policy::RoundRobin, &[1, 2, 3]);
     let p = prompt(1, 40);
     hold(&mut r, 3, &p, 2);
-    let picks: Vec<u64> = (0..6).map(|_| route(&mut r, &p, &[1, 2, 3]).worker).collect();
+    let picks: Vec<u64> = (0..6).map(|_| route(&mut r, &p, &[1, 2, 3]).worker.0).collect();
     assert_eq!(picks, [1, 2, 3, 1, 2, 3]);
 }
 
 #[test]
 fn least_load_takes_fewest_requests_then_fewest_blocks() {
     let mut r = router(Policy::LeastLoad, &[0, 1, 2]);
-    r.on_dispatch(RequestId(1), 0, 16, &[], 0);
-    r.on_dispatch(RequestId(2), 1, 160, &[], 0);
-    r.on_dispatch(RequestId(3), 2, 16, &[], 0);
-    r.on_dispatch(RequestId(4), 2, 16, &[], 0);
+    r.on_dispatch(RequestId(1), WorkerId(0), 16, &[], 0);
+    r.on_dispatch(RequestId(2), WorkerId(1), 160, &[], 0);
+    r.on_dispatch(RequestId(3), WorkerId(2), 16, &[], 0);
+    r.on_dispatch(RequestId(4), WorkerId(2), 16, &[], 0);
     let p = prompt(1, 40);
-    assert_eq!(route(&mut r, &p, &[0, 1, 2]).worker, 0);
+    assert_eq!(route(&mut r, &p, &[0, 1, 2]).worker, WorkerId(0));
 }
 
 #[test]
 fn power_of_two_takes_the_lighter_of_its_two_draws() {
     let c = |worker, requests| Candidate {
-        worker,
+        worker: WorkerId(worker),
         cached_blocks: 0,
         load: WorkerLoad { requests, pending_prefill_tokens: 0, active_blocks: 0 },
     };
@@ -196,30 +197,31 @@ fn policy_names_parse() {
 #[test]
 fn events_are_ignored_until_the_first_snapshot() {
     let mut index = PrefixIndex::default();
-    index.add_worker(0);
-    assert!(index.is_awaiting_snapshot(0));
-    index.apply_events(0, &[stored(4, BlockHash(1), None)]);
-    assert!(index.worker_hashes(0).expect("worker").is_empty());
-    index.apply_snapshot(0, Some(4), [BlockHash(1)]);
+    index.add_worker(WorkerId(0));
+    assert!(index.is_awaiting_snapshot(WorkerId(0)));
+    index.apply_events(WorkerId(0), &[stored(4, BlockHash(1), None)]);
+    assert!(index.worker_hashes(WorkerId(0)).expect("worker").is_empty());
+    index.apply_snapshot(WorkerId(0), Some(4), [BlockHash(1)]);
     // Id 4 is in the snapshot already; 5 follows it.
-    let outcome = index.apply_events(0, &[stored(4, BlockHash(1), None), stored(5, BlockHash(2), Some(BlockHash(1)))]);
+    let outcome =
+        index.apply_events(WorkerId(0), &[stored(4, BlockHash(1), None), stored(5, BlockHash(2), Some(BlockHash(1)))]);
     assert_eq!(outcome, EventOutcome::Applied);
-    assert_eq!(index.worker_hashes(0).expect("worker").len(), 2);
+    assert_eq!(index.worker_hashes(WorkerId(0)).expect("worker").len(), 2);
     index.check_invariants();
 }
 
 #[test]
 fn an_event_gap_asks_for_a_snapshot_once() {
     let mut index = PrefixIndex::default();
-    index.add_worker(0);
-    index.apply_snapshot(0, None, []);
-    assert_eq!(index.apply_events(0, &[stored(0, BlockHash(1), None)]), EventOutcome::Applied);
-    assert_eq!(index.apply_events(0, &[stored(2, BlockHash(3), None)]), EventOutcome::NeedSnapshot);
+    index.add_worker(WorkerId(0));
+    index.apply_snapshot(WorkerId(0), None, []);
+    assert_eq!(index.apply_events(WorkerId(0), &[stored(0, BlockHash(1), None)]), EventOutcome::Applied);
+    assert_eq!(index.apply_events(WorkerId(0), &[stored(2, BlockHash(3), None)]), EventOutcome::NeedSnapshot);
     // While the snapshot is on its way, nothing is applied or asked again.
-    assert_eq!(index.apply_events(0, &[stored(3, BlockHash(4), None)]), EventOutcome::Applied);
-    assert_eq!(index.worker_hashes(0).expect("worker").len(), 1);
-    index.apply_snapshot(0, Some(3), [BlockHash(1), BlockHash(3), BlockHash(4)]);
-    assert_eq!(index.worker_hashes(0).expect("worker").len(), 3);
+    assert_eq!(index.apply_events(WorkerId(0), &[stored(3, BlockHash(4), None)]), EventOutcome::Applied);
+    assert_eq!(index.worker_hashes(WorkerId(0)).expect("worker").len(), 1);
+    index.apply_snapshot(WorkerId(0), Some(3), [BlockHash(1), BlockHash(3), BlockHash(4)]);
+    assert_eq!(index.worker_hashes(WorkerId(0)).expect("worker").len(), 3);
     index.check_invariants();
 }
 
@@ -228,19 +230,19 @@ fn overlap_stops_at_the_first_missing_block() {
     let mut index = PrefixIndex::default();
     let chain = hash_prompt_blocks(&prompt(1, 64), BS);
     for w in [0, 1] {
-        index.add_worker(w);
+        index.add_worker(WorkerId(w));
     }
     // Worker 0 holds blocks 0, 1, 3 (2 was evicted); worker 1 holds 0..4.
-    index.apply_snapshot(0, None, [chain[0], chain[1], chain[3]]);
-    index.apply_snapshot(1, None, chain.clone());
-    assert_eq!(index.overlap(0, &chain), 2);
-    assert_eq!(index.overlap(1, &chain), 4);
-    index.apply_events(1, &[KvEventRecord { id: 0, event: KvEvent::Removed { hash: chain[0] } }]);
-    assert_eq!(index.overlap(1, &chain), 0);
-    index.apply_events(0, &[KvEventRecord { id: 0, event: KvEvent::Cleared }]);
-    assert_eq!(index.overlap(0, &chain), 0);
+    index.apply_snapshot(WorkerId(0), None, [chain[0], chain[1], chain[3]]);
+    index.apply_snapshot(WorkerId(1), None, chain.clone());
+    assert_eq!(index.overlap(WorkerId(0), &chain), 2);
+    assert_eq!(index.overlap(WorkerId(1), &chain), 4);
+    index.apply_events(WorkerId(1), &[KvEventRecord { id: 0, event: KvEvent::Removed { hash: chain[0] } }]);
+    assert_eq!(index.overlap(WorkerId(1), &chain), 0);
+    index.apply_events(WorkerId(0), &[KvEventRecord { id: 0, event: KvEvent::Cleared }]);
+    assert_eq!(index.overlap(WorkerId(0), &chain), 0);
     assert_eq!(index.num_hashes(), 3);
-    index.remove_worker(1);
+    index.remove_worker(WorkerId(1));
     assert_eq!(index.num_hashes(), 0);
     index.check_invariants();
 }
@@ -250,13 +252,13 @@ fn a_lost_worker_takes_its_entries_and_slot_with_it() {
     let mut r = router(Policy::PrefixAware, &[0, 1]);
     let p = prompt(4, 100);
     hold(&mut r, 0, &p, 6);
-    r.on_dispatch(RequestId(1), 0, 100, &[], 96);
-    r.remove_worker(0);
+    r.on_dispatch(RequestId(1), WorkerId(0), 100, &[], 96);
+    r.remove_worker(WorkerId(0));
     assert_eq!(r.index().num_hashes(), 0);
-    assert_eq!(r.load(0), WorkerLoad::default());
-    r.add_worker(2); // reuses worker 0's slot
-    r.apply_kv_snapshot(2, None, []);
-    assert_eq!(route(&mut r, &p, &[1, 2]), Decision { worker: 1, predicted_cached_tokens: 0 });
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad::default());
+    r.add_worker(WorkerId(2)); // reuses worker 0's slot
+    r.apply_kv_snapshot(WorkerId(2), None, []);
+    assert_eq!(route(&mut r, &p, &[1, 2]), Decision { worker: WorkerId(1), predicted_cached_tokens: 0 });
     r.index().check_invariants();
 }
 
@@ -294,9 +296,9 @@ proptest! {
     ) {
         let mut pool = BlockPool::new(24, true);
         let mut index = PrefixIndex::default();
-        index.add_worker(9);
+        index.add_worker(WorkerId(9));
         let (last, hashes) = pool.snapshot();
-        index.apply_snapshot(9, last, hashes.into_iter().map(|(h, _)| h));
+        index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h));
         for (i, op) in ops.iter().enumerate() {
             match *op {
                 PoolOp::Run { prefix, blocks } => {
@@ -320,9 +322,9 @@ proptest! {
             if drops[i] && !events.is_empty() {
                 continue; // this frame is lost
             }
-            if index.apply_events(9, &events) == EventOutcome::NeedSnapshot {
+            if index.apply_events(WorkerId(9), &events) == EventOutcome::NeedSnapshot {
                 let (last, hashes) = pool.snapshot();
-                index.apply_snapshot(9, last, hashes.into_iter().map(|(h, _)| h));
+                index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h));
             }
         }
         // One more event, delivered, exposes a trailing gap as any later event would.
@@ -330,13 +332,13 @@ proptest! {
         let tail: Vec<u32> = (0..BS as u32).map(|t| 1_000_000 + t).collect();
         pool.cache_block(ids[0], common::hash_block_tokens(None, &tail, &[]), None, &tail);
         pool.free(ids.drain(..));
-        if index.apply_events(9, &pool.drain_events()) == EventOutcome::NeedSnapshot {
+        if index.apply_events(WorkerId(9), &pool.drain_events()) == EventOutcome::NeedSnapshot {
             let (last, hashes) = pool.snapshot();
-            index.apply_snapshot(9, last, hashes.into_iter().map(|(h, _)| h));
+            index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h));
         }
         let (_, expected) = pool.snapshot();
         let expected: std::collections::HashSet<BlockHash> = expected.into_iter().map(|(h, _)| h).collect();
-        prop_assert_eq!(index.worker_hashes(9).expect("worker").clone(), expected);
+        prop_assert_eq!(index.worker_hashes(WorkerId(9)).expect("worker").clone(), expected);
         index.check_invariants();
     }
 }

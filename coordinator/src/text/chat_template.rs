@@ -12,8 +12,8 @@ use minijinja::value::Value as JinjaValue;
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value};
 
-use super::Tokenizer;
 use super::jinja_compat;
+use super::tokenizer::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {

@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use super::Tokenizer;
+use super::tokenizer::Tokenizer;
 
 /// Prompt tokens decoded as context before the first generated one (vLLM: 5).
 const INITIAL_WINDOW: usize = 5;

@@ -1,0 +1,56 @@
+//! `POST /v1/chat/completions`: a conversation through the model's chat
+//! template, `n` choices, OpenAI's chat logprobs (tokens with their bytes).
+
+use std::sync::Arc;
+
+use super::error::ApiError;
+use super::logprobs::ChatLogprobs;
+use super::openai::{Choice, ChunkStream, Completion, Content, EchoStream, Kind, Logprobs, Message, Usage};
+use super::prepare::{chat_prompt_ids, check_model, check_prompt, fit_completion, n_choices, now, parse};
+use super::reply::Reply;
+use super::request::{ChatRequest, top_n};
+use super::run::{self, ChoiceEnd};
+use crate::app::AppState;
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: ChatRequest = parse(body)?;
+    check_model(&app, req.model.as_deref())?;
+    let prompt_ids = chat_prompt_ids(&app, &req.messages, true, false)?;
+    check_prompt(&app, &prompt_ids)?;
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (true, top) => Some(top_n("top_logprobs", top)?.unwrap_or(0)),
+        (false, None | Some(0)) => None,
+        (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs set to true")),
+    };
+    let n = req.sampling.n()?;
+    req.unserved.check(n)?;
+    let stops = req.sampling.stop_strings()?;
+    // Chat's default is the whole room left (OpenAI's, vLLM's).
+    let default_max = app.max_model_len.saturating_sub(prompt_ids.len()) as u32;
+    let params = req.sampling.to_params(default_max, logprobs)?;
+    let params = fit_completion(&app, prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
+    let specs = n_choices(&prompt_ids, &params, &stops, n);
+    let rx = run::launch(&app, "/v1/chat/completions", specs)?;
+    let id = format!("chatcmpl-{}", app.next_id());
+    if req.sampling.stream() {
+        let include_usage = req.sampling.include_usage();
+        let stream = ChunkStream { id, n, include_usage, kind: Kind::Chat, echo: EchoStream::default() };
+        return Ok(stream.reply(app, rx));
+    }
+    let choices = run::collect(rx, n).await?;
+    let ends: Vec<&ChoiceEnd> = choices.iter().filter_map(|c| c.end.as_ref()).collect();
+    let usage = Usage::of(&ends);
+    let choices = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let message = Content::Message(Message { role: "assistant", content: c.text.clone() });
+            let lp = logprobs.map(|_| Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &c.token_ids, &c.logprobs)));
+            Choice::ended(i, message, lp, c.end.as_ref())
+        })
+        .collect();
+    let object = "chat.completion";
+    let model = &app.served_model_name;
+    Ok(Reply::json(&Completion { id: &id, object, created: now(), model, choices, usage: Some(usage) }))
+}

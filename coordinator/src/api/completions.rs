@@ -1,0 +1,112 @@
+//! `POST /v1/completions`: OpenAI's legacy completions. One or more
+//! prompts (texts or token ids), `n` choices each, `echo` of the prompt
+//! (with its logprobs, as scoring harnesses read them), and the
+//! `text_offset`s of the legacy logprobs object.
+
+use std::sync::Arc;
+
+use super::error::ApiError;
+use super::logprobs::{CompletionLogprobs, Echo};
+use super::openai::{Choice, ChunkStream, Completion, Content, EchoStream, Kind, Logprobs, Usage};
+use super::prepare::{check_model, check_prompt, encode_prompt, fit_completion, n_choices, now, parse};
+use super::reply::Reply;
+use super::request::{CompletionRequest, PromptInput, top_n};
+use super::run::{self, ChoiceEnd, Collected};
+use crate::app::AppState;
+
+/// `POST /v1/completions`.
+pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
+    let req: CompletionRequest = parse(body)?;
+    check_model(&app, req.model.as_deref())?;
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        PromptInput::Text(t) => vec![encode_prompt(&app, t)?],
+        PromptInput::Texts(ts) => ts.iter().map(|t| encode_prompt(&app, t)).collect::<Result<_, _>>()?,
+        PromptInput::Tokens(ids) => vec![ids.clone()],
+        PromptInput::TokenLists(lists) => lists.clone(),
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt list is empty"));
+    }
+    for p in &prompts {
+        check_prompt(&app, p)?;
+    }
+    let logprobs = top_n("logprobs", req.logprobs)?;
+    let n = req.sampling.n()?;
+    req.unserved.check(n)?;
+    let stops = req.sampling.stop_strings()?;
+    let echo = req.echo.unwrap_or(false);
+    // OpenAI's scoring idiom: `echo` with `max_tokens: 0` answers the prompt
+    // alone (with its logprobs). The engine computes one token, as vLLM
+    // does, and the answer leaves it out.
+    let mut sampling = req.sampling.clone();
+    let echo_only = echo && sampling.max_tokens.or(sampling.max_completion_tokens) == Some(0);
+    if echo_only {
+        (sampling.max_tokens, sampling.max_completion_tokens) = (Some(1), None);
+    }
+    let mut params = sampling.to_params(16, logprobs)?;
+    if echo {
+        // The echoed prompt's tokens carry logprobs too (what scoring harnesses read).
+        params.prompt_logprobs = logprobs;
+    }
+    let mut specs = Vec::new();
+    for p in &prompts {
+        let params = fit_completion(&app, p.len(), sampling.names_max_tokens(), &params)?;
+        specs.extend(n_choices(p, &params, &stops, n));
+    }
+    let count = specs.len();
+    let echoes: Vec<Echo> = if echo {
+        prompts.iter().map(|p| Echo { text: app.tokenizer.decode(p, true), ids: p.clone() }).collect()
+    } else {
+        Vec::new()
+    };
+    let rx = run::launch(&app, "/v1/completions", specs)?;
+    let id = format!("cmpl-{}", app.next_id());
+    if sampling.stream() {
+        let per_choice = echoes.into_iter().flat_map(|e| vec![e; n]).collect();
+        let echo = EchoStream { per_choice, only: echo_only, logprobs: logprobs.is_some() };
+        let stream =
+            ChunkStream { id, n: count, include_usage: sampling.include_usage(), kind: Kind::Completion, echo };
+        return Ok(stream.reply(app, rx));
+    }
+    let mut choices = run::collect(rx, count).await?;
+    if echo_only {
+        for c in &mut choices {
+            leave_out_completion(c);
+        }
+    }
+    let ends: Vec<&ChoiceEnd> = choices.iter().filter_map(|c| c.end.as_ref()).collect();
+    let mut usage = Usage::of(&ends);
+    // Usage counts each prompt once.
+    let prompt_total = prompts.iter().map(Vec::len).sum::<usize>() as u64;
+    usage.prompt_tokens = prompt_total;
+    usage.total_tokens = prompt_total + usage.completion_tokens;
+    let choices = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let echoed = echoes.get(i / n);
+            let prefix = echoed.map_or("", |e| e.text.as_str());
+            let prompt = echoed.map(|e| (e, c.prompt_logprobs.as_slice()));
+            let lp = logprobs.map(|_| {
+                Logprobs::Completion(CompletionLogprobs::new(&app.tokenizer, prompt, &c.token_ids, &c.logprobs, 0))
+            });
+            Choice::ended(i, Content::Text(format!("{prefix}{}", c.text)), lp, c.end.as_ref())
+        })
+        .collect();
+    let object = "text_completion";
+    let model = &app.served_model_name;
+    Ok(Reply::json(&Completion { id: &id, object, created: now(), model, choices, usage: Some(usage) }))
+}
+
+/// An `echo` with `max_tokens: 0` answer: the token the engine computed is
+/// not part of it.
+fn leave_out_completion(c: &mut Collected) {
+    c.text.clear();
+    c.token_ids.clear();
+    c.logprobs.clear();
+    if let Some(end) = &mut c.end {
+        end.completion_tokens = 0;
+        end.finish_reason = "length";
+        end.stop = None;
+    }
+}

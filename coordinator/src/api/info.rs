@@ -1,0 +1,101 @@
+//! What the coordinator says about itself and its cluster: `GET /v1/models`,
+//! `GET /health`, `GET /v1/workers`, and `GET /v1/prometheus/targets`
+//! (the workers' metrics endpoints for Prometheus service discovery).
+
+use hyper::StatusCode;
+use serde::Serialize;
+
+use super::reply::Reply;
+use crate::app::AppState;
+use crate::cluster::WorkerInfo;
+
+/// An OpenAI list object.
+#[derive(Serialize)]
+struct List<T> {
+    object: &'static str,
+    data: Vec<T>,
+}
+
+#[derive(Serialize)]
+struct ModelCard<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    owned_by: &'static str,
+    max_model_len: usize,
+}
+
+#[derive(Serialize)]
+struct Health {
+    status: &'static str,
+    workers: usize,
+}
+
+#[derive(Serialize)]
+struct Workers {
+    #[serde(flatten)]
+    list: List<WorkerInfo>,
+    in_flight: usize,
+    redispatches: u64,
+}
+
+/// A Prometheus `http_sd` target group.
+#[derive(Serialize)]
+struct TargetGroup<'a> {
+    targets: [String; 1],
+    labels: TargetLabels<'a>,
+}
+
+#[derive(Serialize)]
+struct TargetLabels<'a> {
+    worker: String,
+    model_name: &'a str,
+}
+
+/// `GET /v1/models`.
+pub fn models(app: &AppState) -> Reply {
+    let card = ModelCard {
+        id: &app.served_model_name,
+        object: "model",
+        created: app.started_at,
+        owned_by: "tinyvllm",
+        max_model_len: app.max_model_len,
+    };
+    Reply::json(&List { object: "list", data: vec![card] })
+}
+
+/// `GET /health`: 200 only with at least one ready worker.
+pub fn health(app: &AppState) -> Reply {
+    let workers = app.cluster.workers().len();
+    let ready = app.cluster.is_ready();
+    let body = Health { status: if ready { "ok" } else { "no ready worker" }, workers };
+    if ready { Reply::json(&body) } else { Reply::json_status(StatusCode::SERVICE_UNAVAILABLE, &body) }
+}
+
+/// `GET /v1/workers`.
+pub fn workers(app: &AppState) -> Reply {
+    Reply::json(&Workers {
+        list: List { object: "list", data: app.cluster.workers() },
+        in_flight: app.cluster.in_flight(),
+        redispatches: app.cluster.redispatches(),
+    })
+}
+
+/// `GET /v1/prometheus/targets`: the workers' metrics endpoints in
+/// Prometheus `http_sd` format, so a scrape config needs no edit when
+/// workers come and go.
+pub fn prometheus_targets(app: &AppState) -> Reply {
+    let groups: Vec<TargetGroup<'_>> = app
+        .cluster
+        .workers()
+        .into_iter()
+        .filter_map(|w| {
+            let target = w.metrics_address?;
+            Some(TargetGroup {
+                targets: [target],
+                labels: TargetLabels { worker: w.name, model_name: &app.served_model_name },
+            })
+        })
+        .collect();
+    Reply::json(&groups)
+}

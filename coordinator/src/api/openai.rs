@@ -1,0 +1,263 @@
+//! OpenAI's completion objects, shared by `/v1/completions` and
+//! `/v1/chat/completions`: the response and its stream chunks, their
+//! choices and usage; and the chunk stream itself. Each choice carries two
+//! tinyvllm extensions once it ends: the worker it ran on and its
+//! prefix-cache hit (`cached_tokens`).
+
+use std::sync::Arc;
+
+use common::protocol::WireLogprobs;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::logprobs::{ChatLogprobs, CompletionLogprobs, Echo};
+use super::prepare::now;
+use super::reply::Reply;
+use super::run::{ChoiceEnd, Update};
+use super::sse::{self, Events};
+use crate::app::AppState;
+
+/// A whole response, or one chunk of a stream.
+#[derive(Serialize)]
+pub struct Completion<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<Choice>,
+    /// Always in a whole response; in a stream, only in the last chunk,
+    /// when `stream_options.include_usage` asks for it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Serialize)]
+pub struct Choice {
+    pub index: usize,
+    #[serde(flatten)]
+    pub content: Content,
+    pub logprobs: Option<Logprobs>,
+    pub finish_reason: Option<&'static str>,
+    /// Left out of the stream chunks before the choice's end.
+    #[serde(flatten)]
+    pub end: Option<EndDetails>,
+}
+
+/// A choice's text: `text` (completions), `message` (chat) or `delta`
+/// (chat chunks).
+#[derive(Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Content {
+    Text(String),
+    Message(Message),
+    Delta(Delta),
+}
+
+#[derive(Serialize)]
+pub struct Message {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// A chat chunk's delta: the role only in a choice's first chunk; empty in
+/// its last.
+#[derive(Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum Logprobs {
+    Completion(CompletionLogprobs),
+    Chat(ChatLogprobs),
+}
+
+#[derive(Serialize)]
+pub struct EndDetails {
+    /// The stop string that ended the choice, if one did.
+    pub stop_reason: Option<String>,
+    pub worker: Option<String>,
+    pub cached_tokens: Option<u32>,
+}
+
+impl Choice {
+    /// A choice still streaming.
+    pub fn running(index: usize, content: Content, logprobs: Option<Logprobs>) -> Self {
+        Self { index, content, logprobs, finish_reason: None, end: None }
+    }
+
+    /// A choice that ended (`end`, unless it was lost on the way).
+    pub fn ended(index: usize, content: Content, logprobs: Option<Logprobs>, end: Option<&ChoiceEnd>) -> Self {
+        Self {
+            index,
+            content,
+            logprobs,
+            finish_reason: end.map(|e| e.finish_reason),
+            end: Some(EndDetails {
+                stop_reason: end.and_then(|e| e.stop.clone()),
+                worker: end.map(|e| e.worker.clone()),
+                cached_tokens: end.map(|e| e.cached_tokens),
+            }),
+        }
+    }
+}
+
+#[derive(Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+impl Usage {
+    /// The usage of choices of one prompt: its tokens once, every choice's
+    /// completion.
+    pub fn of(ends: &[&ChoiceEnd]) -> Self {
+        let prompt = ends.first().map_or(0, |e| e.prompt_tokens);
+        let completion: u32 = ends.iter().map(|e| e.completion_tokens).sum();
+        let cached = ends.first().map_or(0, |e| e.cached_tokens);
+        Self {
+            prompt_tokens: prompt.into(),
+            completion_tokens: completion.into(),
+            total_tokens: u64::from(prompt) + u64::from(completion),
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: cached },
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+pub enum Kind {
+    Completion,
+    Chat,
+}
+
+/// What a completions stream echoes: each choice's prompt, first (with
+/// its logprobs if `logprobs`); with `only`, nothing after it (`max_tokens: 0`).
+#[derive(Default)]
+pub struct EchoStream {
+    pub per_choice: Vec<Echo>,
+    pub only: bool,
+    pub logprobs: bool,
+}
+
+/// One response's chunk stream: `n` choices under `id`.
+pub struct ChunkStream {
+    pub id: String,
+    pub n: usize,
+    pub include_usage: bool,
+    pub kind: Kind,
+    pub echo: EchoStream,
+}
+
+impl ChunkStream {
+    pub fn reply(self, app: Arc<AppState>, rx: mpsc::UnboundedReceiver<Update>) -> Reply {
+        sse::stream(|events| self.write(events, app, rx))
+    }
+
+    /// OpenAI SSE chunks, then the usage chunk if asked for. An echoed
+    /// prompt is each choice's first chunk, sent once its prompt logprobs
+    /// (which come before any token) are in.
+    async fn write(self, events: Events, app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) {
+        let Self { id, n, include_usage, kind, echo } = self;
+        let created = now();
+        let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk =
+            |choices, usage| Completion { id: &id, object, created, model: &app.served_model_name, choices, usage };
+        let mut started = vec![false; n];
+        // Characters of each choice's text streamed so far: where the next
+        // chunk's `text_offset`s start.
+        let mut streamed_chars = vec![0usize; n];
+        let mut prompt_logprobs: Vec<Vec<WireLogprobs>> = vec![Vec::new(); n];
+        let mut ends: Vec<ChoiceEnd> = Vec::new();
+        while ends.len() < n {
+            let Some(mut update) = rx.recv().await else { break };
+            let index = match &update {
+                Update::PromptLogprobs { index, logprobs } => {
+                    prompt_logprobs[*index].extend_from_slice(logprobs);
+                    continue;
+                }
+                Update::Delta { index, .. } => Some(*index),
+                Update::End(end) => Some(end.index),
+                Update::Failed { .. } => None,
+            };
+            if let Some((index, e)) = index.filter(|&i| !started[i]).and_then(|i| Some((i, echo.per_choice.get(i)?))) {
+                let lp = echo.logprobs.then(|| {
+                    let prompt = Some((e, prompt_logprobs[index].as_slice()));
+                    Logprobs::Completion(CompletionLogprobs::new(&app.tokenizer, prompt, &[], &[], 0))
+                });
+                let choice = Choice::running(index, Content::Text(e.text.clone()), lp);
+                if events.send(&chunk(vec![choice], None)).await.is_err() {
+                    return;
+                }
+                started[index] = true;
+                streamed_chars[index] = e.text.chars().count();
+            }
+            if echo.only {
+                match &mut update {
+                    Update::Delta { .. } => continue,
+                    Update::End(end) => (end.completion_tokens, end.finish_reason, end.stop) = (0, "length", None),
+                    _ => {}
+                }
+            }
+            let choice = match update {
+                Update::PromptLogprobs { .. } => continue,
+                Update::Delta { index, text, token_ids, logprobs } => {
+                    if text.is_empty() && (kind == Kind::Chat && started[index]) {
+                        continue; // held back by a stop-string candidate; nothing to show yet
+                    }
+                    let lp = (!logprobs.is_empty()).then(|| match kind {
+                        Kind::Chat => Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &token_ids, &logprobs)),
+                        Kind::Completion => Logprobs::Completion(CompletionLogprobs::new(
+                            &app.tokenizer,
+                            None,
+                            &token_ids,
+                            &logprobs,
+                            streamed_chars[index],
+                        )),
+                    });
+                    streamed_chars[index] += text.chars().count();
+                    let content = match kind {
+                        Kind::Chat => Content::Delta(Delta {
+                            role: (!started[index]).then_some("assistant"),
+                            content: Some(text),
+                        }),
+                        Kind::Completion => Content::Text(text),
+                    };
+                    started[index] = true;
+                    Choice::running(index, content, lp)
+                }
+                Update::End(end) => {
+                    let content = match kind {
+                        Kind::Chat => Content::Delta(Delta::default()),
+                        Kind::Completion => Content::Text(String::new()),
+                    };
+                    let choice = Choice::ended(end.index, content, None, Some(&end));
+                    ends.push(end);
+                    choice
+                }
+                Update::Failed { message, .. } => {
+                    let _ = events.send(&ApiError::internal(message).to_body()).await;
+                    break;
+                }
+            };
+            if events.send(&chunk(vec![choice], None)).await.is_err() {
+                return; // client gone: dropping rx aborts every choice
+            }
+        }
+        if include_usage && ends.len() == n {
+            let refs: Vec<&ChoiceEnd> = ends.iter().collect();
+            let _ = events.send(&chunk(Vec::new(), Some(Usage::of(&refs)))).await;
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! What every generating endpoint does to a request before it runs: parse
+//! the body, check the model name, the prompt and the token ids against the
+//! model, fit `max_tokens` to the context, and split `n` into choices.
+
+use common::SamplingParams;
+use serde_json::Value;
+
+use super::error::ApiError;
+use super::run::ChoiceSpec;
+use crate::app::AppState;
+
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))
+}
+
+/// Seconds since the epoch, for `created`.
+pub fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub fn check_model(app: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        None => Ok(()),
+        Some(m) if m == app.served_model_name => Ok(()),
+        Some(m) => Err(ApiError::model_not_found(m)),
+    }
+}
+
+/// A text prompt's ids, special tokens (BOS) included.
+pub fn encode_prompt(app: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    app.tokenizer.encode(text, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))
+}
+
+/// Refuses prompts the model cannot extend.
+pub fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    }
+    if ids.len() >= app.max_model_len {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "This model's maximum context length is {} tokens; the prompt has {} tokens.",
+                app.max_model_len,
+                ids.len()
+            ),
+        ));
+    }
+    check_in_vocabulary(app, "prompt", ids.iter().copied())
+}
+
+/// Refuses ids the tokenizer does not have, naming the request's `param`.
+pub fn check_in_vocabulary(app: &AppState, param: &str, mut ids: impl Iterator<Item = u32>) -> Result<(), ApiError> {
+    let vocab_size = app.tokenizer.vocab_size();
+    match ids.find(|&t| t as usize >= vocab_size) {
+        Some(bad) => Err(ApiError::invalid(param, format!("token id {bad} in {param} is outside the vocabulary"))),
+        None => Ok(()),
+    }
+}
+
+/// Fits the request to the model. The completion goes beside a prompt of
+/// `prompt_len` tokens (at most `max_model_len - 1`, per [`check_prompt`]): a
+/// `max_tokens` the request names must fit, else a 400 as vLLM answers; the
+/// default shrinks to the room. Biased tokens must be in the vocabulary.
+pub fn fit_completion(
+    app: &AppState,
+    prompt_len: usize,
+    named: bool,
+    params: &SamplingParams,
+) -> Result<SamplingParams, ApiError> {
+    check_in_vocabulary(app, "logit_bias", params.logit_bias.iter().map(|&(t, _)| t))?;
+    let room = app.max_model_len.saturating_sub(prompt_len) as u32;
+    let mut params = params.clone();
+    if params.max_tokens > room {
+        if named {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the \
+                     prompt, {} in the completion). Please reduce the length of the prompt or completion.",
+                    app.max_model_len,
+                    prompt_len as u64 + u64::from(params.max_tokens),
+                    prompt_len,
+                    params.max_tokens
+                ),
+            ));
+        }
+        params.max_tokens = room;
+        params.min_tokens = params.min_tokens.min(room);
+    }
+    Ok(params)
+}
+
+/// The `n` choices of one prompt. With a seed, choice i uses seed + i, so
+/// n > 1 still gives n different samples, reproducibly.
+pub fn n_choices(prompt_ids: &[u32], params: &SamplingParams, stops: &[String], n: usize) -> Vec<ChoiceSpec> {
+    (0..n)
+        .map(|i| {
+            let mut params = params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            ChoiceSpec { prompt_ids: prompt_ids.to_vec(), params, stops: stops.to_vec() }
+        })
+        .collect()
+}
+
+/// The prompt a conversation becomes: the model's chat template, then the
+/// tokenizer, without special tokens for chat (the template writes BOS where
+/// the model wants it).
+pub fn chat_prompt_ids(
+    app: &AppState,
+    messages: &[Value],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must not be empty"));
+    }
+    let template = app.chat_template.as_ref().ok_or_else(|| {
+        ApiError::bad_request(
+            "This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions",
+        )
+    })?;
+    let text =
+        template.render(messages, add_generation_prompt).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    app.tokenizer.encode(&text, add_special_tokens).map_err(|e| ApiError::invalid("messages", e.to_string()))
+}

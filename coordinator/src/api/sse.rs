@@ -1,0 +1,51 @@
+//! Server-sent events, as `/generate`, `/v1/completions` and
+//! `/v1/chat/completions` stream them: each event one `data: {json}` line
+//! and a blank line, the stream ended by `data: [DONE]`. A writer task per
+//! response turns the request's updates into events; when the client goes
+//! away its send fails, the task ends, and dropping the updates' receiver
+//! aborts the request on its worker.
+
+use std::future::Future;
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::reply::Reply;
+
+/// Events written ahead of a slow client before the writer waits.
+const BUFFER_EVENTS: usize = 64;
+
+const DONE: &str = "data: [DONE]\n\n";
+
+/// The client is gone: stop writing.
+#[derive(Debug)]
+pub struct ClientGone;
+
+/// The sending side of one response's event stream.
+pub struct Events {
+    tx: mpsc::Sender<String>,
+}
+
+impl Events {
+    pub async fn send(&self, event: &impl Serialize) -> Result<(), ClientGone> {
+        let data = serde_json::to_string(event)
+            .unwrap_or_else(|e| ApiError::internal(format!("encoding an event: {e}")).body());
+        self.tx.send(format!("data: {data}\n\n")).await.map_err(|_| ClientGone)
+    }
+}
+
+/// A streaming reply whose events `write` sends from its own task; `[DONE]`
+/// follows whatever it wrote.
+pub fn stream<F>(write: impl FnOnce(Events) -> F) -> Reply
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(BUFFER_EVENTS);
+    let writing = write(Events { tx: tx.clone() });
+    tokio::spawn(async move {
+        writing.await;
+        let _ = tx.send(DONE.to_string()).await;
+    });
+    Reply::sse(rx)
+}

@@ -1,0 +1,161 @@
+//! The QUIC side of the cluster: accepting worker connections, the
+//! authenticated handshake, and each worker's frame loop. A connection has
+//! a writer task fed by a channel (the registry holds its sender) and a
+//! reader loop that hands every frame to the cluster under its lock.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::WorkerId;
+use common::protocol::{CoordinatorMessage, Handshake, HandshakeReply, PROTOCOL_VERSION, WorkerMessage};
+use common::transport::{self, Role};
+use tokio::sync::mpsc;
+
+use super::Cluster;
+use crate::router::EventOutcome;
+
+impl Cluster {
+    /// Accepts worker connections until the endpoint closes.
+    pub async fn accept_workers(self, endpoint: quinn::Endpoint) {
+        while let Some(incoming) = endpoint.accept().await {
+            let cluster = self.clone();
+            tokio::spawn(async move {
+                let address = incoming.remote_address();
+                match incoming.await {
+                    Ok(conn) => {
+                        if let Err(e) = cluster.handle_worker(conn).await {
+                            eprintln!("coordinator: worker at {address}: {e}");
+                        }
+                    }
+                    Err(e) => eprintln!("coordinator: QUIC handshake with {address} failed: {e}"),
+                }
+            });
+        }
+    }
+
+    async fn handle_worker(&self, conn: quinn::Connection) -> Result<(), String> {
+        let address = conn.remote_address();
+        let binding = transport::channel_binding(&conn).map_err(|e| e.to_string())?;
+        let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
+        let hello: Handshake = transport::read_frame(&mut recv)
+            .await
+            .map_err(|e| format!("bad handshake: {e}"))?
+            .ok_or("closed before the handshake")?;
+        if let Some(reason) = self.refusal(&hello, &binding) {
+            eprintln!("coordinator: refusing worker {:?} at {address}: {reason}", hello.worker_name);
+            let _ = transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await;
+            let _ = send.finish();
+            // Give the refusal time to arrive before the connection drops.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return Err(reason);
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel::<CoordinatorMessage>();
+        let worker_id = self.register_worker(&hello, address, tx);
+        let reply = HandshakeReply::Accepted {
+            worker_id,
+            auth_tag: transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding),
+        };
+        transport::write_frame(&mut send, &reply).await.map_err(|e| e.to_string())?;
+        eprintln!("coordinator: worker {:?} at {address} registered as {worker_id}", hello.worker_name);
+        let writer = tokio::spawn(async move {
+            while let Some(message) = rx.recv().await {
+                if transport::write_frame(&mut send, &message).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let why = loop {
+            match transport::read_frame::<WorkerMessage>(&mut recv).await {
+                Ok(Some(message)) => self.on_worker_message(worker_id, message),
+                Ok(None) => break "stream closed".to_string(),
+                Err(e) => break e.to_string(),
+            }
+        };
+        writer.abort();
+        conn.close(0u32.into(), b"bye");
+        self.remove_worker(worker_id, &why);
+        Ok(())
+    }
+
+    /// Why a worker's handshake is refused, if it is.
+    fn refusal(&self, hello: &Handshake, binding: &[u8; 32]) -> Option<String> {
+        if hello.protocol_version != PROTOCOL_VERSION {
+            return Some(format!(
+                "protocol version {} (this coordinator speaks {PROTOCOL_VERSION})",
+                hello.protocol_version
+            ));
+        }
+        if !transport::verify_auth_tag(self.secret.as_bytes(), Role::Worker, binding, &hello.auth_tag) {
+            return Some("wrong cluster secret".into());
+        }
+        // The wire carries the block size as u32; the coordinator counts in usize.
+        if usize::try_from(hello.block_size).ok() != Some(self.block_size) {
+            return Some(format!(
+                "block size {} (this coordinator routes with {}; start both with the same --block-size)",
+                hello.block_size, self.block_size
+            ));
+        }
+        if hello.model.config_hash != self.model.config_hash {
+            return Some(format!("serves model {:?}, the cluster serves {:?}", hello.model.name, self.model.name));
+        }
+        None
+    }
+
+    /// Lists a worker that passed the handshake; `tx` reaches it.
+    pub(super) fn register_worker(
+        &self,
+        hello: &Handshake,
+        address: SocketAddr,
+        tx: mpsc::UnboundedSender<CoordinatorMessage>,
+    ) -> WorkerId {
+        let mut state = self.lock();
+        let id = state.registry.register(hello, address, tx.clone());
+        // Its cache may be warm (a reconnect): learn it before trusting events.
+        state.router.add_worker(id);
+        let _ = tx.send(CoordinatorMessage::RequestKvSnapshot);
+        id
+    }
+
+    /// One frame from `worker`: token deltas and rejections go to the
+    /// request table, stats and KV events to the registry and the router.
+    pub(super) fn on_worker_message(&self, worker: WorkerId, message: WorkerMessage) {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        match message {
+            WorkerMessage::TokenDelta {
+                request_id,
+                prompt_logprobs,
+                new_token_ids,
+                logprobs,
+                finish_reason,
+                num_prompt_tokens: _,
+                num_cached_tokens,
+            } => {
+                let delta = super::requests::Delta {
+                    prompt_logprobs,
+                    new_token_ids,
+                    logprobs,
+                    finish_reason,
+                    num_cached_tokens,
+                };
+                self.on_token_delta(state, worker, request_id, delta);
+            }
+            WorkerMessage::Rejected { request_id, message } => Self::on_rejected(state, worker, request_id, message),
+            WorkerMessage::Stats(stats) => {
+                state.router.on_stats(worker, &stats);
+                state.registry.on_stats(worker, stats);
+            }
+            WorkerMessage::KvEvents(events) => {
+                if state.router.apply_kv_events(worker, &events) == EventOutcome::NeedSnapshot {
+                    eprintln!("coordinator: KV event gap from {}; requesting a snapshot", state.registry.label(worker));
+                    if let Some(w) = state.registry.get(worker) {
+                        w.send(CoordinatorMessage::RequestKvSnapshot);
+                    }
+                }
+            }
+            WorkerMessage::KvSnapshot { last_event_id, hashes } => {
+                state.router.apply_kv_snapshot(worker, last_event_id, hashes.into_iter().map(|(hash, _)| hash));
+            }
+        }
+    }
+}

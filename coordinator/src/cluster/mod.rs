@@ -1,0 +1,227 @@
+//! The coordinator's view of the cluster: registered workers, requests in
+//! flight, and the QUIC side that connects them.
+//!
+//! One lock guards the state (TGI's router keeps it in one task; a short
+//! critical section is as simple here). The state has three parts, each in
+//! its own file: the worker `registry` (state, health, load), the
+//! `requests` table (dispatch, token deltas, re-dispatch) and the router.
+//! `connection` runs each worker's QUIC link and feeds its frames in. When
+//! a worker is lost (its connection closes, or it misses 3 stats intervals)
+//! its requests are sent to another worker with the prompt plus the tokens
+//! already streamed, so the client's stream goes on with no token lost or
+//! repeated.
+//!
+//! Where a request goes is the router's decision (`crate::router`): the
+//! cluster feeds it the workers' KV events, stats and every dispatch, first
+//! token and finish, and asks it for a worker under the same lock.
+
+mod connection;
+mod registry;
+mod requests;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use common::protocol::{ModelIdentity, WireFinishReason, WireLogprobs};
+use common::{RequestId, SamplingParams, WorkerId};
+use prometheus::{IntCounter, IntCounterVec, Opts};
+use tokio::sync::mpsc;
+
+pub use registry::{WorkerInfo, WorkerState};
+
+use crate::router::{Policy, Router};
+use registry::Registry;
+
+/// A worker that misses this many stats intervals is declared lost.
+pub const MISSED_STATS_LIMIT: u32 = 3;
+pub use common::protocol::STATS_INTERVAL;
+
+/// What an HTTP handler receives for its request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestEvent {
+    /// Log-probabilities of the next prompt tokens (`prompt_logprobs`), in
+    /// order from the second prompt token, each once, all before `Tokens`.
+    PromptLogprobs(Vec<WireLogprobs>),
+    Tokens {
+        ids: Vec<u32>,
+        logprobs: Vec<WireLogprobs>,
+    },
+    /// `worker` names the worker that finished it (it changes on re-dispatch).
+    Finished {
+        reason: WireFinishReason,
+        prompt_tokens: u32,
+        cached_tokens: u32,
+        worker: String,
+    },
+    Failed {
+        message: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SubmitError {
+    #[error("no worker is available")]
+    NoWorker,
+    #[error("too many requests in flight ({0}); retry later")]
+    Overloaded(usize),
+}
+
+/// A row of the request table.
+struct InFlight {
+    /// The prompt as the client sent it (for usage and re-dispatch).
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    generated: Vec<u32>,
+    worker: WorkerId,
+    events: mpsc::UnboundedSender<RequestEvent>,
+    /// Prompt tokens the first worker found cached (kept across re-dispatch).
+    cached_tokens: Option<u32>,
+    /// Prompt logprobs passed on so far, and how many of the next worker's
+    /// to drop because an earlier worker sent them already.
+    prompt_logprobs_sent: usize,
+    prompt_logprobs_to_skip: usize,
+}
+
+struct State {
+    registry: Registry,
+    requests: HashMap<RequestId, InFlight>,
+    router: Router,
+    next_request_id: u64,
+    redispatches: u64,
+}
+
+/// The routing counters the coordinator exports (registered by `Metrics`).
+#[derive(Clone)]
+pub struct RoutingMetrics {
+    pub decisions: IntCounterVec,
+    pub predicted_cached_tokens: IntCounterVec,
+    pub actual_cached_tokens: IntCounterVec,
+    pub redispatches: IntCounter,
+}
+
+impl RoutingMetrics {
+    fn new() -> Self {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+        };
+        Self {
+            decisions: counter(
+                "tinyvllm_router_decisions_total",
+                "Routing decisions by policy and worker",
+                &["policy", "worker"],
+            ),
+            predicted_cached_tokens: counter(
+                "tinyvllm_router_predicted_cached_tokens_total",
+                "Prompt tokens the router expected the chosen worker to have cached",
+                &["worker"],
+            ),
+            actual_cached_tokens: counter(
+                "tinyvllm_router_actual_cached_tokens_total",
+                "Prompt tokens the worker reported as cache hits",
+                &["worker"],
+            ),
+            redispatches: IntCounter::new(
+                "tinyvllm_redispatches_total",
+                "Requests moved to another worker after theirs was lost",
+            )
+            .expect("valid metric"),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Cluster {
+    state: Arc<Mutex<State>>,
+    secret: Arc<String>,
+    model: ModelIdentity,
+    max_in_flight: usize,
+    block_size: usize,
+    metrics: RoutingMetrics,
+}
+
+impl Cluster {
+    /// `block_size` must equal the workers' (they are refused otherwise):
+    /// the router hashes prompts in blocks of that size.
+    pub fn new(secret: String, model: ModelIdentity, max_in_flight: usize, policy: Policy, block_size: usize) -> Self {
+        let state = State {
+            registry: Registry::default(),
+            requests: HashMap::new(),
+            router: Router::new(policy, block_size),
+            next_request_id: 0,
+            redispatches: 0,
+        };
+        Self {
+            state: Arc::new(Mutex::new(state)),
+            secret: Arc::new(secret),
+            model,
+            max_in_flight,
+            block_size,
+            metrics: RoutingMetrics::new(),
+        }
+    }
+
+    pub fn routing_metrics(&self) -> &RoutingMetrics {
+        &self.metrics
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.lock().router.policy()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the maps half-updated
+        // in a way later requests could not live with; keep serving.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.lock().registry.is_ready()
+    }
+
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.lock().registry.infos()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.lock().requests.len()
+    }
+
+    pub fn redispatches(&self) -> u64 {
+        self.lock().redispatches
+    }
+
+    /// The worker's name for responses (its id if it is already gone).
+    pub fn worker_label(&self, id: WorkerId) -> String {
+        self.lock().registry.label(id)
+    }
+
+    /// Asks every worker to drain (finish in-flight work, take no more).
+    pub fn drain_all(&self) {
+        self.lock().registry.drain_all();
+    }
+
+    /// Marks workers that stopped reporting as lost.
+    pub async fn watchdog(self) {
+        let mut tick = tokio::time::interval(STATS_INTERVAL);
+        loop {
+            tick.tick().await;
+            let stale = self.lock().registry.silent_for(STATS_INTERVAL * MISSED_STATS_LIMIT);
+            for id in stale {
+                self.remove_worker(id, "missed 3 stats intervals");
+            }
+        }
+    }
+
+    /// Drops a worker and moves its requests elsewhere.
+    fn remove_worker(&self, worker: WorkerId, why: &str) {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let Some(entry) = state.registry.remove(worker) else { return };
+        eprintln!("coordinator: worker {} ({}) lost: {why}", entry.name, entry.address);
+        state.router.remove_worker(worker);
+        self.redispatch_orphans(state, worker);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,183 @@
+//! The workers the coordinator knows: how to reach each one (a channel to
+//! its connection's writer task), its state, its last stats and the
+//! requests it is serving. Plain data under the cluster's lock; the
+//! watchdog asks it which workers fell silent.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::WorkerId;
+use common::protocol::{CoordinatorMessage, Handshake, WorkerStats};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    Ready,
+    Draining,
+}
+
+impl WorkerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Ready => "ready",
+            WorkerState::Draining => "draining",
+        }
+    }
+}
+
+/// What `GET /v1/workers` shows of a worker.
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerInfo {
+    pub id: WorkerId,
+    pub name: String,
+    pub address: String,
+    /// Where the worker serves Prometheus metrics, if it does.
+    pub metrics_address: Option<String>,
+    /// What the worker's engine runs on, as it reported it.
+    pub device: String,
+    pub state: WorkerState,
+    pub in_flight_requests: usize,
+    pub stats: WorkerStats,
+    pub seconds_since_stats: f64,
+}
+
+pub(super) struct WorkerEntry {
+    pub name: String,
+    pub address: SocketAddr,
+    metrics_address: Option<String>,
+    device: String,
+    tx: mpsc::UnboundedSender<CoordinatorMessage>,
+    state: WorkerState,
+    stats: WorkerStats,
+    last_stats: Instant,
+    /// Requests dispatched to it and not finished.
+    pub in_flight: usize,
+}
+
+impl WorkerEntry {
+    /// Queues `message` for the worker; false if its connection is gone.
+    pub fn send(&self, message: CoordinatorMessage) -> bool {
+        self.tx.send(message).is_ok()
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Registry {
+    workers: BTreeMap<WorkerId, WorkerEntry>,
+    next_id: u64,
+}
+
+impl Registry {
+    /// Lists a worker that passed the handshake; `tx` reaches it.
+    pub fn register(
+        &mut self,
+        hello: &Handshake,
+        address: SocketAddr,
+        tx: mpsc::UnboundedSender<CoordinatorMessage>,
+    ) -> WorkerId {
+        let id = WorkerId(self.next_id);
+        self.next_id += 1;
+        self.workers.insert(
+            id,
+            WorkerEntry {
+                name: hello.worker_name.clone(),
+                address,
+                metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
+                device: hello.device.clone(),
+                tx,
+                state: WorkerState::Ready,
+                stats: WorkerStats { kv_blocks_total: hello.kv_capacity_blocks, ..WorkerStats::default() },
+                last_stats: Instant::now(),
+                in_flight: 0,
+            },
+        );
+        id
+    }
+
+    pub fn remove(&mut self, id: WorkerId) -> Option<WorkerEntry> {
+        self.workers.remove(&id)
+    }
+
+    pub fn get(&self, id: WorkerId) -> Option<&WorkerEntry> {
+        self.workers.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: WorkerId) -> Option<&mut WorkerEntry> {
+        self.workers.get_mut(&id)
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.workers.values().any(|w| w.state == WorkerState::Ready)
+    }
+
+    /// The ready workers other than `exclude`, in ascending id order (as
+    /// the router wants them).
+    pub fn ready_except(&self, exclude: Option<WorkerId>) -> Vec<WorkerId> {
+        self.workers
+            .iter()
+            .filter(|&(&w, entry)| entry.state == WorkerState::Ready && Some(w) != exclude)
+            .map(|(&w, _)| w)
+            .collect()
+    }
+
+    pub fn infos(&self) -> Vec<WorkerInfo> {
+        self.workers
+            .iter()
+            .map(|(&id, w)| WorkerInfo {
+                id,
+                name: w.name.clone(),
+                address: w.address.to_string(),
+                metrics_address: w.metrics_address.clone(),
+                device: w.device.clone(),
+                state: w.state,
+                in_flight_requests: w.in_flight,
+                stats: w.stats.clone(),
+                seconds_since_stats: w.last_stats.elapsed().as_secs_f64(),
+            })
+            .collect()
+    }
+
+    /// A worker's name for responses (its id if it is already gone).
+    pub fn label(&self, id: WorkerId) -> String {
+        self.workers.get(&id).map_or_else(|| format!("worker-{id}"), |w| w.name.clone())
+    }
+
+    pub fn on_stats(&mut self, id: WorkerId, stats: WorkerStats) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.stats = stats;
+            w.last_stats = Instant::now();
+        }
+    }
+
+    /// One of the worker's requests finished or moved away.
+    pub fn release(&mut self, id: WorkerId) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.in_flight = w.in_flight.saturating_sub(1);
+        }
+    }
+
+    /// Asks every worker to drain (finish in-flight work, take no more).
+    pub fn drain_all(&mut self) {
+        for w in self.workers.values_mut() {
+            w.state = WorkerState::Draining;
+            let _ = w.tx.send(CoordinatorMessage::Drain);
+        }
+    }
+
+    /// Workers whose last stats are older than `limit`.
+    pub fn silent_for(&self, limit: Duration) -> Vec<WorkerId> {
+        self.workers.iter().filter(|(_, w)| w.last_stats.elapsed() > limit).map(|(&id, _)| id).collect()
+    }
+}
+
+/// A worker's metrics address as Prometheus can reach it: a worker bound to
+/// an unspecified address (0.0.0.0:9101) is reached at the IP it connected from.
+fn metrics_address(advertised: &str, peer: SocketAddr) -> String {
+    match advertised.parse::<SocketAddr>() {
+        Ok(addr) if addr.ip().is_unspecified() => SocketAddr::new(peer.ip(), addr.port()).to_string(),
+        _ => advertised.to_string(),
+    }
+}

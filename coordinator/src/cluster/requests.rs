@@ -1,0 +1,214 @@
+//! The request table: every request in flight, the worker serving it and
+//! what it has streamed so far. Dispatch asks the router for a worker;
+//! token deltas are passed on to the HTTP handler waiting on the request;
+//! a lost worker's requests are dispatched again elsewhere, with the prompt
+//! plus the tokens already streamed, so the client's stream goes on with no
+//! token lost or repeated.
+
+use common::protocol::{CoordinatorMessage, WireFinishReason, WireLogprobs};
+use common::{BlockHash, RequestId, SamplingParams, WorkerId};
+use tokio::sync::mpsc;
+
+use super::{Cluster, InFlight, RequestEvent, State, SubmitError};
+
+/// A `WorkerMessage::TokenDelta`'s fields that the table uses.
+pub(super) struct Delta {
+    pub prompt_logprobs: Vec<WireLogprobs>,
+    pub new_token_ids: Vec<u32>,
+    pub logprobs: Vec<WireLogprobs>,
+    pub finish_reason: Option<WireFinishReason>,
+    pub num_cached_tokens: u32,
+}
+
+impl Cluster {
+    /// Sends a request to the worker the router picks. Returns its id, the
+    /// worker chosen, and the stream of its events.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(RequestId, WorkerId, mpsc::UnboundedReceiver<RequestEvent>), SubmitError> {
+        // Hashing is pure: do it before taking the lock.
+        let chain = common::hash_prompt_blocks(&prompt, self.block_size);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut state = self.lock();
+        if state.requests.len() >= self.max_in_flight {
+            return Err(SubmitError::Overloaded(state.requests.len()));
+        }
+        let id = RequestId(state.next_request_id);
+        let worker = self.dispatch(&mut state, id, &prompt, &chain, params.clone(), None)?;
+        state.next_request_id += 1;
+        state.requests.insert(
+            id,
+            InFlight {
+                prompt,
+                params,
+                generated: Vec::new(),
+                worker,
+                events: tx,
+                cached_tokens: None,
+                prompt_logprobs_sent: 0,
+                prompt_logprobs_to_skip: 0,
+            },
+        );
+        Ok((id, worker, rx))
+    }
+
+    /// Routes `prompt` (whose hash chain is `chain`) among the ready workers
+    /// other than `exclude`, sends it, and records the dispatch.
+    fn dispatch(
+        &self,
+        state: &mut State,
+        id: RequestId,
+        prompt: &[u32],
+        chain: &[BlockHash],
+        params: SamplingParams,
+        exclude: Option<WorkerId>,
+    ) -> Result<WorkerId, SubmitError> {
+        let eligible = state.registry.ready_except(exclude);
+        // A request scoring its prompt reads no cache on the worker: only load counts.
+        let reads_cache = params.prompt_logprobs.is_none();
+        let route_chain = if reads_cache { chain } else { &[] };
+        let decision = state.router.route(prompt.len(), route_chain, &eligible).ok_or(SubmitError::NoWorker)?;
+        let entry = state.registry.get_mut(decision.worker).ok_or(SubmitError::NoWorker)?;
+        let message = CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.to_vec(), params };
+        if !entry.send(message) {
+            return Err(SubmitError::NoWorker);
+        }
+        entry.in_flight += 1;
+        let name = entry.name.clone();
+        state.router.on_dispatch(id, decision.worker, prompt.len(), chain, decision.predicted_cached_tokens);
+        let policy = state.router.policy().as_str();
+        self.metrics.decisions.with_label_values(&[policy, &name]).inc();
+        self.metrics
+            .predicted_cached_tokens
+            .with_label_values(&[&name])
+            .inc_by(decision.predicted_cached_tokens.into());
+        Ok(decision.worker)
+    }
+
+    /// Stops a request (client gone, or a stop string matched): the worker
+    /// frees its blocks within a step.
+    pub fn abort(&self, id: RequestId) {
+        let mut state = self.lock();
+        if let Some(req) = state.requests.remove(&id) {
+            state.router.on_finish(id);
+            if let Some(w) = state.registry.get_mut(req.worker) {
+                w.in_flight = w.in_flight.saturating_sub(1);
+                w.send(CoordinatorMessage::Abort { request_id: id });
+            }
+        }
+    }
+
+    /// Prompt tokens the request's worker found cached, once it reported.
+    pub fn request_cached_tokens(&self, id: RequestId) -> Option<u32> {
+        self.lock().requests.get(&id).and_then(|r| r.cached_tokens)
+    }
+
+    /// Requests dispatched that have not produced their first token.
+    pub fn queued(&self) -> usize {
+        self.lock().requests.values().filter(|r| r.cached_tokens.is_none()).count()
+    }
+
+    /// Which worker a request is on now (it changes on re-dispatch).
+    pub fn request_worker(&self, id: RequestId) -> Option<WorkerId> {
+        self.lock().requests.get(&id).map(|r| r.worker)
+    }
+
+    /// New prompt logprobs and tokens of a request from `worker`; the last
+    /// delta ends it.
+    pub(super) fn on_token_delta(&self, state: &mut State, worker: WorkerId, request_id: RequestId, delta: Delta) {
+        let Delta { prompt_logprobs, new_token_ids, logprobs, finish_reason, num_cached_tokens } = delta;
+        let label = state.registry.label(worker);
+        let Some(req) = state.requests.get_mut(&request_id) else { return };
+        if req.worker != worker {
+            return; // a late delta from a worker we gave up on
+        }
+        if !prompt_logprobs.is_empty() {
+            let skip = req.prompt_logprobs_to_skip.min(prompt_logprobs.len());
+            req.prompt_logprobs_to_skip -= skip;
+            let owed = req.prompt.len().saturating_sub(1).saturating_sub(req.prompt_logprobs_sent);
+            let fresh: Vec<WireLogprobs> = prompt_logprobs.into_iter().skip(skip).take(owed).collect();
+            req.prompt_logprobs_sent += fresh.len();
+            if !fresh.is_empty() {
+                let _ = req.events.send(RequestEvent::PromptLogprobs(fresh));
+            }
+        }
+        if new_token_ids.is_empty() && finish_reason.is_none() {
+            return; // a prompt chunk's logprobs: the request has not started generating
+        }
+        if req.cached_tokens.is_none() {
+            req.cached_tokens = Some(num_cached_tokens);
+            self.metrics.actual_cached_tokens.with_label_values(&[&label]).inc_by(num_cached_tokens.into());
+        }
+        req.generated.extend_from_slice(&new_token_ids);
+        let n = new_token_ids.len();
+        if n > 0 {
+            let _ = req.events.send(RequestEvent::Tokens { ids: new_token_ids, logprobs });
+        }
+        state.router.on_tokens(request_id, n);
+        if let Some(reason) = finish_reason {
+            let event = RequestEvent::Finished {
+                reason,
+                prompt_tokens: req.prompt.len() as u32,
+                cached_tokens: req.cached_tokens.unwrap_or(0),
+                worker: label,
+            };
+            let _ = req.events.send(event);
+            state.requests.remove(&request_id);
+            state.router.on_finish(request_id);
+            state.registry.release(worker);
+        }
+    }
+
+    /// `worker` refused a request (bad input, draining): it fails.
+    pub(super) fn on_rejected(state: &mut State, worker: WorkerId, request_id: RequestId, message: String) {
+        if let Some(req) = state.requests.remove(&request_id) {
+            state.router.on_finish(request_id);
+            let _ = req.events.send(RequestEvent::Failed { message });
+            state.registry.release(worker);
+        }
+    }
+
+    /// Moves the requests of `lost` (already out of the registry and the
+    /// router) to other workers; those no worker can take fail.
+    pub(super) fn redispatch_orphans(&self, state: &mut State, lost: WorkerId) {
+        let orphans: Vec<RequestId> =
+            state.requests.iter().filter(|(_, r)| r.worker == lost).map(|(&id, _)| id).collect();
+        for id in orphans {
+            let req = state.requests.get(&id).expect("orphan exists");
+            // Continue from what the client already has: the prompt plus the
+            // streamed tokens, with the remaining budget.
+            let mut prompt = req.prompt.clone();
+            prompt.extend_from_slice(&req.generated);
+            let done = req.generated.len() as u32;
+            let mut params = req.params.clone();
+            params.max_tokens = params.max_tokens.saturating_sub(done).max(1);
+            params.min_tokens = params.min_tokens.saturating_sub(done);
+            // The new worker scores the prompt from its start again: what
+            // the client has is dropped, and nothing is asked once all came.
+            let prompt_logprobs_sent = req.prompt_logprobs_sent;
+            if prompt_logprobs_sent >= req.prompt.len().saturating_sub(1) {
+                params.prompt_logprobs = None;
+            }
+            let chain = common::hash_prompt_blocks(&prompt, self.block_size);
+            match self.dispatch(state, id, &prompt, &chain, params, Some(lost)) {
+                Ok(target) => {
+                    state.redispatches += 1;
+                    self.metrics.redispatches.inc();
+                    if let Some(req) = state.requests.get_mut(&id) {
+                        req.worker = target;
+                        req.prompt_logprobs_to_skip = prompt_logprobs_sent;
+                    }
+                }
+                Err(_) => {
+                    if let Some(req) = state.requests.remove(&id) {
+                        let _ = req.events.send(RequestEvent::Failed {
+                            message: "the worker serving this request was lost and no other worker is available".into(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
