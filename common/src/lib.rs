@@ -15,4 +15,5 @@ pub mod transport;
 pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
 pub use ids::{BlockId, RequestId, WorkerId};
 pub use kv_events::{KvEvent, KvEventRecord};
+pub use protocol::FinishReason;
 pub use sampling::{SamplingParams, SamplingParamsError};

@@ -87,12 +87,27 @@ pub enum CoordinatorMessage {
     Shutdown,
 }
 
-/// Why a request ended, on the wire.
+/// Why a request ended: the engine's verdict, the wire's, and (as
+/// `"stop"`/`"length"`) OpenAI's `finish_reason`. One definition for all three.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum WireFinishReason {
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// EOS, a stop token, or (decided by the coordinator) a stop string.
     Stop,
+    /// `max_tokens` or the model's context length.
     Length,
+    /// Cancelled: the client went away or the request was refused mid-way.
     Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -126,7 +141,7 @@ pub enum WorkerMessage {
         prompt_logprobs: Vec<WireLogprobs>,
         new_token_ids: Vec<u32>,
         logprobs: Vec<WireLogprobs>,
-        finish_reason: Option<WireFinishReason>,
+        finish_reason: Option<FinishReason>,
         num_prompt_tokens: u32,
         num_cached_tokens: u32,
     },
@@ -226,7 +241,7 @@ mod tests {
                 prompt_logprobs: vec![WireLogprobs { logprob: -2.0, top: vec![(4, -0.1)] }],
                 new_token_ids: vec![1, 2, 3],
                 logprobs: vec![WireLogprobs { logprob: -0.5, top: vec![(1, -0.5), (9, -1.5)] }],
-                finish_reason: Some(WireFinishReason::Length),
+                finish_reason: Some(FinishReason::Length),
                 num_prompt_tokens: 12,
                 num_cached_tokens: 0,
             },

@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use common::FinishReason;
+
 use super::error::ApiError;
 use super::logprobs::{CompletionLogprobs, Echo};
 use super::openai::{Choice, ChunkStream, Completion, Content, EchoStream, Kind, Logprobs, Usage};
@@ -106,7 +108,7 @@ fn leave_out_completion(c: &mut Collected) {
     c.logprobs.clear();
     if let Some(end) = &mut c.end {
         end.completion_tokens = 0;
-        end.finish_reason = "length";
+        end.finish_reason = FinishReason::Length;
         end.stop = None;
     }
 }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use common::FinishReason;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -24,7 +25,7 @@ struct GenerateBody {
     text: String,
     token_ids: Vec<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    finish_reason: Option<&'static str>,
+    finish_reason: Option<FinishReason>,
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<GenerateUsage>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use common::FinishReason;
 use common::protocol::WireLogprobs;
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -38,7 +39,7 @@ pub struct Choice {
     #[serde(flatten)]
     pub content: Content,
     pub logprobs: Option<Logprobs>,
-    pub finish_reason: Option<&'static str>,
+    pub finish_reason: Option<FinishReason>,
     /// Left out of the stream chunks before the choice's end.
     #[serde(flatten)]
     pub end: Option<EndDetails>,
@@ -206,7 +207,9 @@ impl ChunkStream {
             if echo.only {
                 match &mut update {
                     Update::Delta { .. } => continue,
-                    Update::End(end) => (end.completion_tokens, end.finish_reason, end.stop) = (0, "length", None),
+                    Update::End(end) => {
+                        (end.completion_tokens, end.finish_reason, end.stop) = (0, FinishReason::Length, None)
+                    }
                     _ => {}
                 }
             }

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use common::protocol::{WireFinishReason, WireLogprobs};
+use common::FinishReason;
+use common::protocol::WireLogprobs;
 use common::{RequestId, SamplingParams, WorkerId};
 use tokio::sync::mpsc;
 
@@ -44,7 +45,7 @@ pub enum Update {
 #[derive(Debug, Clone)]
 pub struct ChoiceEnd {
     pub index: usize,
-    pub finish_reason: &'static str,
+    pub finish_reason: FinishReason,
     /// The stop string that ended the choice, if one did.
     pub stop: Option<String>,
     pub prompt_tokens: u32,
@@ -142,7 +143,7 @@ async fn drive_choice(
                     app.metrics.request_finished(endpoint, started.elapsed());
                     let end = ChoiceEnd {
                         index,
-                        finish_reason: "stop",
+                        finish_reason: FinishReason::Stop,
                         stop: Some(stop),
                         prompt_tokens: spec.prompt_ids.len() as u32,
                         completion_tokens,
@@ -161,11 +162,9 @@ async fn drive_choice(
                 if !tail.is_empty() {
                     let _ = tx.send(Update::Delta { index, text: tail, token_ids: Vec::new(), logprobs: Vec::new() });
                 }
-                let finish_reason = match (reason, rest.stopped.is_some()) {
-                    (_, true) | (WireFinishReason::Stop, _) => "stop",
-                    (WireFinishReason::Length, _) => "length",
-                    (WireFinishReason::Abort, _) => "abort",
-                };
+                // A stop string the coordinator found ends the choice as "stop",
+                // whatever the worker's reason for the last token.
+                let finish_reason = if rest.stopped.is_some() { FinishReason::Stop } else { reason };
                 let end = ChoiceEnd {
                     index,
                     finish_reason,

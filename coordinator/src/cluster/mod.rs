@@ -22,8 +22,8 @@ mod requests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use common::protocol::{ModelIdentity, WireFinishReason, WireLogprobs};
-use common::{RequestId, SamplingParams, WorkerId};
+use common::protocol::{ModelIdentity, WireLogprobs};
+use common::{FinishReason, RequestId, SamplingParams, WorkerId};
 use prometheus::{IntCounter, IntCounterVec, Opts};
 use tokio::sync::mpsc;
 
@@ -48,7 +48,7 @@ pub enum RequestEvent {
     },
     /// `worker` names the worker that finished it (it changes on re-dispatch).
     Finished {
-        reason: WireFinishReason,
+        reason: FinishReason,
         prompt_tokens: u32,
         cached_tokens: u32,
         worker: String,

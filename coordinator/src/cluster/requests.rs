@@ -5,8 +5,8 @@
 //! plus the tokens already streamed, so the client's stream goes on with no
 //! token lost or repeated.
 
-use common::protocol::{CoordinatorMessage, WireFinishReason, WireLogprobs};
-use common::{BlockHash, RequestId, SamplingParams, WorkerId};
+use common::protocol::{CoordinatorMessage, WireLogprobs};
+use common::{BlockHash, FinishReason, RequestId, SamplingParams, WorkerId};
 use tokio::sync::mpsc;
 
 use super::{Cluster, InFlight, RequestEvent, State, SubmitError};
@@ -16,7 +16,7 @@ pub(super) struct Delta {
     pub prompt_logprobs: Vec<WireLogprobs>,
     pub new_token_ids: Vec<u32>,
     pub logprobs: Vec<WireLogprobs>,
-    pub finish_reason: Option<WireFinishReason>,
+    pub finish_reason: Option<FinishReason>,
     pub num_cached_tokens: u32,
 }
 

@@ -12,9 +12,10 @@ pub mod request;
 pub mod scheduler;
 
 pub use block_pool::BlockPool;
+pub use common::FinishReason;
 pub use config::{SchedulerConfig, SchedulingPolicy};
 pub use error::AddRequestError;
 pub use kv_cache_manager::{KvCacheManager, PrefixCacheStats};
 pub use output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats, TokenLogprobs};
-pub use request::{FinishReason, Request, RequestStatus};
+pub use request::{Request, RequestStatus};
 pub use scheduler::Scheduler;

@@ -8,7 +8,9 @@ use std::ops::Range;
 use common::{BlockId, RequestId};
 
 use crate::kv_cache_manager::PrefixCacheStats;
-use crate::request::{FinishReason, Request};
+use common::FinishReason;
+
+use crate::request::Request;
 
 /// One request's share of a step.
 #[derive(Clone, Debug, PartialEq)]

@@ -3,7 +3,7 @@
 //! has `num_tokens` (prompt + output) of which `num_computed_tokens` already
 //! have KV in the cache, and each step computes some of the rest.
 
-use common::{BlockHash, RequestId, SamplingParams, hash_block_tokens};
+use common::{BlockHash, FinishReason, RequestId, SamplingParams, hash_block_tokens};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestStatus {
@@ -12,26 +12,6 @@ pub enum RequestStatus {
     /// Lost its blocks to a higher-priority request; waits to recompute.
     Preempted,
     Finished(FinishReason),
-}
-
-/// Why a request ended, in OpenAI's words.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum FinishReason {
-    /// EOS or a stop token.
-    Stop,
-    /// `max_tokens` or the model's context length.
-    Length,
-    Abort,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-            Self::Abort => "abort",
-        }
-    }
 }
 
 #[derive(Clone, Debug)]

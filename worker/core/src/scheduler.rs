@@ -20,7 +20,9 @@ use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::error::AddRequestError;
 use crate::kv_cache_manager::KvCacheManager;
 use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats};
-use crate::request::{FinishReason, Request, RequestStatus};
+use common::FinishReason;
+
+use crate::request::{Request, RequestStatus};
 
 pub struct Scheduler {
     config: SchedulerConfig,

@@ -16,7 +16,7 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry, TextEncoder, core::Collector,
 };
 
-use engine_core::{FinishReason, RequestOutput, SchedulerStats};
+use engine_core::{RequestOutput, SchedulerStats};
 
 /// vLLM's buckets for request-level latencies (seconds).
 const REQUEST_LATENCY_BUCKETS: [f64; 21] = [
@@ -239,12 +239,7 @@ impl RequestTimings {
         }
         if let Some(reason) = o.finish_reason {
             let Some(t) = self.requests.remove(&o.id) else { return };
-            let label = match reason {
-                FinishReason::Stop => "stop",
-                FinishReason::Length => "length",
-                FinishReason::Abort => "abort",
-            };
-            m.request_success.with_label_values(&[label]).inc();
+            m.request_success.with_label_values(&[reason.as_str()]).inc();
             m.e2e_request_latency.observe((now - t.arrived).as_secs_f64());
             if let Some(first) = t.first_token {
                 m.request_decode_time.observe((now - first).as_secs_f64());

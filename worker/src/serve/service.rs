@@ -10,8 +10,8 @@ use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use common::protocol::{
-    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireFinishReason, WireLogprobs,
-    WorkerMessage, WorkerStats,
+    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireLogprobs, WorkerMessage,
+    WorkerStats,
 };
 use common::transport::{self, Role};
 use common::{RequestId, SamplingParams};
@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::engine::Engine;
 use crate::serve::metrics::{EngineMetrics, RequestTimings};
-use engine_core::{FinishReason, RequestOutput, SchedulerStats};
+use engine_core::{RequestOutput, SchedulerStats};
 
 /// How often stats are reported (the coordinator declares a worker lost after 3 missed).
 pub use common::protocol::STATS_INTERVAL;
@@ -199,11 +199,7 @@ fn token_delta(o: RequestOutput) -> WorkerMessage {
             .collect(),
         new_token_ids: o.new_token_ids,
         logprobs: o.logprobs.into_iter().map(|l| WireLogprobs { logprob: l.logprob, top: l.top }).collect(),
-        finish_reason: o.finish_reason.map(|r| match r {
-            FinishReason::Stop => WireFinishReason::Stop,
-            FinishReason::Length => WireFinishReason::Length,
-            FinishReason::Abort => WireFinishReason::Abort,
-        }),
+        finish_reason: o.finish_reason,
         num_prompt_tokens: o.num_prompt_tokens as u32,
         num_cached_tokens: o.num_cached_tokens as u32,
     }
