@@ -10,8 +10,8 @@
 use candle_core::{DType, Device, Tensor};
 use kernels::metal::{self, PARTITION_SIZE};
 use kernels::{AttentionMetadata, KernelError, reference};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 mod common;
 use common::{Case, Geometry, make_case, to_vec};
