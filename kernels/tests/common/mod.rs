@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test file uses its own part
 
 use candle_core::{DType, Device, Tensor};
-use kernels::AttentionMetadata;
+use kernels::{Attention, AttentionMetadata};
 use rand::Rng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -17,6 +17,11 @@ pub struct Case {
 }
 
 impl Case {
+    /// The attention call on this case's q and caches.
+    pub fn attention(&self, scale: f32) -> Attention<'_> {
+        Attention { q: &self.q, k_cache: &self.k_cache, v_cache: &self.v_cache, meta: &self.meta, scale }
+    }
+
     pub fn to_device(&self, dev: &Device) -> Case {
         Case {
             q: self.q.to_device(dev).unwrap(),
