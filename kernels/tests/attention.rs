@@ -222,34 +222,12 @@ fn invalid_metadata_is_an_error_not_a_panic() {
     assert!(all_fail(&q3, kc, vc, &case.meta), "heads not a multiple of kv heads");
     let q16 = Tensor::zeros((2, 4, 16), DType::F32, &Device::Cpu).unwrap();
     assert!(all_fail(&q16, kc, vc, &case.meta), "head_dim differs");
-    let strided = common::strided(kc);
 
     // Cache writes.
-    let k = Tensor::zeros((2, 2, 8), DType::F32, &Device::Cpu).unwrap();
     for (name, write) in WRITERS {
-        assert!(
-            write(&CacheWrite { k: &k, v: &k, k_cache: kc, v_cache: vc, slot_mapping: &[0, 100_000] }).is_err(),
-            "{name}: slot out of range"
-        );
-        assert!(
-            write(&CacheWrite { k: &k, v: &k, k_cache: kc, v_cache: vc, slot_mapping: &[0] }).is_err(),
-            "{name}: too few slots"
-        );
-        let f16 = k.to_dtype(DType::F16).unwrap();
-        assert!(
-            write(&CacheWrite { k: &f16, v: &f16, k_cache: kc, v_cache: vc, slot_mapping: &[0, 1] }).is_err(),
-            "{name}: dtype differs"
-        );
-        let wide = Tensor::zeros((2, 2, 16), DType::F32, &Device::Cpu).unwrap();
-        assert!(
-            write(&CacheWrite { k: &wide, v: &wide, k_cache: kc, v_cache: vc, slot_mapping: &[0, 1] }).is_err(),
-            "{name}: head_dim differs"
-        );
-        assert!(
-            write(&CacheWrite { k: &k, v: &k, k_cache: &strided, v_cache: vc, slot_mapping: &[0, 1] }).is_err(),
-            "{name}: non-contiguous cache"
-        );
+        common::assert_rejects_broken_writes(name, write, kc, vc);
     }
+    let k = Tensor::zeros((2, 2, 8), DType::F32, &Device::Cpu).unwrap();
     assert!(
         reference::reshape_and_cache(&CacheWrite {
             k: &k,

@@ -295,37 +295,15 @@ fn invalid_inputs_are_errors_not_panics() {
     let zeros = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
     assert!(fails(&zeros((2, 3, 32), DType::F32), kc, vc, &case.meta), "heads not a multiple of kv heads");
     assert!(fails(&zeros((2, 4, 64), DType::F32), kc, vc, &case.meta), "head_dim differs");
-    let strided = common::strided(kc);
     assert!(fails(&q.to_device(&Device::Cpu).unwrap(), kc, vc, &case.meta), "q on another device");
     let hd16 = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 16, 8)).to_device(&dev);
     assert!(fails(&hd16.q, &hd16.k_cache, &hd16.v_cache, &hd16.meta), "head_dim without a kernel");
 
     // Cache writes.
-    let k = zeros((2, 2, 32), DType::F32);
     for (name, write) in WRITERS {
-        assert!(
-            write(&CacheWrite { k: &k, v: &k, k_cache: kc, v_cache: vc, slot_mapping: &[0, 100_000] }).is_err(),
-            "{name}: slot out of range"
-        );
-        assert!(
-            write(&CacheWrite { k: &k, v: &k, k_cache: kc, v_cache: vc, slot_mapping: &[0] }).is_err(),
-            "{name}: too few slots"
-        );
-        let f16 = k.to_dtype(DType::F16).unwrap();
-        assert!(
-            write(&CacheWrite { k: &f16, v: &f16, k_cache: kc, v_cache: vc, slot_mapping: &[0, 1] }).is_err(),
-            "{name}: dtype differs"
-        );
-        let wide = zeros((2, 2, 64), DType::F32);
-        assert!(
-            write(&CacheWrite { k: &wide, v: &wide, k_cache: kc, v_cache: vc, slot_mapping: &[0, 1] }).is_err(),
-            "{name}: head_dim differs"
-        );
-        assert!(
-            write(&CacheWrite { k: &k, v: &k, k_cache: &strided, v_cache: vc, slot_mapping: &[0, 1] }).is_err(),
-            "{name}: non-contiguous cache"
-        );
+        common::assert_rejects_broken_writes(name, write, kc, vc);
     }
+    let k = zeros((2, 2, 32), DType::F32);
     // One dispatch writes both pools, so they must not share memory, nor
     // may the new rows live in the pool they are written into.
     assert!(
