@@ -41,20 +41,13 @@ fn compare(case: &Case, tol: f32, what: &str) {
 #[test]
 fn matches_reference_across_shapes_in_f32() {
     let mut rng = StdRng::seed_from_u64(7);
-    let mixes: &[&[(usize, usize)]] = &[
-        &[(1, 1)],
-        &[(1, 15), (1, 16), (1, 17), (1, 32), (1, 33)], // decode on and across boundaries
-        &[(16, 16), (17, 17), (5, 5), (33, 33)],        // whole prompts
-        &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
-        &[(40, 70), (2, 31)],                           // long chunk over several query tiles
-    ];
     // GQA ratios 1, 2, 4, 8, and 7 and 3 (lanes of 8 partly filled).
     for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2), (14, 2), (9, 3)] {
         // 12: not whole 8-lane chunks (the portable loops); 24, 40: the AVX2
         // value loop's 8-lane tail after its 32-lane stretches.
         for &head_dim in &[8, 12, 24, 32, 40, 64] {
             for &block_size in &[8, 16] {
-                for (m, seqs) in mixes.iter().enumerate() {
+                for (m, seqs) in common::MIXES.iter().enumerate() {
                     let case = make_case(&mut rng, seqs, Geometry::new(heads, kv_heads, head_dim, block_size));
                     compare(&case, 1e-5, &format!("mix {m} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}"));
                 }

@@ -32,6 +32,16 @@ impl Case {
     }
 }
 
+/// Batches of (q_len, context_len) per sequence that every kernel is
+/// compared on.
+pub const MIXES: &[&[(usize, usize)]] = &[
+    &[(1, 1)],
+    &[(1, 15), (1, 16), (1, 17), (1, 32), (1, 33)], // decode on and across boundaries
+    &[(16, 16), (17, 17), (5, 5), (33, 33)],        // whole prompts
+    &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
+    &[(40, 70), (2, 31)],                           // long chunk over several query tiles (CPU) / work items (Metal)
+];
+
 /// Head and cache geometry of a case.
 #[derive(Clone, Copy)]
 pub struct Geometry {
