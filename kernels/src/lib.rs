@@ -80,55 +80,81 @@ pub(crate) struct Dims {
     pub block_size: usize,
 }
 
-/// Validates shapes and metadata so no implementation can index out of bounds.
-pub(crate) fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata) -> Result<Dims> {
-    let bad = |m: String| Err(KernelError::Invalid(m));
-    let (num_tokens, num_heads, head_dim) = q.dims3()?;
-    let (num_blocks, block_size, num_kv_heads, kd) = k_cache.dims4()?;
-    if v_cache.dims() != k_cache.dims() {
-        return bad(format!("v_cache {:?} differs from k_cache {:?}", v_cache.dims(), k_cache.dims()));
-    }
-    if kd != head_dim {
-        return bad(format!("head_dim of q ({head_dim}) and cache ({kd}) differ"));
-    }
-    if q.dtype() != k_cache.dtype() || v_cache.dtype() != k_cache.dtype() {
-        return bad(format!("dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k_cache.dtype(), v_cache.dtype()));
-    }
-    if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-        return bad(format!("{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"));
-    }
-    if block_size == 0 || block_size != meta.block_size {
-        return bad(format!("cache block size {block_size} != metadata block size {}", meta.block_size));
-    }
-    if meta.sliding_window == Some(0) {
-        return bad("a sliding window of 0 hides every key".into());
-    }
-    check_pool(q, k_cache, v_cache)?;
-    let n = meta.num_seqs();
-    if meta.query_start_loc.len() != n + 1 || meta.block_tables.len() != n {
-        return bad("query_start_loc / block_tables do not match context_lens".into());
-    }
-    if meta.query_start_loc.first() != Some(&0) || *meta.query_start_loc.last().unwrap_or(&0) as usize != num_tokens {
-        return bad(format!("query_start_loc must run from 0 to {num_tokens}"));
-    }
-    for s in 0..n {
-        let (start, end) = (meta.query_start_loc[s], meta.query_start_loc[s + 1]);
-        if end < start {
-            return bad(format!("query_start_loc decreases at sequence {s}"));
+/// One paged-attention call: q `[T, heads, head_dim]` against the paged
+/// caches `[blocks, block_size, kv_heads, head_dim]`, scores scaled by `scale`.
+#[derive(Clone, Copy, Debug)]
+pub struct Attention<'a> {
+    pub q: &'a Tensor,
+    pub k_cache: &'a Tensor,
+    pub v_cache: &'a Tensor,
+    pub meta: &'a AttentionMetadata,
+    pub scale: f32,
+}
+
+/// One KV write: a step's new k/v `[T, kv_heads, head_dim]` into their slots
+/// of the caches `[blocks, block_size, kv_heads, head_dim]`.
+#[derive(Clone, Copy, Debug)]
+pub struct CacheWrite<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub k_cache: &'a Tensor,
+    pub v_cache: &'a Tensor,
+    pub slot_mapping: &'a [u32],
+}
+
+impl Attention<'_> {
+    /// Validates shapes and metadata so no implementation can index out of bounds.
+    pub(crate) fn check(&self) -> Result<Dims> {
+        let Attention { q, k_cache, v_cache, meta, .. } = *self;
+        let bad = |m: String| Err(KernelError::Invalid(m));
+        let (num_tokens, num_heads, head_dim) = q.dims3()?;
+        let (num_blocks, block_size, num_kv_heads, kd) = k_cache.dims4()?;
+        if v_cache.dims() != k_cache.dims() {
+            return bad(format!("v_cache {:?} differs from k_cache {:?}", v_cache.dims(), k_cache.dims()));
         }
-        let (q_len, ctx) = ((end - start) as usize, meta.context_lens[s] as usize);
-        if q_len > ctx {
-            return bad(format!("sequence {s}: {q_len} new tokens but context length {ctx}"));
+        if kd != head_dim {
+            return bad(format!("head_dim of q ({head_dim}) and cache ({kd}) differ"));
         }
-        let table = &meta.block_tables[s];
-        if table.len() * block_size < ctx {
-            return bad(format!("sequence {s}: {} blocks cannot hold {ctx} tokens", table.len()));
+        if q.dtype() != k_cache.dtype() || v_cache.dtype() != k_cache.dtype() {
+            return bad(format!("dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k_cache.dtype(), v_cache.dtype()));
         }
-        if let Some(&b) = table[..ctx.div_ceil(block_size)].iter().find(|&&b| b as usize >= num_blocks) {
-            return bad(format!("sequence {s}: block {b} out of range ({num_blocks} blocks)"));
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return bad(format!("{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"));
         }
+        if block_size == 0 || block_size != meta.block_size {
+            return bad(format!("cache block size {block_size} != metadata block size {}", meta.block_size));
+        }
+        if meta.sliding_window == Some(0) {
+            return bad("a sliding window of 0 hides every key".into());
+        }
+        check_pool(q, k_cache, v_cache)?;
+        let n = meta.num_seqs();
+        if meta.query_start_loc.len() != n + 1 || meta.block_tables.len() != n {
+            return bad("query_start_loc / block_tables do not match context_lens".into());
+        }
+        if meta.query_start_loc.first() != Some(&0) || *meta.query_start_loc.last().unwrap_or(&0) as usize != num_tokens
+        {
+            return bad(format!("query_start_loc must run from 0 to {num_tokens}"));
+        }
+        for s in 0..n {
+            let (start, end) = (meta.query_start_loc[s], meta.query_start_loc[s + 1]);
+            if end < start {
+                return bad(format!("query_start_loc decreases at sequence {s}"));
+            }
+            let (q_len, ctx) = ((end - start) as usize, meta.context_lens[s] as usize);
+            if q_len > ctx {
+                return bad(format!("sequence {s}: {q_len} new tokens but context length {ctx}"));
+            }
+            let table = &meta.block_tables[s];
+            if table.len() * block_size < ctx {
+                return bad(format!("sequence {s}: {} blocks cannot hold {ctx} tokens", table.len()));
+            }
+            if let Some(&b) = table[..ctx.div_ceil(block_size)].iter().find(|&&b| b as usize >= num_blocks) {
+                return bad(format!("sequence {s}: block {b} out of range ({num_blocks} blocks)"));
+            }
+        }
+        Ok(Dims { num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size })
     }
-    Ok(Dims { num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size })
 }
 
 /// The kernels index the pools as flat slices and write them in place, so
@@ -143,72 +169,56 @@ fn check_pool(x: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Checks a KV write: k/v `[T, kv_heads, head_dim]` into `[blocks, block_size, kv_heads, head_dim]`.
-pub(crate) fn check_cache_write(
-    k: &Tensor,
-    v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    slots: &[u32],
-) -> Result<usize> {
-    let bad = |m: String| Err(KernelError::Invalid(m));
-    let (t, kvh, d) = k.dims3()?;
-    let (nb, bs, ckvh, cd) = k_cache.dims4()?;
-    if v.dims() != k.dims() || v_cache.dims() != k_cache.dims() {
-        return bad("k/v or k_cache/v_cache shapes differ".into());
+impl CacheWrite<'_> {
+    /// Validates the write so no implementation can index out of bounds;
+    /// returns the number of slots in each cache.
+    pub(crate) fn check(&self) -> Result<usize> {
+        let CacheWrite { k, v, k_cache, v_cache, slot_mapping: slots } = *self;
+        let bad = |m: String| Err(KernelError::Invalid(m));
+        let (t, kvh, d) = k.dims3()?;
+        let (nb, bs, ckvh, cd) = k_cache.dims4()?;
+        if v.dims() != k.dims() || v_cache.dims() != k_cache.dims() {
+            return bad("k/v or k_cache/v_cache shapes differ".into());
+        }
+        if (ckvh, cd) != (kvh, d) {
+            return bad(format!("new k/v [{t}, {kvh}, {d}] do not fit the cache [{nb}, {bs}, {ckvh}, {cd}]"));
+        }
+        if k.dtype() != k_cache.dtype() || v.dtype() != v_cache.dtype() {
+            return bad(format!("dtype {:?} written into a {:?} cache", k.dtype(), k_cache.dtype()));
+        }
+        check_pool(k, k_cache, v_cache)?;
+        if slots.len() != t {
+            return bad(format!("{} slots for {t} tokens", slots.len()));
+        }
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= nb * bs) {
+            return bad(format!("slot {s} out of range ({} slots)", nb * bs));
+        }
+        Ok(nb * bs)
     }
-    if (ckvh, cd) != (kvh, d) {
-        return bad(format!("new k/v [{t}, {kvh}, {d}] do not fit the cache [{nb}, {bs}, {ckvh}, {cd}]"));
-    }
-    if k.dtype() != k_cache.dtype() || v.dtype() != v_cache.dtype() {
-        return bad(format!("dtype {:?} written into a {:?} cache", k.dtype(), k_cache.dtype()));
-    }
-    check_pool(k, k_cache, v_cache)?;
-    if slots.len() != t {
-        return bad(format!("{} slots for {t} tokens", slots.len()));
-    }
-    if let Some(&s) = slots.iter().find(|&&s| s as usize >= nb * bs) {
-        return bad(format!("slot {s} out of range ({} slots)", nb * bs));
-    }
-    Ok(nb * bs)
 }
 
 /// Paged attention with the implementation suited to the device.
 /// q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`.
-pub fn paged_attention(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    meta: &AttentionMetadata,
-    scale: f32,
-) -> Result<Tensor> {
-    match q.device() {
-        Device::Cpu => cpu::paged_attention(q, k_cache, v_cache, meta, scale),
+pub fn paged_attention(a: &Attention) -> Result<Tensor> {
+    match a.q.device() {
+        Device::Cpu => cpu::paged_attention(a),
         // Head dims without a Metal kernel take the portable path.
         #[cfg(target_os = "macos")]
-        Device::Metal(_) if metal::supports(q.dtype(), q.dims().last().copied().unwrap_or(0)) => {
-            metal::paged_attention(q, k_cache, v_cache, meta, scale)
+        Device::Metal(_) if metal::supports(a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) => {
+            metal::paged_attention(a)
         }
-        _ => portable::paged_attention(q, k_cache, v_cache, meta, scale),
+        _ => portable::paged_attention(a),
     }
 }
 
 /// Writes a step's new K/V into their slots, in place, in one batched write
 /// per tensor.
-pub fn reshape_and_cache(
-    k: &Tensor,
-    v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    slot_mapping: &[u32],
-) -> Result<()> {
-    match k.device() {
-        Device::Cpu => cpu::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
+pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
+    match w.k.device() {
+        Device::Cpu => cpu::reshape_and_cache(w),
         #[cfg(target_os = "macos")]
-        Device::Metal(_) if metal::supports_dtype(k.dtype()) => {
-            metal::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
-        }
-        _ => portable::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping),
+        Device::Metal(_) if metal::supports_dtype(w.k.dtype()) => metal::reshape_and_cache(w),
+        _ => portable::reshape_and_cache(w),
     }
 }
 
@@ -238,11 +248,11 @@ mod tests {
             block_size: 2,
             sliding_window: None,
         };
-        let d = check(&q, &cache, &cache, &meta)?;
+        let d = Attention { q: &q, k_cache: &cache, v_cache: &cache, meta: &meta, scale: 1.0 }.check()?;
         assert_eq!((d.num_tokens, d.num_heads, d.num_kv_heads, d.head_dim, d.num_blocks), (3, 4, 2, 8, 4));
         let empty = Tensor::zeros((4, 0, 2, 8), candle_core::DType::F32, &dev)?;
         let meta0 = AttentionMetadata { block_size: 0, ..meta };
-        assert!(check(&q, &empty, &empty, &meta0).is_err());
+        assert!(Attention { q: &q, k_cache: &empty, v_cache: &empty, meta: &meta0, scale: 1.0 }.check().is_err());
         Ok(())
     }
 }

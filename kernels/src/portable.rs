@@ -4,16 +4,11 @@
 
 use candle_core::{D, DType, Tensor};
 
-use crate::{AttentionMetadata, Result, check, check_cache_write};
+use crate::{Attention, CacheWrite, Result};
 
-pub fn paged_attention(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    meta: &AttentionMetadata,
-    scale: f32,
-) -> Result<Tensor> {
-    let d = check(q, k_cache, v_cache, meta)?;
+pub fn paged_attention(a: &Attention) -> Result<Tensor> {
+    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let d = a.check()?;
     let device = q.device();
     let group = d.num_heads / d.num_kv_heads;
     let slots = d.num_blocks * d.block_size;
@@ -62,14 +57,9 @@ pub fn paged_attention(
 }
 
 /// One in-place scatter per cache: rows of `[num_slots, kv_heads * head_dim]`.
-pub fn reshape_and_cache(
-    k: &Tensor,
-    v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    slot_mapping: &[u32],
-) -> Result<()> {
-    let num_slots = check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
+    let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
+    let num_slots = w.check()?;
     let (t, kvh, hd) = k.dims3()?;
     if t == 0 {
         return Ok(());
@@ -97,7 +87,7 @@ mod tests {
     fn scatter_through_a_reshaped_view_lands_in_the_pool() -> Result<()> {
         let pool = Tensor::zeros((2, 2, 1, 3), DType::F32, &Device::Cpu)?; // 4 slots of 3
         let k = Tensor::new(&[[[1f32, 2., 3.]]], &Device::Cpu)?;
-        reshape_and_cache(&k, &k, &pool, &pool.copy()?, &[2])?;
+        reshape_and_cache(&CacheWrite { k: &k, v: &k, k_cache: &pool, v_cache: &pool.copy()?, slot_mapping: &[2] })?;
         let all: Vec<f32> = pool.flatten_all()?.to_vec1()?;
         assert_eq!(all, [0., 0., 0., 0., 0., 0., 1., 2., 3., 0., 0., 0.]);
         Ok(())

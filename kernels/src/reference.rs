@@ -3,16 +3,11 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::{AttentionMetadata, Result, check, check_cache_write};
+use crate::{Attention, CacheWrite, Result};
 
-pub fn paged_attention(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    meta: &AttentionMetadata,
-    scale: f32,
-) -> Result<Tensor> {
-    let d = check(q, k_cache, v_cache, meta)?;
+pub fn paged_attention(a: &Attention) -> Result<Tensor> {
+    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let d = a.check()?;
     let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
     let (qv, kv, vv) = (host(q)?, host(k_cache)?, host(v_cache)?);
     let group = d.num_heads / d.num_kv_heads;
@@ -53,14 +48,9 @@ pub fn paged_attention(
 }
 
 /// Rebuilds each cache on the host with the new rows and writes it back in place.
-pub fn reshape_and_cache(
-    k: &Tensor,
-    v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    slot_mapping: &[u32],
-) -> Result<()> {
-    check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
+    let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
+    w.check()?;
     for (new, cache) in [(k, k_cache), (v, v_cache)] {
         let dims = cache.dims().to_vec();
         let row = dims[2] * dims[3];
@@ -141,6 +131,7 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
+    use crate::AttentionMetadata;
 
     /// One head, head_dim 1, worked by hand: the second query (position 1)
     /// sees keys 1 and 2 with weights e^1 and e^2 (scale 1, q = 1).
@@ -159,14 +150,15 @@ mod tests {
             block_size: 2,
             sliding_window: None,
         };
-        let out: Vec<f32> = paged_attention(&q, &k, &v, &meta, 1.0)?.flatten_all()?.to_vec1()?;
+        let mut a = Attention { q: &q, k_cache: &k, v_cache: &v, meta: &meta, scale: 1.0 };
+        let out: Vec<f32> = paged_attention(&a)?.flatten_all()?.to_vec1()?;
         let (e1, e2) = (1f32.exp(), 2f32.exp());
         let want = [10., (e1 * 10. + e2 * 20.) / (e1 + e2)];
         assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{out:?}");
         // A window of 1 leaves each query only itself.
-        let out: Vec<f32> = paged_attention(&q, &k, &v, &AttentionMetadata { sliding_window: Some(1), ..meta }, 1.0)?
-            .flatten_all()?
-            .to_vec1()?;
+        let windowed = AttentionMetadata { sliding_window: Some(1), ..meta.clone() };
+        a.meta = &windowed;
+        let out: Vec<f32> = paged_attention(&a)?.flatten_all()?.to_vec1()?;
         assert_eq!(out, [10., 20.]);
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! block boundaries, GQA ratios 1, 2, 3, 4, 7, 8, sliding windows, f32/f16/bf16.
 
 use candle_core::{DType, Device, Tensor};
-use kernels::{AttentionMetadata, cpu, portable, reference};
+use kernels::{Attention, AttentionMetadata, CacheWrite, cpu, portable, reference};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -13,9 +13,9 @@ use common::{Case, Geometry, make_case, max_rel_err, to_vec};
 
 fn compare(case: &Case, tol: f32, what: &str) {
     let scale = 1.0 / (case.q.dim(2).unwrap() as f32).sqrt();
-    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, scale).unwrap();
-    let cpu = cpu::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, scale).unwrap();
-    let portable = portable::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, scale).unwrap();
+    let want = reference::paged_attention(&case.attention(scale)).unwrap();
+    let cpu = cpu::paged_attention(&case.attention(scale)).unwrap();
+    let portable = portable::paged_attention(&case.attention(scale)).unwrap();
     let (e_cpu, e_portable) = (max_rel_err(&cpu, &want), max_rel_err(&portable, &want));
     assert!(e_cpu < tol, "{what}: cpu relative error {e_cpu}");
     assert!(e_portable < tol, "{what}: portable relative error {e_portable}");
@@ -28,7 +28,11 @@ fn compare(case: &Case, tol: f32, what: &str) {
         let buffer = Tensor::full(7f32, (t + 3, h, d), &Device::Cpu).unwrap();
         let view = buffer.narrow(0, 0, t).unwrap();
         let q = case.q.contiguous().unwrap();
-        cpu::paged_attention_into(&q, &case.k_cache, &case.v_cache, &case.meta, scale, &view).unwrap();
+        cpu::paged_attention_into(
+            &Attention { q: &q, k_cache: &case.k_cache, v_cache: &case.v_cache, meta: &case.meta, scale },
+            &view,
+        )
+        .unwrap();
         assert_eq!(to_vec(&view), to_vec(&cpu), "{what}: into a buffer");
         assert!(to_vec(&buffer.narrow(0, t, 3).unwrap()).iter().all(|&x| x == 7.0), "{what}: wrote past its rows");
     }
@@ -37,20 +41,13 @@ fn compare(case: &Case, tol: f32, what: &str) {
 #[test]
 fn matches_reference_across_shapes_in_f32() {
     let mut rng = StdRng::seed_from_u64(7);
-    let mixes: &[&[(usize, usize)]] = &[
-        &[(1, 1)],
-        &[(1, 15), (1, 16), (1, 17), (1, 32), (1, 33)], // decode on and across boundaries
-        &[(16, 16), (17, 17), (5, 5), (33, 33)],        // whole prompts
-        &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
-        &[(40, 70), (2, 31)],                           // long chunk over several query tiles
-    ];
     // GQA ratios 1, 2, 4, 8, and 7 and 3 (lanes of 8 partly filled).
     for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2), (14, 2), (9, 3)] {
         // 12: not whole 8-lane chunks (the portable loops); 24, 40: the AVX2
         // value loop's 8-lane tail after its 32-lane stretches.
         for &head_dim in &[8, 12, 24, 32, 40, 64] {
             for &block_size in &[8, 16] {
-                for (m, seqs) in mixes.iter().enumerate() {
+                for (m, seqs) in common::MIXES.iter().enumerate() {
                     let case = make_case(&mut rng, seqs, Geometry::new(heads, kv_heads, head_dim, block_size));
                     compare(&case, 1e-5, &format!("mix {m} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}"));
                 }
@@ -106,9 +103,9 @@ fn empty_batch_gives_empty_output() {
     let mut rng = StdRng::seed_from_u64(17);
     let case = make_case(&mut rng, &[], Geometry::new(4, 2, 8, 8));
     for out in [
-        cpu::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 1.0).unwrap(),
-        portable::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 1.0).unwrap(),
-        reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 1.0).unwrap(),
+        cpu::paged_attention(&case.attention(1.0)).unwrap(),
+        portable::paged_attention(&case.attention(1.0)).unwrap(),
+        reference::paged_attention(&case.attention(1.0)).unwrap(),
     ] {
         assert_eq!(out.dims(), &[0, 4, 8]);
     }
@@ -118,12 +115,12 @@ fn empty_batch_gives_empty_output() {
 fn dispatcher_picks_the_cpu_kernel_on_cpu() {
     let mut rng = StdRng::seed_from_u64(19);
     let case = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 32, 16));
-    let got = kernels::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 0.2).unwrap();
-    let cpu = cpu::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 0.2).unwrap();
+    let got = kernels::paged_attention(&case.attention(0.2)).unwrap();
+    let cpu = cpu::paged_attention(&case.attention(0.2)).unwrap();
     assert_eq!(to_vec(&got), to_vec(&cpu));
 }
 
-type WriteFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &[u32]) -> kernels::Result<()>;
+type WriteFn = fn(&CacheWrite) -> kernels::Result<()>;
 const WRITERS: [(&str, WriteFn); 3] = [
     ("cpu", cpu::reshape_and_cache),
     ("portable", portable::reshape_and_cache),
@@ -141,7 +138,14 @@ fn cache_writes_land_in_their_slots_only() {
         let new_v = Tensor::randn(0f32, 1., (t, 2, 8), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
         let expected_k = case.k_cache.copy().unwrap();
         let expected_v = case.v_cache.copy().unwrap();
-        reference::reshape_and_cache(&new_k, &new_v, &expected_k, &expected_v, &case.meta.slot_mapping).unwrap();
+        reference::reshape_and_cache(&CacheWrite {
+            k: &new_k,
+            v: &new_v,
+            k_cache: &expected_k,
+            v_cache: &expected_v,
+            slot_mapping: &case.meta.slot_mapping,
+        })
+        .unwrap();
         // The reference wrote exactly the mapped slots, bit for bit.
         let (before, after, rows) = (to_vec(&case.k_cache), to_vec(&expected_k), to_vec(&new_k));
         let row = 2 * 8;
@@ -154,7 +158,14 @@ fn cache_writes_land_in_their_slots_only() {
         }
         for (name, write) in WRITERS {
             let (k, v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
-            write(&new_k, &new_v, &k, &v, &case.meta.slot_mapping).unwrap();
+            write(&CacheWrite {
+                k: &new_k,
+                v: &new_v,
+                k_cache: &k,
+                v_cache: &v,
+                slot_mapping: &case.meta.slot_mapping,
+            })
+            .unwrap();
             assert_eq!(to_vec(&k), to_vec(&expected_k), "{name} {dtype:?} k");
             assert_eq!(to_vec(&v), to_vec(&expected_v), "{name} {dtype:?} v");
         }
@@ -172,10 +183,17 @@ fn write_then_attend_matches_reference() {
     let mut outs = Vec::new();
     for (name, write) in WRITERS {
         let (k_cache, v_cache) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
-        write(&k, &v, &k_cache, &v_cache, &case.meta.slot_mapping).unwrap();
+        write(&CacheWrite {
+            k: &k,
+            v: &v,
+            k_cache: &k_cache,
+            v_cache: &v_cache,
+            slot_mapping: &case.meta.slot_mapping,
+        })
+        .unwrap();
         let step = Case { q: case.q.clone(), k_cache, v_cache, meta: case.meta.clone() };
         compare(&step, 1e-5, name);
-        outs.push(to_vec(&cpu::paged_attention(&step.q, &step.k_cache, &step.v_cache, &step.meta, 0.25).unwrap()));
+        outs.push(to_vec(&cpu::paged_attention(&step.attention(0.25)).unwrap()));
     }
     assert!(outs.windows(2).all(|w| w[0] == w[1]));
 }
@@ -185,9 +203,10 @@ fn invalid_metadata_is_an_error_not_a_panic() {
     let mut rng = StdRng::seed_from_u64(9);
     let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 8, 8));
     let all_fail = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
-        cpu::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
-            && portable::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
-            && reference::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
+        let a = Attention { q, k_cache, v_cache, meta, scale: 1.0 };
+        cpu::paged_attention(&a).is_err()
+            && portable::paged_attention(&a).is_err()
+            && reference::paged_attention(&a).is_err()
     };
     common::assert_rejects_broken_inputs(&case, all_fail);
     let (kc, vc) = (&case.k_cache, &case.v_cache);
@@ -196,20 +215,22 @@ fn invalid_metadata_is_an_error_not_a_panic() {
     assert!(all_fail(&q3, kc, vc, &case.meta), "heads not a multiple of kv heads");
     let q16 = Tensor::zeros((2, 4, 16), DType::F32, &Device::Cpu).unwrap();
     assert!(all_fail(&q16, kc, vc, &case.meta), "head_dim differs");
-    let strided = common::strided(kc);
 
     // Cache writes.
-    let k = Tensor::zeros((2, 2, 8), DType::F32, &Device::Cpu).unwrap();
     for (name, write) in WRITERS {
-        assert!(write(&k, &k, kc, vc, &[0, 100_000]).is_err(), "{name}: slot out of range");
-        assert!(write(&k, &k, kc, vc, &[0]).is_err(), "{name}: too few slots");
-        let f16 = k.to_dtype(DType::F16).unwrap();
-        assert!(write(&f16, &f16, kc, vc, &[0, 1]).is_err(), "{name}: dtype differs");
-        let wide = Tensor::zeros((2, 2, 16), DType::F32, &Device::Cpu).unwrap();
-        assert!(write(&wide, &wide, kc, vc, &[0, 1]).is_err(), "{name}: head_dim differs");
-        assert!(write(&k, &k, &strided, vc, &[0, 1]).is_err(), "{name}: non-contiguous cache");
+        common::assert_rejects_broken_writes(name, write, kc, vc);
     }
-    assert!(reference::reshape_and_cache(&k, &k, kc, vc, &[0, 100_000]).is_err());
+    let k = Tensor::zeros((2, 2, 8), DType::F32, &Device::Cpu).unwrap();
+    assert!(
+        reference::reshape_and_cache(&CacheWrite {
+            k: &k,
+            v: &k,
+            k_cache: kc,
+            v_cache: vc,
+            slot_mapping: &[0, 100_000]
+        })
+        .is_err()
+    );
 }
 
 /// One decode step: 16 sequences x 512 context, 32 heads / 4 kv heads,
@@ -236,11 +257,9 @@ fn decode_step_timing() {
         per
     };
     let c = &case;
-    let cpu = time("cpu", 200, &|| cpu::paged_attention(&c.q, &c.k_cache, &c.v_cache, &c.meta, scale).unwrap());
-    let portable =
-        time("portable", 20, &|| portable::paged_attention(&c.q, &c.k_cache, &c.v_cache, &c.meta, scale).unwrap());
-    let reference =
-        time("reference", 3, &|| reference::paged_attention(&c.q, &c.k_cache, &c.v_cache, &c.meta, scale).unwrap());
+    let cpu = time("cpu", 200, &|| cpu::paged_attention(&c.attention(scale)).unwrap());
+    let portable = time("portable", 20, &|| portable::paged_attention(&c.attention(scale)).unwrap());
+    let reference = time("reference", 3, &|| reference::paged_attention(&c.attention(scale)).unwrap());
     println!(
         "cpu is {:.0}x reference, {:.1}x portable ({} rayon threads)",
         reference.as_secs_f64() / cpu.as_secs_f64(),

@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use kernels::metal::{self, PARTITION_SIZE};
-use kernels::{AttentionMetadata, KernelError, reference};
+use kernels::{Attention, AttentionMetadata, CacheWrite, KernelError, reference};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -47,9 +47,9 @@ fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
 /// the reference on the CPU.
 fn compare(dev: &Device, case: &Case, tol: f32, what: &str) {
     let scale = 1.0 / (case.q.dim(2).unwrap() as f32).sqrt();
-    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, scale).unwrap();
+    let want = reference::paged_attention(&case.attention(scale)).unwrap();
     let m = case.to_device(dev);
-    let got = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, scale).unwrap();
+    let got = metal::paged_attention(&m.attention(scale)).unwrap();
     assert!(got.device().is_metal(), "{what}: output left the GPU");
     assert_eq!((got.dtype(), got.dims()), (case.q.dtype(), case.q.dims()), "{what}");
     let err = max_rel_err(&got, &want);
@@ -60,18 +60,11 @@ fn compare(dev: &Device, case: &Case, tol: f32, what: &str) {
 fn matches_reference_across_shapes_in_f32() {
     let Some(dev) = metal_device() else { return };
     let mut rng = StdRng::seed_from_u64(7);
-    let mixes: &[&[(usize, usize)]] = &[
-        &[(1, 1)],
-        &[(1, 15), (1, 16), (1, 17), (1, 32), (1, 33)], // decode on and across boundaries
-        &[(16, 16), (17, 17), (5, 5), (33, 33)],        // whole prompts
-        &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
-        &[(40, 70), (2, 31)],                           // long chunk over several work items
-    ];
     // GQA ratios 1, 2, 4, 8.
     for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2)] {
         for &head_dim in &[32, 64, 128] {
             for &block_size in &[8, 16] {
-                for (m, seqs) in mixes.iter().enumerate() {
+                for (m, seqs) in common::MIXES.iter().enumerate() {
                     let case = make_case(&mut rng, seqs, Geometry::new(heads, kv_heads, head_dim, block_size));
                     let what = format!("mix {m} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}");
                     compare(&dev, &case, F32_TOL, &what);
@@ -157,7 +150,7 @@ fn honours_strides_and_offsets() {
     let Some(dev) = metal_device() else { return };
     let mut rng = StdRng::seed_from_u64(13);
     let case = make_case(&mut rng, &[(5, 21), (1, 9), (1, 700)], Geometry::new(8, 2, 32, 8));
-    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 0.3).unwrap();
+    let want = reference::paged_attention(&case.attention(0.3)).unwrap();
     // Built on the CPU, moved whole: the layouts (stride, offset) come along.
     let q = case.q.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
     let pad = |c: &Tensor| {
@@ -168,7 +161,7 @@ fn honours_strides_and_offsets() {
     let m = shifted.to_device(&dev);
     assert!(!m.q.is_contiguous());
     assert!(m.k_cache.is_contiguous() && m.k_cache.layout().start_offset() > 0);
-    let got = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.3).unwrap();
+    let got = metal::paged_attention(&m.attention(0.3)).unwrap();
     let err = max_rel_err(&got, &want);
     assert!(err < F32_TOL, "strided q, offset caches: relative error {err}");
 }
@@ -178,7 +171,7 @@ fn empty_batch_gives_empty_output() {
     let Some(dev) = metal_device() else { return };
     let mut rng = StdRng::seed_from_u64(17);
     let m = make_case(&mut rng, &[], Geometry::new(4, 2, 32, 8)).to_device(&dev);
-    let out = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 1.0).unwrap();
+    let out = metal::paged_attention(&m.attention(1.0)).unwrap();
     assert_eq!(out.dims(), &[0, 4, 32]);
 }
 
@@ -189,20 +182,20 @@ fn dispatcher_picks_the_metal_kernel_on_metal() {
     let Some(dev) = metal_device() else { return };
     let mut rng = StdRng::seed_from_u64(19);
     let m = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 64, 16)).to_device(&dev);
-    let got = kernels::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2).unwrap();
-    let direct = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2).unwrap();
+    let got = kernels::paged_attention(&m.attention(0.2)).unwrap();
+    let direct = metal::paged_attention(&m.attention(0.2)).unwrap();
     assert_eq!(to_vec(&got), to_vec(&direct));
 
     let case = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 16, 16));
     let m = case.to_device(&dev);
-    let err = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2);
+    let err = metal::paged_attention(&m.attention(0.2));
     assert!(matches!(err, Err(KernelError::Invalid(_))), "head_dim 16 has no Metal kernel");
-    let want = reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &case.meta, 0.2).unwrap();
-    let got = kernels::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.2).unwrap();
+    let want = reference::paged_attention(&case.attention(0.2)).unwrap();
+    let got = kernels::paged_attention(&m.attention(0.2)).unwrap();
     assert!(max_rel_err(&got, &want) < F32_TOL, "portable fallback");
 }
 
-type WriteFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &[u32]) -> kernels::Result<()>;
+type WriteFn = fn(&CacheWrite) -> kernels::Result<()>;
 const WRITERS: [(&str, WriteFn); 2] = [("metal", metal::reshape_and_cache), ("dispatch", kernels::reshape_and_cache)];
 
 #[test]
@@ -219,11 +212,19 @@ fn cache_writes_land_in_their_slots_only() {
                 || Tensor::randn(0f32, 1., (t, kv_heads, head_dim), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let (new_k, new_v) = (new(), new());
             let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
-            reference::reshape_and_cache(&new_k, &new_v, &want_k, &want_v, &case.meta.slot_mapping).unwrap();
+            reference::reshape_and_cache(&CacheWrite {
+                k: &new_k,
+                v: &new_v,
+                k_cache: &want_k,
+                v_cache: &want_v,
+                slot_mapping: &case.meta.slot_mapping,
+            })
+            .unwrap();
             let (mk, mv) = (new_k.to_device(&dev).unwrap(), new_v.to_device(&dev).unwrap());
             for (name, write) in WRITERS {
                 let (k, v) = (case.k_cache.to_device(&dev).unwrap(), case.v_cache.to_device(&dev).unwrap());
-                write(&mk, &mv, &k, &v, &case.meta.slot_mapping).unwrap();
+                write(&CacheWrite { k: &mk, v: &mv, k_cache: &k, v_cache: &v, slot_mapping: &case.meta.slot_mapping })
+                    .unwrap();
                 assert_eq!(to_vec(&k), to_vec(&want_k), "{name} {dtype:?} row {} k", kv_heads * head_dim);
                 assert_eq!(to_vec(&v), to_vec(&want_v), "{name} {dtype:?} row {} v", kv_heads * head_dim);
             }
@@ -242,13 +243,34 @@ fn write_then_attend_matches_reference() {
     let k = Tensor::randn(0f32, 1., (t, 4, 32), &Device::Cpu).unwrap();
     let v = Tensor::randn(0f32, 1., (t, 4, 32), &Device::Cpu).unwrap();
     let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
-    reference::reshape_and_cache(&k, &v, &want_k, &want_v, &case.meta.slot_mapping).unwrap();
-    let want = reference::paged_attention(&case.q, &want_k, &want_v, &case.meta, 0.25).unwrap();
+    reference::reshape_and_cache(&CacheWrite {
+        k: &k,
+        v: &v,
+        k_cache: &want_k,
+        v_cache: &want_v,
+        slot_mapping: &case.meta.slot_mapping,
+    })
+    .unwrap();
+    let want = reference::paged_attention(&Attention {
+        q: &case.q,
+        k_cache: &want_k,
+        v_cache: &want_v,
+        meta: &case.meta,
+        scale: 0.25,
+    })
+    .unwrap();
 
     let m = case.to_device(&dev);
     let (mk, mv) = (k.to_device(&dev).unwrap(), v.to_device(&dev).unwrap());
-    metal::reshape_and_cache(&mk, &mv, &m.k_cache, &m.v_cache, &m.meta.slot_mapping).unwrap();
-    let got = metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.25).unwrap();
+    metal::reshape_and_cache(&CacheWrite {
+        k: &mk,
+        v: &mv,
+        k_cache: &m.k_cache,
+        v_cache: &m.v_cache,
+        slot_mapping: &m.meta.slot_mapping,
+    })
+    .unwrap();
+    let got = metal::paged_attention(&m.attention(0.25)).unwrap();
     let err = max_rel_err(&got, &want);
     assert!(err < F32_TOL, "write then attend: relative error {err}");
 }
@@ -259,38 +281,43 @@ fn invalid_inputs_are_errors_not_panics() {
     let mut rng = StdRng::seed_from_u64(9);
     let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 32, 8)).to_device(&dev);
     let fails = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
-        metal::paged_attention(q, k_cache, v_cache, meta, 1.0).is_err()
+        metal::paged_attention(&Attention { q, k_cache, v_cache, meta, scale: 1.0 }).is_err()
     };
     common::assert_rejects_broken_inputs(&case, fails);
     let (q, kc, vc) = (&case.q, &case.k_cache, &case.v_cache);
     let zeros = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
     assert!(fails(&zeros((2, 3, 32), DType::F32), kc, vc, &case.meta), "heads not a multiple of kv heads");
     assert!(fails(&zeros((2, 4, 64), DType::F32), kc, vc, &case.meta), "head_dim differs");
-    let strided = common::strided(kc);
     assert!(fails(&q.to_device(&Device::Cpu).unwrap(), kc, vc, &case.meta), "q on another device");
     let hd16 = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 16, 8)).to_device(&dev);
     assert!(fails(&hd16.q, &hd16.k_cache, &hd16.v_cache, &hd16.meta), "head_dim without a kernel");
 
     // Cache writes.
-    let k = zeros((2, 2, 32), DType::F32);
     for (name, write) in WRITERS {
-        assert!(write(&k, &k, kc, vc, &[0, 100_000]).is_err(), "{name}: slot out of range");
-        assert!(write(&k, &k, kc, vc, &[0]).is_err(), "{name}: too few slots");
-        let f16 = k.to_dtype(DType::F16).unwrap();
-        assert!(write(&f16, &f16, kc, vc, &[0, 1]).is_err(), "{name}: dtype differs");
-        let wide = zeros((2, 2, 64), DType::F32);
-        assert!(write(&wide, &wide, kc, vc, &[0, 1]).is_err(), "{name}: head_dim differs");
-        assert!(write(&k, &k, &strided, vc, &[0, 1]).is_err(), "{name}: non-contiguous cache");
+        common::assert_rejects_broken_writes(name, write, kc, vc);
     }
+    let k = zeros((2, 2, 32), DType::F32);
     // One dispatch writes both pools, so they must not share memory, nor
     // may the new rows live in the pool they are written into.
     assert!(
-        matches!(metal::reshape_and_cache(&k, &k, kc, kc, &[0, 1]), Err(KernelError::Invalid(_))),
+        matches!(
+            metal::reshape_and_cache(&CacheWrite { k: &k, v: &k, k_cache: kc, v_cache: kc, slot_mapping: &[0, 1] }),
+            Err(KernelError::Invalid(_))
+        ),
         "k_cache is v_cache"
     );
     let inside = kc.flatten_to(1).unwrap().narrow(0, 0, 2).unwrap().reshape((2, 2, 32)).unwrap();
     assert!(
-        matches!(metal::reshape_and_cache(&inside, &k, kc, vc, &[5, 6]), Err(KernelError::Invalid(_))),
+        matches!(
+            metal::reshape_and_cache(&CacheWrite {
+                k: &inside,
+                v: &k,
+                k_cache: kc,
+                v_cache: vc,
+                slot_mapping: &[5, 6]
+            }),
+            Err(KernelError::Invalid(_))
+        ),
         "new k inside k_cache"
     );
 }
@@ -307,7 +334,7 @@ fn decode_step_timing() {
     for (seqs, ctx) in [(16, 512), (4, 4096)] {
         let g = Geometry { dtype: DType::F16, ..Geometry::new(32, 4, 128, 16) };
         let m = make_case(&mut rng, &vec![(1, ctx); seqs], g).to_device(&dev);
-        let run = || metal::paged_attention(&m.q, &m.k_cache, &m.v_cache, &m.meta, 0.088).unwrap();
+        let run = || metal::paged_attention(&m.attention(0.088)).unwrap();
         run();
         dev.synchronize().unwrap();
         let iters = 50;

@@ -1,9 +1,9 @@
 //! The KV write on the CPU: copies each new token's K (or V) row straight
 //! into its slot of the pool, in place, one op per tensor per layer.
 
-use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
+use candle_core::{CpuStorage, InplaceOp2, Layout};
 
-use crate::{Result, check_cache_write};
+use crate::{CacheWrite, Result};
 
 struct WriteSlots<'a> {
     slots: &'a [u32],
@@ -43,14 +43,9 @@ impl InplaceOp2 for WriteSlots<'_> {
     }
 }
 
-pub fn reshape_and_cache(
-    k: &Tensor,
-    v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    slot_mapping: &[u32],
-) -> Result<()> {
-    check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
+    let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
+    w.check()?;
     let (_, kvh, hd) = k.dims3()?;
     let op = WriteSlots { slots: slot_mapping, row: kvh * hd };
     k_cache.inplace_op2(&k.contiguous()?, &op)?;
@@ -60,7 +55,7 @@ pub fn reshape_and_cache(
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Device};
+    use candle_core::{DType, Device, Tensor};
 
     use super::*;
 
@@ -71,7 +66,7 @@ mod tests {
         let storage = Tensor::zeros((3, 2, 1, 2), DType::F32, &Device::Cpu)?; // 3 blocks of 2 slots
         let pool = storage.narrow(0, 1, 2)?; // blocks 1 and 2 of the storage
         let k = Tensor::new(&[[[1f32, 2.]], [[3., 4.]]], &Device::Cpu)?; // [2 tokens, 1 kv head, 2]
-        reshape_and_cache(&k, &k, &pool, &pool.copy()?, &[3, 0])?;
+        reshape_and_cache(&CacheWrite { k: &k, v: &k, k_cache: &pool, v_cache: &pool.copy()?, slot_mapping: &[3, 0] })?;
         let all: Vec<f32> = storage.flatten_all()?.to_vec1()?;
         // Slot 0 of the pool is storage slot 2, slot 3 is storage slot 5.
         assert_eq!(all, [0., 0., 0., 0., 3., 4., 0., 0., 0., 0., 1., 2.]);

@@ -8,7 +8,7 @@
 //! The sources are embedded, compiled once per GPU and their pipelines
 //! cached per (kernel, dtype, head_dim). Dispatches go into candle's current
 //! command buffer, as candle-nn's custom ops do, so no op here waits for the
-//! GPU. Every input is checked on the host (`crate::check`, plus what the
+//! GPU. Every input is checked on the host (`Attention::check`, plus what the
 //! kernels need: dtype, head dim, 32-bit index range) before anything is
 //! encoded, so a bad batch is a `KernelError::Invalid`, never a stray write.
 
@@ -22,7 +22,7 @@ use candle_core::{
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
 use objc2_metal::MTLSize;
 
-use crate::{AttentionMetadata, Dims, KernelError, Result, check, check_cache_write};
+use crate::{Attention, AttentionMetadata, CacheWrite, Dims, KernelError, Result};
 
 /// Head dims with instantiated kernels: multiples of the 32-lane SIMD group,
 /// so every lane holds the same share of a row.
@@ -181,14 +181,9 @@ struct CacheWriteParams {
 
 /// Writes k/v `[T, kv_heads, head_dim]` into their slots of the pools
 /// `[num_blocks, block_size, kv_heads, head_dim]`, K and V in one dispatch.
-pub fn reshape_and_cache(
-    k: &Tensor,
-    v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    slot_mapping: &[u32],
-) -> Result<()> {
-    let num_slots = check_cache_write(k, v, k_cache, v_cache, slot_mapping)?;
+pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
+    let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
+    let num_slots = w.check()?;
     let (t, kv_heads, head_dim) = k.dims3()?;
     let Some(name) = dtype_name(k.dtype()) else {
         return invalid(format!("Metal reshape_and_cache takes f32, f16 or bf16, not {:?}", k.dtype()));
@@ -531,14 +526,9 @@ impl CustomOp3 for MetalAttention {
 
 /// q: `[T, heads, head_dim]`; caches `[blocks, block_size, kv_heads,
 /// head_dim]` -> `[T, heads, head_dim]`, all on one Metal device.
-pub fn paged_attention(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    meta: &AttentionMetadata,
-    scale: f32,
-) -> Result<Tensor> {
-    let dims = check(q, k_cache, v_cache, meta)?;
+pub fn paged_attention(a: &Attention) -> Result<Tensor> {
+    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let dims = a.check()?;
     let device = q.device().as_metal_device()?;
     let op = MetalAttention::new(device, meta, dims, q.dtype(), scale)?;
     if dims.num_tokens == 0 {

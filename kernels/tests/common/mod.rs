@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test file uses its own part
 
 use candle_core::{DType, Device, Tensor};
-use kernels::AttentionMetadata;
+use kernels::{Attention, AttentionMetadata, CacheWrite};
 use rand::Rng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -17,6 +17,11 @@ pub struct Case {
 }
 
 impl Case {
+    /// The attention call on this case's q and caches.
+    pub fn attention(&self, scale: f32) -> Attention<'_> {
+        Attention { q: &self.q, k_cache: &self.k_cache, v_cache: &self.v_cache, meta: &self.meta, scale }
+    }
+
     pub fn to_device(&self, dev: &Device) -> Case {
         Case {
             q: self.q.to_device(dev).unwrap(),
@@ -26,6 +31,16 @@ impl Case {
         }
     }
 }
+
+/// Batches of (q_len, context_len) per sequence that every kernel is
+/// compared on.
+pub const MIXES: &[&[(usize, usize)]] = &[
+    &[(1, 1)],
+    &[(1, 15), (1, 16), (1, 17), (1, 32), (1, 33)], // decode on and across boundaries
+    &[(16, 16), (17, 17), (5, 5), (33, 33)],        // whole prompts
+    &[(7, 40), (1, 9), (20, 64), (3, 3), (1, 100)], // chunked prefill mixed with decode
+    &[(40, 70), (2, 31)],                           // long chunk over several query tiles (CPU) / work items (Metal)
+];
 
 /// Head and cache geometry of a case.
 #[derive(Clone, Copy)]
@@ -122,6 +137,28 @@ pub fn assert_rejects_broken_inputs(
     assert!(fails(&q.to_dtype(DType::F16).unwrap(), kc, vc, &case.meta), "dtype differs");
     assert!(fails(q, kc, &vc.narrow(0, 0, 2).unwrap(), &case.meta), "v_cache shape differs");
     assert!(fails(q, &strided(kc), vc, &case.meta), "non-contiguous cache");
+}
+
+/// Asserts that `write` (named `name`) rejects every broken write of two
+/// tokens into `kc`/`vc` (valid caches): a slot out of range, too few slots,
+/// k/v in another dtype or of another head_dim, a strided cache.
+pub fn assert_rejects_broken_writes(
+    name: &str,
+    write: impl Fn(&CacheWrite) -> kernels::Result<()>,
+    kc: &Tensor,
+    vc: &Tensor,
+) {
+    let (_, _, kv_heads, head_dim) = kc.dims4().unwrap();
+    let zeros = |head_dim: usize| Tensor::zeros((2, kv_heads, head_dim), DType::F32, kc.device()).unwrap();
+    let k = zeros(head_dim);
+    let fails = |k: &Tensor, k_cache: &Tensor, slot_mapping: &[u32]| {
+        write(&CacheWrite { k, v: k, k_cache, v_cache: vc, slot_mapping }).is_err()
+    };
+    assert!(fails(&k, kc, &[0, 100_000]), "{name}: slot out of range");
+    assert!(fails(&k, kc, &[0]), "{name}: too few slots");
+    assert!(fails(&k.to_dtype(DType::F16).unwrap(), kc, &[0, 1]), "{name}: dtype differs");
+    assert!(fails(&zeros(2 * head_dim), kc, &[0, 1]), "{name}: head_dim differs");
+    assert!(fails(&k, &strided(kc), &[0, 1]), "{name}: non-contiguous cache");
 }
 
 /// `cache` with its elements in another order: not contiguous.

@@ -253,8 +253,8 @@ impl Attention {
         //    attention over each sequence's blocks (cached prefix + new).
         let out = {
             let _t = crate::profile::scope(crate::profile::Section::Attention);
-            kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
-            kernels::paged_attention(&q, &kv.k, &kv.v, meta, self.scale)? // [T, H, D]
+            kernels::reshape_and_cache(&kv.write(&k, &v, meta))?;
+            kernels::paged_attention(&kv.attention(&q, meta, self.scale))? // [T, H, D]
         };
         Ok(self.o_proj.forward(&out.reshape((t, h * d))?)?)
     }
@@ -290,9 +290,9 @@ impl Attention {
         {
             let _t = crate::profile::scope(crate::profile::Section::Attention);
             let (k, v) = (b.k.reshape((t, kvh, d))?, b.v.reshape((t, kvh, d))?);
-            kernels::reshape_and_cache(&k, &v, &kv.k, &kv.v, &meta.slot_mapping)?;
+            kernels::reshape_and_cache(&kv.write(&k, &v, meta))?;
             let (q, out) = (b.q.reshape((t, h, d))?, b.attn.reshape((t, h, d))?);
-            kernels::cpu::paged_attention_into(&q, &kv.k, &kv.v, meta, self.scale, &out)?;
+            kernels::cpu::paged_attention_into(&kv.attention(&q, meta, self.scale), &out)?;
         }
         self.o_proj.forward_into(&b.attn, &b.proj)?;
         Ok(())

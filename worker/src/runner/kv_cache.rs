@@ -10,6 +10,7 @@
 //! module only owns memory.
 
 use candle_core::{DType, Device, Tensor};
+use kernels::{Attention, AttentionMetadata, CacheWrite};
 
 use crate::error::{Result, WorkerError};
 use crate::models::ModelConfig;
@@ -20,6 +21,19 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub struct LayerKvCache {
     pub k: Tensor, // [num_blocks, block_size, num_kv_heads, head_dim]
     pub v: Tensor, // [num_blocks, block_size, num_kv_heads, head_dim]
+}
+
+impl LayerKvCache {
+    /// The write of a step's new k/v `[T, kv_heads, head_dim]` into this
+    /// layer's pools, at the step's slots.
+    pub fn write<'a>(&'a self, k: &'a Tensor, v: &'a Tensor, meta: &'a AttentionMetadata) -> CacheWrite<'a> {
+        CacheWrite { k, v, k_cache: &self.k, v_cache: &self.v, slot_mapping: &meta.slot_mapping }
+    }
+
+    /// Attention of q `[T, heads, head_dim]` over this layer's pools.
+    pub fn attention<'a>(&'a self, q: &'a Tensor, meta: &'a AttentionMetadata, scale: f32) -> Attention<'a> {
+        Attention { q, k_cache: &self.k, v_cache: &self.v, meta, scale }
+    }
 }
 
 /// How much memory the KV cache may take.

@@ -15,7 +15,7 @@ use super::{Elem, OutPtr, exp_poly};
 mod avx2;
 #[cfg(target_arch = "aarch64")]
 mod neon;
-use crate::{AttentionMetadata, Dims, KernelError, Result, check};
+use crate::{Attention, AttentionMetadata, Dims, KernelError, Result};
 
 /// Queries per work item: bounds the per-item state while amortising each
 /// K/V block load over several queries in prefill.
@@ -436,14 +436,9 @@ impl CustomOp3 for PagedAttention<'_> {
 }
 
 /// q: `[T, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]`.
-pub fn paged_attention(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    meta: &AttentionMetadata,
-    scale: f32,
-) -> Result<Tensor> {
-    let dims = check(q, k_cache, v_cache, meta)?;
+pub fn paged_attention(a: &Attention) -> Result<Tensor> {
+    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let dims = a.check()?;
     let op = PagedAttention { meta, dims, scale };
     Ok(q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)?)
 }
@@ -451,15 +446,9 @@ pub fn paged_attention(
 /// [`paged_attention`] into `out` (the shape of `q`), for contiguous f32
 /// CPU tensors that do not share storage with `out`: nothing is allocated
 /// for the output.
-pub fn paged_attention_into(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    meta: &AttentionMetadata,
-    scale: f32,
-    out: &Tensor,
-) -> Result<()> {
-    let dims = check(q, k_cache, v_cache, meta)?;
+pub fn paged_attention_into(a: &Attention, out: &Tensor) -> Result<()> {
+    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let dims = a.check()?;
     if out.dims() != q.dims() {
         return Err(KernelError::Invalid(format!("paged attention: q is {:?}, out {:?}", q.dims(), out.dims())));
     }

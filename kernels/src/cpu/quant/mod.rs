@@ -394,19 +394,27 @@ struct PackedOperands<'a> {
     y: OutPtr,
 }
 
+/// Runs one task's span `a..b` with `backend`'s body of `$kernel`: the
+/// AVX2 or NEON one of that name, or `$scalar`.
+macro_rules! on_backend {
+    ($backend:expr, $kernel:ident, $scalar:ident, $ops:expr, $a:expr, $b:expr) => {
+        match $backend {
+            // SAFETY: the backend was chosen because the CPU has these features;
+            // shapes were checked by the caller; this task owns these columns.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { avx2::$kernel($ops, $a, $b) },
+            // SAFETY: NEON was detected (it is baseline on aarch64); shapes
+            // were checked by the caller; this task owns these columns.
+            #[cfg(target_arch = "aarch64")]
+            Simd::Neon => unsafe { neon::$kernel($ops, $a, $b) },
+            Simd::Scalar => $scalar($ops, $a, $b),
+        }
+    };
+}
+
 /// y[.., rows of groups g0..g1].
 fn packed_groups(backend: Simd, ops: &PackedOperands<'_>, g0: usize, g1: usize) {
-    match backend {
-        // SAFETY: the backend was chosen because the CPU has these features;
-        // shapes were checked by the caller; this task owns these columns.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { avx2::packed_groups(ops, g0, g1) },
-        // SAFETY: NEON was detected (it is baseline on aarch64); shapes
-        // were checked by the caller; this task owns these columns.
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => unsafe { neon::packed_groups(ops, g0, g1) },
-        Simd::Scalar => scalar_packed_groups(ops, g0, g1),
-    }
+    on_backend!(backend, packed_groups, scalar_packed_groups, ops, g0, g1)
 }
 
 fn scalar_packed_groups(ops: &PackedOperands<'_>, g0: usize, g1: usize) {
@@ -511,17 +519,7 @@ fn quantize_activations(backend: Simd, x: &[f32], xq: &mut [BlockQ8_0], xd: &mut
 
 /// y[.., n0..n1].
 fn rows<B: QuantBlock>(backend: Simd, ops: &Operands<'_, B>, n0: usize, n1: usize) {
-    match backend {
-        // SAFETY: the backend was chosen because the CPU has these features;
-        // shapes were checked by the caller; this task owns columns n0..n1.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { avx2::rows(ops, n0, n1) },
-        // SAFETY: NEON was detected (it is baseline on aarch64); shapes
-        // were checked by the caller; this task owns columns n0..n1.
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => unsafe { neon::rows(ops, n0, n1) },
-        Simd::Scalar => scalar_rows(ops, n0, n1),
-    }
+    on_backend!(backend, rows, scalar_rows, ops, n0, n1)
 }
 
 fn scalar_rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: usize) {
