@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::watch;
 
-use crate::api::reply::ReplyBody;
+use crate::api::reply::{PROMETHEUS_TEXT, ReplyBody};
 use crate::api::{ApiError, Reply, chat, completions, generate, info, tokenize};
 use crate::app::AppState;
 
@@ -36,7 +36,9 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
     // Health and metrics stay open to probes; the API needs the key.
     match (&method, path.as_str()) {
         (&Method::GET, "/health") => return Ok(info::health(&app)),
-        (&Method::GET, "/metrics") => return Ok(Reply::text(StatusCode::OK, app.metrics.render(&app.cluster))),
+        (&Method::GET, "/metrics") => {
+            return Ok(Reply::text(StatusCode::OK, PROMETHEUS_TEXT, app.metrics.render(&app.cluster)));
+        }
         (&Method::GET, "/v1/prometheus/targets") => return Ok(info::prometheus_targets(&app)),
         _ => {}
     }
@@ -50,6 +52,7 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
     match (&method, path.as_str()) {
         (&Method::GET, "/v1/models") => Ok(info::models(&app)),
         (&Method::GET, "/v1/workers") => Ok(info::workers(&app)),
+        (&Method::GET, p) if p.starts_with("/v1/models/") => info::model(&app, &p["/v1/models/".len()..]),
         (&Method::POST, "/tokenize") => tokenize::tokenize(&app, &read_body(req, app.max_body_bytes).await?),
         (&Method::POST, "/detokenize") => tokenize::detokenize(&app, &read_body(req, app.max_body_bytes).await?),
         (&Method::POST, "/generate" | "/v1/completions" | "/v1/chat/completions") => {

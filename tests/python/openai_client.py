@@ -5,6 +5,7 @@ Exits non-zero (with a message) on the first mismatch.
 """
 import sys
 
+import openai
 from openai import OpenAI
 
 base_url, model = sys.argv[1], sys.argv[2]
@@ -12,6 +13,13 @@ client = OpenAI(base_url=base_url, api_key="test-key")
 
 models = client.models.list()
 assert [m.id for m in models.data] == [model], models
+# models.retrieve is GET /v1/models/{id}; an unknown id is OpenAI's 404.
+assert client.models.retrieve(model).id == model
+try:
+    client.models.retrieve("no-such-model")
+    raise AssertionError("retrieving an unknown model did not fail")
+except openai.NotFoundError as e:
+    assert e.body["code"] == "model_not_found", e.body
 
 # Completions, then the same request streamed.
 c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0)

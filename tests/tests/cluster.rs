@@ -346,7 +346,10 @@ fn workers_reconnect_when_the_coordinator_restarts() {
     let (status, out) = post_json(&format!("http://{http}/v1/completions"), &with_suffix(20));
     assert_eq!(status, 200, "{out}");
     assert_eq!(out["choices"][0]["cached_tokens"], 192, "{out}");
-    let metrics = ureq::get(&format!("http://{http}/metrics")).call().unwrap().into_string().unwrap();
+    let metrics = ureq::get(&format!("http://{http}/metrics")).call().unwrap();
+    // Prometheus 3 refuses a scrape that is not in its text format.
+    assert_eq!(metrics.header("content-type"), Some("text/plain; version=0.0.4; charset=utf-8"));
+    let metrics = metrics.into_string().unwrap();
     let predicted: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("tinyvllm_router_predicted_cached_tokens_total{"))

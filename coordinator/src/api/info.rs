@@ -5,6 +5,7 @@
 use hyper::StatusCode;
 use serde::Serialize;
 
+use super::error::ApiError;
 use super::reply::Reply;
 use crate::app::AppState;
 use crate::cluster::WorkerInfo;
@@ -52,16 +53,30 @@ struct TargetLabels<'a> {
     model_name: &'a str,
 }
 
-/// `GET /v1/models`.
-pub fn models(app: &AppState) -> Reply {
-    let card = ModelCard {
+fn card(app: &AppState) -> ModelCard<'_> {
+    ModelCard {
         id: &app.served_model_name,
         object: "model",
         created: app.started_at,
         owned_by: "tinyvllm",
         max_model_len: app.max_model_len,
-    };
-    Reply::json(&List { object: "list", data: vec![card] })
+    }
+}
+
+/// `GET /v1/models`.
+pub fn models(app: &AppState) -> Reply {
+    Reply::json(&List { object: "list", data: vec![card(app)] })
+}
+
+/// `GET /v1/models/{id}` (the OpenAI client's `models.retrieve`): the card,
+/// or OpenAI's 404 for a model this cluster does not serve.
+pub fn model(app: &AppState, id: &str) -> Result<Reply, ApiError> {
+    // Hub ids hold a slash, which a client may send encoded.
+    let id = id.replace("%2F", "/").replace("%2f", "/");
+    if id != app.served_model_name {
+        return Err(ApiError::model_not_found(&id));
+    }
+    Ok(Reply::json(&card(app)))
 }
 
 /// `GET /health`: 200 only with at least one ready worker.

@@ -34,9 +34,15 @@ impl Body for ReplyBody {
 pub struct Reply {
     status: StatusCode,
     body: ReplyBody,
-    sse: bool,
+    content_type: &'static str,
     retry_after: Option<u64>,
 }
+
+const JSON: &str = "application/json";
+const SSE: &str = "text/event-stream";
+/// Prometheus' text exposition format; Prometheus 3 refuses a scrape
+/// served under any other type.
+pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 impl Reply {
     pub fn json(body: &impl Serialize) -> Self {
@@ -46,25 +52,26 @@ impl Reply {
     pub fn json_status(status: StatusCode, body: &impl Serialize) -> Self {
         match serde_json::to_vec(body) {
             Ok(bytes) => {
-                Self { status, body: ReplyBody::Full(Some(Bytes::from(bytes))), sse: false, retry_after: None }
+                Self { status, body: ReplyBody::Full(Some(Bytes::from(bytes))), content_type: JSON, retry_after: None }
             }
             Err(e) => Self::error(&ApiError::internal(format!("encoding the response: {e}"))),
         }
     }
 
     pub fn sse(events: mpsc::Receiver<String>) -> Self {
-        Self { status: StatusCode::OK, body: ReplyBody::Stream(events), sse: true, retry_after: None }
+        Self { status: StatusCode::OK, body: ReplyBody::Stream(events), content_type: SSE, retry_after: None }
     }
 
-    pub fn text(status: StatusCode, body: String) -> Self {
-        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), sse: false, retry_after: None }
+    /// A body that is not JSON, served as `content_type`.
+    pub fn text(status: StatusCode, content_type: &'static str, body: String) -> Self {
+        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), content_type, retry_after: None }
     }
 
     pub fn error(e: &ApiError) -> Self {
         Self {
             status: e.status,
             body: ReplyBody::Full(Some(Bytes::from(e.body()))),
-            sse: false,
+            content_type: JSON,
             retry_after: e.retry_after,
         }
     }
@@ -74,14 +81,33 @@ impl Reply {
     }
 
     pub fn into_response(self) -> Response<ReplyBody> {
-        let content_type = if self.sse { "text/event-stream" } else { "application/json" };
-        let mut builder = Response::builder().status(self.status).header("content-type", content_type);
-        if self.sse {
+        let mut builder = Response::builder().status(self.status).header("content-type", self.content_type);
+        if self.content_type == SSE {
             builder = builder.header("cache-control", "no-cache");
         }
         if let Some(seconds) = self.retry_after {
             builder = builder.header("retry-after", seconds.to_string());
         }
         builder.body(self.body).unwrap_or_else(|_| Response::new(ReplyBody::Full(None)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn content_type(reply: Reply) -> String {
+        reply.into_response().headers()["content-type"].to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn each_body_kind_has_its_content_type() {
+        assert_eq!(content_type(Reply::json(&serde_json::json!({}))), "application/json");
+        assert_eq!(content_type(Reply::error(&ApiError::bad_request("no"))), "application/json");
+        let (_tx, rx) = mpsc::channel(1);
+        assert_eq!(content_type(Reply::sse(rx)), "text/event-stream");
+        // Prometheus 3 refuses `/metrics` served as JSON.
+        let metrics = Reply::text(StatusCode::OK, PROMETHEUS_TEXT, "up 1\n".into());
+        assert!(content_type(metrics).starts_with("text/plain; version=0.0.4"));
     }
 }
