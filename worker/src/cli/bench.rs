@@ -9,12 +9,16 @@ use super::engine_args::{EngineArgs, build_engine, on_the_kernel_pool};
 pub struct BenchArgs {
     #[command(flatten)]
     engine: EngineArgs,
+    /// Requests, all submitted at once.
     #[arg(long, default_value_t = 16)]
     num_prompts: usize,
+    /// Tokens in each (random) prompt.
     #[arg(long, default_value_t = 128)]
     input_len: usize,
+    /// Tokens generated for each request (EOS ignored).
     #[arg(long, default_value_t = 64)]
     output_len: usize,
+    /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Print the report as JSON.

@@ -27,11 +27,14 @@ pub enum DeviceArg {
 #[derive(Args)]
 pub struct EngineArgs {
     /// A Hugging Face model directory, a hub id (e.g. Qwen/Qwen3-0.6B), or random:<preset>
-    /// (tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b) for seeded random weights.
+    /// (smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b) for seeded random weights.
     #[arg(long)]
     pub model: String,
+    /// Precision of the weights: auto keeps the checkpoint's (bf16 loads as f32
+    /// on CPUs other than x86-64; random presets use f16).
     #[arg(long, value_enum, default_value = "auto")]
     dtype: DTypeArg,
+    /// Where the model runs: auto is Metal on Apple Silicon, else the CPU.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
     /// KV cache size in bytes (default: a quarter of the available memory).
@@ -49,6 +52,7 @@ pub struct EngineArgs {
     /// Context length (default: the model's max_position_embeddings).
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// Turn off automatic prefix caching (every prompt is computed in full).
     #[arg(long)]
     no_prefix_caching: bool,
     /// Quantize linear weights at load time, in GGML's formats (CPU only):

@@ -34,8 +34,10 @@ pub struct GenerateArgs {
     min_p: f32,
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
+    /// Seed of the sampler, for reproducible output at temperature > 0.
     #[arg(long)]
     seed: Option<u64>,
+    /// Keep generating past the end-of-sequence token, up to --max-tokens.
     #[arg(long)]
     ignore_eos: bool,
     /// Print one JSON object at the end instead of streaming text.
