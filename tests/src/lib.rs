@@ -89,10 +89,25 @@ impl Coordinator {
     /// Starts `tinyvllm-coordinator` on `model` with `extra` arguments and
     /// waits until it listens (and, with local workers, until they are ready).
     pub fn start(model: &str, local_workers: usize, extra: &[&str]) -> Self {
+        Self::start_wrapped(&[], model, local_workers, extra)
+    }
+
+    /// As [`Coordinator::start`], run under `wrapper` (a command and its
+    /// arguments, e.g. `prlimit --nofile=128:128 --`).
+    pub fn start_wrapped(wrapper: &[&str], model: &str, local_workers: usize, extra: &[&str]) -> Self {
         use std::io::BufRead;
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
-        let mut child = Command::new(binary("tinyvllm-coordinator"))
+        let coordinator = binary("tinyvllm-coordinator");
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&coordinator);
+                c
+            }
+            None => Command::new(&coordinator),
+        };
+        let mut child = command
             .args([
                 "--model",
                 model_dir(model).to_str().expect("utf-8 path"),

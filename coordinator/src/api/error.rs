@@ -74,6 +74,32 @@ impl ApiError {
         )
     }
 
+    /// 408: the request's body did not arrive in time.
+    pub fn body_timeout(seconds: u64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("The request body did not arrive within {seconds} s."),
+        )
+    }
+
+    /// 431, for headers over our limit (larger ones hyper refuses itself).
+    pub fn headers_too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "invalid_request_error", message)
+    }
+
+    pub fn uri_too_long(limit: usize) -> Self {
+        Self::new(StatusCode::URI_TOO_LONG, "invalid_request_error", format!("The URI exceeds {limit} bytes."))
+    }
+
+    pub fn unsupported_media_type(given: &str) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            format!("Content-Type must be application/json, got {given:?}."),
+        )
+    }
+
     pub fn overloaded(message: impl Into<String>) -> Self {
         Self { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }
     }
