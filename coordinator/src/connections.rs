@@ -18,6 +18,8 @@ pub struct Slot {
     /// Requests being answered on this connection (0: idle).
     busy: AtomicUsize,
     evicted: Notify,
+    /// Notified when the connection's task let go of it (its socket closed).
+    closed: Notify,
 }
 
 impl Slot {
@@ -30,6 +32,11 @@ impl Slot {
     /// Resolves when the cap takes this connection's slot for a newer one.
     pub async fn evicted(&self) {
         self.evicted.notified().await;
+    }
+
+    /// Resolves once the connection is closed (its `Admitted` dropped).
+    pub async fn closed(&self) {
+        self.closed.notified().await;
     }
 }
 
@@ -63,14 +70,16 @@ pub struct Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         self.connections.lock().slots.remove(&self.key);
+        self.slot.closed.notify_one();
     }
 }
 
 /// What admitting a connection did.
 pub enum Admission {
     Admitted(Admitted),
-    /// Admitted in the place of an idle connection, now told to close.
-    Evicted(Admitted),
+    /// Admitted in the place of an idle connection (the second), now told
+    /// to close: wait for it before accepting more, or descriptors pile up.
+    Evicted(Admitted, Arc<Slot>),
     /// Every slot serves a request.
     Full,
 }
@@ -90,20 +99,23 @@ impl Connections {
 
     pub fn admit(self: &Arc<Self>) -> Admission {
         let mut open = self.lock();
-        let mut evicted = false;
+        let mut evicted = None;
         if open.slots.len() >= self.max {
             // Keys grow with time: the first idle one is the oldest.
             let idle = open.slots.iter().find(|(_, s)| s.busy.load(Ordering::Relaxed) == 0).map(|(&k, _)| k);
-            let Some(key) = idle.and_then(|k| open.slots.remove(&k)) else { return Admission::Full };
-            key.evicted.notify_one();
-            evicted = true;
+            let Some(slot) = idle.and_then(|k| open.slots.remove(&k)) else { return Admission::Full };
+            slot.evicted.notify_one();
+            evicted = Some(slot);
         }
         let key = open.next;
         open.next += 1;
         let slot = Arc::new(Slot::default());
         open.slots.insert(key, slot.clone());
         let admitted = Admitted { connections: self.clone(), key, slot };
-        if evicted { Admission::Evicted(admitted) } else { Admission::Admitted(admitted) }
+        match evicted {
+            Some(old) => Admission::Evicted(admitted, old),
+            None => Admission::Admitted(admitted),
+        }
     }
 }
 
@@ -113,7 +125,7 @@ mod tests {
 
     fn admitted(a: Admission) -> Admitted {
         match a {
-            Admission::Admitted(a) | Admission::Evicted(a) => a,
+            Admission::Admitted(a) | Admission::Evicted(a, _) => a,
             Admission::Full => panic!("refused"),
         }
     }
@@ -126,7 +138,7 @@ mod tests {
         let _busy = first.slot.busy();
         // `first` serves a request: `second` is the one evicted.
         let third = c.admit();
-        assert!(matches!(third, Admission::Evicted(_)));
+        assert!(matches!(third, Admission::Evicted(..)));
         assert_eq!(c.open(), 2);
         drop(second); // its task ends: the slot was already taken over
         assert_eq!(c.open(), 2);

@@ -258,6 +258,8 @@ const FULL: &str = "HTTP/1.1 503 Service Unavailable\r\ncontent-type: applicatio
 /// retrying at once would spin a core and still fail.
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// How long a new connection waits for the idle one it replaces to close.
+const EVICTION_WAIT: Duration = Duration::from_millis(100);
 
 /// Serves HTTP on `listener` until `shutdown` turns true, then lets open
 /// connections finish (bounded by the caller).
@@ -306,8 +308,11 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Arc<AppState>, mut sh
         };
         let admitted = match connections.admit() {
             Admission::Admitted(a) => a,
-            Admission::Evicted(a) => {
+            Admission::Evicted(a, old) => {
                 app.metrics.connection_refused("evicted_idle");
+                // Its socket closes in its own task; under a flood, accepting on
+                // before it has would hold descriptors past the cap (EMFILE).
+                let _ = tokio::time::timeout(EVICTION_WAIT, old.closed()).await;
                 a
             }
             Admission::Full => {

@@ -26,7 +26,17 @@ pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
+        let mut command = Command::new(cargo);
+        // The package variables cargo set for this test process: build
+        // scripts (ring's) watch them, and seeing them here would rebuild
+        // ring and everything above it, again after every plain `cargo build`.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("CARGO_PKG_") || name.starts_with("CARGO_MANIFEST_") || name == "CARGO_CRATE_NAME" {
+                command.env_remove(name.as_ref());
+            }
+        }
+        let status = command
             .current_dir(repo_root())
             .args(["build", "--bin", "tinyvllm-worker", "--bin", "tinyvllm-coordinator"])
             .status()

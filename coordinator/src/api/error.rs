@@ -47,12 +47,16 @@ impl ApiError {
         Self {
             param: Some("model".into()),
             code: Some("model_not_found"),
-            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist."))
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("The model `{}` does not exist.", clip(model)),
+            )
         }
     }
 
     pub fn not_found(path: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("No route for {path}"))
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("No route for {}", clip(path)))
     }
 
     pub fn method_not_allowed() -> Self {
@@ -122,5 +126,15 @@ impl ApiError {
         serde_json::to_string(&self.to_body()).unwrap_or_else(|_| {
             r#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#.into()
         })
+    }
+}
+
+/// A client's string as quoted back in a message: a 4 MB model name is not
+/// worth sending back.
+fn clip(s: &str) -> String {
+    const MAX_CHARS: usize = 200;
+    match s.char_indices().nth(MAX_CHARS) {
+        Some((end, _)) => format!("{}...", &s[..end]),
+        None => s.to_string(),
     }
 }

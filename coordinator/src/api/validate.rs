@@ -32,6 +32,8 @@ pub enum Kind {
     Prompt,
     /// Chat messages.
     Messages,
+    /// `{"include_usage": bool}`.
+    StreamOptions,
 }
 
 /// Sampling fields every generating endpoint reads (`SamplingFields`).
@@ -54,7 +56,7 @@ pub const SAMPLING: &[(&str, Kind)] = &[
     ("ignore_eos", Kind::Bool),
     ("n", Kind::Int),
     ("stream", Kind::Bool),
-    ("stream_options", Kind::Object),
+    ("stream_options", Kind::StreamOptions),
     // Read only to be refused by name (`UnservedFields`).
     ("response_format", Kind::Any),
     ("tools", Kind::Array),
@@ -139,6 +141,13 @@ fn check(name: &str, kind: Kind, v: &Value) -> Result<(), ApiError> {
         Kind::LogitBias => check_logit_bias(name, v),
         Kind::Prompt => check_prompt(name, v),
         Kind::Messages => check_messages(name, v),
+        Kind::StreamOptions => match v.as_object().map(|o| o.get("include_usage")) {
+            None => wrong("an object"),
+            Some(None | Some(Value::Null | Value::Bool(_))) => Ok(()),
+            Some(Some(other)) => {
+                Err(ApiError::invalid(name, format!("{name}.include_usage must be a boolean, got {}", shown(other))))
+            }
+        },
         _ => Ok(()),
     }
 }
