@@ -175,13 +175,14 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// JSON bodies only (vLLM answers 415 too); a request without a type is
-/// read as JSON.
+/// JSON bodies only (vLLM answers 415 too). A request without a type, or
+/// with `curl -d`'s default form type (the README's examples), is read as
+/// JSON; any other type is a 415.
 fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(value) = headers.get(CONTENT_TYPE) else { return Ok(()) };
     let text = String::from_utf8_lossy(value.as_bytes());
     let media = text.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
-    if media == "application/json" || media.ends_with("+json") {
+    if media == "application/json" || media.ends_with("+json") || media == "application/x-www-form-urlencoded" {
         Ok(())
     } else {
         Err(ApiError::unsupported_media_type(&text))
@@ -389,6 +390,8 @@ mod tests {
         assert!(with("Application/JSON; charset=utf-8").is_ok());
         assert!(with("application/vnd.api+json").is_ok());
         assert!(check_content_type(&HeaderMap::new()).is_ok());
+        assert!(with("application/x-www-form-urlencoded").is_ok(), "curl -d");
         assert_eq!(with("text/plain").unwrap_err().status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert_eq!(with("multipart/form-data; boundary=x").unwrap_err().status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
     }
 }
