@@ -500,3 +500,20 @@ fn a_table_of_hostile_requests_gets_clean_4xx_and_disturbs_no_one() {
     let text: String = events.iter().filter_map(|e| e["choices"].get(0)?["text"].as_str()).collect();
     assert_eq!(Value::String(text), reference, "the good stream is exact");
 }
+
+#[test]
+fn a_stream_longer_than_the_header_timeout_is_not_cut() {
+    // The head timeout is for heads: a response streaming for longer runs on.
+    let cluster =
+        Coordinator::start("stories260K", 1, &["--http-header-timeout-secs", "1", "--worker-arg=--max-num-seqs=1"]);
+    let mut body = greedy("Once upon a time", 480);
+    body["n"] = json!(16);
+    body["stream"] = json!(true);
+    let started = Instant::now();
+    let (events, done) = tinyvllm_tests::post_sse(&cluster.url("/v1/completions"), &body);
+    let elapsed = started.elapsed();
+    assert!(done, "the stream ended with [DONE]");
+    let ended = events.iter().filter(|e| e["choices"].get(0).is_some_and(|c| c["finish_reason"] == "length")).count();
+    assert_eq!(ended, 16, "every choice ran to max_tokens");
+    assert!(elapsed > Duration::from_secs(1), "the stream took {elapsed:?}, not longer than the timeout");
+}
