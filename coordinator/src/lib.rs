@@ -4,6 +4,7 @@
 pub mod api;
 pub mod app;
 pub mod cluster;
+pub mod connections;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;

@@ -65,9 +65,25 @@ struct Args {
     /// prompts in blocks of this size).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// How long in-flight requests may take to finish on SIGTERM.
+    /// How long in-flight requests may take to finish on SIGTERM; streams
+    /// still running then end with an error event and [DONE].
     #[arg(long, default_value_t = 30)]
     shutdown_timeout_secs: u64,
+    /// A request's head must arrive within this many seconds (idle
+    /// keep-alive connections close after it too).
+    #[arg(long, default_value_t = 10)]
+    http_header_timeout_secs: u64,
+    /// A request's body must arrive within this many seconds (else 408).
+    #[arg(long, default_value_t = 30)]
+    http_body_timeout_secs: u64,
+    /// Most open HTTP connections (also kept under the descriptor limit);
+    /// when full, the oldest idle one is closed for a new one.
+    #[arg(long, default_value_t = 1024)]
+    http_max_connections: usize,
+    /// Requests over 64 KiB parsed and tokenized at once, each on its own
+    /// blocking thread (default: half the cores, at least 1).
+    #[arg(long)]
+    tokenizer_pool_size: Option<usize>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -105,14 +121,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
     let http_addr = listener.local_addr()?;
+    let limits = http_limits(&args);
     let app = Arc::new(AppState::new(
         cluster.clone(),
         tokenizer,
         chat_template,
         served_model_name.clone(),
         max_model_len,
+        args.block_size,
         args.api_key.clone(),
-        args.max_body_bytes,
+        limits,
     ));
     // One line tests and scripts can parse.
     println!(
@@ -144,6 +162,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     while cluster.in_flight() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // What is still running ends now, each response whole (see `sse`).
+    app.cut_responses();
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     cluster.drain_all();
@@ -152,6 +172,61 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     endpoint.close(0u32.into(), b"shutdown");
     Ok(())
+}
+
+/// The HTTP limits from the flags. The connection cap stays under the
+/// descriptor limit (raised to the hard one first), less room for
+/// everything else the coordinator opens, so accept never hits EMFILE
+/// because of HTTP clients alone.
+fn http_limits(args: &Args) -> coordinator::app::HttpLimits {
+    const OTHER_DESCRIPTORS: u64 = 64;
+    let mut max_connections = args.http_max_connections.max(1);
+    if let Some(limit) = raise_fd_limit() {
+        let room = limit.saturating_sub(OTHER_DESCRIPTORS).max(16);
+        if (max_connections as u64) > room {
+            eprintln!("coordinator: at most {room} HTTP connections (descriptor limit {limit}), not {max_connections}");
+            max_connections = room as usize;
+        }
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    coordinator::app::HttpLimits {
+        max_body_bytes: args.max_body_bytes,
+        header_timeout: Duration::from_secs(args.http_header_timeout_secs.max(1)),
+        body_timeout: Duration::from_secs(args.http_body_timeout_secs.max(1)),
+        max_connections,
+        tokenizer_pool: args.tokenizer_pool_size.unwrap_or(cores / 2).max(1),
+        max_choices: args.max_queued_requests.max(1),
+    }
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (as Go's runtime
+/// does; macOS starts processes at 256) and returns the soft limit now.
+#[cfg(unix)]
+fn raise_fd_limit() -> Option<u64> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one `rlimit` into memory we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return None;
+    }
+    // macOS refuses more than its per-process maximum (OPEN_MAX, 10240).
+    for wanted in [limit.rlim_max.min(1 << 20), limit.rlim_max.min(10240)] {
+        if wanted <= limit.rlim_cur {
+            break;
+        }
+        let raised = libc::rlimit { rlim_cur: wanted, rlim_max: limit.rlim_max };
+        // SAFETY: setrlimit reads one `rlimit` we own.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit.rlim_cur = wanted;
+            break;
+        }
+    }
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux and macOS, not on every unix
+    Some(limit.rlim_cur as u64)
+}
+
+#[cfg(not(unix))]
+fn raise_fd_limit() -> Option<u64> {
+    None
 }
 
 /// Local workers use the coordinator's block size and serve metrics on an

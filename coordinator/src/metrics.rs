@@ -22,6 +22,7 @@ pub struct Metrics {
     ttft: HistogramVec,
     e2e: HistogramVec,
     rejected: IntCounterVec,
+    connections_refused: IntCounterVec,
     workers: IntGaugeVec,
     in_flight: IntGauge,
     queue_depth: IntGauge,
@@ -46,6 +47,14 @@ impl Metrics {
         .expect("valid metric");
         let rejected = IntCounterVec::new(
             Opts::new("tinyvllm_rejected_requests_total", "Requests refused, by reason"),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "tinyvllm_http_connections_refused_total",
+                "HTTP connections refused or closed by the connection cap, and accept errors, by reason",
+            ),
             &["reason"],
         )
         .expect("valid metric");
@@ -77,6 +86,7 @@ impl Metrics {
             Box::new(ttft.clone()),
             Box::new(e2e.clone()),
             Box::new(rejected.clone()),
+            Box::new(connections_refused.clone()),
             Box::new(workers.clone()),
             Box::new(in_flight.clone()),
             Box::new(queue_depth.clone()),
@@ -88,10 +98,26 @@ impl Metrics {
             registry.register(c).expect("unique metric names");
         }
         // Series that exist from the start, so dashboards show 0, not "no data".
-        for reason in ["invalid_request", "unauthorized", "not_found", "too_large", "overloaded", "unavailable"] {
+        for reason in
+            ["invalid_request", "unauthorized", "not_found", "too_large", "timeout", "overloaded", "unavailable"]
+        {
             rejected.with_label_values(&[reason]);
         }
-        Self { registry, http_requests, http_latency, ttft, e2e, rejected, workers, in_flight, queue_depth }
+        for reason in ["full", "evicted_idle", "accept_error"] {
+            connections_refused.with_label_values(&[reason]);
+        }
+        Self {
+            registry,
+            http_requests,
+            http_latency,
+            ttft,
+            e2e,
+            rejected,
+            connections_refused,
+            workers,
+            in_flight,
+            queue_depth,
+        }
     }
 
     pub fn first_token(&self, endpoint: &str, elapsed: Duration) {
@@ -131,12 +157,20 @@ impl Metrics {
             400 => "invalid_request",
             401 => "unauthorized",
             404 => "not_found",
-            413 => "too_large",
+            408 => "timeout",
+            413 | 414 | 431 => "too_large",
+            415 => "invalid_request",
             429 => "overloaded",
             503 => "unavailable",
             _ => "other",
         };
         self.rejected.with_label_values(&[reason]).inc();
+    }
+
+    /// A connection the cap refused (`full`), an idle one it closed to make
+    /// room (`evicted_idle`), or a failed accept (`accept_error`).
+    pub fn connection_refused(&self, reason: &str) {
+        self.connections_refused.with_label_values(&[reason]).inc();
     }
 
     pub fn render(&self, cluster: &Cluster) -> String {

@@ -26,7 +26,17 @@ pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
+        let mut command = Command::new(cargo);
+        // The package variables cargo set for this test process: build
+        // scripts (ring's) watch them, and seeing them here would rebuild
+        // ring and everything above it, again after every plain `cargo build`.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("CARGO_PKG_") || name.starts_with("CARGO_MANIFEST_") || name == "CARGO_CRATE_NAME" {
+                command.env_remove(name.as_ref());
+            }
+        }
+        let status = command
             .current_dir(repo_root())
             .args(["build", "--bin", "tinyvllm-worker", "--bin", "tinyvllm-coordinator"])
             .status()
@@ -89,10 +99,25 @@ impl Coordinator {
     /// Starts `tinyvllm-coordinator` on `model` with `extra` arguments and
     /// waits until it listens (and, with local workers, until they are ready).
     pub fn start(model: &str, local_workers: usize, extra: &[&str]) -> Self {
+        Self::start_wrapped(&[], model, local_workers, extra)
+    }
+
+    /// As [`Coordinator::start`], run under `wrapper` (a command and its
+    /// arguments, e.g. `prlimit --nofile=128:128 --`).
+    pub fn start_wrapped(wrapper: &[&str], model: &str, local_workers: usize, extra: &[&str]) -> Self {
         use std::io::BufRead;
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
-        let mut child = Command::new(binary("tinyvllm-coordinator"))
+        let coordinator = binary("tinyvllm-coordinator");
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&coordinator);
+                c
+            }
+            None => Command::new(&coordinator),
+        };
+        let mut child = command
             .args([
                 "--model",
                 model_dir(model).to_str().expect("utf-8 path"),

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use common::FinishReason;
 
 use super::error::ApiError;
@@ -12,55 +13,30 @@ use super::logprobs::{CompletionLogprobs, Echo};
 use super::openai::{Choice, ChunkStream, Completion, Content, EchoStream, Kind, Logprobs, Usage};
 use super::prepare::{check_model, check_prompt, encode_prompt, fit_completion, n_choices, now, parse};
 use super::reply::Reply;
-use super::request::{CompletionRequest, PromptInput, top_n};
-use super::run::{self, ChoiceEnd, Collected};
+use super::request::{CompletionRequest, PromptInput, SamplingFields, top_n};
+use super::run::{self, ChoiceEnd, ChoiceSpec, Collected};
+use super::validate::Kind as Shape;
 use crate::app::AppState;
 
-/// `POST /v1/completions`.
-pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
-    let req: CompletionRequest = parse(body)?;
-    check_model(&app, req.model.as_deref())?;
-    let prompts: Vec<Vec<u32>> = match &req.prompt {
-        PromptInput::Text(t) => vec![encode_prompt(&app, t)?],
-        PromptInput::Texts(ts) => ts.iter().map(|t| encode_prompt(&app, t)).collect::<Result<_, _>>()?,
-        PromptInput::Tokens(ids) => vec![ids.clone()],
-        PromptInput::TokenLists(lists) => lists.clone(),
-    };
-    if prompts.is_empty() {
-        return Err(ApiError::invalid("prompt", "the prompt list is empty"));
-    }
-    for p in &prompts {
-        check_prompt(&app, p)?;
-    }
-    let logprobs = top_n("logprobs", req.logprobs)?;
-    let n = req.sampling.n()?;
-    req.unserved.check(n)?;
-    let stops = req.sampling.stop_strings()?;
-    let echo = req.echo.unwrap_or(false);
-    // OpenAI's scoring idiom: `echo` with `max_tokens: 0` answers the prompt
-    // alone (with its logprobs). The engine computes one token, as vLLM
-    // does, and the answer leaves it out.
-    let mut sampling = req.sampling.clone();
-    let echo_only = echo && sampling.max_tokens.or(sampling.max_completion_tokens) == Some(0);
-    if echo_only {
-        (sampling.max_tokens, sampling.max_completion_tokens) = (Some(1), None);
-    }
-    let mut params = sampling.to_params(16, logprobs)?;
-    if echo {
-        // The echoed prompt's tokens carry logprobs too (what scoring harnesses read).
-        params.prompt_logprobs = logprobs;
-    }
-    let mut specs = Vec::new();
-    for p in &prompts {
-        let params = fit_completion(&app, p.len(), sampling.names_max_tokens(), &params)?;
-        specs.extend(n_choices(p, &params, &stops, n));
-    }
+/// Fields of a completions body besides the sampling ones.
+const FIELDS: &[(&str, Shape)] = &[("prompt", Shape::Prompt), ("logprobs", Shape::Int), ("echo", Shape::Bool)];
+
+/// A request read, checked and tokenized: what runs it.
+struct Plan {
+    prompts: Vec<Vec<u32>>,
+    specs: Vec<ChoiceSpec>,
+    echoes: Vec<Echo>,
+    n: usize,
+    logprobs: Option<u32>,
+    echo_only: bool,
+    sampling: SamplingFields,
+}
+
+/// `POST /v1/completions`. Parsing and tokenizing run on the blocking pool.
+pub async fn completions(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
+    let Plan { prompts, specs, echoes, n, logprobs, echo_only, sampling } =
+        app.offload(body.len(), move |app| plan(app, &body)).await?;
     let count = specs.len();
-    let echoes: Vec<Echo> = if echo {
-        prompts.iter().map(|p| Echo { text: app.tokenizer.decode(p, true), ids: p.clone() }).collect()
-    } else {
-        Vec::new()
-    };
     let rx = run::launch(&app, "/v1/completions", specs)?;
     let id = format!("cmpl-{}", app.next_id());
     if sampling.stream() {
@@ -98,6 +74,69 @@ pub async fn completions(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiEr
     let object = "text_completion";
     let model = &app.served_model_name;
     Ok(Reply::json(&Completion { id: &id, object, created: now(), model, choices, usage: Some(usage) }))
+}
+
+/// Everything before the request runs; no I/O, so it can run off the runtime.
+fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
+    let req: CompletionRequest = parse(body, &["prompt"], FIELDS)?;
+    check_model(app, req.model.as_deref())?;
+    let n = req.sampling.n()?;
+    let count = match &req.prompt {
+        PromptInput::Text(_) | PromptInput::Tokens(_) => 1,
+        PromptInput::Texts(list) => list.len(),
+        PromptInput::TokenLists(list) => list.len(),
+    };
+    if count.saturating_mul(n) > app.limits.max_choices {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "{count} prompts × n {n} asks for {} completions; one request may ask for at most {}",
+                count * n,
+                app.limits.max_choices
+            ),
+        ));
+    }
+    let max_len = app.max_model_len();
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        PromptInput::Text(t) => vec![encode_prompt(app, t, max_len)?],
+        PromptInput::Texts(ts) => ts.iter().map(|t| encode_prompt(app, t, max_len)).collect::<Result<_, _>>()?,
+        PromptInput::Tokens(ids) => vec![ids.clone()],
+        PromptInput::TokenLists(lists) => lists.clone(),
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt list is empty"));
+    }
+    for p in &prompts {
+        check_prompt(app, p, max_len)?;
+    }
+    let logprobs = top_n("logprobs", req.logprobs)?;
+    req.unserved.check(n)?;
+    let stops = req.sampling.stop_strings()?;
+    let echo = req.echo.unwrap_or(false);
+    // OpenAI's scoring idiom: `echo` with `max_tokens: 0` answers the prompt
+    // alone (with its logprobs). The engine computes one token, as vLLM
+    // does, and the answer leaves it out.
+    let mut sampling = req.sampling.clone();
+    let echo_only = echo && sampling.max_tokens.or(sampling.max_completion_tokens) == Some(0);
+    if echo_only {
+        (sampling.max_tokens, sampling.max_completion_tokens) = (Some(1), None);
+    }
+    let mut params = sampling.to_params(16, logprobs)?;
+    if echo {
+        // The echoed prompt's tokens carry logprobs too (what scoring harnesses read).
+        params.prompt_logprobs = logprobs;
+    }
+    let mut specs = Vec::new();
+    for p in &prompts {
+        let params = fit_completion(app, max_len, "prompt", p.len(), sampling.names_max_tokens(), &params)?;
+        specs.extend(n_choices(p, &params, &stops, n));
+    }
+    let echoes: Vec<Echo> = if echo {
+        prompts.iter().map(|p| Echo { text: app.tokenizer.decode(p, true), ids: p.clone() }).collect()
+    } else {
+        Vec::new()
+    };
+    Ok(Plan { prompts, specs, echoes, n, logprobs, echo_only, sampling })
 }
 
 /// An `echo` with `max_tokens: 0` answer: the token the engine computed is

@@ -47,12 +47,16 @@ impl ApiError {
         Self {
             param: Some("model".into()),
             code: Some("model_not_found"),
-            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist."))
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("The model `{}` does not exist.", clip(model)),
+            )
         }
     }
 
     pub fn not_found(path: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("No route for {path}"))
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("No route for {}", clip(path)))
     }
 
     pub fn method_not_allowed() -> Self {
@@ -71,6 +75,32 @@ impl ApiError {
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             format!("Request body exceeds {limit} bytes."),
+        )
+    }
+
+    /// 408: the request's body did not arrive in time.
+    pub fn body_timeout(seconds: u64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("The request body did not arrive within {seconds} s."),
+        )
+    }
+
+    /// 431, for headers over our limit (larger ones hyper refuses itself).
+    pub fn headers_too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "invalid_request_error", message)
+    }
+
+    pub fn uri_too_long(limit: usize) -> Self {
+        Self::new(StatusCode::URI_TOO_LONG, "invalid_request_error", format!("The URI exceeds {limit} bytes."))
+    }
+
+    pub fn unsupported_media_type(given: &str) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            format!("Content-Type must be application/json, got {given:?}."),
         )
     }
 
@@ -96,5 +126,15 @@ impl ApiError {
         serde_json::to_string(&self.to_body()).unwrap_or_else(|_| {
             r#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#.into()
         })
+    }
+}
+
+/// A client's string as quoted back in a message: a 4 MB model name is not
+/// worth sending back.
+fn clip(s: &str) -> String {
+    const MAX_CHARS: usize = 200;
+    match s.char_indices().nth(MAX_CHARS) {
+        Some((end, _)) => format!("{}...", &s[..end]),
+        None => s.to_string(),
     }
 }

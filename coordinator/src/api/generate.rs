@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use common::FinishReason;
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -16,6 +17,7 @@ use super::reply::Reply;
 use super::request::{GenerateRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec, Update};
 use super::sse::{self, Events};
+use super::validate::Kind as Shape;
 use crate::app::AppState;
 
 /// The response, and each streamed event: those carry the text as it
@@ -76,24 +78,21 @@ impl GenerateBody {
     }
 }
 
-/// `POST /generate`.
-pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError> {
-    let req: GenerateRequest = parse(body)?;
-    let prompt_ids = match (&req.prompt, &req.prompt_token_ids) {
-        (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give prompt or prompt_token_ids, not both")),
-        (Some(text), None) => encode_prompt(&app, text)?,
-        (None, Some(ids)) => ids.clone(),
-        (None, None) => return Err(ApiError::invalid("prompt", "prompt or prompt_token_ids is required")),
-    };
-    check_prompt(&app, &prompt_ids)?;
-    let logprobs = top_n("logprobs", req.logprobs)?;
-    let mut params = req.sampling.to_params(16, logprobs)?;
-    params.prompt_logprobs = top_n("prompt_logprobs", req.prompt_logprobs)?;
-    let params = fit_completion(&app, prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
-    let spec = ChoiceSpec { prompt_ids: prompt_ids.clone(), params, stops: req.sampling.stop_strings()? };
+/// Fields of a /generate body besides the sampling ones.
+const FIELDS: &[(&str, Shape)] = &[
+    ("prompt", Shape::String),
+    ("prompt_token_ids", Shape::TokenIds),
+    ("logprobs", Shape::Int),
+    ("prompt_logprobs", Shape::Int),
+];
+
+/// `POST /generate`. Parsing and tokenizing run on the blocking pool.
+pub async fn generate(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
+    let (req, spec, logprobs) = app.offload(body.len(), move |app| plan(app, &body)).await?;
+    let prompt_ids = spec.prompt_ids.clone();
     let rx = run::launch(&app, "/generate", vec![spec])?;
     if req.sampling.stream() {
-        return Ok(sse::stream(|events| write_events(events, app, rx, prompt_ids)));
+        return Ok(sse::stream(&app.clone(), |events| write_events(events, app, rx, prompt_ids)));
     }
     let c = run::collect(rx, 1).await?.into_iter().next().ok_or_else(|| ApiError::internal("missing choice"))?;
     let end = c.end.as_ref().ok_or_else(|| ApiError::internal("missing end"))?;
@@ -107,6 +106,26 @@ pub async fn generate(app: Arc<AppState>, body: &[u8]) -> Result<Reply, ApiError
         ..GenerateBody { text: c.text, token_ids: c.token_ids, ..GenerateBody::end(end) }
     };
     Ok(Reply::json(&out))
+}
+
+/// Everything before the request runs: the body read and checked, the
+/// prompt tokenized and fitted to the context.
+fn plan(app: &AppState, body: &[u8]) -> Result<(GenerateRequest, ChoiceSpec, Option<u32>), ApiError> {
+    let req: GenerateRequest = parse(body, &[], FIELDS)?;
+    let max_len = app.max_model_len();
+    let prompt_ids = match (&req.prompt, &req.prompt_token_ids) {
+        (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give prompt or prompt_token_ids, not both")),
+        (Some(text), None) => encode_prompt(app, text, max_len)?,
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => return Err(ApiError::invalid("prompt", "prompt or prompt_token_ids is required")),
+    };
+    check_prompt(app, &prompt_ids, max_len)?;
+    let logprobs = top_n("logprobs", req.logprobs)?;
+    let mut params = req.sampling.to_params(16, logprobs)?;
+    params.prompt_logprobs = top_n("prompt_logprobs", req.prompt_logprobs)?;
+    let params = fit_completion(app, max_len, "prompt", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
+    let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };
+    Ok((req, spec, logprobs))
 }
 
 /// The stream's events; prompt logprobs come first, in events of their

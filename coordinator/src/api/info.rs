@@ -40,7 +40,8 @@ struct Workers {
     redispatches: u64,
 }
 
-/// A Prometheus `http_sd` target group.
+/// A Prometheus `http_sd` target group. The endpoint needs the API key
+/// when one is set (it lists workers' addresses).
 #[derive(Serialize)]
 struct TargetGroup<'a> {
     targets: [String; 1],
@@ -59,7 +60,7 @@ fn card(app: &AppState) -> ModelCard<'_> {
         object: "model",
         created: app.started_at,
         owned_by: "tinyvllm",
-        max_model_len: app.max_model_len,
+        max_model_len: app.max_model_len(),
     }
 }
 
@@ -79,9 +80,13 @@ pub fn model(app: &AppState, id: &str) -> Result<Reply, ApiError> {
     Ok(Reply::json(&card(app)))
 }
 
-/// `GET /health`: 200 only with at least one ready worker.
+/// `GET /health`: 200 only with at least one ready worker, and not while
+/// the server drains for shutdown (load balancers stop sending then).
 pub fn health(app: &AppState) -> Reply {
     let workers = app.cluster.workers().len();
+    if app.shutting_down() {
+        return Reply::json_status(StatusCode::SERVICE_UNAVAILABLE, &Health { status: "draining", workers });
+    }
     let ready = app.cluster.is_ready();
     let body = Health { status: if ready { "ok" } else { "no ready worker" }, workers };
     if ready { Reply::json(&body) } else { Reply::json_status(StatusCode::SERVICE_UNAVAILABLE, &body) }

@@ -16,6 +16,7 @@ pub mod request;
 pub mod run;
 pub mod sse;
 pub mod tokenize;
+pub mod validate;
 
 pub use error::ApiError;
 pub use reply::Reply;

@@ -163,7 +163,7 @@ pub struct ChunkStream {
 
 impl ChunkStream {
     pub fn reply(self, app: Arc<AppState>, rx: mpsc::UnboundedReceiver<Update>) -> Reply {
-        sse::stream(|events| self.write(events, app, rx))
+        sse::stream(&app.clone(), |events| self.write(events, app, rx))
     }
 
     /// OpenAI SSE chunks, then the usage chunk if asked for. An echoed

@@ -7,10 +7,17 @@ use serde_json::Value;
 
 use super::error::ApiError;
 use super::run::ChoiceSpec;
+use super::validate::{self, Kind};
 use crate::app::AppState;
 
-pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))
+/// Reads a generating endpoint's body: its own `fields` besides the
+/// sampling ones, shapes checked (see `validate`).
+pub fn parse<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    required: &[&str],
+    fields: &[(&str, Kind)],
+) -> Result<T, ApiError> {
+    validate::parse(body, required, fields, validate::SAMPLING)
 }
 
 /// Seconds since the epoch, for `created`.
@@ -26,22 +33,41 @@ pub fn check_model(app: &AppState, model: Option<&str>) -> Result<(), ApiError> 
     }
 }
 
-/// A text prompt's ids, special tokens (BOS) included.
-pub fn encode_prompt(app: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+/// A text prompt's ids, special tokens (BOS) included; refused unread if
+/// it is too long to fit `max_len` tokens however it tokenizes.
+pub fn encode_prompt(app: &AppState, text: &str, max_len: usize) -> Result<Vec<u32>, ApiError> {
+    check_text_fits(app, "prompt", text, max_len)?;
     app.tokenizer.encode(text, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))
 }
 
-/// Refuses prompts the model cannot extend.
-pub fn check_prompt(app: &AppState, ids: &[u32]) -> Result<(), ApiError> {
+/// Refuses a text whose byte length alone shows it cannot fit, before the
+/// tokenizer spends seconds on it.
+fn check_text_fits(app: &AppState, param: &str, text: &str, max_len: usize) -> Result<(), ApiError> {
+    if app.text_can_fit(text.len(), max_len) {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        param,
+        format!(
+            "This model's maximum context length is {max_len} tokens (max_model_len); a {param} of {} bytes is \
+             longer than that however it tokenizes.",
+            text.len()
+        ),
+    ))
+}
+
+/// Refuses prompts the model cannot extend within `max_len` (the effective
+/// context, [`AppState::max_model_len`]).
+pub fn check_prompt(app: &AppState, ids: &[u32], max_len: usize) -> Result<(), ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    if ids.len() >= app.max_model_len {
+    if ids.len() >= max_len {
         return Err(ApiError::invalid(
             "prompt",
             format!(
-                "This model's maximum context length is {} tokens; the prompt has {} tokens.",
-                app.max_model_len,
+                "This model's maximum context length is {max_len} tokens (max_model_len). However, the prompt has \
+                 {} tokens, which leaves no room for the completion. Please reduce the length of the prompt.",
                 ids.len()
             ),
         ));
@@ -58,27 +84,31 @@ pub fn check_in_vocabulary(app: &AppState, param: &str, mut ids: impl Iterator<I
     }
 }
 
-/// Fits the request to the model. The completion goes beside a prompt of
-/// `prompt_len` tokens (at most `max_model_len - 1`, per [`check_prompt`]): a
-/// `max_tokens` the request names must fit, else a 400 as vLLM answers; the
-/// default shrinks to the room. Biased tokens must be in the vocabulary.
+/// Fits the request to the effective context `max_len`. The completion goes
+/// beside a prompt of `prompt_len` tokens (at most `max_len - 1`, per
+/// [`check_prompt`]): a `max_tokens` the request names must fit, else a 400
+/// as vLLM answers; the default shrinks to the room. Biased and stop tokens
+/// must be in the vocabulary. `what` names the prompt in messages ("prompt",
+/// "messages").
 pub fn fit_completion(
     app: &AppState,
+    max_len: usize,
+    what: &str,
     prompt_len: usize,
     named: bool,
     params: &SamplingParams,
 ) -> Result<SamplingParams, ApiError> {
     check_in_vocabulary(app, "logit_bias", params.logit_bias.iter().map(|&(t, _)| t))?;
-    let room = app.max_model_len.saturating_sub(prompt_len) as u32;
+    check_in_vocabulary(app, "stop_token_ids", params.stop_token_ids.iter().copied())?;
+    let room = max_len.saturating_sub(prompt_len) as u32;
     let mut params = params.clone();
     if params.max_tokens > room {
         if named {
             return Err(ApiError::invalid(
                 "max_tokens",
                 format!(
-                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the \
-                     prompt, {} in the completion). Please reduce the length of the prompt or completion.",
-                    app.max_model_len,
+                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} \
+                     in the {what}, {} in the completion). Please reduce the length of the {what} or completion.",
                     prompt_len as u64 + u64::from(params.max_tokens),
                     prompt_len,
                     params.max_tokens
@@ -105,12 +135,14 @@ pub fn n_choices(prompt_ids: &[u32], params: &SamplingParams, stops: &[String], 
 
 /// The prompt a conversation becomes: the model's chat template, then the
 /// tokenizer, without special tokens for chat (the template writes BOS where
-/// the model wants it).
+/// the model wants it). With `max_len`, a rendering too long to fit is
+/// refused before tokenizing.
 pub fn chat_prompt_ids(
     app: &AppState,
     messages: &[Value],
     add_generation_prompt: bool,
     add_special_tokens: bool,
+    max_len: Option<usize>,
 ) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
@@ -122,5 +154,8 @@ pub fn chat_prompt_ids(
     })?;
     let text =
         template.render(messages, add_generation_prompt).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    if let Some(max_len) = max_len {
+        check_text_fits(app, "messages", &text, max_len)?;
+    }
     app.tokenizer.encode(&text, add_special_tokens).map_err(|e| ApiError::invalid("messages", e.to_string()))
 }

@@ -2,14 +2,15 @@
 //! server-sent events. The HTTP server turns it into the hyper response.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame};
+use hyper::body::{Body, Frame, SizeHint};
 use hyper::{Response, StatusCode};
 use serde::Serialize;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::error::ApiError;
 
@@ -17,6 +18,10 @@ use super::error::ApiError;
 pub enum ReplyBody {
     Full(Option<Bytes>),
     Stream(mpsc::Receiver<String>),
+    /// A whole buffer whose end waits for `until`: the client has all of it
+    /// at once (its length is sent), while the connection stays open until
+    /// the request body it is still sending has been read and dropped.
+    Linger(Option<Bytes>, oneshot::Receiver<()>),
 }
 
 impl Body for ReplyBody {
@@ -27,6 +32,19 @@ impl Body for ReplyBody {
         match self.get_mut() {
             ReplyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             ReplyBody::Stream(rx) => rx.poll_recv(cx).map(|event| event.map(|e| Ok(Frame::data(Bytes::from(e))))),
+            ReplyBody::Linger(bytes, until) => match bytes.take() {
+                Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                None => Pin::new(until).poll(cx).map(|_| None),
+            },
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ReplyBody::Full(bytes) | ReplyBody::Linger(bytes, _) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            ReplyBody::Stream(_) => SizeHint::default(),
         }
     }
 }
@@ -36,6 +54,8 @@ pub struct Reply {
     body: ReplyBody,
     content_type: &'static str,
     retry_after: Option<u64>,
+    /// Sends `connection: close`: the request's body was not read.
+    close: bool,
 }
 
 const JSON: &str = "application/json";
@@ -51,20 +71,30 @@ impl Reply {
 
     pub fn json_status(status: StatusCode, body: &impl Serialize) -> Self {
         match serde_json::to_vec(body) {
-            Ok(bytes) => {
-                Self { status, body: ReplyBody::Full(Some(Bytes::from(bytes))), content_type: JSON, retry_after: None }
-            }
+            Ok(bytes) => Self {
+                status,
+                body: ReplyBody::Full(Some(Bytes::from(bytes))),
+                content_type: JSON,
+                retry_after: None,
+                close: false,
+            },
             Err(e) => Self::error(&ApiError::internal(format!("encoding the response: {e}"))),
         }
     }
 
     pub fn sse(events: mpsc::Receiver<String>) -> Self {
-        Self { status: StatusCode::OK, body: ReplyBody::Stream(events), content_type: SSE, retry_after: None }
+        Self {
+            status: StatusCode::OK,
+            body: ReplyBody::Stream(events),
+            content_type: SSE,
+            retry_after: None,
+            close: false,
+        }
     }
 
     /// A body that is not JSON, served as `content_type`.
     pub fn text(status: StatusCode, content_type: &'static str, body: String) -> Self {
-        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), content_type, retry_after: None }
+        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), content_type, retry_after: None, close: false }
     }
 
     pub fn error(e: &ApiError) -> Self {
@@ -73,7 +103,18 @@ impl Reply {
             body: ReplyBody::Full(Some(Bytes::from(e.body()))),
             content_type: JSON,
             retry_after: e.retry_after,
+            close: false,
         }
+    }
+
+    /// `e`, with the connection closed after it.
+    pub fn error_closing(e: &ApiError) -> Self {
+        Self { close: true, ..Self::error(e) }
+    }
+
+    /// `e`, sent at once; the connection closes once `until` fires.
+    pub fn error_lingering(e: &ApiError, until: oneshot::Receiver<()>) -> Self {
+        Self { body: ReplyBody::Linger(Some(Bytes::from(e.body())), until), ..Self::error_closing(e) }
     }
 
     pub fn status(&self) -> StatusCode {
@@ -84,6 +125,9 @@ impl Reply {
         let mut builder = Response::builder().status(self.status).header("content-type", self.content_type);
         if self.content_type == SSE {
             builder = builder.header("cache-control", "no-cache");
+        }
+        if self.close {
+            builder = builder.header("connection", "close");
         }
         if let Some(seconds) = self.retry_after {
             builder = builder.header("retry-after", seconds.to_string());

@@ -47,7 +47,9 @@ pub struct StreamOptions {
 
 /// Largest `n` accepted.
 pub const MAX_N: i64 = 16;
-pub const MAX_STOP_STRINGS: usize = 16;
+pub use super::validate::MAX_STOP_STRINGS;
+/// OpenAI's temperature range.
+pub const MAX_TEMPERATURE: f64 = 2.0;
 
 impl SamplingFields {
     /// Checks ranges and builds the worker's parameters. `default_max_tokens`
@@ -57,7 +59,12 @@ impl SamplingFields {
         let max_tokens = match max_tokens {
             None => default_max_tokens,
             Some(m) if m >= 1 && m <= u32::MAX as i64 => m as u32,
-            Some(m) => return Err(ApiError::invalid("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
+            Some(m) => {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    format!("max_tokens must be in [1, {}], got {m}", u32::MAX),
+                ));
+            }
         };
         let min_tokens = match self.min_tokens {
             None => 0,
@@ -70,35 +77,43 @@ impl SamplingFields {
             return Err(ApiError::invalid("stream_options", "stream_options can only be given when stream is true"));
         }
         let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=100.0).contains(&temperature) {
-            return Err(ApiError::invalid("temperature", format!("temperature must be >= 0, got {temperature}")));
+        if !(0.0..=MAX_TEMPERATURE).contains(&temperature) {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("temperature must be in [0, {MAX_TEMPERATURE}], got {temperature:?}"),
+            ));
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+            return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {top_p:?}")));
         }
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
             Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
-            Some(k) => return Err(ApiError::invalid("top_k", format!("top_k must be -1 (off) or positive, got {k}"))),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("top_k must be -1 or 0 (off), or in [1, {}], got {k}", u32::MAX),
+                ));
+            }
         };
         let min_p = self.min_p.unwrap_or(0.0);
         if !(0.0..=1.0).contains(&min_p) {
-            return Err(ApiError::invalid("min_p", format!("min_p must be in [0, 1], got {min_p}")));
+            return Err(ApiError::invalid("min_p", format!("min_p must be in [0, 1], got {min_p:?}")));
         }
         let penalty = |name: &str, v: Option<f64>| -> Result<f32, ApiError> {
             let v = v.unwrap_or(0.0);
             if (-2.0..=2.0).contains(&v) {
                 Ok(v as f32)
             } else {
-                Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v}")))
+                Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v:?}")))
             }
         };
         let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
         if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
             return Err(ApiError::invalid(
                 "repetition_penalty",
-                format!("repetition_penalty must be in (0, 10], got {repetition_penalty}"),
+                format!("repetition_penalty must be in (0, 10], got {repetition_penalty:?}"),
             ));
         }
         let mut logit_bias = Vec::new();
@@ -109,7 +124,7 @@ impl SamplingFields {
             if !(-100.0..=100.0).contains(&bias) {
                 return Err(ApiError::invalid(
                     "logit_bias",
-                    format!("logit_bias values must be in [-100, 100], got {bias} for token {id}"),
+                    format!("logit_bias values must be in [-100, 100], got {bias:?} for token {id}"),
                 ));
             }
             logit_bias.push((id, bias as f32));
@@ -147,7 +162,10 @@ impl SamplingFields {
             Some(StopInput::Many(v)) => v.clone(),
         };
         if stops.len() > MAX_STOP_STRINGS {
-            return Err(ApiError::invalid("stop", format!("at most {MAX_STOP_STRINGS} stop strings")));
+            return Err(ApiError::invalid(
+                "stop",
+                format!("at most {MAX_STOP_STRINGS} stop strings, got {}", stops.len()),
+            ));
         }
         if stops.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop", "stop strings must not be empty"));
@@ -314,6 +332,8 @@ mod tests {
         for (json, param) in [
             (r#"{"max_tokens": -1}"#, "max_tokens"),
             (r#"{"temperature": -0.5}"#, "temperature"),
+            (r#"{"temperature": 1e308}"#, "temperature"),
+            (r#"{"temperature": 2.5}"#, "temperature"),
             (r#"{"top_p": 0}"#, "top_p"),
             (r#"{"top_p": 1.5}"#, "top_p"),
             (r#"{"min_p": 2}"#, "min_p"),
@@ -329,6 +349,30 @@ mod tests {
         }
         assert_eq!(fields(r#"{"n": 0}"#).n().unwrap_err().param.as_deref(), Some("n"));
         assert!(top_n("logprobs", Some(21)).is_err());
+    }
+
+    #[test]
+    fn every_range_message_names_its_range() {
+        for (json, range) in [
+            (r#"{"max_tokens": 0}"#, "[1, 4294967295]"),
+            (r#"{"max_tokens": 5, "min_tokens": 6}"#, "[0, max_tokens]"),
+            (r#"{"temperature": 1e308}"#, "[0, 2]"),
+            (r#"{"top_p": 2}"#, "(0, 1]"),
+            (r#"{"top_k": -2}"#, "[1, 4294967295]"),
+            (r#"{"min_p": -1}"#, "[0, 1]"),
+            (r#"{"presence_penalty": 2.5}"#, "[-2, 2]"),
+            (r#"{"frequency_penalty": -9}"#, "[-2, 2]"),
+            (r#"{"repetition_penalty": 11}"#, "(0, 10]"),
+            (r#"{"logit_bias": {"5": -101}}"#, "[-100, 100]"),
+        ] {
+            let err = fields(json).to_params(16, None).unwrap_err();
+            assert!(err.message.contains(range), "{json}: {}", err.message);
+        }
+        assert!(fields(r#"{"n": 17}"#).n().unwrap_err().message.contains("[1, 16]"));
+        assert!(top_n("logprobs", Some(-1)).unwrap_err().message.contains("[0, 20]"));
+        // The value is shown as written, not as 309 digits.
+        let err = fields(r#"{"temperature": 1e308}"#).to_params(16, None).unwrap_err();
+        assert!(err.message.ends_with("got 1e308"), "{}", err.message);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::reply::Reply;
+use crate::app::AppState;
 
 /// Events written ahead of a slow client before the writer waits.
 const BUFFER_EVENTS: usize = 64;
@@ -36,15 +37,25 @@ impl Events {
 }
 
 /// A streaming reply whose events `write` sends from its own task; `[DONE]`
-/// follows whatever it wrote.
-pub fn stream<F>(write: impl FnOnce(Events) -> F) -> Reply
+/// follows whatever it wrote. If the server cuts its responses (the
+/// shutdown timeout) first, the writer is dropped (which aborts its
+/// requests) and the stream ends with an error event and `[DONE]`, a whole
+/// chunked transfer rather than a broken one.
+pub fn stream<F>(app: &AppState, write: impl FnOnce(Events) -> F) -> Reply
 where
     F: Future<Output = ()> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(BUFFER_EVENTS);
+    let cut = app.cut();
     let writing = write(Events { tx: tx.clone() });
     tokio::spawn(async move {
-        writing.await;
+        tokio::select! {
+            () = writing => {}
+            () = cut => {
+                let error = ApiError::unavailable("the server is shutting down; the stream was cut");
+                let _ = Events { tx: tx.clone() }.send(&error.to_body()).await;
+            }
+        }
         let _ = tx.send(DONE.to_string()).await;
     });
     Reply::sse(rx)
