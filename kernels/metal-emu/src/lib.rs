@@ -170,7 +170,10 @@ pub fn dispatch(name: &str, args: &[Option<Arg>], groups: [usize; 3], threads: [
             None => RawBinding { ptr: std::ptr::null_mut(), len: 0 },
             Some(Arg::Buffer { buffer, offset, writable }) => {
                 if *offset > buffer.len {
-                    return Err(Error(format!("buffer {index} bound at offset {offset} past its {} bytes", buffer.len)));
+                    return Err(Error(format!(
+                        "buffer {index} bound at offset {offset} past its {} bytes",
+                        buffer.len
+                    )));
                 }
                 if !writable {
                     read_only.push((index, *buffer, buffer.read()));
