@@ -11,8 +11,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
+use candle_core::metal_backend::DeviceId;
 use candle_core::{
-    CpuStorage, CustomOp3, DType, DeviceId, Layout, MetalDevice, MetalError, MetalStorage, Shape, Storage, Tensor,
+    CpuStorage, CustomOp3, DType, Layout, MetalDevice, MetalError, MetalStorage, Shape, Storage, Tensor,
 };
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
 use objc2_metal::MTLSize;
