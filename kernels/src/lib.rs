@@ -18,7 +18,6 @@
 use candle_core::{Device, Tensor};
 
 pub mod cpu;
-#[cfg(target_os = "macos")]
 pub mod metal;
 pub mod portable;
 pub mod reference;
@@ -70,8 +69,8 @@ impl AttentionMetadata {
 }
 
 /// Shapes of one attention call, checked once.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Dims {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
     pub num_tokens: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
@@ -104,7 +103,7 @@ pub struct CacheWrite<'a> {
 
 impl Attention<'_> {
     /// Validates shapes and metadata so no implementation can index out of bounds.
-    pub(crate) fn check(&self) -> Result<Dims> {
+    pub fn check(&self) -> Result<Dims> {
         let Attention { q, k_cache, v_cache, meta, .. } = *self;
         let bad = |m: String| Err(KernelError::Invalid(m));
         let (num_tokens, num_heads, head_dim) = q.dims3()?;
@@ -170,9 +169,10 @@ fn check_pool(x: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
 }
 
 impl CacheWrite<'_> {
-    /// Validates the write so no implementation can index out of bounds;
-    /// returns the number of slots in each cache.
-    pub(crate) fn check(&self) -> Result<usize> {
+    /// Validates the write so no implementation can index out of bounds
+    /// or write one slot twice (which of two rows lands would depend on the
+    /// order threads run in); returns the number of slots in each cache.
+    pub fn check(&self) -> Result<usize> {
         let CacheWrite { k, v, k_cache, v_cache, slot_mapping: slots } = *self;
         let bad = |m: String| Err(KernelError::Invalid(m));
         let (t, kvh, d) = k.dims3()?;
@@ -193,6 +193,11 @@ impl CacheWrite<'_> {
         if let Some(&s) = slots.iter().find(|&&s| s as usize >= nb * bs) {
             return bad(format!("slot {s} out of range ({} slots)", nb * bs));
         }
+        let mut sorted = slots.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("slot {} appears twice in slot_mapping", w[0]));
+        }
         Ok(nb * bs)
     }
 }
@@ -204,7 +209,7 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
         Device::Cpu => cpu::paged_attention(a),
         // Head dims without a Metal kernel take the portable path.
         #[cfg(target_os = "macos")]
-        Device::Metal(_) if metal::supports(a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) => {
+        Device::Metal(m) if metal::supports(m, a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) => {
             metal::paged_attention(a)
         }
         _ => portable::paged_attention(a),
@@ -217,7 +222,7 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     match w.k.device() {
         Device::Cpu => cpu::reshape_and_cache(w),
         #[cfg(target_os = "macos")]
-        Device::Metal(_) if metal::supports_dtype(w.k.dtype()) => metal::reshape_and_cache(w),
+        Device::Metal(m) if metal::supports_dtype(m, w.k.dtype()) => metal::reshape_and_cache(w),
         _ => portable::reshape_and_cache(w),
     }
 }

@@ -1,41 +1,38 @@
-//! The Metal kernels against `reference` (macOS only), on the cases of
+//! The Metal kernels against `reference`, on the cases of
 //! tests/attention.rs: scattered and shuffled block tables, ragged lengths,
 //! decode and chunked prefill on a cached prefix, GQA ratios 1 to 8, sliding
-//! windows, contexts crossing decode partitions, f32/f16/bf16, and bad
-//! inputs. Cases are built on the CPU, the reference runs there, the kernels
-//! run on `Device::new_metal(0)`. Without a Metal device every test prints a
-//! note and passes.
-#![cfg(target_os = "macos")]
+//! windows, contexts crossing decode partitions, f32/f16/bf16, buffer
+//! offsets, NaN in unused cache slots, and bad inputs. Cases are built on
+//! the CPU and the reference runs there.
+//!
+//! On macOS the kernels run on `Device::new_metal(0)` (without a Metal
+//! device every test prints a note and passes). On Linux they run in the CPU
+//! emulator of kernels/metal-emu, through the same host planning code
+//! (`kernels::metal::plan`), each call twice in two thread orders that must
+//! agree bit for bit (common/metal_emulated.rs).
+#![cfg(any(target_os = "macos", target_os = "linux"))]
 
 use candle_core::{DType, Device, Tensor};
-use kernels::metal::{self, PARTITION_SIZE};
-use kernels::{Attention, AttentionMetadata, CacheWrite, KernelError, reference};
+use kernels::metal::{HEAD_DIMS, PARTITION_SIZE};
+use kernels::{Attention, AttentionMetadata, CacheWrite, reference};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 mod common;
 use common::{Case, Geometry, make_case, to_vec};
 
+#[cfg(target_os = "macos")]
+#[path = "common/metal_device.rs"]
+mod gpu;
+#[cfg(target_os = "linux")]
+#[path = "common/metal_emulated.rs"]
+mod gpu;
+use gpu::Gpu;
+
 /// f32 outputs differ from the f64 reference by fast-math exp and another
 /// summation order; f16/bf16 by their own resolution.
 const F32_TOL: f32 = 1e-4;
 const HALF_TOL: f32 = 2e-2;
-
-/// The Metal device, or None (with a note) where there is none. candle
-/// panics rather than erring when no GPU is listed, hence the catch.
-fn metal_device() -> Option<Device> {
-    match std::panic::catch_unwind(|| Device::new_metal(0)) {
-        Ok(Ok(device)) => Some(device),
-        Ok(Err(e)) => {
-            eprintln!("skipping: no Metal device ({e})");
-            None
-        }
-        Err(_) => {
-            eprintln!("skipping: no Metal device");
-            None
-        }
-    }
-}
 
 /// [`common::max_rel_err`] of an output that must be finite.
 fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
@@ -43,14 +40,11 @@ fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
     common::max_rel_err(a, b)
 }
 
-/// Runs the Metal kernel on `case` (built on the CPU) and compares it with
-/// the reference on the CPU.
-fn compare(dev: &Device, case: &Case, tol: f32, what: &str) {
+/// Runs the Metal kernel on `case` and compares it with the reference.
+fn compare(gpu: &Gpu, case: &Case, tol: f32, what: &str) {
     let scale = 1.0 / (case.q.dim(2).unwrap() as f32).sqrt();
     let want = reference::paged_attention(&case.attention(scale)).unwrap();
-    let m = case.to_device(dev);
-    let got = metal::paged_attention(&m.attention(scale)).unwrap();
-    assert!(got.device().is_metal(), "{what}: output left the GPU");
+    let got = gpu.attention(&case.attention(scale)).unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!((got.dtype(), got.dims()), (case.q.dtype(), case.q.dims()), "{what}");
     let err = max_rel_err(&got, &want);
     assert!(err < tol, "{what}: metal relative error {err}");
@@ -58,7 +52,7 @@ fn compare(dev: &Device, case: &Case, tol: f32, what: &str) {
 
 #[test]
 fn matches_reference_across_shapes_in_f32() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(7);
     // GQA ratios 1, 2, 4, 8.
     for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2)] {
@@ -67,7 +61,7 @@ fn matches_reference_across_shapes_in_f32() {
                 for (m, seqs) in common::MIXES.iter().enumerate() {
                     let case = make_case(&mut rng, seqs, Geometry::new(heads, kv_heads, head_dim, block_size));
                     let what = format!("mix {m} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}");
-                    compare(&dev, &case, F32_TOL, &what);
+                    compare(&gpu, &case, F32_TOL, &what);
                 }
             }
         }
@@ -76,12 +70,12 @@ fn matches_reference_across_shapes_in_f32() {
 
 #[test]
 fn every_head_dim_and_odd_block_sizes() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(29);
-    for &head_dim in &metal::HEAD_DIMS {
+    for &head_dim in &HEAD_DIMS {
         for &block_size in &[1, 5, 16, 32] {
             let case = make_case(&mut rng, &[(1, 37), (9, 50), (2, 2)], Geometry::new(8, 2, head_dim, block_size));
-            compare(&dev, &case, F32_TOL, &format!("hd {head_dim} bs {block_size}"));
+            compare(&gpu, &case, F32_TOL, &format!("hd {head_dim} bs {block_size}"));
         }
     }
 }
@@ -90,7 +84,7 @@ fn every_head_dim_and_odd_block_sizes() {
 /// a prefill chunk on a long cached prefix, in one batch.
 #[test]
 fn long_contexts_cross_partitions() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(31);
     let p = PARTITION_SIZE;
     let seqs = [(1, p - 1), (1, p), (1, p + 1), (1, 3 * p + 100), (40, 2 * p + 300), (1, 20)];
@@ -98,30 +92,30 @@ fn long_contexts_cross_partitions() {
         let tol = if dtype == DType::F32 { F32_TOL } else { HALF_TOL };
         for window in [None, Some(700), Some(p), Some(33)] {
             let g = Geometry { window, dtype, ..Geometry::new(8, 2, 128, 16) };
-            compare(&dev, &make_case(&mut rng, &seqs, g), tol, &format!("{dtype:?} window {window:?}"));
+            compare(&gpu, &make_case(&mut rng, &seqs, g), tol, &format!("{dtype:?} window {window:?}"));
         }
     }
     // Only long decodes: every sequence goes through the reduce.
     let case = make_case(&mut rng, &[(1, 4 * p + 1); 3], Geometry::new(4, 4, 64, 32));
-    compare(&dev, &case, F32_TOL, "decode only, 5 partitions");
+    compare(&gpu, &case, F32_TOL, "decode only, 5 partitions");
 }
 
 #[test]
 fn sliding_window_matches_reference() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(11);
     let seqs = [(1, 50), (12, 60), (30, 30), (1, 16), (17, 33)];
     for window in [1, 5, 16, 17, 40, 1000] {
         for block_size in [8, 16] {
             let g = Geometry { window: Some(window), ..Geometry::new(8, 2, 32, block_size) };
-            compare(&dev, &make_case(&mut rng, &seqs, g), F32_TOL, &format!("window {window} bs {block_size}"));
+            compare(&gpu, &make_case(&mut rng, &seqs, g), F32_TOL, &format!("window {window} bs {block_size}"));
         }
     }
 }
 
 #[test]
 fn half_precisions_match_within_their_resolution() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(3);
     for dtype in [DType::F16, DType::BF16] {
         for (heads, kv_heads, head_dim, block_size, window) in [
@@ -134,7 +128,7 @@ fn half_precisions_match_within_their_resolution() {
             let g = Geometry { window, dtype, ..Geometry::new(heads, kv_heads, head_dim, block_size) };
             let case = make_case(&mut rng, &[(1, 33), (9, 40), (16, 16), (1, 8)], g);
             compare(
-                &dev,
+                &gpu,
                 &case,
                 HALF_TOL,
                 &format!("{dtype:?} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}"),
@@ -147,60 +141,78 @@ fn half_precisions_match_within_their_resolution() {
 /// read where they are.
 #[test]
 fn honours_strides_and_offsets() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(13);
     let case = make_case(&mut rng, &[(5, 21), (1, 9), (1, 700)], Geometry::new(8, 2, 32, 8));
     let want = reference::paged_attention(&case.attention(0.3)).unwrap();
-    // Built on the CPU, moved whole: the layouts (stride, offset) come along.
     let q = case.q.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
     let pad = |c: &Tensor| {
         let junk = (c.ones_like().unwrap() * 100.0).unwrap();
         Tensor::cat(&[&junk.narrow(0, 0, 3).unwrap(), c], 0).unwrap().narrow(0, 3, c.dim(0).unwrap()).unwrap()
     };
     let shifted = Case { q, k_cache: pad(&case.k_cache), v_cache: pad(&case.v_cache), meta: case.meta.clone() };
-    let m = shifted.to_device(&dev);
-    assert!(!m.q.is_contiguous());
-    assert!(m.k_cache.is_contiguous() && m.k_cache.layout().start_offset() > 0);
-    let got = metal::paged_attention(&m.attention(0.3)).unwrap();
+    assert!(!shifted.q.is_contiguous());
+    assert!(shifted.k_cache.is_contiguous() && shifted.k_cache.layout().start_offset() > 0);
+    let got = gpu.attention(&shifted.attention(0.3)).unwrap();
     let err = max_rel_err(&got, &want);
     assert!(err < F32_TOL, "strided q, offset caches: relative error {err}");
 }
 
+/// Cache slots no sequence uses (spare blocks, the tail of a last block)
+/// may hold anything, NaN included, without reaching the output.
+#[test]
+fn nan_in_unused_slots_stays_out() {
+    let Some(gpu) = Gpu::get() else { return };
+    let mut rng = StdRng::seed_from_u64(37);
+    let p = PARTITION_SIZE;
+    for dtype in [DType::F32, DType::F16] {
+        let tol = if dtype == DType::F32 { F32_TOL } else { HALF_TOL };
+        let g = Geometry { dtype, ..Geometry::new(8, 2, 64, 16) };
+        let case = make_case(&mut rng, &[(1, 21), (7, 40), (1, p + 3)], g);
+        let (blocks, bs) = (case.k_cache.dim(0).unwrap(), case.k_cache.dim(1).unwrap());
+        let mut used = vec![false; blocks * bs];
+        for (s, table) in case.meta.block_tables.iter().enumerate() {
+            for pos in 0..case.meta.context_lens[s] as usize {
+                used[table[pos / bs] as usize * bs + pos % bs] = true;
+            }
+        }
+        let mask: Vec<f32> = used.iter().map(|&u| if u { 0.0 } else { 1.0 }).collect();
+        let mask = Tensor::from_vec(mask, (blocks, bs, 1, 1), &Device::Cpu).unwrap();
+        let poison = |c: &Tensor| {
+            let nan = Tensor::full(f32::NAN, c.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            mask.broadcast_as(c.dims()).unwrap().to_dtype(DType::U8).unwrap().where_cond(&nan, c).unwrap()
+        };
+        let poisoned = Case { k_cache: poison(&case.k_cache), v_cache: poison(&case.v_cache), ..case };
+        compare(&gpu, &poisoned, tol, &format!("{dtype:?} with NaN in unused slots"));
+    }
+}
+
 #[test]
 fn empty_batch_gives_empty_output() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(17);
-    let m = make_case(&mut rng, &[], Geometry::new(4, 2, 32, 8)).to_device(&dev);
-    let out = metal::paged_attention(&m.attention(1.0)).unwrap();
+    let case = make_case(&mut rng, &[], Geometry::new(4, 2, 32, 8));
+    let out = gpu.attention(&case.attention(1.0)).unwrap();
     assert_eq!(out.dims(), &[0, 4, 32]);
 }
 
-/// The dispatcher uses the Metal kernel where it exists and the portable
-/// path for head dims without one.
-#[test]
-fn dispatcher_picks_the_metal_kernel_on_metal() {
-    let Some(dev) = metal_device() else { return };
-    let mut rng = StdRng::seed_from_u64(19);
-    let m = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 64, 16)).to_device(&dev);
-    let got = kernels::paged_attention(&m.attention(0.2)).unwrap();
-    let direct = metal::paged_attention(&m.attention(0.2)).unwrap();
-    assert_eq!(to_vec(&got), to_vec(&direct));
-
-    let case = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 16, 16));
-    let m = case.to_device(&dev);
-    let err = metal::paged_attention(&m.attention(0.2));
-    assert!(matches!(err, Err(KernelError::Invalid(_))), "head_dim 16 has no Metal kernel");
-    let want = reference::paged_attention(&case.attention(0.2)).unwrap();
-    let got = kernels::paged_attention(&m.attention(0.2)).unwrap();
-    assert!(max_rel_err(&got, &want) < F32_TOL, "portable fallback");
+/// A new step's K/V written with reference::reshape_and_cache.
+fn reference_write(case: &Case, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+    let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
+    reference::reshape_and_cache(&CacheWrite {
+        k,
+        v,
+        k_cache: &want_k,
+        v_cache: &want_v,
+        slot_mapping: &case.meta.slot_mapping,
+    })
+    .unwrap();
+    (want_k, want_v)
 }
-
-type WriteFn = fn(&CacheWrite) -> kernels::Result<()>;
-const WRITERS: [(&str, WriteFn); 2] = [("metal", metal::reshape_and_cache), ("dispatch", kernels::reshape_and_cache)];
 
 #[test]
 fn cache_writes_land_in_their_slots_only() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(5);
     // Rows of 16 elements (fewer than a threadgroup) and of 512 (several passes).
     for (kv_heads, head_dim) in [(2, 8), (4, 128)] {
@@ -211,46 +223,32 @@ fn cache_writes_land_in_their_slots_only() {
             let new =
                 || Tensor::randn(0f32, 1., (t, kv_heads, head_dim), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let (new_k, new_v) = (new(), new());
-            let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
-            reference::reshape_and_cache(&CacheWrite {
-                k: &new_k,
-                v: &new_v,
-                k_cache: &want_k,
-                v_cache: &want_v,
-                slot_mapping: &case.meta.slot_mapping,
-            })
-            .unwrap();
-            let (mk, mv) = (new_k.to_device(&dev).unwrap(), new_v.to_device(&dev).unwrap());
-            for (name, write) in WRITERS {
-                let (k, v) = (case.k_cache.to_device(&dev).unwrap(), case.v_cache.to_device(&dev).unwrap());
-                write(&CacheWrite { k: &mk, v: &mv, k_cache: &k, v_cache: &v, slot_mapping: &case.meta.slot_mapping })
-                    .unwrap();
-                assert_eq!(to_vec(&k), to_vec(&want_k), "{name} {dtype:?} row {} k", kv_heads * head_dim);
-                assert_eq!(to_vec(&v), to_vec(&want_v), "{name} {dtype:?} row {} v", kv_heads * head_dim);
-            }
+            let (want_k, want_v) = reference_write(&case, &new_k, &new_v);
+            let (k, v) = gpu
+                .write(&CacheWrite {
+                    k: &new_k,
+                    v: &new_v,
+                    k_cache: &case.k_cache,
+                    v_cache: &case.v_cache,
+                    slot_mapping: &case.meta.slot_mapping,
+                })
+                .unwrap();
+            assert_eq!(to_vec(&k), to_vec(&want_k), "{dtype:?} row {} k", kv_heads * head_dim);
+            assert_eq!(to_vec(&v), to_vec(&want_v), "{dtype:?} row {} v", kv_heads * head_dim);
         }
     }
 }
 
-/// A prefill step end to end on the GPU: write the prompt's K/V, then
-/// attend over it, with no host round trip in between.
+/// A prefill step: write the prompt's K/V, then attend over it.
 #[test]
 fn write_then_attend_matches_reference() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(23);
     let case = make_case(&mut rng, &[(12, 12), (4, 30), (1, 600)], Geometry::new(8, 4, 32, 8));
     let t = case.meta.slot_mapping.len();
     let k = Tensor::randn(0f32, 1., (t, 4, 32), &Device::Cpu).unwrap();
     let v = Tensor::randn(0f32, 1., (t, 4, 32), &Device::Cpu).unwrap();
-    let (want_k, want_v) = (case.k_cache.copy().unwrap(), case.v_cache.copy().unwrap());
-    reference::reshape_and_cache(&CacheWrite {
-        k: &k,
-        v: &v,
-        k_cache: &want_k,
-        v_cache: &want_v,
-        slot_mapping: &case.meta.slot_mapping,
-    })
-    .unwrap();
+    let (want_k, want_v) = reference_write(&case, &k, &v);
     let want = reference::paged_attention(&Attention {
         q: &case.q,
         k_cache: &want_k,
@@ -259,93 +257,149 @@ fn write_then_attend_matches_reference() {
         scale: 0.25,
     })
     .unwrap();
-
-    let m = case.to_device(&dev);
-    let (mk, mv) = (k.to_device(&dev).unwrap(), v.to_device(&dev).unwrap());
-    metal::reshape_and_cache(&CacheWrite {
-        k: &mk,
-        v: &mv,
-        k_cache: &m.k_cache,
-        v_cache: &m.v_cache,
-        slot_mapping: &m.meta.slot_mapping,
-    })
-    .unwrap();
-    let got = metal::paged_attention(&m.attention(0.25)).unwrap();
+    let write = CacheWrite {
+        k: &k,
+        v: &v,
+        k_cache: &case.k_cache,
+        v_cache: &case.v_cache,
+        slot_mapping: &case.meta.slot_mapping,
+    };
+    let (got_k, got_v) = gpu.write(&write).unwrap();
+    let written = Case { k_cache: got_k, v_cache: got_v, ..case };
+    let got = gpu.attention(&written.attention(0.25)).unwrap();
     let err = max_rel_err(&got, &want);
     assert!(err < F32_TOL, "write then attend: relative error {err}");
 }
 
 #[test]
 fn invalid_inputs_are_errors_not_panics() {
-    let Some(dev) = metal_device() else { return };
+    let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(9);
-    let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 32, 8)).to_device(&dev);
+    let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 32, 8));
     let fails = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
-        metal::paged_attention(&Attention { q, k_cache, v_cache, meta, scale: 1.0 }).is_err()
+        gpu.attention(&Attention { q, k_cache, v_cache, meta, scale: 1.0 }).is_err()
     };
     common::assert_rejects_broken_inputs(&case, fails);
-    let (q, kc, vc) = (&case.q, &case.k_cache, &case.v_cache);
-    let zeros = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
+    let (kc, vc) = (&case.k_cache, &case.v_cache);
+    let zeros = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &Device::Cpu).unwrap();
     assert!(fails(&zeros((2, 3, 32), DType::F32), kc, vc, &case.meta), "heads not a multiple of kv heads");
     assert!(fails(&zeros((2, 4, 64), DType::F32), kc, vc, &case.meta), "head_dim differs");
-    assert!(fails(&q.to_device(&Device::Cpu).unwrap(), kc, vc, &case.meta), "q on another device");
-    let hd16 = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 16, 8)).to_device(&dev);
+    let hd16 = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 16, 8));
     assert!(fails(&hd16.q, &hd16.k_cache, &hd16.v_cache, &hd16.meta), "head_dim without a kernel");
-
-    // Cache writes.
-    for (name, write) in WRITERS {
-        common::assert_rejects_broken_writes(name, write, kc, vc);
-    }
-    let k = zeros((2, 2, 32), DType::F32);
-    // One dispatch writes both pools, so they must not share memory, nor
-    // may the new rows live in the pool they are written into.
-    assert!(
-        matches!(
-            metal::reshape_and_cache(&CacheWrite { k: &k, v: &k, k_cache: kc, v_cache: kc, slot_mapping: &[0, 1] }),
-            Err(KernelError::Invalid(_))
-        ),
-        "k_cache is v_cache"
-    );
-    let inside = kc.flatten_to(1).unwrap().narrow(0, 0, 2).unwrap().reshape((2, 2, 32)).unwrap();
-    assert!(
-        matches!(
-            metal::reshape_and_cache(&CacheWrite {
-                k: &inside,
-                v: &k,
-                k_cache: kc,
-                v_cache: vc,
-                slot_mapping: &[5, 6]
-            }),
-            Err(KernelError::Invalid(_))
-        ),
-        "new k inside k_cache"
-    );
+    common::assert_rejects_broken_writes("metal", |w| gpu.write(w).map(|_| ()), kc, vc);
 }
 
-/// Decode steps on the GPU: 16 sequences x 512 context and 4 x 4096 (the
-/// partitioned path), 32 heads / 4 kv heads, head_dim 128, f16.
-/// `cargo test --release -p tinyvllm-kernels --test metal -- --ignored --nocapture`.
+/// The planning code's allocations over decode steps of a 28-layer model:
+/// per step, one upload of the slots and one of the attention metadata,
+/// shared by every layer; the decode scratch only when a step needs more.
+#[cfg(target_os = "linux")]
 #[test]
-#[ignore]
-fn decode_step_timing() {
-    use std::time::Instant;
-    let Some(dev) = metal_device() else { return };
-    let mut rng = StdRng::seed_from_u64(1);
-    for (seqs, ctx) in [(16, 512), (4, 4096)] {
-        let g = Geometry { dtype: DType::F16, ..Geometry::new(32, 4, 128, 16) };
-        let m = make_case(&mut rng, &vec![(1, ctx); seqs], g).to_device(&dev);
-        let run = || metal::paged_attention(&m.attention(0.088)).unwrap();
-        run();
-        dev.synchronize().unwrap();
-        let iters = 50;
-        let start = Instant::now();
-        for _ in 0..iters {
-            run();
+fn allocations_per_step_do_not_grow_with_layers() {
+    let Some(gpu) = Gpu::get().map(Gpu::once) else { return };
+    let mut rng = StdRng::seed_from_u64(41);
+    let (layers, p) = (28, PARTITION_SIZE);
+    let mut steps = Vec::new();
+    for step in 0..3 {
+        // Decoding sequences, one past a partition boundary.
+        let seqs = [(1, 30 + step), (1, p + 10 + step), (1, 7 + step)];
+        let case = make_case(&mut rng, &seqs, Geometry::new(2, 1, 32, 16));
+        let t = case.meta.slot_mapping.len();
+        let (k, v) = (Tensor::zeros((t, 1, 32), DType::F32, &Device::Cpu).unwrap(), case.q.narrow(1, 0, 1).unwrap());
+        let before = gpu.allocations();
+        for _ in 0..layers {
+            let write = CacheWrite {
+                k: &k,
+                v: &v,
+                k_cache: &case.k_cache,
+                v_cache: &case.v_cache,
+                slot_mapping: &case.meta.slot_mapping,
+            };
+            gpu.write(&write).unwrap();
+            gpu.attention(&case.attention(0.2)).unwrap();
         }
-        dev.synchronize().unwrap();
-        let per = start.elapsed() / iters;
-        let bytes = 2 * seqs * ctx * 4 * 128 * 2; // K and V read once per kv head
-        let gbs = bytes as f64 / per.as_secs_f64() / 1e9;
-        println!("{seqs:>3} x {ctx:>5}: {per:?} per decode step, {gbs:.0} GB/s of K/V");
+        let after = gpu.allocations();
+        steps.push((after.uploads - before.uploads, after.scratch - before.scratch));
+    }
+    // The first step also makes the scratch, kept for the next ones.
+    assert_eq!(steps, [(2, 1), (2, 0), (2, 0)], "(uploads, scratch buffers) per step of {layers} layers");
+}
+
+/// What only a real GPU shows: the dispatcher's choice, candle's buffers,
+/// and timing.
+#[cfg(target_os = "macos")]
+mod on_device {
+    use super::*;
+    use kernels::{KernelError, metal};
+
+    /// The dispatcher uses the Metal kernel where it exists and the portable
+    /// path for head dims without one.
+    #[test]
+    fn dispatcher_picks_the_metal_kernel_on_metal() {
+        let Some(gpu) = Gpu::get() else { return };
+        let dev = &gpu.device;
+        let mut rng = StdRng::seed_from_u64(19);
+        let m = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 64, 16)).to_device(dev);
+        let got = kernels::paged_attention(&m.attention(0.2)).unwrap();
+        let direct = metal::paged_attention(&m.attention(0.2)).unwrap();
+        assert_eq!(to_vec(&got), to_vec(&direct));
+
+        let case = make_case(&mut rng, &[(3, 20), (1, 40)], Geometry::new(8, 2, 16, 16));
+        let m = case.to_device(dev);
+        let err = metal::paged_attention(&m.attention(0.2));
+        assert!(matches!(err, Err(KernelError::Invalid(_))), "head_dim 16 has no Metal kernel");
+        let want = reference::paged_attention(&case.attention(0.2)).unwrap();
+        let got = kernels::paged_attention(&m.attention(0.2)).unwrap();
+        assert!(max_rel_err(&got, &want) < F32_TOL, "portable fallback");
+    }
+
+    #[test]
+    fn writes_into_shared_or_overlapping_memory_are_refused() {
+        let Some(gpu) = Gpu::get() else { return };
+        let dev = &gpu.device;
+        let mut rng = StdRng::seed_from_u64(9);
+        let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 32, 8)).to_device(dev);
+        let (kc, vc) = (&case.k_cache, &case.v_cache);
+        let k = Tensor::zeros((2, 2, 32), DType::F32, dev).unwrap();
+        let q_cpu = case.q.to_device(&Device::Cpu).unwrap();
+        let on_cpu =
+            metal::paged_attention(&Attention { q: &q_cpu, k_cache: kc, v_cache: vc, meta: &case.meta, scale: 1.0 });
+        assert!(on_cpu.is_err(), "q on another device");
+        // One dispatch writes both pools, so they must not share memory, nor
+        // may the new rows live in the pool they are written into.
+        let write = |k: &Tensor, v_cache: &Tensor, slot_mapping: &[u32]| {
+            metal::reshape_and_cache(&CacheWrite { k, v: &k.clone(), k_cache: kc, v_cache, slot_mapping })
+        };
+        assert!(matches!(write(&k, kc, &[0, 1]), Err(KernelError::Invalid(_))), "k_cache is v_cache");
+        let inside = kc.flatten_to(1).unwrap().narrow(0, 0, 2).unwrap().reshape((2, 2, 32)).unwrap();
+        assert!(matches!(write(&inside, vc, &[5, 6]), Err(KernelError::Invalid(_))), "new k inside k_cache");
+    }
+
+    /// Decode steps on the GPU: 16 sequences x 512 context and 4 x 4096 (the
+    /// partitioned path), 32 heads / 4 kv heads, head_dim 128, f16.
+    /// `cargo test --release -p tinyvllm-kernels --test metal -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn decode_step_timing() {
+        use std::time::Instant;
+        let Some(gpu) = Gpu::get() else { return };
+        let dev = &gpu.device;
+        let mut rng = StdRng::seed_from_u64(1);
+        for (seqs, ctx) in [(16, 512), (4, 4096)] {
+            let g = Geometry { dtype: DType::F16, ..Geometry::new(32, 4, 128, 16) };
+            let m = make_case(&mut rng, &vec![(1, ctx); seqs], g).to_device(dev);
+            let run = || metal::paged_attention(&m.attention(0.088)).unwrap();
+            run();
+            dev.synchronize().unwrap();
+            let iters = 50;
+            let start = Instant::now();
+            for _ in 0..iters {
+                run();
+            }
+            dev.synchronize().unwrap();
+            let per = start.elapsed() / iters;
+            let bytes = 2 * seqs * ctx * 4 * 128 * 2; // K and V read once per kv head
+            let gbs = bytes as f64 / per.as_secs_f64() / 1e9;
+            println!("{seqs:>3} x {ctx:>5}: {per:?} per decode step, {gbs:.0} GB/s of K/V");
+        }
     }
 }

@@ -141,6 +141,7 @@ pub fn assert_rejects_broken_inputs(
 
 /// Asserts that `write` (named `name`) rejects every broken write of two
 /// tokens into `kc`/`vc` (valid caches): a slot out of range, too few slots,
+/// a slot given twice,
 /// k/v in another dtype or of another head_dim, a strided cache.
 pub fn assert_rejects_broken_writes(
     name: &str,
@@ -156,6 +157,7 @@ pub fn assert_rejects_broken_writes(
     };
     assert!(fails(&k, kc, &[0, 100_000]), "{name}: slot out of range");
     assert!(fails(&k, kc, &[0]), "{name}: too few slots");
+    assert!(fails(&k, kc, &[3, 3]), "{name}: one slot written twice");
     assert!(fails(&k.to_dtype(DType::F16).unwrap(), kc, &[0, 1]), "{name}: dtype differs");
     assert!(fails(&zeros(2 * head_dim), kc, &[0, 1]), "{name}: head_dim differs");
     assert!(fails(&k, &strided(kc), &[0, 1]), "{name}: non-contiguous cache");

@@ -1,0 +1,17 @@
+// prefill_attention.metal, unmodified, compiled for the emulator; registers
+// every instantiation under its [[host_name]].
+#include "invoke.h"
+#include "prefill_attention.metal"
+
+#define TVM_PREFILL(T, NAME, HD)                                                                 \
+  tvm::add_kernel("paged_attention_prefill_" #NAME "_hd" #HD, "paged_attention_prefill",         \
+                  &tvm::invoke<paged_attention_prefill<T, HD>>);
+#define TVM_PREFILL_HEAD_DIMS(T, NAME)                                                   \
+  TVM_PREFILL(T, NAME, 32) TVM_PREFILL(T, NAME, 64) TVM_PREFILL(T, NAME, 96) TVM_PREFILL(T, NAME, 128) \
+  TVM_PREFILL(T, NAME, 256)
+
+void tvm_register_prefill() {
+  TVM_PREFILL_HEAD_DIMS(float, f32)
+  TVM_PREFILL_HEAD_DIMS(half, f16)
+  TVM_PREFILL_HEAD_DIMS(bfloat, bf16)
+}
