@@ -68,22 +68,23 @@ pub struct BenchReport {
 }
 
 /// Batch-1 decode reads every weight once per token, so the machine's read
-/// bandwidth bounds it at `read / weight_bytes` tokens per second.
+/// bandwidth bounds it at `limit / weight_bytes` tokens per second.
 ///
-/// Measured just before and just after the run (all threads of the pool)
-/// and averaged: on a shared machine the bandwidth drifts by tens of
-/// percent within minutes, and one reading taken before the run would make
-/// the share swing with it.
+/// The limit is probed just before and just after the run (wide loads, all
+/// threads of the pool; [`kernels::cpu::bandwidth`]) and the better of the
+/// two is taken: on a shared machine the bandwidth drifts by tens of percent
+/// within minutes, and only a probe that reaches the hardware's best makes
+/// the share an honest one.
 #[derive(Clone, Copy, Debug)]
 pub struct BandwidthLimit {
-    pub read_before_gb_s: f64,
-    pub read_after_gb_s: f64,
+    pub before: kernels::cpu::ReadBandwidth,
+    pub after: kernels::cpu::ReadBandwidth,
     pub weight_bytes: usize,
 }
 
 impl BandwidthLimit {
     pub fn read_gb_s(&self) -> f64 {
-        (self.read_before_gb_s + self.read_after_gb_s) / 2.0
+        self.before.limit_gb_s.max(self.after.limit_gb_s)
     }
 
     pub fn tok_per_s(&self) -> f64 {
@@ -127,12 +128,13 @@ impl std::fmt::Display for BenchReport {
             let decode = 1e3 / self.tpot.mean_ms.max(1e-9);
             write!(
                 f,
-                "\nbandwidth limit: {:.3} GB of weights per decode step at {:.1} GB/s read (mean of {:.1} \
-                 before and {:.1} after the run) = {:.2} tok/s at batch 1; this run decodes at {:.1}% of it",
+                "\nbandwidth limit: {:.3} GB of weights per decode step at {:.1} GB/s read (best pass of the \
+                 probes before and after the run; medians {:.1} and {:.1}) = {:.2} tok/s at batch 1; this run \
+                 decodes at {:.1}% of it",
                 b.weight_bytes as f64 / 1e9,
                 b.read_gb_s(),
-                b.read_before_gb_s,
-                b.read_after_gb_s,
+                b.before.median_gb_s,
+                b.after.median_gb_s,
                 b.tok_per_s(),
                 decode / b.tok_per_s() * 100.0
             )?;
@@ -188,9 +190,9 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         }
     }
     let elapsed = start.elapsed();
-    let bandwidth = read_before.map(|read_before_gb_s| BandwidthLimit {
-        read_before_gb_s,
-        read_after_gb_s: kernels::cpu::measure_read_bandwidth(),
+    let bandwidth = read_before.map(|before| BandwidthLimit {
+        before,
+        after: kernels::cpu::measure_read_bandwidth(),
         weight_bytes: engine.weight_bytes_per_token(),
     });
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();

@@ -41,28 +41,6 @@ fn advise(ptr: *const u8, len: usize) {
 #[cfg(not(target_os = "linux"))]
 fn advise(_ptr: *const u8, _len: usize) {}
 
-/// Read bandwidth over a 1 GiB buffer (far beyond the caches) with the
-/// pool's threads, median of 5 passes, in GB/s: the limit batch-1 decode's
-/// share is measured against (`tinyvllm-worker bench --profile`, the
-/// `decode_step` bench). The buffer sits in huge pages where the weights
-/// do, so the limit is the best this memory reads.
-pub fn measure_read_bandwidth() -> f64 {
-    use rayon::prelude::*;
-    let words = (1usize << 30) / 8;
-    let buf: Vec<u64> = (0..words as u64).collect();
-    back_with_huge_pages(&buf);
-    let mut secs: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = std::time::Instant::now();
-            let s: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
-            std::hint::black_box(s);
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    secs.sort_by(f64::total_cmp);
-    (words * 8) as f64 / secs[2] / 1e9
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

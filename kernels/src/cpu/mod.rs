@@ -4,6 +4,7 @@
 //! call among threads, prefetches and the polynomial exp.
 
 mod attention;
+pub mod bandwidth;
 mod buffers;
 mod cache;
 mod elem;
@@ -20,13 +21,14 @@ pub mod vnni;
 mod weight_buf;
 
 pub use attention::{paged_attention, paged_attention_into};
+pub use bandwidth::{ReadBandwidth, measure_read_bandwidth};
 pub use buffers::{copy_columns, read_f32, write_f32};
 pub use cache::reshape_and_cache;
 pub use fused::{
     HeadNorm, Rope, add_in_place, add_in_place_op, rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op,
     silu_mul, silu_mul_into_op,
 };
-pub use huge_pages::{back_with_huge_pages, measure_read_bandwidth};
+pub use huge_pages::back_with_huge_pages;
 pub use weight_buf::WeightBuf;
 
 pub(crate) use elem::Elem;

@@ -1,0 +1,233 @@
+//! The memory's read-bandwidth limit, measured: the reference that every
+//! "share of the limit" figure divides by (`tinyvllm-worker bench
+//! --profile`, the `decode_step` bench, BENCHMARKS).
+//!
+//! A share is only as honest as its reference, so the probe reads as fast as
+//! the machine can: the widest loads the CPU has (AVX-512, AVX2, NEON), four
+//! independent accumulators so no add chain paces the loads, every thread of
+//! the pool, and a buffer in huge pages far beyond the caches. Neighbours on
+//! a shared host only ever slow a pass down, so the best of several passes
+//! is the limit; the median is reported beside it. A plain `u64` fold
+//! (the old probe) stays available for comparison: on wide machines it reads
+//! well below the limit, which inflated shares above 100%.
+
+use rayon::prelude::*;
+
+use super::back_with_huge_pages;
+
+/// What one measurement found, in GB/s.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReadBandwidth {
+    /// The best pass: the limit.
+    pub limit_gb_s: f64,
+    /// The median pass: what a run of the same length typically gets.
+    pub median_gb_s: f64,
+}
+
+/// How a pass reads the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadProbe {
+    /// The widest loads the CPU has, four accumulators.
+    Wide,
+    /// One `u64` fold per chunk, as compiled for baseline x86-64 (the old probe).
+    PlainFold,
+}
+
+/// Far beyond any last-level cache.
+const BUFFER_BYTES: usize = 1 << 30;
+/// Passes per measurement: enough that one lands in a quiet moment.
+const PASSES: usize = 9;
+/// What one task of the pool reads at a time.
+const CHUNK_WORDS: usize = (1 << 20) / 8;
+
+/// The limit over a 1 GiB buffer with the pool's threads, best and median of
+/// 9 passes of wide loads.
+pub fn measure_read_bandwidth() -> ReadBandwidth {
+    ProbeBuffer::new(BUFFER_BYTES).measure(ReadProbe::Wide, PASSES)
+}
+
+/// A buffer to read, in huge pages where the system has them.
+pub struct ProbeBuffer {
+    words: Vec<u64>,
+}
+
+impl ProbeBuffer {
+    /// `bytes` rounded down to whole chunks (at least one), written once so
+    /// every page is backed before a pass is timed.
+    pub fn new(bytes: usize) -> Self {
+        let chunks = (bytes / 8 / CHUNK_WORDS).max(1);
+        let words: Vec<u64> = (0..(chunks * CHUNK_WORDS) as u64).collect();
+        back_with_huge_pages(&words);
+        Self { words }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.words.len() * 8
+    }
+
+    /// Best and median of `passes` timed passes (at least one).
+    pub fn measure(&self, probe: ReadProbe, passes: usize) -> ReadBandwidth {
+        let mut rates: Vec<f64> = (0..passes.max(1)).map(|_| self.pass(probe)).collect();
+        rates.sort_by(f64::total_cmp);
+        ReadBandwidth { limit_gb_s: rates[rates.len() - 1], median_gb_s: rates[rates.len() / 2] }
+    }
+
+    /// One pass over the whole buffer, in GB/s.
+    pub fn pass(&self, probe: ReadProbe) -> f64 {
+        let read = match probe {
+            ReadProbe::Wide => wide_reader(),
+            ReadProbe::PlainFold => plain_fold,
+        };
+        let started = std::time::Instant::now();
+        let sum = self.words.par_chunks(CHUNK_WORDS).map(read).reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(sum);
+        self.bytes() as f64 / started.elapsed().as_secs_f64() / 1e9
+    }
+}
+
+/// The sum of the words, wrapping: what every reader computes, so a test
+/// can check each against the others.
+fn plain_fold(words: &[u64]) -> u64 {
+    words.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+}
+
+/// The widest reader this CPU runs.
+fn wide_reader() -> fn(&[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let features = super::isa::features();
+        if features.avx512f {
+            return |w| {
+                // SAFETY: AVX-512F was detected at run time.
+                unsafe { x86::sum_avx512(w) }
+            };
+        }
+        if features.avx2 {
+            return |w| {
+                // SAFETY: AVX2 was detected at run time.
+                unsafe { x86::sum_avx2(w) }
+            };
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if super::isa::features().neon {
+        return |w| {
+            // SAFETY: NEON was detected at run time.
+            unsafe { arm::sum_neon(w) }
+        };
+    }
+    sum_four_chains
+}
+
+/// Four independent `u64` chains: the portable fallback.
+fn sum_four_chains(words: &[u64]) -> u64 {
+    let mut acc = [0u64; 4];
+    let mut quads = words.chunks_exact(4);
+    for q in &mut quads {
+        for (a, &w) in acc.iter_mut().zip(q) {
+            *a = a.wrapping_add(w);
+        }
+    }
+    let tail = plain_fold(quads.remainder());
+    acc.iter().fold(tail, |s, &a| s.wrapping_add(a))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::plain_fold;
+
+    /// Four 512-bit accumulators: 256 bytes a round.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn sum_avx512(words: &[u64]) -> u64 {
+        const ROUND: usize = 32;
+        let rounds = words.len() / ROUND;
+        let p = words.as_ptr();
+        let mut acc = [_mm512_setzero_si512(); 4];
+        for r in 0..rounds {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: r * ROUND + 8 * j + 8 <= rounds * ROUND <= words.len();
+                // unaligned loads are allowed.
+                let v = unsafe { _mm512_loadu_si512(p.add(r * ROUND + 8 * j).cast()) };
+                *a = _mm512_add_epi64(*a, v);
+            }
+        }
+        let sum = _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3]));
+        let mut lanes = [0u64; 8];
+        // SAFETY: `lanes` is 64 bytes, the width of the store.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), sum) };
+        lanes.iter().fold(plain_fold(&words[rounds * ROUND..]), |s, &l| s.wrapping_add(l))
+    }
+
+    /// Four 256-bit accumulators: 128 bytes a round.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn sum_avx2(words: &[u64]) -> u64 {
+        const ROUND: usize = 16;
+        let rounds = words.len() / ROUND;
+        let p = words.as_ptr();
+        let mut acc = [_mm256_setzero_si256(); 4];
+        for r in 0..rounds {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: r * ROUND + 4 * j + 4 <= rounds * ROUND <= words.len();
+                // unaligned loads are allowed.
+                let v = unsafe { _mm256_loadu_si256(p.add(r * ROUND + 4 * j).cast()) };
+                *a = _mm256_add_epi64(*a, v);
+            }
+        }
+        let sum = _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3]));
+        let mut lanes = [0u64; 4];
+        // SAFETY: `lanes` is 32 bytes, the width of the store.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), sum) };
+        lanes.iter().fold(plain_fold(&words[rounds * ROUND..]), |s, &l| s.wrapping_add(l))
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+
+    use super::plain_fold;
+
+    /// Four 128-bit accumulators: 64 bytes a round.
+    #[target_feature(enable = "neon")]
+    pub(super) fn sum_neon(words: &[u64]) -> u64 {
+        const ROUND: usize = 8;
+        let rounds = words.len() / ROUND;
+        let p = words.as_ptr();
+        let mut acc = [vdupq_n_u64(0); 4];
+        for r in 0..rounds {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: r * ROUND + 2 * j + 2 <= rounds * ROUND <= words.len().
+                let v = unsafe { vld1q_u64(p.add(r * ROUND + 2 * j)) };
+                *a = vaddq_u64(*a, v);
+            }
+        }
+        let sum = vaddq_u64(vaddq_u64(acc[0], acc[1]), vaddq_u64(acc[2], acc[3]));
+        let lanes = vgetq_lane_u64::<0>(sum).wrapping_add(vgetq_lane_u64::<1>(sum));
+        lanes.wrapping_add(plain_fold(&words[rounds * ROUND..]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reader_sums_like_the_fold() {
+        // Lengths around each reader's round, so every tail path runs.
+        for len in [0, 1, 7, 8, 15, 16, 31, 32, 33, 63, 64, 1000, 4099] {
+            let words: Vec<u64> = (0..len as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+            let want = plain_fold(&words);
+            assert_eq!(sum_four_chains(&words), want, "len {len}");
+            assert_eq!(wide_reader()(&words), want, "len {len}");
+        }
+    }
+
+    #[test]
+    fn a_measurement_reports_best_above_median() {
+        let buffer = ProbeBuffer::new(8 << 20);
+        let r = buffer.measure(ReadProbe::Wide, 3);
+        assert!(r.limit_gb_s >= r.median_gb_s && r.median_gb_s > 0.0, "{r:?}");
+    }
+}
