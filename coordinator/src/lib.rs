@@ -4,6 +4,7 @@
 pub mod api;
 pub mod app;
 pub mod cluster;
+pub mod fuzzing;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
