@@ -8,6 +8,7 @@
 #   tools/fuzz.sh --runs 10000000 wire_frame   # 10M executions of one target
 #   tools/fuzz.sh --seconds 20                 # every target, 20 s each
 #   tools/fuzz.sh --minimize                   # shrink corpus + new finds into fuzz/corpus
+#   tools/fuzz.sh --dev --seconds 10           # CI's smoke pass: an unoptimized build, quicker to make
 #
 # Needs cargo-fuzz (`cargo install cargo-fuzz --locked`). Uses the nightly
 # toolchain when there is one, else stable with RUSTC_BOOTSTRAP=1 (libFuzzer
@@ -18,13 +19,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 
 ALL_TARGETS=(wire_frame http_request detokenizer chat_template)
-RUNS="" SECONDS_EACH="" MINIMIZE=0 TARGETS=()
+RUNS="" SECONDS_EACH="" MINIMIZE=0 PROFILE=release TARGETS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --runs) RUNS="$2"; shift 2 ;;
         --seconds) SECONDS_EACH="$2"; shift 2 ;;
         --minimize) MINIMIZE=1; shift ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        --dev) PROFILE=debug; shift ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         -*) echo "unknown option $1" >&2; exit 2 ;;
         *) TARGETS+=("$1"); shift ;;
     esac
@@ -46,10 +48,12 @@ else
 fi
 SANITIZER="${FUZZ_SANITIZER:-none}"
 # Builds every target (cargo fuzz build takes one or all).
-cargo "${TOOLCHAIN[@]}" fuzz build --debug-assertions --sanitizer "$SANITIZER" 2>&1 \
+BUILD_FLAGS=(--debug-assertions --sanitizer "$SANITIZER")
+[ "$PROFILE" = debug ] && BUILD_FLAGS+=(--dev)
+cargo "${TOOLCHAIN[@]}" fuzz build "${BUILD_FLAGS[@]}" 2>&1 \
     | grep -Ev '^\s+(Compiling|Fresh)' || true
 TRIPLE="$(rustc -vV | sed -n 's/^host: //p')"
-BIN_DIR="target/$TRIPLE/release"
+BIN_DIR="target/$TRIPLE/$PROFILE"
 for t in "${TARGETS[@]}"; do
     [ -x "$BIN_DIR/$t" ] || { echo "error: $BIN_DIR/$t was not built" >&2; exit 2; }
 done
