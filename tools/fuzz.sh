@@ -16,6 +16,7 @@
 # code is safe Rust, and the speed buys executions). A crash leaves its
 # input in fuzz/artifacts/<target>/ and makes the script exit 1.
 set -euo pipefail
+SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/../fuzz"
 
 ALL_TARGETS=(wire_frame http_request detokenizer chat_template)
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
         --seconds) SECONDS_EACH="$2"; shift 2 ;;
         --minimize) MINIMIZE=1; shift ;;
         --dev) PROFILE=debug; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$SCRIPT"; exit 0 ;;
         -*) echo "unknown option $1" >&2; exit 2 ;;
         *) TARGETS+=("$1"); shift ;;
     esac
