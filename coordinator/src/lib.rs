@@ -5,6 +5,7 @@ pub mod api;
 pub mod app;
 pub mod cluster;
 pub mod connections;
+pub mod fuzzing;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
