@@ -216,6 +216,28 @@ fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
 /// backoff again when it next exits.
 const HEALTHY_UPTIME: Duration = Duration::from_secs(60);
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How long to wait before restarting a local worker: doubling from
+/// `FIRST_BACKOFF` up to `MAX_BACKOFF` while it keeps failing, and back to
+/// the first once a run lasted `HEALTHY_UPTIME`.
+struct RestartBackoff(Duration);
+
+impl RestartBackoff {
+    fn new() -> Self {
+        Self(FIRST_BACKOFF)
+    }
+
+    /// The pause before the next start, after a run that lasted `uptime`.
+    fn after_exit(&mut self, uptime: Duration) -> Duration {
+        if uptime >= HEALTHY_UPTIME {
+            self.0 = FIRST_BACKOFF;
+        }
+        let pause = self.0;
+        self.0 = (self.0 * 2).min(MAX_BACKOFF);
+        pause
+    }
+}
 
 /// Keeps `n` local workers running, restarting any that exit (with backoff,
 /// reset after `HEALTHY_UPTIME`), until shutdown; then stops them with
@@ -240,7 +262,7 @@ async fn supervise_local_workers(
         let (exe, model, secret_file, extra, mut stop, cluster) =
             (exe.clone(), model.clone(), secret_file.clone(), extra.clone(), stop.clone(), cluster.clone());
         tasks.push(tokio::spawn(async move {
-            let mut backoff = FIRST_BACKOFF;
+            let mut backoff = RestartBackoff::new();
             let name = format!("local-{i}");
             loop {
                 let started = tokio::time::Instant::now();
@@ -274,12 +296,9 @@ async fn supervise_local_workers(
                             Err(e) => e.to_string(),
                         };
                         cluster.worker_process_exited(&name, &status);
-                        if started.elapsed() >= HEALTHY_UPTIME {
-                            backoff = FIRST_BACKOFF;
-                        }
-                        eprintln!("coordinator: local worker {i} exited ({status}); restarting in {backoff:?}");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(10));
+                        let pause = backoff.after_exit(started.elapsed());
+                        eprintln!("coordinator: local worker {i} exited ({status}); restarting in {pause:?}");
+                        tokio::time::sleep(pause).await;
                     }
                     _ = stop.changed() => {
                         if let Some(pid) = child.id() {
@@ -296,5 +315,21 @@ async fn supervise_local_workers(
     let _ = stop.changed().await;
     for t in tasks {
         let _ = t.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_backoff_doubles_and_resets_after_a_healthy_run() {
+        let mut b = RestartBackoff::new();
+        let quick = Duration::from_secs(1);
+        let pauses: Vec<u64> = (0..7).map(|_| b.after_exit(quick).as_millis() as u64).collect();
+        assert_eq!(pauses, [500, 1000, 2000, 4000, 8000, 10_000, 10_000]);
+        // A run of a minute or more: the next pause is the shortest again.
+        assert_eq!(b.after_exit(HEALTHY_UPTIME), FIRST_BACKOFF);
+        assert_eq!(b.after_exit(quick), Duration::from_secs(1));
     }
 }
