@@ -133,7 +133,8 @@ fn back_to_back_bursts_spread_evenly() {
     let one_prompt = |_| prompt(4, 208);
     let shared_prefix = |i: u64| [prompt(4, 192), prompt(100 + i as u32, 24)].concat();
     let short = |i: u64| prompt(200 + i as u32, 6);
-    let cases: [(&str, &dyn Fn(u64) -> Vec<u32>); 3] =
+    type Prompts<'a> = &'a dyn Fn(u64) -> Vec<u32>;
+    let cases: [(&str, Prompts); 3] =
         [("one prompt", &one_prompt), ("a shared prefix", &shared_prefix), ("short prompts", &short)];
     for (name, prompts) in cases {
         for window in [70, 12] {
