@@ -9,10 +9,15 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
+
+/// Largest frame a peer that has not authenticated yet may send: its
+/// `Handshake` is a few hundred bytes, so nothing bigger is read (or
+/// allocated) for a stranger.
+pub const MAX_HELLO_FRAME_BYTES: usize = 64 << 10;
 
 /// How often a worker reports its stats; the coordinator declares a worker
 /// lost after a few missed intervals.
@@ -75,6 +80,12 @@ pub enum CoordinatorMessage {
     Generate {
         request_id: RequestId,
         prompt_token_ids: Vec<u32>,
+        /// Tokens this request already generated on a worker that was lost
+        /// (empty for a new request). The worker continues after them as
+        /// its own output, so penalties count them, the seeded draw goes on
+        /// at the same position, and `max_tokens`/`min_tokens` keep their
+        /// meaning: the continuation equals a run without the loss.
+        output_token_ids: Vec<u32>,
         params: SamplingParams,
     },
     Abort {
@@ -151,6 +162,9 @@ pub enum WorkerMessage {
         message: String,
     },
     Stats(WorkerStats),
+    /// The worker takes no new requests (SIGTERM): it finishes those it
+    /// has, then closes the connection with `transport::DRAINED_CLOSE_REASON`.
+    Draining,
     KvEvents(Vec<KvEventRecord>),
     /// Every hash the worker's prefix cache holds, after `RequestKvSnapshot`;
     /// `last_event_id` is the id of the last event it reflects.
@@ -162,8 +176,8 @@ pub enum WorkerMessage {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProtocolError {
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
-    FrameTooLarge(usize),
+    #[error("frame of {len} bytes exceeds the {limit}-byte limit")]
+    FrameTooLarge { len: usize, limit: usize },
     #[error("frame truncated: {got} of {expected} bytes")]
     Truncated { expected: usize, got: usize },
     #[error("{0} trailing bytes after the message")]
@@ -183,7 +197,7 @@ fn config() -> impl bincode::config::Config {
 pub fn encode_frame<T: Serialize>(message: &T) -> Result<Vec<u8>, ProtocolError> {
     let payload = bincode::serde::encode_to_vec(message, config()).map_err(|e| ProtocolError::Encode(e.to_string()))?;
     if payload.len() > MAX_FRAME_BYTES {
-        return Err(ProtocolError::FrameTooLarge(payload.len()));
+        return Err(ProtocolError::FrameTooLarge { len: payload.len(), limit: MAX_FRAME_BYTES });
     }
     let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
     frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -194,9 +208,15 @@ pub fn encode_frame<T: Serialize>(message: &T) -> Result<Vec<u8>, ProtocolError>
 /// The payload length announced by a header, checked against the limit
 /// before anything is allocated for it.
 pub fn frame_len(header: [u8; FRAME_HEADER_BYTES]) -> Result<usize, ProtocolError> {
+    frame_len_within(header, MAX_FRAME_BYTES)
+}
+
+/// `frame_len` under a tighter `limit` (at most `MAX_FRAME_BYTES`), e.g.
+/// `MAX_HELLO_FRAME_BYTES` before the peer has authenticated.
+pub fn frame_len_within(header: [u8; FRAME_HEADER_BYTES], limit: usize) -> Result<usize, ProtocolError> {
     let len = u32::from_le_bytes(header) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(ProtocolError::FrameTooLarge(len));
+    if len > limit.min(MAX_FRAME_BYTES) {
+        return Err(ProtocolError::FrameTooLarge { len, limit: limit.min(MAX_FRAME_BYTES) });
     }
     Ok(len)
 }
@@ -205,6 +225,19 @@ pub fn frame_len(header: [u8; FRAME_HEADER_BYTES]) -> Result<usize, ProtocolErro
 pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ProtocolError> {
     let (message, used) =
         bincode::serde::decode_from_slice(payload, config()).map_err(|e| ProtocolError::Decode(e.to_string()))?;
+    if used != payload.len() {
+        return Err(ProtocolError::TrailingBytes(payload.len() - used));
+    }
+    Ok(message)
+}
+
+/// `decode_payload` for a frame read under `MAX_HELLO_FRAME_BYTES`: no
+/// length inside it may claim more than that either, so a stranger's
+/// frame cannot make the decoder reserve megabytes.
+pub fn decode_small_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ProtocolError> {
+    let config = bincode::config::standard().with_limit::<MAX_HELLO_FRAME_BYTES>();
+    let (message, used) =
+        bincode::serde::decode_from_slice(payload, config).map_err(|e| ProtocolError::Decode(e.to_string()))?;
     if used != payload.len() {
         return Err(ProtocolError::TrailingBytes(payload.len() - used));
     }
@@ -262,6 +295,7 @@ mod tests {
         let generate = CoordinatorMessage::Generate {
             request_id: RequestId(1),
             prompt_token_ids: vec![1, 2],
+            output_token_ids: vec![3],
             params: SamplingParams::greedy(4),
         };
         assert_eq!(decode_frame::<CoordinatorMessage>(&encode_frame(&generate).unwrap()).unwrap(), generate);
@@ -270,7 +304,13 @@ mod tests {
     #[test]
     fn oversized_truncated_and_trailing_frames_are_errors() {
         let header = ((MAX_FRAME_BYTES + 1) as u32).to_le_bytes();
-        assert!(matches!(frame_len(header), Err(ProtocolError::FrameTooLarge(_))));
+        assert!(matches!(frame_len(header), Err(ProtocolError::FrameTooLarge { .. })));
+        let hello_header = ((MAX_HELLO_FRAME_BYTES + 1) as u32).to_le_bytes();
+        assert!(frame_len(hello_header).is_ok());
+        assert!(matches!(
+            frame_len_within(hello_header, MAX_HELLO_FRAME_BYTES),
+            Err(ProtocolError::FrameTooLarge { len, limit: MAX_HELLO_FRAME_BYTES }) if len == MAX_HELLO_FRAME_BYTES + 1
+        ));
         let frame = encode_frame(&samples()[0]).unwrap();
         assert!(matches!(
             decode_frame::<WorkerMessage>(&frame[..frame.len() - 1]),

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use serde::{Serialize, de::DeserializeOwned};
 
-use crate::protocol::{self, FRAME_HEADER_BYTES, ProtocolError};
+use crate::protocol::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES, ProtocolError};
 
 /// ALPN protocol id of the cluster's QUIC connections.
 pub const ALPN: &[u8] = b"tinyvllm/1";
@@ -44,16 +44,31 @@ pub async fn write_frame<T: Serialize>(send: &mut quinn::SendStream, message: &T
 
 /// Reads one frame; `Ok(None)` when the peer finished the stream cleanly
 /// between frames. An oversized length is refused before allocating.
+///
+/// Not cancel-safe: a frame half read when the future is dropped is lost,
+/// so never race it in a `select!` loop; give the stream a reader task.
 pub async fn read_frame<T: DeserializeOwned>(recv: &mut quinn::RecvStream) -> Result<Option<T>, TransportError> {
+    read_frame_within(recv, MAX_FRAME_BYTES).await
+}
+
+/// `read_frame` with a smaller size limit, for a peer that has not
+/// authenticated yet (`protocol::MAX_HELLO_FRAME_BYTES`).
+pub async fn read_frame_within<T: DeserializeOwned>(
+    recv: &mut quinn::RecvStream,
+    limit: usize,
+) -> Result<Option<T>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_BYTES];
     match recv.read_exact(&mut header).await {
         Ok(()) => {}
         Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
         Err(e) => return Err(e.into()),
     }
-    let len = protocol::frame_len(header)?;
+    let len = protocol::frame_len_within(header, limit)?;
     let mut payload = vec![0u8; len];
     recv.read_exact(&mut payload).await?;
+    if limit <= protocol::MAX_HELLO_FRAME_BYTES {
+        return Ok(Some(protocol::decode_small_payload(&payload)?));
+    }
     Ok(Some(protocol::decode_payload(&payload)?))
 }
 
@@ -78,12 +93,43 @@ pub fn pem_cert(
     Ok((cert, key))
 }
 
-fn quic_transport() -> Arc<quinn::TransportConfig> {
+/// Bytes a connection may have in flight to us before it authenticated:
+/// enough for a `Handshake`, far too little to pin memory with. Raised to
+/// [`AUTHENTICATED_RECEIVE_WINDOW`] once the peer proved the secret.
+pub const UNAUTHENTICATED_RECEIVE_WINDOW: u32 = 128 << 10;
+/// Connection-level receive window of an authenticated peer: a full-size
+/// frame plus room to keep the link busy.
+pub const AUTHENTICATED_RECEIVE_WINDOW: u32 = 16 << 20;
+
+/// QUIC's own liveness: keep-alives every second, and a peer silent for
+/// this long is closed. The coordinator's stats watchdog is faster; this is
+/// the backstop that needs no application task to run.
+pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `peer_bidi_streams`: how many bidirectional streams the other side may
+/// open (the worker opens the one control stream; the coordinator opens none).
+fn quic_transport(peer_bidi_streams: u32) -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
-    // Liveness is also tracked by stats messages; this closes dead peers.
     transport.keep_alive_interval(Some(std::time::Duration::from_secs(1)));
-    transport.max_idle_timeout(Some(quinn::VarInt::from_u32(10_000).into()));
+    transport.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(IDLE_TIMEOUT).expect("a 10 s idle timeout is representable"),
+    ));
+    // The protocol is one bidirectional stream; a peer may open no more, so
+    // it cannot make us buffer data on streams nobody reads.
+    transport.max_concurrent_bidi_streams(peer_bidi_streams.into());
+    transport.max_concurrent_uni_streams(0u32.into());
+    transport.stream_receive_window(((MAX_FRAME_BYTES as u32) + (1 << 20)).into());
+    transport.receive_window(UNAUTHENTICATED_RECEIVE_WINDOW.into());
     Arc::new(transport)
+}
+
+/// The reason a worker closes its connection with once it drained: the
+/// coordinator logs the departure as such, not as a lost worker.
+pub const DRAINED_CLOSE_REASON: &[u8] = b"drained";
+
+/// Lifts the receive window of a connection whose peer authenticated.
+pub fn trust_connection(conn: &quinn::Connection) {
+    conn.set_receive_window(AUTHENTICATED_RECEIVE_WINDOW.into());
 }
 
 pub fn server_config(
@@ -101,7 +147,7 @@ pub fn server_config(
     let crypto =
         quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    config.transport_config(quic_transport());
+    config.transport_config(quic_transport(1));
     Ok(config)
 }
 
@@ -117,7 +163,7 @@ pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
     let crypto =
         quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(quic_transport());
+    config.transport_config(quic_transport(0));
     Ok(config)
 }
 
@@ -229,6 +275,63 @@ pub fn generate_secret() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A secret shorter than this is refused: it could be guessed offline from
+/// one recorded handshake.
+pub const MIN_SECRET_BYTES: usize = 16;
+/// A secret shorter than this is accepted with a warning (`generate_secret`
+/// writes 64 hex characters).
+pub const RECOMMENDED_SECRET_BYTES: usize = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecretFileError {
+    #[error("reading the cluster secret from {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error(
+        "the cluster secret in {path} is {len} bytes; at least {MIN_SECRET_BYTES} are required \
+         ({RECOMMENDED_SECRET_BYTES} or more recommended, e.g. `openssl rand -hex 32 > {path}`)"
+    )]
+    TooShort { path: String, len: usize },
+}
+
+/// A cluster secret read from its file, and what is wrong with the file
+/// short of refusing it (for the caller to log).
+#[derive(Debug)]
+pub struct SecretFile {
+    pub secret: String,
+    pub warnings: Vec<String>,
+}
+
+/// Reads a cluster secret (surrounding whitespace trimmed). Under
+/// [`MIN_SECRET_BYTES`] it is refused; under [`RECOMMENDED_SECRET_BYTES`],
+/// or in a file that group or others may read, it is accepted with a warning.
+pub fn read_secret_file(path: &std::path::Path) -> Result<SecretFile, SecretFileError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| SecretFileError::Read { path: shown.clone(), source })?;
+    let secret = text.trim().to_string();
+    if secret.len() < MIN_SECRET_BYTES {
+        return Err(SecretFileError::TooShort { path: shown, len: secret.len() });
+    }
+    let mut warnings = Vec::new();
+    if secret.len() < RECOMMENDED_SECRET_BYTES {
+        warnings.push(format!(
+            "the cluster secret in {shown} is only {} bytes; {RECOMMENDED_SECRET_BYTES} or more are recommended",
+            secret.len()
+        ));
+    }
+    #[cfg(unix)]
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            warnings.push(format!(
+                "{shown} (mode {mode:04o}) is readable by other users; `chmod 600 {shown}` keeps the cluster secret \
+                 to its owner"
+            ));
+        }
+    }
+    Ok(SecretFile { secret, warnings })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +345,49 @@ mod tests {
         assert!(!verify_auth_tag(b"s3cret", Role::Coordinator, &binding, &tag));
         assert!(!verify_auth_tag(b"s3cret", Role::Worker, &[8u8; 32], &tag));
         assert_eq!(generate_secret().len(), 64);
+    }
+
+    fn secret_file(tag: &str, contents: &str, mode: u32) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("tinyvllm-secret-{tag}-{}", std::process::id()));
+        std::fs::write(&path, contents).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        #[cfg(not(unix))]
+        let _ = mode;
+        path
+    }
+
+    #[test]
+    fn short_secrets_are_refused_and_weak_files_warned_about() {
+        let path = secret_file("short", "x\n", 0o600);
+        let err = read_secret_file(&path).unwrap_err().to_string();
+        assert!(err.contains("is 1 bytes; at least 16 are required"), "{err}");
+        let path = secret_file("fifteen", &"a".repeat(15), 0o600);
+        assert!(matches!(read_secret_file(&path), Err(SecretFileError::TooShort { len: 15, .. })));
+        // 16..32 bytes: accepted with a warning.
+        let path = secret_file("sixteen", &format!("  {}\n", "b".repeat(16)), 0o600);
+        let read = read_secret_file(&path).unwrap();
+        assert_eq!(read.secret, "b".repeat(16));
+        assert_eq!(read.warnings.len(), 1, "{:?}", read.warnings);
+        assert!(read.warnings[0].contains("only 16 bytes"), "{:?}", read.warnings);
+        // A good secret in a private file: no warning.
+        let path = secret_file("good", &generate_secret(), 0o600);
+        assert!(read_secret_file(&path).unwrap().warnings.is_empty());
+        #[cfg(unix)]
+        {
+            // Readable by the group or by everyone: warned about.
+            for mode in [0o644, 0o640, 0o604] {
+                let path = secret_file(&format!("mode{mode:o}"), &generate_secret(), mode);
+                let read = read_secret_file(&path).unwrap();
+                assert_eq!(read.warnings.len(), 1, "{mode:o}");
+                assert!(read.warnings[0].contains("readable by other users"), "{:?}", read.warnings);
+            }
+        }
+        let missing = std::env::temp_dir().join("tinyvllm-secret-does-not-exist");
+        assert!(matches!(read_secret_file(&missing), Err(SecretFileError::Read { .. })));
     }
 
     #[tokio::test]

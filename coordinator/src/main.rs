@@ -89,10 +89,18 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(run(args))
+    // The workers' QUIC links and the liveness watchdog get a runtime of
+    // their own: however long HTTP handlers keep the main runtime's threads
+    // busy, worker frames are read and stats counted on time.
+    let cluster_runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("cluster").enable_all().build()?;
+    let result = runtime.block_on(run(args, cluster_runtime.handle().clone()));
+    drop(runtime);
+    cluster_runtime.shutdown_timeout(Duration::from_secs(1));
+    result
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Result<()> {
     let source = ModelSource::parse(&args.model)?;
     // Tokenizing needs the config and tokenizer files, never the weights.
     let files = tokio::task::spawn_blocking(move || ModelFiles::resolve(&source, Need::Tokenizer)).await??;
@@ -112,11 +120,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
         _ => common::transport::self_signed_cert()?,
     };
-    let endpoint = quinn::Endpoint::server(common::transport::server_config(cert, key)?, args.quic)
-        .with_context(|| format!("binding QUIC on {}", args.quic))?;
+    let endpoint = {
+        // The endpoint's driver task runs on the runtime it is made in.
+        let _cluster_context = cluster_runtime.enter();
+        quinn::Endpoint::server(common::transport::server_config(cert, key)?, args.quic)
+            .with_context(|| format!("binding QUIC on {}", args.quic))?
+    };
     let quic_addr = endpoint.local_addr()?;
-    tokio::spawn(cluster.clone().accept_workers(endpoint.clone()));
-    tokio::spawn(cluster.clone().watchdog());
+    cluster_runtime.spawn(cluster.clone().accept_workers(endpoint.clone()));
+    cluster_runtime.spawn(cluster.clone().watchdog());
 
     let listener =
         tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
@@ -145,6 +157,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             quic_addr.port(),
         );
         tokio::spawn(supervise_local_workers(
+            cluster.clone(),
             args.local_workers,
             args.model.clone(),
             connect,
@@ -252,13 +265,16 @@ fn served_model_name(args: &Args) -> String {
     args.served_model_name.clone().unwrap_or_else(|| default_served_name(&args.model))
 }
 
-/// Reads the secret, or creates one readable only by this user.
+/// Reads the secret, or creates one readable only by this user. A secret
+/// under 16 bytes is refused; a short one or a file others may read is
+/// warned about.
 fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     if path.exists() {
-        let secret =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string();
-        anyhow::ensure!(!secret.is_empty(), "{} is empty", path.display());
-        return Ok(secret);
+        let read = common::transport::read_secret_file(path)?;
+        for warning in &read.warnings {
+            eprintln!("coordinator: warning: {warning}");
+        }
+        return Ok(read.secret);
     }
     let secret = common::transport::generate_secret();
     let mut options = std::fs::OpenOptions::new();
@@ -271,9 +287,39 @@ fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     Ok(secret)
 }
 
-/// Keeps `n` local workers running, restarting any that exit (with backoff),
-/// until shutdown; then stops them with SIGTERM (they drain).
+/// A local worker that stayed up this long gets the shortest restart
+/// backoff again when it next exits.
+const HEALTHY_UPTIME: Duration = Duration::from_secs(60);
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How long to wait before restarting a local worker: doubling from
+/// `FIRST_BACKOFF` up to `MAX_BACKOFF` while it keeps failing, and back to
+/// the first once a run lasted `HEALTHY_UPTIME`.
+struct RestartBackoff(Duration);
+
+impl RestartBackoff {
+    fn new() -> Self {
+        Self(FIRST_BACKOFF)
+    }
+
+    /// The pause before the next start, after a run that lasted `uptime`.
+    fn after_exit(&mut self, uptime: Duration) -> Duration {
+        if uptime >= HEALTHY_UPTIME {
+            self.0 = FIRST_BACKOFF;
+        }
+        let pause = self.0;
+        self.0 = (self.0 * 2).min(MAX_BACKOFF);
+        pause
+    }
+}
+
+/// Keeps `n` local workers running, restarting any that exit (with backoff,
+/// reset after `HEALTHY_UPTIME`), until shutdown; then stops them with
+/// SIGTERM (they drain). A worker seen to exit is dropped from the cluster
+/// at once, so its requests move without waiting for its stats to stop.
 async fn supervise_local_workers(
+    cluster: Cluster,
     n: usize,
     model: String,
     coordinator: SocketAddr,
@@ -288,11 +334,13 @@ async fn supervise_local_workers(
     };
     let mut tasks = Vec::new();
     for i in 0..n {
-        let (exe, model, secret_file, extra, mut stop) =
-            (exe.clone(), model.clone(), secret_file.clone(), extra.clone(), stop.clone());
+        let (exe, model, secret_file, extra, mut stop, cluster) =
+            (exe.clone(), model.clone(), secret_file.clone(), extra.clone(), stop.clone(), cluster.clone());
         tasks.push(tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(500);
+            let mut backoff = RestartBackoff::new();
+            let name = format!("local-{i}");
             loop {
+                let started = tokio::time::Instant::now();
                 let mut child = match tokio::process::Command::new(&exe)
                     .args([
                         "serve",
@@ -302,7 +350,7 @@ async fn supervise_local_workers(
                         "--coordinator",
                         &coordinator.to_string(),
                         "--name",
-                        &format!("local-{i}"),
+                        &name,
                     ])
                     .arg("--cluster-secret-file")
                     .arg(&secret_file)
@@ -318,9 +366,14 @@ async fn supervise_local_workers(
                 };
                 tokio::select! {
                     status = child.wait() => {
-                        eprintln!("coordinator: local worker {i} exited ({status:?}); restarting in {backoff:?}");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(10));
+                        let status = match status {
+                            Ok(status) => status.to_string(),
+                            Err(e) => e.to_string(),
+                        };
+                        cluster.worker_process_exited(&name, &status);
+                        let pause = backoff.after_exit(started.elapsed());
+                        eprintln!("coordinator: local worker {i} exited ({status}); restarting in {pause:?}");
+                        tokio::time::sleep(pause).await;
                     }
                     _ = stop.changed() => {
                         if let Some(pid) = child.id() {
@@ -337,5 +390,21 @@ async fn supervise_local_workers(
     let _ = stop.changed().await;
     for t in tasks {
         let _ = t.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_backoff_doubles_and_resets_after_a_healthy_run() {
+        let mut b = RestartBackoff::new();
+        let quick = Duration::from_secs(1);
+        let pauses: Vec<u64> = (0..7).map(|_| b.after_exit(quick).as_millis() as u64).collect();
+        assert_eq!(pauses, [500, 1000, 2000, 4000, 8000, 10_000, 10_000]);
+        // A run of a minute or more: the next pause is the shortest again.
+        assert_eq!(b.after_exit(HEALTHY_UPTIME), FIRST_BACKOFF);
+        assert_eq!(b.after_exit(quick), Duration::from_secs(1));
     }
 }

@@ -224,3 +224,112 @@ pub fn post_sse(url: &str, body: &serde_json::Value) -> (Vec<serde_json::Value>,
     }
     (events, false)
 }
+
+/// A child process's stderr, collected line by line by a thread of its own
+/// (so the child never blocks on a full pipe), for tests that check logs.
+#[derive(Clone, Default)]
+pub struct Log(std::sync::Arc<std::sync::Mutex<String>>);
+
+impl Log {
+    /// Starts collecting `stderr`.
+    pub fn collect(stderr: impl std::io::Read + Send + 'static) -> Self {
+        use std::io::BufRead;
+        let log = Self::default();
+        let text = log.0.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                let mut text = text.lock().unwrap_or_else(|p| p.into_inner());
+                text.push_str(&line);
+                text.push('\n');
+            }
+        });
+        log
+    }
+
+    pub fn text(&self) -> String {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Waits up to `timeout` for a line containing `needle`; returns it.
+    pub fn wait_for(&self, needle: &str, timeout: std::time::Duration) -> Option<String> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.text().lines().find(|l| l.contains(needle)) {
+                return Some(line.to_string());
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Coordinator {
+    /// `start`, with the coordinator's stderr collected into a `Log`.
+    pub fn start_logged(model: &str, local_workers: usize, extra: &[&str]) -> (Self, Log) {
+        use std::io::BufRead;
+        let dir = TempDir::new("cluster");
+        let secret_file = dir.0.join("secret");
+        let mut child = Command::new(binary("tinyvllm-coordinator"))
+            .args(["--model", model_dir(model).to_str().expect("utf-8 path"), "--http", "127.0.0.1:0"])
+            .args(["--quic", "127.0.0.1:0", "--local-workers", &local_workers.to_string()])
+            .arg("--cluster-secret-file")
+            .arg(&secret_file)
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting the coordinator");
+        let log = Log::collect(child.stderr.take().expect("piped stderr"));
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("piped stdout");
+        std::io::BufReader::new(stdout).read_line(&mut line).expect("coordinator's first line");
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+                .to_string()
+        };
+        let coordinator = Self { http: field("http="), quic: field("quic="), secret_file, child, _dir: dir };
+        if local_workers > 0 {
+            coordinator.wait_for_workers(local_workers);
+        }
+        (coordinator, log)
+    }
+
+    /// The pid of local worker `name` (a child started with `--name NAME`).
+    pub fn local_worker_pid(&self, name: &str) -> Option<u32> {
+        child_pids(self.child.id()).into_iter().find(|&pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            args.windows(2).any(|w| w[0] == b"--name" && w[1] == name.as_bytes())
+        })
+    }
+}
+
+/// The children of process `pid` (Linux: from /proc).
+pub fn child_pids(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>())
+        .collect()
+}
+
+/// A process's resident memory in KiB (Linux: from /proc), 0 if unknown.
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sends `signal` (e.g. "-KILL", "-TERM") to process `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill").args([signal, &pid.to_string()]).status();
+}

@@ -275,7 +275,7 @@ fn a_worker_with_the_wrong_secret_is_refused() {
     let cluster = Coordinator::start("stories260K", 0, &[]);
     let dir = TempDir::new("wrong-secret");
     let wrong = dir.0.join("secret");
-    std::fs::write(&wrong, "not-the-secret").unwrap();
+    std::fs::write(&wrong, "not-the-secret-of-this-cluster").unwrap();
     let mut worker = cluster.start_worker("stories260K", "intruder", &wrong);
     let status = worker.wait().unwrap();
     assert!(!status.success());

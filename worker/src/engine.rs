@@ -153,7 +153,26 @@ impl Engine {
         params: SamplingParams,
         priority: i32,
     ) -> Result<()> {
-        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+        self.resume_request(id, prompt, &[], params, priority)
+    }
+
+    /// Queues a request that already generated `output` elsewhere (a lost
+    /// worker's): it continues after those tokens as if it had made them
+    /// here. Penalties and `min_tokens` count them, a seeded draw goes on at
+    /// their position, and the prefix cache serves prompt and output alike.
+    pub fn resume_request(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        output: &[u32],
+        params: SamplingParams,
+        priority: i32,
+    ) -> Result<()> {
+        if output.len() >= params.max_tokens as usize {
+            let message = format!("{} tokens already generated of max_tokens {}", output.len(), params.max_tokens);
+            return Err(WorkerError::InvalidRequest { id, message });
+        }
+        if let Some(bad) = prompt.iter().chain(output).find(|&&t| t as usize >= self.vocab_size) {
             return Err(WorkerError::InvalidRequest {
                 id,
                 message: format!("token id {bad} is outside the vocabulary (size {})", self.vocab_size),
@@ -161,7 +180,7 @@ impl Engine {
         }
         let seed = params.seed.unwrap_or_else(random_seed);
         self.scheduler
-            .add_request(Request::new(id, prompt, params, priority, seed))
+            .add_request(Request::new(id, prompt, params, priority, seed).with_output(output))
             .map_err(|e| WorkerError::InvalidRequest { id, message: e.to_string() })
     }
 

@@ -338,3 +338,49 @@ fn cpu_steps_reuse_one_activation_workspace() {
     // A fresh engine (fresh buffers) gives the same tokens.
     assert_eq!(before, run(&mut default_engine(), &[(short, params)]));
 }
+
+/// A request resumed after k of its tokens (as after a worker loss, with
+/// those tokens as its output) continues exactly as the uninterrupted run,
+/// for seeded sampling and for greedy with every penalty; and the resumed
+/// prompt and output are served from the prefix cache where they are there.
+#[test]
+fn a_resumed_request_continues_exactly() {
+    let penalized = SamplingParams {
+        frequency_penalty: 0.7,
+        presence_penalty: 0.4,
+        repetition_penalty: 1.3,
+        min_tokens: 30,
+        ignore_eos: false,
+        ..SamplingParams::greedy(40)
+    };
+    let sampled = SamplingParams { max_tokens: 40, min_tokens: 10, frequency_penalty: 0.3, ..seeded(11) };
+    let prompt = prompts()[5].clone();
+    for params in [penalized, sampled, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) }] {
+        let mut e = default_engine();
+        let full = run(&mut e, &[(prompt.clone(), params.clone())]).remove(&0).unwrap();
+        assert_eq!(full.0.len(), 40, "{params:?}");
+        for k in [1, 7, 16, 39] {
+            // A fresh engine (another worker), and the same one (its cache warm).
+            for (warm, e) in [(false, &mut default_engine()), (true, &mut e)] {
+                e.resume_request(RequestId(100 + k as u64), prompt.clone(), &full.0[..k], params.clone(), 0).unwrap();
+                let mut rest = Vec::new();
+                let mut reason = None;
+                let mut cached = 0;
+                while e.has_unfinished() {
+                    for o in e.step().unwrap() {
+                        rest.extend(o.new_token_ids);
+                        reason = o.finish_reason;
+                        cached = o.num_cached_tokens;
+                    }
+                }
+                assert_eq!(rest, full.0[k..], "{params:?} resumed after {k}");
+                assert_eq!(reason, full.1);
+                // Every full block of prompt + output is a hit on the warm engine.
+                let expected = if warm { (prompt.len() + k - 1) / 16 * 16 } else { 0 };
+                assert_eq!(cached, expected, "cached tokens, warm: {warm}, k {k}");
+            }
+        }
+        // Resuming with all the tokens already made is refused, not run past max_tokens.
+        assert!(e.resume_request(RequestId(999), prompt.clone(), &full.0, params.clone(), 0).is_err());
+    }
+}

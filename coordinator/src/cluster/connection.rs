@@ -2,44 +2,96 @@
 //! authenticated handshake, and each worker's frame loop. A connection has
 //! a writer task fed by a channel (the registry holds its sender) and a
 //! reader loop that hands every frame to the cluster under its lock.
+//!
+//! Nothing is held for a peer that has not proved the cluster secret:
+//! at most [`MAX_UNAUTHENTICATED`] connections may be between their first
+//! packet and an accepted handshake (more are refused), each has
+//! [`AUTH_TIMEOUT`] to get there, may send a handshake frame of at most
+//! `MAX_HELLO_FRAME_BYTES`, and has a small receive window until then.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::WorkerId;
-use common::protocol::{CoordinatorMessage, Handshake, HandshakeReply, PROTOCOL_VERSION, WorkerMessage};
+use common::protocol::{
+    CoordinatorMessage, Handshake, HandshakeReply, MAX_HELLO_FRAME_BYTES, PROTOCOL_VERSION, WorkerMessage,
+};
 use common::transport::{self, Role};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 
 use super::Cluster;
 use crate::router::EventOutcome;
 
+/// How long a connection has from its first packet to an accepted handshake.
+pub const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most connections that may be waiting to authenticate at once.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+
+/// Why a connection ended before or after registering.
+enum Ended {
+    /// Refused, timed out or broken before the handshake was accepted.
+    Unauthenticated(String),
+    /// A registered worker's connection ended.
+    Worker(WorkerId, String),
+}
+
 impl Cluster {
     /// Accepts worker connections until the endpoint closes.
     pub async fn accept_workers(self, endpoint: quinn::Endpoint) {
+        let unauthenticated = Arc::new(Semaphore::new(MAX_UNAUTHENTICATED));
+        let mut refused_logged = false;
         while let Some(incoming) = endpoint.accept().await {
+            let Ok(permit) = unauthenticated.clone().try_acquire_owned() else {
+                // Log once per burst of refusals, not once per packet.
+                if !refused_logged {
+                    eprintln!(
+                        "coordinator: {MAX_UNAUTHENTICATED} connections are already authenticating; refusing new \
+                         ones (from {})",
+                        incoming.remote_address()
+                    );
+                    refused_logged = true;
+                }
+                incoming.refuse();
+                continue;
+            };
+            refused_logged = false;
             let cluster = self.clone();
             tokio::spawn(async move {
                 let address = incoming.remote_address();
-                match incoming.await {
-                    Ok(conn) => {
-                        if let Err(e) = cluster.handle_worker(conn).await {
-                            eprintln!("coordinator: worker at {address}: {e}");
-                        }
+                let authenticated = tokio::time::timeout(AUTH_TIMEOUT, cluster.authenticate(incoming)).await;
+                let result = match authenticated {
+                    Ok(Ok((conn, hello, send, recv))) => {
+                        drop(permit);
+                        cluster.serve_worker(conn, &hello, send, recv).await
                     }
-                    Err(e) => eprintln!("coordinator: QUIC handshake with {address} failed: {e}"),
+                    Ok(Err(why)) => Ended::Unauthenticated(why),
+                    Err(_) => Ended::Unauthenticated(format!("no accepted handshake within {AUTH_TIMEOUT:?}")),
+                };
+                match result {
+                    Ended::Unauthenticated(why) => eprintln!("coordinator: connection from {address}: {why}"),
+                    Ended::Worker(id, why) => cluster.remove_worker(id, &why),
                 }
             });
         }
     }
 
-    async fn handle_worker(&self, conn: quinn::Connection) -> Result<(), String> {
+    /// From the first packet to an accepted handshake. The caller bounds it
+    /// in time; dropping the connection on the error path closes it.
+    async fn authenticate(
+        &self,
+        incoming: quinn::Incoming,
+    ) -> Result<(quinn::Connection, Handshake, quinn::SendStream, quinn::RecvStream), String> {
+        let conn = incoming.await.map_err(|e| format!("QUIC handshake failed: {e}"))?;
         let address = conn.remote_address();
         let binding = transport::channel_binding(&conn).map_err(|e| e.to_string())?;
         let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
-        let hello: Handshake = transport::read_frame(&mut recv)
+        let hello: Handshake = transport::read_frame_within(&mut recv, MAX_HELLO_FRAME_BYTES)
             .await
-            .map_err(|e| format!("bad handshake: {e}"))?
+            .map_err(|e| {
+                conn.close(1u32.into(), b"bad handshake");
+                format!("bad handshake: {e}")
+            })?
             .ok_or("closed before the handshake")?;
         if let Some(reason) = self.refusal(&hello, &binding) {
             eprintln!("coordinator: refusing worker {:?} at {address}: {reason}", hello.worker_name);
@@ -49,13 +101,33 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(200)).await;
             return Err(reason);
         }
+        transport::trust_connection(&conn);
+        Ok((conn, hello, send, recv))
+    }
+
+    /// Registers an authenticated worker and runs its frame loop until the
+    /// connection ends.
+    async fn serve_worker(
+        &self,
+        conn: quinn::Connection,
+        hello: &Handshake,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+    ) -> Ended {
+        let address = conn.remote_address();
+        let binding = match transport::channel_binding(&conn) {
+            Ok(binding) => binding,
+            Err(e) => return Ended::Unauthenticated(e.to_string()),
+        };
         let (tx, mut rx) = mpsc::unbounded_channel::<CoordinatorMessage>();
-        let worker_id = self.register_worker(&hello, address, tx);
+        let worker_id = self.register_worker(hello, address, tx);
         let reply = HandshakeReply::Accepted {
             worker_id,
             auth_tag: transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding),
         };
-        transport::write_frame(&mut send, &reply).await.map_err(|e| e.to_string())?;
+        if let Err(e) = transport::write_frame(&mut send, &reply).await {
+            return Ended::Worker(worker_id, e.to_string());
+        }
         eprintln!("coordinator: worker {:?} at {address} registered as {worker_id}", hello.worker_name);
         let writer = tokio::spawn(async move {
             while let Some(message) = rx.recv().await {
@@ -68,13 +140,12 @@ impl Cluster {
             match transport::read_frame::<WorkerMessage>(&mut recv).await {
                 Ok(Some(message)) => self.on_worker_message(worker_id, message),
                 Ok(None) => break "stream closed".to_string(),
-                Err(e) => break e.to_string(),
+                Err(e) => break departure(&e),
             }
         };
         writer.abort();
         conn.close(0u32.into(), b"bye");
-        self.remove_worker(worker_id, &why);
-        Ok(())
+        Ended::Worker(worker_id, why)
     }
 
     /// Why a worker's handshake is refused, if it is.
@@ -140,10 +211,17 @@ impl Cluster {
                 };
                 self.on_token_delta(state, worker, request_id, delta);
             }
-            WorkerMessage::Rejected { request_id, message } => Self::on_rejected(state, worker, request_id, message),
+            WorkerMessage::Rejected { request_id, message } => self.on_rejected(state, worker, request_id, message),
             WorkerMessage::Stats(stats) => {
                 state.router.on_stats(worker, &stats);
                 state.registry.on_stats(worker, stats);
+            }
+            WorkerMessage::Draining => {
+                eprintln!(
+                    "coordinator: worker {} is draining; routing no new requests to it",
+                    state.registry.label(worker)
+                );
+                state.registry.set_draining(worker);
             }
             WorkerMessage::KvEvents(events) => {
                 if state.router.apply_kv_events(worker, &events) == EventOutcome::NeedSnapshot {
@@ -157,5 +235,19 @@ impl Cluster {
                 state.router.apply_kv_snapshot(worker, last_event_id, hashes.into_iter().map(|(hash, _)| hash));
             }
         }
+    }
+}
+
+/// Why a registered worker's stream ended, in words for the log: a worker
+/// that drained says so when it closes.
+fn departure(e: &transport::TransportError) -> String {
+    use quinn::{ConnectionError, ReadError, ReadExactError};
+    match e {
+        transport::TransportError::Read(ReadExactError::ReadError(ReadError::ConnectionLost(
+            ConnectionError::ApplicationClosed(close),
+        ))) if close.reason.as_ref() == transport::DRAINED_CLOSE_REASON => {
+            "drained (it finished its requests and closed the connection)".to_string()
+        }
+        other => other.to_string(),
     }
 }

@@ -27,7 +27,8 @@ use common::{FinishReason, RequestId, SamplingParams, WorkerId};
 use prometheus::{IntCounter, IntCounterVec, Opts};
 use tokio::sync::mpsc;
 
-pub use registry::{WorkerInfo, WorkerState};
+pub use connection::{AUTH_TIMEOUT, MAX_UNAUTHENTICATED};
+pub use registry::{WorkerInfo, WorkerLoadInfo, WorkerState};
 
 use crate::router::{Policy, Router};
 use registry::Registry;
@@ -179,7 +180,20 @@ impl Cluster {
     }
 
     pub fn workers(&self) -> Vec<WorkerInfo> {
-        self.lock().registry.infos()
+        let state = self.lock();
+        state.registry.infos(|id| {
+            let load = state.router.load(id);
+            let (mut running, mut waiting) = (0, 0);
+            for r in state.requests.values().filter(|r| r.worker == id) {
+                if r.cached_tokens.is_some() { running += 1 } else { waiting += 1 }
+            }
+            WorkerLoadInfo {
+                running,
+                waiting,
+                pending_prefill_tokens: load.pending_prefill_tokens,
+                active_blocks: load.active_blocks,
+            }
+        })
     }
 
     pub fn in_flight(&self) -> usize {
@@ -201,25 +215,52 @@ impl Cluster {
     }
 
     /// Marks workers that stopped reporting as lost.
+    ///
+    /// Silence is only counted while the coordinator runs: when a tick comes
+    /// late (the runtime was starved, or the process stopped), the time it
+    /// overslept is excused, since stats that arrived meanwhile could not be
+    /// read yet. A dead connection is still closed by QUIC's own idle
+    /// timeout, which needs no task of ours to run.
     pub async fn watchdog(self) {
         let mut tick = tokio::time::interval(STATS_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = std::time::Instant::now();
         loop {
             tick.tick().await;
-            let stale = self.lock().registry.silent_for(STATS_INTERVAL * MISSED_STATS_LIMIT);
+            let now = std::time::Instant::now();
+            let overslept = now.saturating_duration_since(last).saturating_sub(STATS_INTERVAL);
+            last = now;
+            let stale = {
+                let mut state = self.lock();
+                if overslept > STATS_INTERVAL / 4 {
+                    state.registry.excuse_stall(overslept, now);
+                }
+                state.registry.silent_for(STATS_INTERVAL * MISSED_STATS_LIMIT, now)
+            };
             for id in stale {
                 self.remove_worker(id, "missed 3 stats intervals");
             }
         }
     }
 
+    /// The supervisor saw the process of local worker `name` exit: it is
+    /// dropped now (its requests move elsewhere) rather than when its
+    /// stats stop.
+    pub fn worker_process_exited(&self, name: &str, status: &str) {
+        let ids = self.lock().registry.named(name);
+        for id in ids {
+            self.remove_worker(id, &format!("its process exited ({status})"));
+        }
+    }
+
     /// Drops a worker and moves its requests elsewhere.
-    fn remove_worker(&self, worker: WorkerId, why: &str) {
+    pub(crate) fn remove_worker(&self, worker: WorkerId, why: &str) {
         let mut guard = self.lock();
         let state = &mut *guard;
         let Some(entry) = state.registry.remove(worker) else { return };
-        eprintln!("coordinator: worker {} ({}) lost: {why}", entry.name, entry.address);
+        eprintln!("coordinator: worker {} ({}) left: {why}", entry.name, entry.address);
         state.router.remove_worker(worker);
-        self.redispatch_orphans(state, worker);
+        self.redispatch_orphans(state, worker, &entry.name);
     }
 }
 

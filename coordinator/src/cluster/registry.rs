@@ -39,9 +39,25 @@ pub struct WorkerInfo {
     /// What the worker's engine runs on, as it reported it.
     pub device: String,
     pub state: WorkerState,
+    /// Requests dispatched to it and not finished, counted at dispatch.
     pub in_flight_requests: usize,
+    /// The router's ledger of its load, updated at every dispatch, first
+    /// token and finish (so a burst shows at once, not at the next stats).
+    pub load: WorkerLoadInfo,
+    /// The worker's own last report (up to a stats interval old).
     pub stats: WorkerStats,
     pub seconds_since_stats: f64,
+}
+
+/// `WorkerInfo::load`: what the router counts against the worker now.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct WorkerLoadInfo {
+    /// Requests in flight that have produced their first token.
+    pub running: u32,
+    /// Requests in flight still waiting for their first token.
+    pub waiting: u32,
+    pub pending_prefill_tokens: u64,
+    pub active_blocks: u64,
 }
 
 pub(super) struct WorkerEntry {
@@ -123,10 +139,12 @@ impl Registry {
             .collect()
     }
 
-    pub fn infos(&self) -> Vec<WorkerInfo> {
+    /// What `/v1/workers` shows; `load` gives the router's view of each.
+    pub fn infos(&self, load: impl Fn(WorkerId) -> WorkerLoadInfo) -> Vec<WorkerInfo> {
         self.workers
             .iter()
             .map(|(&id, w)| WorkerInfo {
+                load: load(id),
                 id,
                 name: w.name.clone(),
                 address: w.address.to_string(),
@@ -167,9 +185,40 @@ impl Registry {
         }
     }
 
-    /// Workers whose last stats are older than `limit`.
-    pub fn silent_for(&self, limit: Duration) -> Vec<WorkerId> {
-        self.workers.iter().filter(|(_, w)| w.last_stats.elapsed() > limit).map(|(&id, _)| id).collect()
+    /// The worker said it is draining: no new requests go to it.
+    pub fn set_draining(&mut self, id: WorkerId) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.state = WorkerState::Draining;
+        }
+    }
+
+    pub fn is_draining(&self, id: WorkerId) -> bool {
+        self.workers.get(&id).is_some_and(|w| w.state == WorkerState::Draining)
+    }
+
+    /// The workers named `name` (a local worker whose process the
+    /// supervisor saw exit).
+    pub fn named(&self, name: &str) -> Vec<WorkerId> {
+        self.workers.iter().filter(|(_, w)| w.name == name).map(|(&id, _)| id).collect()
+    }
+
+    /// Workers whose last stats are older than `limit` at `now`.
+    pub fn silent_for(&self, limit: Duration, now: Instant) -> Vec<WorkerId> {
+        self.workers
+            .iter()
+            .filter(|(_, w)| now.saturating_duration_since(w.last_stats) > limit)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// The coordinator itself did not run for `stalled` (its thread was
+    /// starved, or the process stopped): stats that arrived in that time
+    /// could not be read, so that time does not count as the workers'
+    /// silence.
+    pub fn excuse_stall(&mut self, stalled: Duration, now: Instant) {
+        for w in self.workers.values_mut() {
+            w.last_stats = (w.last_stats + stalled).min(now);
+        }
     }
 }
 

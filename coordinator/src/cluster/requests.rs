@@ -2,8 +2,10 @@
 //! what it has streamed so far. Dispatch asks the router for a worker;
 //! token deltas are passed on to the HTTP handler waiting on the request;
 //! a lost worker's requests are dispatched again elsewhere, with the prompt
-//! plus the tokens already streamed, so the client's stream goes on with no
-//! token lost or repeated.
+//! and, as the request's own output, the tokens already streamed, so the
+//! client's stream goes on with no token lost or repeated, and the next
+//! tokens are the ones the lost worker would have made: penalties count
+//! the streamed tokens and a seeded draw goes on at the same position.
 
 use common::protocol::{CoordinatorMessage, WireLogprobs};
 use common::{BlockHash, FinishReason, RequestId, SamplingParams, WorkerId};
@@ -26,8 +28,13 @@ impl Cluster {
     pub fn submit(
         &self,
         prompt: Vec<u32>,
-        params: SamplingParams,
+        mut params: SamplingParams,
     ) -> Result<(RequestId, WorkerId, mpsc::UnboundedReceiver<RequestEvent>), SubmitError> {
+        // A sampled request without a seed gets one here, not on the worker:
+        // should the worker be lost, the next one goes on with the same stream.
+        if !params.is_greedy() && params.seed.is_none() {
+            params.seed = Some(random_seed());
+        }
         // Hashing is pure: do it before taking the lock.
         let chain = common::hash_prompt_blocks(&prompt, self.block_size);
         let (tx, rx) = mpsc::unbounded_channel();
@@ -36,7 +43,7 @@ impl Cluster {
             return Err(SubmitError::Overloaded(state.requests.len()));
         }
         let id = RequestId(state.next_request_id);
-        let worker = self.dispatch(&mut state, id, &prompt, &chain, params.clone(), None)?;
+        let worker = self.dispatch(&mut state, id, (&prompt, &[]), &chain, params.clone(), None)?;
         state.next_request_id += 1;
         state.requests.insert(
             id,
@@ -54,30 +61,40 @@ impl Cluster {
         Ok((id, worker, rx))
     }
 
-    /// Routes `prompt` (whose hash chain is `chain`) among the ready workers
-    /// other than `exclude`, sends it, and records the dispatch.
+    /// Routes a request among the ready workers other than `exclude`,
+    /// sends it, and records the dispatch. `tokens` is its prompt and the
+    /// output it already has (empty unless it is re-dispatched); `chain` is
+    /// the hash chain of both together, which is what the worker's prefix
+    /// cache matches.
     fn dispatch(
         &self,
         state: &mut State,
         id: RequestId,
-        prompt: &[u32],
+        tokens: (&[u32], &[u32]),
         chain: &[BlockHash],
         params: SamplingParams,
         exclude: Option<WorkerId>,
     ) -> Result<WorkerId, SubmitError> {
+        let (prompt, output) = tokens;
+        let len = prompt.len() + output.len();
         let eligible = state.registry.ready_except(exclude);
         // A request scoring its prompt reads no cache on the worker: only load counts.
         let reads_cache = params.prompt_logprobs.is_none();
         let route_chain = if reads_cache { chain } else { &[] };
-        let decision = state.router.route(prompt.len(), route_chain, &eligible).ok_or(SubmitError::NoWorker)?;
+        let decision = state.router.route(len, route_chain, &eligible).ok_or(SubmitError::NoWorker)?;
         let entry = state.registry.get_mut(decision.worker).ok_or(SubmitError::NoWorker)?;
-        let message = CoordinatorMessage::Generate { request_id: id, prompt_token_ids: prompt.to_vec(), params };
+        let message = CoordinatorMessage::Generate {
+            request_id: id,
+            prompt_token_ids: prompt.to_vec(),
+            output_token_ids: output.to_vec(),
+            params,
+        };
         if !entry.send(message) {
             return Err(SubmitError::NoWorker);
         }
         entry.in_flight += 1;
         let name = entry.name.clone();
-        state.router.on_dispatch(id, decision.worker, prompt.len(), chain, decision.predicted_cached_tokens);
+        state.router.on_dispatch(id, decision.worker, len, chain, decision.predicted_cached_tokens);
         let policy = state.router.policy().as_str();
         self.metrics.decisions.with_label_values(&[policy, &name]).inc();
         self.metrics
@@ -161,8 +178,18 @@ impl Cluster {
         }
     }
 
-    /// `worker` refused a request (bad input, draining): it fails.
-    pub(super) fn on_rejected(state: &mut State, worker: WorkerId, request_id: RequestId, message: String) {
+    /// `worker` refused a request. A draining worker's refusal sends it
+    /// elsewhere; any other (bad input) fails it.
+    pub(super) fn on_rejected(&self, state: &mut State, worker: WorkerId, request_id: RequestId, message: String) {
+        if state.requests.get(&request_id).is_none_or(|r| r.worker != worker) {
+            return;
+        }
+        if state.registry.is_draining(worker) {
+            state.registry.release(worker);
+            let label = format!("{} (draining)", state.registry.label(worker));
+            self.redispatch(state, request_id, worker, &label);
+            return;
+        }
         if let Some(req) = state.requests.remove(&request_id) {
             state.router.on_finish(request_id);
             let _ = req.events.send(RequestEvent::Failed { message });
@@ -172,43 +199,59 @@ impl Cluster {
 
     /// Moves the requests of `lost` (already out of the registry and the
     /// router) to other workers; those no worker can take fail.
-    pub(super) fn redispatch_orphans(&self, state: &mut State, lost: WorkerId) {
+    pub(super) fn redispatch_orphans(&self, state: &mut State, lost: WorkerId, lost_name: &str) {
         let orphans: Vec<RequestId> =
             state.requests.iter().filter(|(_, r)| r.worker == lost).map(|(&id, _)| id).collect();
         for id in orphans {
-            let req = state.requests.get(&id).expect("orphan exists");
-            // Continue from what the client already has: the prompt plus the
-            // streamed tokens, with the remaining budget.
-            let mut prompt = req.prompt.clone();
-            prompt.extend_from_slice(&req.generated);
-            let done = req.generated.len() as u32;
-            let mut params = req.params.clone();
-            params.max_tokens = params.max_tokens.saturating_sub(done).max(1);
-            params.min_tokens = params.min_tokens.saturating_sub(done);
-            // The new worker scores the prompt from its start again: what
-            // the client has is dropped, and nothing is asked once all came.
-            let prompt_logprobs_sent = req.prompt_logprobs_sent;
-            if prompt_logprobs_sent >= req.prompt.len().saturating_sub(1) {
-                params.prompt_logprobs = None;
-            }
-            let chain = common::hash_prompt_blocks(&prompt, self.block_size);
-            match self.dispatch(state, id, &prompt, &chain, params, Some(lost)) {
-                Ok(target) => {
-                    state.redispatches += 1;
-                    self.metrics.redispatches.inc();
-                    if let Some(req) = state.requests.get_mut(&id) {
-                        req.worker = target;
-                        req.prompt_logprobs_to_skip = prompt_logprobs_sent;
-                    }
+            self.redispatch(state, id, lost, lost_name);
+        }
+    }
+
+    /// Sends request `id` (which was on `from`) to another worker: the
+    /// prompt as the client sent it, what was streamed as its output, and
+    /// the parameters unchanged (the new worker counts that output against
+    /// `max_tokens` and `min_tokens` itself). Fails the request when no
+    /// worker can take it.
+    fn redispatch(&self, state: &mut State, id: RequestId, from: WorkerId, from_label: &str) {
+        let Some(req) = state.requests.get(&id) else { return };
+        let (prompt, output) = (req.prompt.clone(), req.generated.clone());
+        let mut params = req.params.clone();
+        // The new worker scores the prompt from its start again: what the
+        // client has is dropped, and nothing is asked once all came.
+        let prompt_logprobs_sent = req.prompt_logprobs_sent;
+        if prompt_logprobs_sent >= prompt.len().saturating_sub(1) {
+            params.prompt_logprobs = None;
+        }
+        let chain = common::hash_prompt_blocks(&[prompt.as_slice(), output.as_slice()].concat(), self.block_size);
+        state.router.on_finish(id);
+        match self.dispatch(state, id, (&prompt, &output), &chain, params, Some(from)) {
+            Ok(target) => {
+                state.redispatches += 1;
+                self.metrics.redispatches.inc();
+                eprintln!(
+                    "coordinator: request {id} moved from worker {from_label} to {} after {} streamed tokens",
+                    state.registry.label(target),
+                    output.len()
+                );
+                if let Some(req) = state.requests.get_mut(&id) {
+                    req.worker = target;
+                    req.prompt_logprobs_to_skip = prompt_logprobs_sent;
                 }
-                Err(_) => {
-                    if let Some(req) = state.requests.remove(&id) {
-                        let _ = req.events.send(RequestEvent::Failed {
-                            message: "the worker serving this request was lost and no other worker is available".into(),
-                        });
-                    }
+            }
+            Err(_) => {
+                eprintln!("coordinator: request {id} from worker {from_label} failed: no other worker can take it");
+                if let Some(req) = state.requests.remove(&id) {
+                    let _ = req.events.send(RequestEvent::Failed {
+                        message: "the worker serving this request was lost and no other worker is available".into(),
+                    });
                 }
             }
         }
     }
+}
+
+/// A seed for a sampled request that gave none: different per request and per run.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
 }

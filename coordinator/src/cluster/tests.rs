@@ -2,7 +2,7 @@
 //! routing of prompt-scoring requests.
 
 use common::SamplingParams;
-use common::protocol::{CoordinatorMessage, Handshake, PROTOCOL_VERSION, WorkerMessage};
+use common::protocol::{CoordinatorMessage, Handshake, PROTOCOL_VERSION, WorkerMessage, WorkerStats};
 use tokio::sync::mpsc;
 
 use super::*;
@@ -26,7 +26,7 @@ fn delta(id: RequestId, prompt_logprobs: Vec<WireLogprobs>, tokens: Vec<u32>) ->
 /// Workers on channels instead of QUIC: what the cluster sends each one.
 fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::UnboundedReceiver<CoordinatorMessage>>) {
     let model = ModelIdentity { name: "m".into(), config_hash: 1 };
-    let cluster = Cluster::new(String::new(), model.clone(), 16, policy, 16);
+    let cluster = Cluster::new(String::new(), model.clone(), 1024, policy, 16);
     let mut inboxes = Vec::new();
     for i in 0..n {
         let hello = Handshake {
@@ -47,12 +47,14 @@ fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::Unbound
     (cluster, inboxes)
 }
 
-/// The `Generate` a worker received last.
-fn generate_sent(inbox: &mut mpsc::UnboundedReceiver<CoordinatorMessage>) -> Option<(Vec<u32>, SamplingParams)> {
+/// The `Generate` a worker received last: prompt, output so far, parameters.
+fn generate_sent(
+    inbox: &mut mpsc::UnboundedReceiver<CoordinatorMessage>,
+) -> Option<(Vec<u32>, Vec<u32>, SamplingParams)> {
     let mut last = None;
     while let Ok(message) = inbox.try_recv() {
-        if let CoordinatorMessage::Generate { prompt_token_ids, params, .. } = message {
-            last = Some((prompt_token_ids, params));
+        if let CoordinatorMessage::Generate { prompt_token_ids, output_token_ids, params, .. } = message {
+            last = Some((prompt_token_ids, output_token_ids, params));
         }
     }
     last
@@ -79,8 +81,8 @@ fn redispatch_reports_each_prompt_logprob_once() {
     cluster.on_worker_message(first, delta(id, vec![lp(-1.0), lp(-2.0)], vec![]));
     cluster.remove_worker(first, "test");
     let second = cluster.request_worker(id).expect("re-dispatched");
-    let (prompt, params) = generate_sent(&mut inboxes[second.0 as usize]).expect("sent to the next worker");
-    assert_eq!((prompt, params.prompt_logprobs), (vec![1, 2, 3, 4, 5], Some(0)));
+    let (prompt, output, params) = generate_sent(&mut inboxes[second.0 as usize]).expect("sent to the next worker");
+    assert_eq!((prompt, output, params.prompt_logprobs), (vec![1, 2, 3, 4, 5], vec![], Some(0)));
     // The next worker sends positions 1.. again, in two chunks; then the first token.
     cluster.on_worker_message(second, delta(id, vec![lp(-1.5), lp(-2.5), lp(-3.0)], vec![]));
     cluster.on_worker_message(second, delta(id, vec![lp(-4.0)], vec![9]));
@@ -90,8 +92,8 @@ fn redispatch_reports_each_prompt_logprob_once() {
     cluster.on_worker_message(first, delta(id, vec![lp(-1.0), lp(-2.0)], vec![7]));
     cluster.remove_worker(first, "test");
     let next = cluster.request_worker(id).expect("re-dispatched");
-    let (prompt, params) = generate_sent(&mut inboxes[next.0 as usize]).expect("sent to the next worker");
-    assert_eq!((prompt, params.prompt_logprobs), (vec![1, 2, 3, 7], None));
+    let (prompt, output, params) = generate_sent(&mut inboxes[next.0 as usize]).expect("sent to the next worker");
+    assert_eq!((prompt, output, params.prompt_logprobs), (vec![1, 2, 3], vec![7], None));
     assert_eq!(prompt_logprobs_received(&mut events), [-1.0, -2.0]);
 }
 
@@ -110,4 +112,113 @@ fn scoring_requests_are_routed_without_expecting_cache_hits() {
     let scoring = SamplingParams { prompt_logprobs: Some(0), ..SamplingParams::greedy(4) };
     let (_, worker, _) = cluster.submit(prompt, scoring).expect("submitted");
     assert_eq!((worker, predicted()), (WorkerId(0), 32), "the scoring one goes to the idle worker");
+}
+
+/// Re-dispatch sends what was streamed as the request's output, with the
+/// parameters unchanged: the next worker continues the seeded stream at the
+/// same position and its penalties count those tokens. A sampled request
+/// without a seed got one at submission, so it continues exactly too.
+#[test]
+fn redispatch_carries_the_streamed_tokens_as_output() {
+    let (cluster, mut inboxes) = cluster_with_workers(2, Policy::RoundRobin);
+    let params = SamplingParams {
+        temperature: 0.8,
+        frequency_penalty: 0.5,
+        min_tokens: 4,
+        max_tokens: 10,
+        ..SamplingParams::default()
+    };
+    let (id, first, _events) = cluster.submit(vec![1, 2, 3], params.clone()).expect("submitted");
+    let (_, _, sent) = generate_sent(&mut inboxes[first.0 as usize]).expect("sent");
+    let seed = sent.seed.expect("the coordinator seeds a sampled request");
+    cluster.on_worker_message(first, delta(id, vec![], vec![7, 8]));
+    cluster.remove_worker(first, "test");
+    let next = cluster.request_worker(id).expect("re-dispatched");
+    let (prompt, output, resent) = generate_sent(&mut inboxes[next.0 as usize]).expect("sent to the next worker");
+    assert_eq!((prompt, output), (vec![1, 2, 3], vec![7, 8]));
+    assert_eq!(resent, SamplingParams { seed: Some(seed), ..params }, "max_tokens and min_tokens unchanged");
+    assert_eq!(cluster.redispatches(), 1);
+}
+
+/// The supervisor saw a local worker's process exit: it is gone at once
+/// and its requests are already on another worker.
+#[test]
+fn a_worker_whose_process_exited_is_dropped_at_once() {
+    let (cluster, mut inboxes) = cluster_with_workers(2, Policy::RoundRobin);
+    let (id, first, _events) = cluster.submit(vec![1, 2, 3], SamplingParams::greedy(8)).expect("submitted");
+    cluster.on_worker_message(first, delta(id, vec![], vec![5]));
+    cluster.worker_process_exited(&format!("w{}", first.0), "signal: 9 (SIGKILL)");
+    assert_eq!(cluster.workers().len(), 1);
+    let next = cluster.request_worker(id).expect("re-dispatched");
+    assert_ne!(next, first);
+    assert_eq!(generate_sent(&mut inboxes[next.0 as usize]).map(|g| g.1), Some(vec![5]));
+    cluster.worker_process_exited("no-such-worker", "exit status: 0");
+    assert_eq!(cluster.workers().len(), 1);
+}
+
+/// A worker that announced it drains gets no new requests, and one it
+/// refuses for that reason goes elsewhere instead of failing.
+#[test]
+fn a_draining_worker_is_routed_around() {
+    let (cluster, mut inboxes) = cluster_with_workers(2, Policy::RoundRobin);
+    let (id, first, mut events) = cluster.submit(vec![1, 2, 3], SamplingParams::greedy(8)).expect("submitted");
+    cluster.on_worker_message(first, WorkerMessage::Draining);
+    let message = "worker is draining".to_string();
+    cluster.on_worker_message(first, WorkerMessage::Rejected { request_id: id, message });
+    let next = cluster.request_worker(id).expect("re-dispatched, not failed");
+    assert_ne!(next, first);
+    assert!(generate_sent(&mut inboxes[next.0 as usize]).is_some());
+    assert!(events.try_recv().is_err(), "nothing failed");
+    for _ in 0..4 {
+        let (_, worker, _) = cluster.submit(vec![4, 5], SamplingParams::greedy(2)).expect("submitted");
+        assert_eq!(worker, next);
+    }
+}
+
+/// `/v1/workers` counts a dispatch at once: the ledger and the request
+/// table, not the worker's next stats.
+#[test]
+fn worker_load_shows_dispatches_at_once() {
+    let (cluster, _inboxes) = cluster_with_workers(3, Policy::PrefixAware);
+    let mut events = Vec::new();
+    for i in 0..70u32 {
+        let (id, worker, rx) = cluster.submit(vec![1, 2, 3, i], SamplingParams::greedy(8)).expect("submitted");
+        events.push((id, worker, rx));
+    }
+    let (id, worker, _) = &events[0];
+    cluster.on_worker_message(*worker, delta(*id, vec![], vec![9]));
+    let infos = cluster.workers();
+    let waiting: u32 = infos.iter().map(|w| w.load.waiting).sum();
+    let running: u32 = infos.iter().map(|w| w.load.running).sum();
+    assert_eq!((running, waiting), (1, 69));
+    for w in &infos {
+        assert!((20..=27).contains(&w.in_flight_requests), "{:?}", infos.iter().map(|w| w.in_flight_requests));
+        assert_eq!(w.in_flight_requests, (w.load.running + w.load.waiting) as usize);
+        assert_eq!(w.stats.num_running, 0, "the workers have not reported yet");
+    }
+}
+
+/// The watchdog's runtime is starved for longer than 3 stats intervals
+/// (as when HTTP handlers held every thread): no stats could be read
+/// meanwhile, so the worker is not declared lost when it wakes.
+#[test]
+fn a_starved_watchdog_declares_no_false_loss() {
+    let (cluster, _inboxes) = cluster_with_workers(1, Policy::RoundRobin);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        tokio::spawn(cluster.clone().watchdog());
+        let stats = || WorkerMessage::Stats(WorkerStats::default());
+        // Stats arrive, then the runtime's only thread blocks for 4 intervals.
+        tokio::time::sleep(STATS_INTERVAL / 2).await;
+        cluster.on_worker_message(WorkerId(0), stats());
+        tokio::time::sleep(STATS_INTERVAL / 2).await;
+        std::thread::sleep(STATS_INTERVAL * 4);
+        // The watchdog runs before any stats are read again.
+        tokio::task::yield_now().await;
+        tokio::time::sleep(STATS_INTERVAL / 10).await;
+        assert_eq!(cluster.workers().len(), 1, "declared lost after a stall of the coordinator itself");
+        // Silence that is the worker's own still counts.
+        tokio::time::sleep(STATS_INTERVAL * (MISSED_STATS_LIMIT + 1)).await;
+        assert_eq!(cluster.workers().len(), 0, "a silent worker is still declared lost");
+    });
 }

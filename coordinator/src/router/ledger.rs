@@ -1,9 +1,15 @@
 //! The coordinator's own ledger of the load it has put on each worker:
-//! requests in flight, prompt tokens still to prefill, and tokens held in
-//! KV. It is updated at dispatch, first token and finish, so a burst of
-//! requests is counted the moment it is routed (not a stats interval later),
-//! and corrected by the workers' stats, which see what the ledger cannot:
-//! shared blocks, preemption, other clients.
+//! requests in flight, prompt tokens still to prefill, and the context each
+//! request decodes over. It is updated at dispatch, first token and finish,
+//! so a burst of requests is counted the moment it is routed (not a stats
+//! interval later), and corrected by the workers' stats, which see what the
+//! ledger cannot: preemption, other clients.
+//!
+//! A request's whole context counts from its dispatch, cached prefix
+//! included: a shared prefix is stored once, but every request attends over
+//! all of it at every decode step, and occupies a slot of the batch. (When
+//! only the uncached tail counted, a burst of requests sharing a cached
+//! prompt looked almost free, and 70 of them went to one worker.)
 
 use common::protocol::WorkerStats;
 use common::{RequestId, WorkerId};
@@ -16,9 +22,10 @@ pub struct WorkerLoad {
     pub requests: u32,
     /// Prompt tokens dispatched but not yet prefilled (no first token yet).
     pub pending_prefill_tokens: u64,
-    /// KV blocks held by requests past their prefill: the larger of the
-    /// ledger's count and the worker's last report. (A request still in
-    /// prefill counts as pending prefill instead, not twice.)
+    /// The context (prompt and output so far) of the requests dispatched
+    /// to it, in blocks, counted from dispatch (a prompt's uncached part
+    /// once it is prefilled: until then it is pending prefill); or the
+    /// worker's last report of blocks in use, if that is larger.
     pub active_blocks: u64,
 }
 
@@ -67,18 +74,19 @@ impl Ledger {
     }
 
     /// A request was sent to `worker` with `prompt_tokens`, of which the
-    /// router expects `cached_tokens` to be found in its prefix cache. Only
-    /// the uncached part counts as new KV: cached blocks are shared with the
-    /// requests (or the cache) already holding them, as the worker's own
-    /// block count reports them.
+    /// router expects `cached_tokens` to be found in its prefix cache: only
+    /// the rest is prefill still to do, but all of it is context to decode over.
     pub fn on_dispatch(&mut self, request: RequestId, worker: WorkerId, prompt_tokens: u64, cached_tokens: u64) {
         self.on_finish(request);
         let prefill_tokens = prompt_tokens.saturating_sub(cached_tokens);
+        // The prefill part joins the active context once it is computed, so
+        // no token is counted twice.
         if let Some(w) = self.workers.get_mut(&worker) {
             w.requests += 1;
             w.pending_prefill_tokens += prefill_tokens;
+            w.active_tokens += prompt_tokens - prefill_tokens;
         }
-        self.requests.insert(request, Entry { worker, prefill_tokens, tokens: prefill_tokens, started: false });
+        self.requests.insert(request, Entry { worker, prefill_tokens, tokens: prompt_tokens, started: false });
     }
 
     /// `new_tokens` arrived for `request`; the first delivery ends its prefill.
@@ -88,7 +96,7 @@ impl Ledger {
         if !e.started {
             e.started = true;
             w.pending_prefill_tokens = w.pending_prefill_tokens.saturating_sub(e.prefill_tokens);
-            w.active_tokens += e.tokens;
+            w.active_tokens += e.prefill_tokens;
         }
         e.tokens += new_tokens;
         w.active_tokens += new_tokens;
@@ -102,6 +110,7 @@ impl Ledger {
             w.active_tokens = w.active_tokens.saturating_sub(e.tokens);
         } else {
             w.pending_prefill_tokens = w.pending_prefill_tokens.saturating_sub(e.prefill_tokens);
+            w.active_tokens = w.active_tokens.saturating_sub(e.tokens - e.prefill_tokens);
         }
     }
 

@@ -80,8 +80,8 @@ fn a_loaded_holder_loses_to_an_idle_worker_once_load_outweighs_the_hit() {
 #[test]
 fn a_hot_prefix_spreads_as_its_requests_pile_up() {
     // 64 requests for one prefix arrive before any finishes: the first go
-    // to the holder (each adds only its own block there), later ones spread
-    // as its ledger load grows, and every worker ends up serving it.
+    // to the holder (it saves them 12 blocks of prefill each), later ones
+    // spread as its ledger load grows, and every worker ends up serving it.
     let mut r = router(Policy::PrefixAware, &[0, 1, 2, 3]);
     let p = prompt(3, 208);
     hold(&mut r, 0, &p, 12);
@@ -92,11 +92,69 @@ fn a_hot_prefix_spreads_as_its_requests_pile_up() {
         r.on_dispatch(RequestId(i), d.worker, p.len(), &chain, d.predicted_cached_tokens);
         picks.push(d.worker.0);
     }
-    assert_eq!(picks[..4], [0, 0, 0, 0]);
+    assert_eq!(picks[..2], [0, 0]);
     let mut used = picks.clone();
     used.sort();
     used.dedup();
     assert_eq!(used, vec![0, 1, 2, 3], "picks {picks:?}");
+}
+
+/// Routes `n` requests for `prompts(i)`: each one's first token comes back
+/// once `window / 4` more were routed, and it finishes once `window` more
+/// were (a client keeping `window` requests in flight). Returns how many
+/// each worker got.
+fn burst(r: &mut Router, workers: &[u64], n: u64, window: u64, prompts: &dyn Fn(u64) -> Vec<u32>) -> Vec<usize> {
+    let mut counts = vec![0; workers.len()];
+    let id = |i: u64| RequestId(1_000_000 + i);
+    for i in 0..n + window {
+        if i < n {
+            let p = prompts(i);
+            let d = route(r, &p, workers);
+            let chain = r.prompt_chain(&p);
+            r.on_dispatch(id(i), d.worker, p.len(), &chain, d.predicted_cached_tokens);
+            counts[workers.iter().position(|&w| w == d.worker.0).expect("an eligible worker")] += 1;
+        }
+        if let Some(started) = i.checked_sub(window / 4) {
+            r.on_tokens(id(started), 1);
+        }
+        if let Some(done) = i.checked_sub(window) {
+            r.on_tokens(id(done), 31);
+            r.on_finish(id(done));
+        }
+    }
+    counts
+}
+
+#[test]
+fn back_to_back_bursts_spread_evenly() {
+    // Issue 31: two bursts of 70 requests over 3 workers went 70/0/0, then
+    // 46/24/0: requests sharing a cached prompt were counted as if only
+    // their uncached tail loaded the worker.
+    let one_prompt = |_| prompt(4, 208);
+    let shared_prefix = |i: u64| [prompt(4, 192), prompt(100 + i as u32, 24)].concat();
+    let short = |i: u64| prompt(200 + i as u32, 6);
+    type Prompts<'a> = &'a dyn Fn(u64) -> Vec<u32>;
+    let cases: [(&str, Prompts); 3] =
+        [("one prompt", &one_prompt), ("a shared prefix", &shared_prefix), ("short prompts", &short)];
+    for (name, prompts) in cases {
+        for window in [70, 12] {
+            let mut r = router(Policy::PrefixAware, &[0, 1, 2]);
+            // Worker 0 already caches the prompt (an earlier request).
+            hold(&mut r, 0, &prompts(0), prompts(0).len() / BS);
+            let first = burst(&mut r, &[0, 1, 2], 70, window, prompts);
+            // Every worker now caches what it served.
+            for w in 0..3 {
+                hold(&mut r, w, &prompts(0), prompts(0).len() / BS);
+            }
+            let second = burst(&mut r, &[0, 1, 2], 70, window, prompts);
+            for counts in [&first, &second] {
+                assert!(
+                    counts.iter().all(|&c| (18..=29).contains(&c)),
+                    "{name}, {window} in flight: {first:?} then {second:?}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -135,6 +193,14 @@ fn pending_prefill_counts_until_the_first_token() {
     r.on_tokens(RequestId(1), 1);
     assert_eq!(r.load(WorkerId(0)), WorkerLoad { requests: 1, pending_prefill_tokens: 0, active_blocks: 21 });
     r.on_finish(RequestId(1));
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad::default());
+    // A cached prompt's context counts at dispatch: a burst sharing it is
+    // seen before any token comes back.
+    r.on_dispatch(RequestId(2), WorkerId(0), 320, &[], 304);
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad { requests: 1, pending_prefill_tokens: 16, active_blocks: 19 });
+    r.on_tokens(RequestId(2), 1);
+    assert_eq!(r.load(WorkerId(0)), WorkerLoad { requests: 1, pending_prefill_tokens: 0, active_blocks: 21 });
+    r.on_finish(RequestId(2));
     assert_eq!(r.load(WorkerId(0)), WorkerLoad::default());
     // Stats correct the ledger upwards (blocks it cannot see).
     r.on_stats(WorkerId(1), &WorkerStats { kv_blocks_used: 50, ..WorkerStats::default() });

@@ -61,6 +61,14 @@ impl Request {
         }
     }
 
+    /// The same request resumed after `output`, tokens it generated before
+    /// (on a worker that was lost): they count as its output, so sampling
+    /// goes on exactly as if it had never stopped.
+    pub fn with_output(mut self, output: &[u32]) -> Self {
+        self.token_ids.extend_from_slice(output);
+        self
+    }
+
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
     }

@@ -66,10 +66,10 @@ impl Scheduler {
         if req.num_prompt_tokens == 0 {
             return Err(AddRequestError::EmptyPrompt);
         }
-        // The model must be able to emit at least one token after the prompt.
+        // The model must be able to emit at least one token after the prompt (and any resumed output).
         let max_len = self.config.max_model_len;
-        if req.num_prompt_tokens >= max_len {
-            return Err(AddRequestError::PromptTooLong { prompt: req.num_prompt_tokens, max_model_len: max_len });
+        if req.num_tokens() >= max_len {
+            return Err(AddRequestError::PromptTooLong { prompt: req.num_tokens(), max_model_len: max_len });
         }
         req.params.validate()?;
         if self.config.policy == SchedulingPolicy::Fcfs {

@@ -37,11 +37,12 @@ pub struct ServeArgs {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     use worker::serve::service::{self, ServeConfig};
-    let secret = std::fs::read_to_string(&args.cluster_secret_file)
-        .with_context(|| format!("reading the cluster secret from {}", args.cluster_secret_file.display()))?
-        .trim()
-        .to_string();
-    anyhow::ensure!(!secret.is_empty(), "{} is empty", args.cluster_secret_file.display());
+    // Under 16 bytes is refused; short, or readable by others, is warned about.
+    let read = common::transport::read_secret_file(&args.cluster_secret_file)?;
+    for warning in &read.warnings {
+        eprintln!("worker: warning: {warning}");
+    }
+    let secret = read.secret;
     if args.exit_with_parent {
         watch_parent();
     }
@@ -57,14 +58,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut metrics_address = None;
     if let Some(addr) = args.metrics {
         let listener = runtime
-            .block_on(worker::serve::metrics::bind(addr))
+            .block_on(worker::serve::metrics_server::bind(addr))
             .with_context(|| format!("binding the metrics endpoint on {addr}"))?;
         let bound = listener.local_addr()?;
         let model_name =
             args.served_model_name.clone().unwrap_or_else(|| common::model::default_served_name(&args.engine.model));
         let engine_metrics = worker::serve::metrics::EngineMetrics::new(&model_name, &name);
         let registry = engine_metrics.registry().clone();
-        runtime.spawn(worker::serve::metrics::serve_metrics(
+        runtime.spawn(worker::serve::metrics_server::serve_metrics(
             listener,
             std::sync::Arc::new(move || worker::serve::metrics::render(&registry)),
         ));

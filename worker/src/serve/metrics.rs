@@ -4,11 +4,9 @@
 //!
 //! `EngineMetrics` holds the collectors; `RequestTimings` turns the engine
 //! loop's observations (arrival, steps, outputs, finish) into the latency
-//! histograms. `serve_metrics` exposes the registry over HTTP.
+//! histograms. `metrics_server` exposes the registry over HTTP.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Instant;
 
 use common::RequestId;
@@ -254,44 +252,4 @@ impl RequestTimings {
             m.e2e_request_latency.observe((now - t.arrived).as_secs_f64());
         }
     }
-}
-
-/// Serves `GET /metrics` (and `/`) with the text rendered by `render` until
-/// the listener fails. Returns the bound address through `bound`.
-pub async fn serve_metrics(
-    listener: tokio::net::TcpListener,
-    render: Arc<dyn Fn() -> String + Send + Sync>,
-) -> std::io::Result<()> {
-    use http_body_util::Full;
-    use hyper::body::Bytes;
-    use hyper::service::service_fn;
-    use hyper::{Response, StatusCode};
-
-    loop {
-        let (stream, _) = listener.accept().await?;
-        let render = render.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let render = render.clone();
-                async move {
-                    let response = match req.uri().path() {
-                        "/metrics" | "/" => Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4")
-                            .body(Full::new(Bytes::from(render()))),
-                        _ => Response::builder()
-                            .status(StatusCode::NOT_FOUND)
-                            .body(Full::new(Bytes::from("not found\n"))),
-                    };
-                    Ok::<_, hyper::http::Error>(response.expect("static response parts"))
-                }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
-        });
-    }
-}
-
-/// Binds the metrics listener (port 0 picks a free port).
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
 }

@@ -2,4 +2,5 @@
 //! the Prometheus metrics it records.
 
 pub mod metrics;
+pub mod metrics_server;
 pub mod service;

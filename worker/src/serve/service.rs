@@ -62,6 +62,8 @@ pub enum EngineCommand {
     Generate {
         request_id: RequestId,
         prompt: Vec<u32>,
+        /// Tokens generated before, on a worker that was lost.
+        output: Vec<u32>,
         params: SamplingParams,
     },
     Abort(RequestId),
@@ -99,10 +101,10 @@ pub fn engine_loop(
         };
         for cmd in first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())) {
             match cmd {
-                EngineCommand::Generate { request_id, prompt, params } => {
+                EngineCommand::Generate { request_id, prompt, output, params } => {
                     if draining {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: "worker is draining".into() });
-                    } else if let Err(e) = engine.add_request(request_id, prompt, params, 0) {
+                    } else if let Err(e) = engine.resume_request(request_id, prompt, &output, params, 0) {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
                     } else {
                         live.push(request_id);
@@ -135,7 +137,13 @@ pub fn engine_loop(
                     let (last_event_id, hashes) = engine.kv_snapshot();
                     let _ = out.send(WorkerMessage::KvSnapshot { last_event_id, hashes });
                 }
-                EngineCommand::Drain => draining = true,
+                EngineCommand::Drain => {
+                    if !draining {
+                        // The coordinator stops routing here at once.
+                        let _ = out.send(WorkerMessage::Draining);
+                    }
+                    draining = true;
+                }
                 EngineCommand::Shutdown => return,
             }
         }
@@ -234,7 +242,13 @@ pub async fn serve(
     let mut backoff = Duration::from_millis(100);
     loop {
         match session(&endpoint, addr, &config, kv_capacity_blocks, &commands, &mut from_engine).await {
-            Ok(SessionEnd::EngineStopped) => return Ok(()),
+            Ok(SessionEnd::EngineStopped) => {
+                // Let the close (reason "drained") reach the coordinator,
+                // so it logs why this worker left instead of waiting for
+                // its stats to stop.
+                let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+                return Ok(());
+            }
             Ok(SessionEnd::Disconnected(why)) => {
                 eprintln!("worker {}: lost the coordinator ({why}); reconnecting", config.name);
                 backoff = Duration::from_millis(100);
@@ -289,6 +303,7 @@ async fn session(
             if !transport::verify_auth_tag(config.secret.as_bytes(), Role::Coordinator, &binding, &auth_tag) {
                 return Err(ServiceError::CoordinatorNotAuthenticated);
             }
+            transport::trust_connection(&conn);
             eprintln!("worker {}: registered with {addr} as worker {worker_id}", config.name);
         }
         Some(HandshakeReply::Refused { reason }) => return Err(ServiceError::Refused(reason)),
@@ -296,6 +311,35 @@ async fn session(
     }
     // Anything the engine produced while disconnected belongs to aborted requests.
     while from_engine.try_recv().is_ok() {}
+    // Frames are read by a task of their own: `read_frame` is not
+    // cancel-safe, and the loop below selects over three sources.
+    let (frame_tx, mut frames) = mpsc::channel(64);
+    let reader = tokio::spawn(async move {
+        loop {
+            let frame = transport::read_frame::<CoordinatorMessage>(&mut recv).await;
+            let last = !matches!(frame, Ok(Some(_)));
+            if frame_tx.send(frame).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    let end = control_loop(&mut send, &mut frames, kv_capacity_blocks, commands, from_engine).await;
+    reader.abort();
+    if matches!(end, SessionEnd::EngineStopped) {
+        conn.close(0u32.into(), transport::DRAINED_CLOSE_REASON);
+    }
+    Ok(end)
+}
+
+/// The connected session: coordinator frames go to the engine, engine
+/// messages and heartbeats go to the coordinator.
+async fn control_loop(
+    send: &mut quinn::SendStream,
+    frames: &mut mpsc::Receiver<Result<Option<CoordinatorMessage>, transport::TransportError>>,
+    kv_capacity_blocks: u64,
+    commands: &std_mpsc::Sender<EngineCommand>,
+    from_engine: &mut mpsc::UnboundedReceiver<WorkerMessage>,
+) -> SessionEnd {
     // The engine reports stats between steps, and one long prefill step can
     // outlast the coordinator's patience (3 missed intervals). So the network
     // side repeats the latest stats on its own clock: silence then means the
@@ -310,35 +354,35 @@ async fn session(
                 if last_sent.elapsed() >= STATS_INTERVAL {
                     last_sent = Instant::now();
                     let message = WorkerMessage::Stats(latest_stats.clone());
-                    if let Err(e) = transport::write_frame(&mut send, &message).await {
-                        return Ok(SessionEnd::Disconnected(e.to_string()));
+                    if let Err(e) = transport::write_frame(send, &message).await {
+                        return SessionEnd::Disconnected(e.to_string());
                     }
                 }
             }
-            frame = transport::read_frame::<CoordinatorMessage>(&mut recv) => {
+            frame = frames.recv() => {
                 let cmd = match frame {
-                    Ok(Some(CoordinatorMessage::Generate { request_id, prompt_token_ids, params })) => {
-                        EngineCommand::Generate { request_id, prompt: prompt_token_ids, params }
+                    Some(Ok(Some(CoordinatorMessage::Generate { request_id, prompt_token_ids, output_token_ids, params }))) => {
+                        EngineCommand::Generate { request_id, prompt: prompt_token_ids, output: output_token_ids, params }
                     }
-                    Ok(Some(CoordinatorMessage::Abort { request_id })) => EngineCommand::Abort(request_id),
-                    Ok(Some(CoordinatorMessage::Drain)) => EngineCommand::Drain,
-                    Ok(Some(CoordinatorMessage::Shutdown)) => EngineCommand::Shutdown,
-                    Ok(Some(CoordinatorMessage::RequestKvSnapshot)) => EngineCommand::KvSnapshot,
-                    Ok(None) => return Ok(SessionEnd::Disconnected("coordinator closed the stream".into())),
-                    Err(e) => return Ok(SessionEnd::Disconnected(e.to_string())),
+                    Some(Ok(Some(CoordinatorMessage::Abort { request_id }))) => EngineCommand::Abort(request_id),
+                    Some(Ok(Some(CoordinatorMessage::Drain))) => EngineCommand::Drain,
+                    Some(Ok(Some(CoordinatorMessage::Shutdown))) => EngineCommand::Shutdown,
+                    Some(Ok(Some(CoordinatorMessage::RequestKvSnapshot))) => EngineCommand::KvSnapshot,
+                    Some(Ok(None)) | None => return SessionEnd::Disconnected("coordinator closed the stream".into()),
+                    Some(Err(e)) => return SessionEnd::Disconnected(e.to_string()),
                 };
                 if commands.send(cmd).is_err() {
-                    return Ok(SessionEnd::EngineStopped);
+                    return SessionEnd::EngineStopped;
                 }
             }
             message = from_engine.recv() => {
-                let Some(message) = message else { return Ok(SessionEnd::EngineStopped) };
+                let Some(message) = message else { return SessionEnd::EngineStopped };
                 if let WorkerMessage::Stats(stats) = &message {
                     latest_stats = stats.clone();
                     last_sent = Instant::now();
                 }
-                if let Err(e) = transport::write_frame(&mut send, &message).await {
-                    return Ok(SessionEnd::Disconnected(e.to_string()));
+                if let Err(e) = transport::write_frame(send, &message).await {
+                    return SessionEnd::Disconnected(e.to_string());
                 }
             }
         }
