@@ -67,10 +67,17 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
     sampled.logprobs = Some(5);
     sampled.prompt_logprobs = Some(1);
     let coordinator = [
-        CoordinatorMessage::Generate { request_id: RequestId(1), prompt_token_ids: vec![1, 415, 2936, 9060], params },
+        CoordinatorMessage::Generate {
+            request_id: RequestId(1),
+            prompt_token_ids: vec![1, 415, 2936, 9060],
+            output_token_ids: vec![],
+            params,
+        },
         CoordinatorMessage::Generate {
             request_id: RequestId(u64::MAX),
             prompt_token_ids: vec![0; 40],
+            // A re-dispatched request resumes after what it already streamed.
+            output_token_ids: vec![450, 29871],
             params: sampled,
         },
         CoordinatorMessage::Abort { request_id: RequestId(7) },
@@ -99,6 +106,7 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             num_cached_tokens: 16,
         },
         WorkerMessage::Rejected { request_id: RequestId(3), message: "the worker is draining".into() },
+        WorkerMessage::Draining,
         WorkerMessage::Stats(WorkerStats {
             num_running: 3,
             num_waiting: 1,
