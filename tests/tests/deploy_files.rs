@@ -22,11 +22,7 @@ fn program_arguments(plist: &str) -> Vec<String> {
     let after = plist.split("<key>ProgramArguments</key>").nth(1).expect("a ProgramArguments key");
     let array = after.trim_start().strip_prefix("<array>").expect("an <array> after ProgramArguments");
     let array = &array[..array.find("</array>").expect("</array>")];
-    array
-        .split("<string>")
-        .skip(1)
-        .map(|s| s[..s.find("</string>").expect("</string>")].trim().to_string())
-        .collect()
+    array.split("<string>").skip(1).map(|s| s[..s.find("</string>").expect("</string>")].trim().to_string()).collect()
 }
 
 /// The value after each `flag` in a command line's words.

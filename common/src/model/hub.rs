@@ -82,12 +82,7 @@ impl ProgressLines {
         self.next_tenth = tenths + 1;
         self.last_line = now;
         let percent = self.done.saturating_mul(100).checked_div(self.total).unwrap_or(100);
-        Some(format!(
-            "downloading {}: {} of {} ({percent}%)",
-            self.label,
-            megabytes(self.done),
-            megabytes(self.total)
-        ))
+        Some(format!("downloading {}: {} of {} ({percent}%)", self.label, megabytes(self.done), megabytes(self.total)))
     }
 
     /// The file is complete.

@@ -147,11 +147,8 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
         let params = fit_completion(app, max_len, "prompt", p.len(), sampling.names_max_tokens(), &params)?;
         specs.extend(n_choices(p, &params, &stops, n));
     }
-    let echoes: Vec<Echo> = if echo {
-        prompts.iter().map(|p| Echo::new(&app.tokenizer, p.clone())).collect()
-    } else {
-        Vec::new()
-    };
+    let echoes: Vec<Echo> =
+        if echo { prompts.iter().map(|p| Echo::new(&app.tokenizer, p.clone())).collect() } else { Vec::new() };
     Ok(Plan { prompts, specs, echoes, n, logprobs, echo_only, sampling })
 }
 
