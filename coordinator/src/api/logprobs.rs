@@ -45,28 +45,43 @@ impl Echo {
 /// legacy `text_offset`). Tokens go one at a time through the incremental
 /// detokenizer that makes the text, so an offset points at the token's own
 /// text whatever its piece looks like (a BOS, a `▁`/`Ġ` space marker, a
-/// `<0x0A>` byte). A token whose text is held back (part of a UTF-8
-/// character) points where that text will start.
+/// `<0x0A>` byte). Text held back (a byte run, part of a UTF-8 character)
+/// comes out with a later token: the held tokens point where it starts, and
+/// that later token at its own text's start within it.
 pub struct TextOffsets {
+    tokenizer: Arc<Tokenizer>,
     detok: IncrementalDetokenizer,
     chars: usize,
+    /// The last token's text was held back.
+    held: bool,
 }
 
 impl TextOffsets {
     /// After `context` tokens (whose text is not counted), from `start`.
     pub fn new(tokenizer: Arc<Tokenizer>, context: &[u32], start: usize) -> Self {
-        Self { detok: IncrementalDetokenizer::new(tokenizer, context, true), chars: start }
+        let detok = IncrementalDetokenizer::new(tokenizer.clone(), context, true);
+        Self { tokenizer, detok, chars: start, held: false }
     }
 
     /// The offsets of the next `ids`.
     pub fn next(&mut self, ids: &[u32]) -> Vec<usize> {
-        ids.iter()
-            .map(|&id| {
-                let at = self.chars;
-                self.chars += self.detok.push(&[id]).chars().count();
-                at
-            })
-            .collect()
+        ids.iter().map(|&id| self.one(id)).collect()
+    }
+
+    fn one(&mut self, id: u32) -> usize {
+        let delta = self.detok.push(&[id]);
+        let len = delta.chars().count();
+        let mut at = self.chars;
+        if self.held && len > 0 {
+            // The delta is the held text, then (when it decodes alone) this token's own.
+            let own = self.tokenizer.decode(&[id], true);
+            if !own.is_empty() && delta.ends_with(&own) {
+                at += len - own.chars().count();
+            }
+        }
+        self.held = len == 0;
+        self.chars += len;
+        at
     }
 
     /// The offsets of `ids`, none past `limit` (the end of a text that a
