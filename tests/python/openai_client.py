@@ -66,6 +66,32 @@ assert len(continuation) == 5, scored
 assert all(abs(a - b) < 1e-4 for a, b in zip(continuation, g.choices[0].logprobs.token_logprobs)), (continuation, g)
 assert all(lp == max(top.values()) for lp, top in zip(continuation, scored.top_logprobs[ctxlen:-1])), scored
 
+# Logprobs as OpenAI shapes them. Completions: up to logprobs+1 top entries, the chosen token always
+# among them (sampled, so it is often not the likeliest); with echo, each text_offset is where its
+# token's text starts in the returned text, which starts with the prompt.
+e = client.completions.create(model=model, prompt="Once upon a time, there", max_tokens=12, temperature=1.5,
+                              seed=11, logprobs=1, echo=True)
+lp, text = e.choices[0].logprobs, e.choices[0].text
+assert text.startswith("Once upon a time, there"), text
+assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset), lp
+for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    if top is not None:
+        assert 1 <= len(top) <= 2 and tok in top and abs(top[tok] - logprob) < 1e-4, (tok, logprob, top)
+assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text), (lp.text_offset, text)
+for tok, offset in zip(lp.tokens, lp.text_offset):
+    word = tok.strip()
+    if word.isalpha():  # a plain word piece sits at its offset (a first word without its space)
+        assert text[offset:].lstrip().startswith(word), (tok, offset, text)
+upon = text.index(" upon")
+assert upon in lp.text_offset, (upon, lp.text_offset)
+# Chat: `top_logprobs` entries {token, logprob, bytes}, top_logprobs of them, likeliest first.
+r = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                   top_logprobs=3)
+for entry in r.choices[0].logprobs.content:
+    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == entry.logprob, entry
+    assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    assert all(bytes(t.bytes).decode() == t.token for t in entry.top_logprobs), entry
+
 # Errors come back as the client's exceptions with OpenAI's shape.
 def bad_request(param, **kwargs):
     try:

@@ -2,9 +2,14 @@
 //! HF_HOME and HF_TOKEN), fetching only what the asking side reads: the
 //! coordinator the config and tokenizer files, the worker those and the
 //! safetensors weights. What to fetch is decided by [`plan`], a pure
-//! function; the network part needs the `hub` feature.
+//! function; the network part needs the `hub` feature. On a terminal a
+//! download shows hf-hub's progress bar; elsewhere (systemd, launchd,
+//! nohup, where a bar's carriage returns make no log lines) it logs
+//! [`ProgressLines`]: a line per file at its start, every tenth of it or
+//! few seconds, and at its end.
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use super::files::Need;
 use super::{ModelError, Result};
@@ -41,27 +46,116 @@ pub fn plan(need: Need) -> HubPlan {
     HubPlan { required: CONFIG_FILE, optional: &TOKENIZER_FILES, weights: need == Need::Weights }
 }
 
-/// Downloads what [`plan`] lists, with a progress bar, and returns the
-/// snapshot directory the files are in.
+/// How often a download off a terminal logs at most, besides every tenth.
+const LINE_EVERY: Duration = Duration::from_secs(5);
+
+/// A download's progress as log lines, for stderr that is not a terminal.
+/// Pure (the caller passes the clock), so its lines and their pacing are
+/// tested without a network.
+#[derive(Debug)]
+pub struct ProgressLines {
+    label: String,
+    total: u64,
+    done: u64,
+    /// The next tenth of `total` that earns a line.
+    next_tenth: u64,
+    last_line: Instant,
+}
+
+impl ProgressLines {
+    /// A file of `total` bytes starts: its line.
+    pub fn start(repo: &str, file: &str, total: u64, now: Instant) -> (Self, String) {
+        let this = Self { label: format!("{repo}/{file}"), total, done: 0, next_tenth: 1, last_line: now };
+        let line = format!("downloading {}: {}", this.label, megabytes(total));
+        (this, line)
+    }
+
+    /// `bytes` more arrived: a line when another tenth is done or
+    /// [`LINE_EVERY`] has passed since the last line.
+    pub fn advance(&mut self, bytes: u64, now: Instant) -> Option<String> {
+        self.done = self.done.saturating_add(bytes).min(self.total.max(self.done));
+        let tenths = self.done.saturating_mul(10).checked_div(self.total).unwrap_or(10);
+        let due = tenths >= self.next_tenth || now.saturating_duration_since(self.last_line) >= LINE_EVERY;
+        if !due || self.done >= self.total {
+            return None; // the end has its own line
+        }
+        self.next_tenth = tenths + 1;
+        self.last_line = now;
+        let percent = self.done.saturating_mul(100).checked_div(self.total).unwrap_or(100);
+        Some(format!("downloading {}: {} of {} ({percent}%)", self.label, megabytes(self.done), megabytes(self.total)))
+    }
+
+    /// The file is complete.
+    pub fn finish(&self) -> String {
+        format!("downloaded {}: {}", self.label, megabytes(self.done.max(self.total)))
+    }
+}
+
+fn megabytes(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
+/// hf-hub's progress hook writing [`ProgressLines`] to stderr.
+#[cfg(feature = "hub")]
+struct LogProgress {
+    repo: String,
+    lines: Option<ProgressLines>,
+}
+
+#[cfg(feature = "hub")]
+impl hf_hub::api::Progress for LogProgress {
+    fn init(&mut self, size: usize, filename: &str) {
+        let (lines, first) = ProgressLines::start(&self.repo, filename, size as u64, Instant::now());
+        eprintln!("{first}");
+        self.lines = Some(lines);
+    }
+
+    fn update(&mut self, size: usize) {
+        if let Some(line) = self.lines.as_mut().and_then(|l| l.advance(size as u64, Instant::now())) {
+            eprintln!("{line}");
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(lines) = &self.lines {
+            eprintln!("{}", lines.finish());
+        }
+    }
+}
+
+/// Downloads what [`plan`] lists, with a progress bar on a terminal and
+/// progress lines elsewhere, and returns the snapshot directory the files
+/// are in.
 #[cfg(feature = "hub")]
 pub fn download(repo_id: &str, need: Need) -> Result<PathBuf> {
+    use std::io::IsTerminal;
     use std::path::Path;
 
     let hub_err = |message: String| ModelError::Hub { repo: repo_id.to_string(), message };
-    let api =
-        hf_hub::api::sync::ApiBuilder::from_env().with_progress(true).build().map_err(|e| hub_err(e.to_string()))?;
+    let terminal = std::io::stderr().is_terminal();
+    let api = hf_hub::api::sync::ApiBuilder::from_env()
+        .with_progress(terminal)
+        .build()
+        .map_err(|e| hub_err(e.to_string()))?;
     let repo = api.model(repo_id.to_string());
+    let cache = hf_hub::Cache::from_env().model(repo_id.to_string());
+    // `get` as hf-hub's, but off a terminal with progress lines.
+    let get = |file: &str| match cache.get(file) {
+        Some(path) => Ok(path),
+        None if terminal => repo.get(file),
+        None => repo.download_with_progress(file, LogProgress { repo: repo_id.to_string(), lines: None }),
+    };
     let plan = plan(need);
-    let config = repo.get(plan.required).map_err(|e| hub_err(format!("{}: {e}", plan.required)))?;
+    let config = get(plan.required).map_err(|e| hub_err(format!("{}: {e}", plan.required)))?;
     for optional in plan.optional {
         // Absent files are normal (not every repo has a generation config).
-        let _ = repo.get(optional);
+        let _ = get(optional);
     }
-    if plan.weights && repo.get(WEIGHTS_FILE).is_err() {
-        let index = repo.get(WEIGHTS_INDEX).map_err(|e| hub_err(format!("no safetensors weights: {e}")))?;
+    if plan.weights && get(WEIGHTS_FILE).is_err() {
+        let index = get(WEIGHTS_INDEX).map_err(|e| hub_err(format!("no safetensors weights: {e}")))?;
         let text = std::fs::read_to_string(&index).map_err(|e| ModelError::file(&index, e.to_string()))?;
         for shard in super::files::shards_in_index(&text).map_err(hub_err)? {
-            repo.get(&shard).map_err(|e| hub_err(format!("{shard}: {e}")))?;
+            get(&shard).map_err(|e| hub_err(format!("{shard}: {e}")))?;
         }
     }
     config.parent().map(Path::to_path_buf).ok_or_else(|| hub_err("bad cache path".into()))
@@ -95,6 +189,44 @@ mod tests {
         assert!(weights.weights);
         let tokenizer = plan(Need::Tokenizer);
         assert_eq!((weights.required, weights.optional), (tokenizer.required, tokenizer.optional));
+    }
+
+    /// Off a terminal: a line at the start, one per tenth (not per chunk),
+    /// one after a quiet [`LINE_EVERY`], and one at the end, each naming
+    /// the file with bytes done and total.
+    #[test]
+    fn progress_lines_come_every_tenth_or_few_seconds() {
+        let t0 = Instant::now();
+        let (mut p, first) = ProgressLines::start("org/name", "model.safetensors", 1_000_000_000, t0);
+        assert_eq!(first, "downloading org/name/model.safetensors: 1000.0 MB");
+        let mut lines = Vec::new();
+        // 1000 chunks of 1 MB, 1 ms apart: ten tenths, the last of which is the end.
+        for i in 1..=1000u64 {
+            lines.extend(p.advance(1_000_000, t0 + Duration::from_millis(i)));
+        }
+        assert_eq!(lines.len(), 9, "{lines:#?}");
+        assert_eq!(lines[0], "downloading org/name/model.safetensors: 100.0 MB of 1000.0 MB (10%)");
+        assert_eq!(lines[8], "downloading org/name/model.safetensors: 900.0 MB of 1000.0 MB (90%)");
+        assert_eq!(p.finish(), "downloaded org/name/model.safetensors: 1000.0 MB");
+
+        // A slow link: nothing within a tenth until LINE_EVERY has passed.
+        let (mut p, _) = ProgressLines::start("org/name", "model.safetensors", 1_000_000_000, t0);
+        assert_eq!(p.advance(1_000_000, t0 + Duration::from_secs(1)), None);
+        let line = p.advance(1_000_000, t0 + LINE_EVERY).expect("a line after LINE_EVERY");
+        assert!(line.ends_with("2.0 MB of 1000.0 MB (0%)"), "{line}");
+        assert_eq!(p.advance(1_000_000, t0 + LINE_EVERY + Duration::from_secs(1)), None);
+    }
+
+    /// A size hf-hub could not learn (0) or bytes past it make no panic
+    /// and no lines beyond the end's.
+    #[test]
+    fn progress_lines_survive_odd_sizes() {
+        let t0 = Instant::now();
+        let (mut p, _) = ProgressLines::start("org/name", "tokenizer.json", 0, t0);
+        assert_eq!(p.advance(500, t0 + LINE_EVERY), None);
+        let (mut p, _) = ProgressLines::start("org/name", "config.json", 10, t0);
+        assert_eq!(p.advance(25, t0), None);
+        assert_eq!(p.finish(), "downloaded org/name/config.json: 0.0 MB");
     }
 
     #[cfg(not(feature = "hub"))]

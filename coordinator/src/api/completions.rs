@@ -9,7 +9,7 @@ use bytes::Bytes;
 use common::FinishReason;
 
 use super::error::ApiError;
-use super::logprobs::{CompletionLogprobs, Echo};
+use super::logprobs::{CompletionLogprobs, Echo, TextOffsets};
 use super::openai::{Choice, ChunkStream, Completion, Content, EchoStream, Kind, Logprobs, Usage};
 use super::prepare::{check_model, check_prompt, encode_prompt, fit_completion, n_choices, now, parse};
 use super::reply::Reply;
@@ -40,8 +40,18 @@ pub async fn completions(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiEr
     let rx = run::launch(&app, "/v1/completions", specs)?;
     let id = format!("cmpl-{}", app.next_id());
     if sampling.stream() {
+        // Each choice's `text_offset`s go on from its echoed prompt's end.
+        let offsets = match logprobs {
+            Some(_) => (0..count)
+                .map(|i| {
+                    let start = echoes.get(i / n).map_or(0, |e| e.text.chars().count());
+                    TextOffsets::new(app.tokenizer.clone(), prompt_of(&prompts, i / n), start)
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         let per_choice = echoes.into_iter().flat_map(|e| vec![e; n]).collect();
-        let echo = EchoStream { per_choice, only: echo_only, logprobs: logprobs.is_some() };
+        let echo = EchoStream { per_choice, only: echo_only, logprobs: logprobs.is_some(), offsets };
         let stream =
             ChunkStream { id, n: count, include_usage: sampling.include_usage(), kind: Kind::Completion, echo };
         return Ok(stream.reply(app, rx));
@@ -66,7 +76,13 @@ pub async fn completions(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiEr
             let prefix = echoed.map_or("", |e| e.text.as_str());
             let prompt = echoed.map(|e| (e, c.prompt_logprobs.as_slice()));
             let lp = logprobs.map(|_| {
-                Logprobs::Completion(CompletionLogprobs::new(&app.tokenizer, prompt, &c.token_ids, &c.logprobs, 0))
+                // Offsets into the text below: after the echoed prompt, and
+                // none past a stop string's cut.
+                let start = prefix.chars().count();
+                let offsets = TextOffsets::new(app.tokenizer.clone(), prompt_of(&prompts, i / n), start)
+                    .take(&c.token_ids, start + c.text.chars().count());
+                let lp = CompletionLogprobs::new(&app.tokenizer, prompt, &c.token_ids, &c.logprobs, &offsets);
+                Logprobs::Completion(lp)
             });
             Choice::ended(i, Content::Text(format!("{prefix}{}", c.text)), lp, c.end.as_ref())
         })
@@ -131,12 +147,14 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
         let params = fit_completion(app, max_len, "prompt", p.len(), sampling.names_max_tokens(), &params)?;
         specs.extend(n_choices(p, &params, &stops, n));
     }
-    let echoes: Vec<Echo> = if echo {
-        prompts.iter().map(|p| Echo { text: app.tokenizer.decode(p, true), ids: p.clone() }).collect()
-    } else {
-        Vec::new()
-    };
+    let echoes: Vec<Echo> =
+        if echo { prompts.iter().map(|p| Echo::new(&app.tokenizer, p.clone())).collect() } else { Vec::new() };
     Ok(Plan { prompts, specs, echoes, n, logprobs, echo_only, sampling })
+}
+
+/// Prompt `i`'s tokens (the context of its choices' text).
+fn prompt_of(prompts: &[Vec<u32>], i: usize) -> &[u32] {
+    prompts.get(i).map_or(&[], Vec::as_slice)
 }
 
 /// An `echo` with `max_tokens: 0` answer: the token the engine computed is

@@ -12,7 +12,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::logprobs::{ChatLogprobs, CompletionLogprobs, Echo};
+use super::logprobs::{ChatLogprobs, CompletionLogprobs, Echo, TextOffsets};
 use super::prepare::now;
 use super::reply::Reply;
 use super::run::{ChoiceEnd, Update};
@@ -150,6 +150,8 @@ pub struct EchoStream {
     pub per_choice: Vec<Echo>,
     pub only: bool,
     pub logprobs: bool,
+    /// Each choice's `text_offset`s, when completions logprobs are asked.
+    pub offsets: Vec<TextOffsets>,
 }
 
 /// One response's chunk stream: `n` choices under `id`.
@@ -170,15 +172,12 @@ impl ChunkStream {
     /// prompt is each choice's first chunk, sent once its prompt logprobs
     /// (which come before any token) are in.
     async fn write(self, events: Events, app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) {
-        let Self { id, n, include_usage, kind, echo } = self;
+        let Self { id, n, include_usage, kind, mut echo } = self;
         let created = now();
         let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         let chunk =
             |choices, usage| Completion { id: &id, object, created, model: &app.served_model_name, choices, usage };
         let mut started = vec![false; n];
-        // Characters of each choice's text streamed so far: where the next
-        // chunk's `text_offset`s start.
-        let mut streamed_chars = vec![0usize; n];
         let mut prompt_logprobs: Vec<Vec<WireLogprobs>> = vec![Vec::new(); n];
         let mut ends: Vec<ChoiceEnd> = Vec::new();
         while ends.len() < n {
@@ -195,14 +194,13 @@ impl ChunkStream {
             if let Some((index, e)) = index.filter(|&i| !started[i]).and_then(|i| Some((i, echo.per_choice.get(i)?))) {
                 let lp = echo.logprobs.then(|| {
                     let prompt = Some((e, prompt_logprobs[index].as_slice()));
-                    Logprobs::Completion(CompletionLogprobs::new(&app.tokenizer, prompt, &[], &[], 0))
+                    Logprobs::Completion(CompletionLogprobs::new(&app.tokenizer, prompt, &[], &[], &[]))
                 });
                 let choice = Choice::running(index, Content::Text(e.text.clone()), lp);
                 if events.send(&chunk(vec![choice], None)).await.is_err() {
                     return;
                 }
                 started[index] = true;
-                streamed_chars[index] = e.text.chars().count();
             }
             if echo.only {
                 match &mut update {
@@ -221,15 +219,12 @@ impl ChunkStream {
                     }
                     let lp = (!logprobs.is_empty()).then(|| match kind {
                         Kind::Chat => Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &token_ids, &logprobs)),
-                        Kind::Completion => Logprobs::Completion(CompletionLogprobs::new(
-                            &app.tokenizer,
-                            None,
-                            &token_ids,
-                            &logprobs,
-                            streamed_chars[index],
-                        )),
+                        Kind::Completion => {
+                            let offsets = echo.offsets.get_mut(index).map(|o| o.next(&token_ids)).unwrap_or_default();
+                            let lp = CompletionLogprobs::new(&app.tokenizer, None, &token_ids, &logprobs, &offsets);
+                            Logprobs::Completion(lp)
+                        }
                     });
-                    streamed_chars[index] += text.chars().count();
                     let content = match kind {
                         Kind::Chat => Content::Delta(Delta {
                             role: (!started[index]).then_some("assistant"),
