@@ -83,12 +83,15 @@ impl ProbeBuffer {
         self.bytes() as f64 / started.elapsed().as_secs_f64() / 1e9
     }
 
-    /// One pass on the calling thread alone, in GB/s: on a buffer that fits
-    /// in cache, this measures the loads themselves, not the memory.
-    pub fn pass_on_this_thread(&self, probe: ReadProbe) -> f64 {
+    /// `reps` passes on the calling thread alone, in GB/s: on a buffer that
+    /// fits in cache, this measures the loads themselves, not the memory.
+    pub fn pass_on_this_thread(&self, probe: ReadProbe, reps: usize) -> f64 {
+        let read = reader(probe);
         let started = std::time::Instant::now();
-        std::hint::black_box(reader(probe)(std::hint::black_box(&self.words)));
-        self.bytes() as f64 / started.elapsed().as_secs_f64() / 1e9
+        for _ in 0..reps {
+            std::hint::black_box(read(std::hint::black_box(&self.words)));
+        }
+        (reps * self.bytes()) as f64 / started.elapsed().as_secs_f64() / 1e9
     }
 }
 
@@ -146,6 +149,10 @@ fn sum_four_chains(words: &[u64]) -> u64 {
     acc.iter().fold(tail, |s, &a| s.wrapping_add(a))
 }
 
+// The readers step a pointer by whole rounds (`wrapping_add`, which debug
+// builds do not check per load, so tests measure what release runs) and
+// fold the tail like the plain fold.
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -156,44 +163,42 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub(super) fn sum_avx512(words: &[u64]) -> u64 {
         const ROUND: usize = 32;
-        let rounds = words.len() / ROUND;
-        let p = words.as_ptr();
+        let whole = words.len() / ROUND * ROUND;
+        let (mut p, end) = (words.as_ptr(), words.as_ptr().wrapping_add(whole));
         let mut acc = [_mm512_setzero_si512(); 4];
-        for r in 0..rounds {
+        while p < end {
             for (j, a) in acc.iter_mut().enumerate() {
-                // SAFETY: r * ROUND + 8 * j + 8 <= rounds * ROUND <= words.len();
-                // unaligned loads are allowed.
-                let v = unsafe { _mm512_loadu_si512(p.add(r * ROUND + 8 * j).cast()) };
-                *a = _mm512_add_epi64(*a, v);
+                // SAFETY: p + 8j + 8 <= p + ROUND <= end, inside `words`; unaligned loads are allowed.
+                *a = _mm512_add_epi64(*a, unsafe { _mm512_loadu_si512(p.wrapping_add(8 * j).cast()) });
             }
+            p = p.wrapping_add(ROUND);
         }
         let sum = _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3]));
         let mut lanes = [0u64; 8];
         // SAFETY: `lanes` is 64 bytes, the width of the store.
         unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), sum) };
-        lanes.iter().fold(plain_fold(&words[rounds * ROUND..]), |s, &l| s.wrapping_add(l))
+        lanes.iter().fold(plain_fold(&words[whole..]), |s, &l| s.wrapping_add(l))
     }
 
     /// Four 256-bit accumulators: 128 bytes a round.
     #[target_feature(enable = "avx2")]
     pub(super) fn sum_avx2(words: &[u64]) -> u64 {
         const ROUND: usize = 16;
-        let rounds = words.len() / ROUND;
-        let p = words.as_ptr();
+        let whole = words.len() / ROUND * ROUND;
+        let (mut p, end) = (words.as_ptr(), words.as_ptr().wrapping_add(whole));
         let mut acc = [_mm256_setzero_si256(); 4];
-        for r in 0..rounds {
+        while p < end {
             for (j, a) in acc.iter_mut().enumerate() {
-                // SAFETY: r * ROUND + 4 * j + 4 <= rounds * ROUND <= words.len();
-                // unaligned loads are allowed.
-                let v = unsafe { _mm256_loadu_si256(p.add(r * ROUND + 4 * j).cast()) };
-                *a = _mm256_add_epi64(*a, v);
+                // SAFETY: p + 4j + 4 <= p + ROUND <= end, inside `words`; unaligned loads are allowed.
+                *a = _mm256_add_epi64(*a, unsafe { _mm256_loadu_si256(p.wrapping_add(4 * j).cast()) });
             }
+            p = p.wrapping_add(ROUND);
         }
         let sum = _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3]));
         let mut lanes = [0u64; 4];
         // SAFETY: `lanes` is 32 bytes, the width of the store.
         unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), sum) };
-        lanes.iter().fold(plain_fold(&words[rounds * ROUND..]), |s, &l| s.wrapping_add(l))
+        lanes.iter().fold(plain_fold(&words[whole..]), |s, &l| s.wrapping_add(l))
     }
 }
 
@@ -207,19 +212,19 @@ mod arm {
     #[target_feature(enable = "neon")]
     pub(super) fn sum_neon(words: &[u64]) -> u64 {
         const ROUND: usize = 8;
-        let rounds = words.len() / ROUND;
-        let p = words.as_ptr();
+        let whole = words.len() / ROUND * ROUND;
+        let (mut p, end) = (words.as_ptr(), words.as_ptr().wrapping_add(whole));
         let mut acc = [vdupq_n_u64(0); 4];
-        for r in 0..rounds {
+        while p < end {
             for (j, a) in acc.iter_mut().enumerate() {
-                // SAFETY: r * ROUND + 2 * j + 2 <= rounds * ROUND <= words.len().
-                let v = unsafe { vld1q_u64(p.add(r * ROUND + 2 * j)) };
-                *a = vaddq_u64(*a, v);
+                // SAFETY: p + 2j + 2 <= p + ROUND <= end, inside `words`.
+                *a = vaddq_u64(*a, unsafe { vld1q_u64(p.wrapping_add(2 * j)) });
             }
+            p = p.wrapping_add(ROUND);
         }
         let sum = vaddq_u64(vaddq_u64(acc[0], acc[1]), vaddq_u64(acc[2], acc[3]));
         let lanes = vgetq_lane_u64::<0>(sum).wrapping_add(vgetq_lane_u64::<1>(sum));
-        lanes.wrapping_add(plain_fold(&words[rounds * ROUND..]))
+        lanes.wrapping_add(plain_fold(&words[whole..]))
     }
 }
 
