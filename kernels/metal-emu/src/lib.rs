@@ -10,7 +10,9 @@
 //! page, filled with 0xff bytes (NaN in f32, f16 and bf16) until written.
 //! Buffers bound read-only are compared before and after each dispatch.
 
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_void};
+#[cfg(metal_emu)]
+use std::ffi::{c_char, c_int};
 use std::fmt;
 use std::ptr::NonNull;
 
