@@ -105,7 +105,6 @@ impl Coordinator {
     /// As [`Coordinator::start`], run under `wrapper` (a command and its
     /// arguments, e.g. `prlimit --nofile=128:128 --`).
     pub fn start_wrapped(wrapper: &[&str], model: &str, local_workers: usize, extra: &[&str]) -> Self {
-        use std::io::BufRead;
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
         let coordinator = binary("tinyvllm-coordinator");
@@ -117,7 +116,7 @@ impl Coordinator {
             }
             None => Command::new(&coordinator),
         };
-        let mut child = command
+        let child = command
             .args([
                 "--model",
                 model_dir(model).to_str().expect("utf-8 path"),
@@ -133,6 +132,13 @@ impl Coordinator {
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("starting the coordinator");
+        Self::attach(child, secret_file, dir, local_workers)
+    }
+
+    /// Reads the started coordinator's first line (its addresses) and
+    /// waits for its local workers.
+    fn attach(mut child: std::process::Child, secret_file: PathBuf, dir: TempDir, local_workers: usize) -> Self {
+        use std::io::BufRead;
         let stdout = child.stdout.take().expect("piped stdout");
         let mut line = String::new();
         std::io::BufReader::new(stdout).read_line(&mut line).expect("coordinator's first line");
@@ -269,7 +275,6 @@ impl Log {
 impl Coordinator {
     /// `start`, with the coordinator's stderr collected into a `Log`.
     pub fn start_logged(model: &str, local_workers: usize, extra: &[&str]) -> (Self, Log) {
-        use std::io::BufRead;
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
         let mut child = Command::new(binary("tinyvllm-coordinator"))
@@ -283,20 +288,7 @@ impl Coordinator {
             .spawn()
             .expect("starting the coordinator");
         let log = Log::collect(child.stderr.take().expect("piped stderr"));
-        let mut line = String::new();
-        let stdout = child.stdout.take().expect("piped stdout");
-        std::io::BufReader::new(stdout).read_line(&mut line).expect("coordinator's first line");
-        let field = |name: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(name))
-                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-                .to_string()
-        };
-        let coordinator = Self { http: field("http="), quic: field("quic="), secret_file, child, _dir: dir };
-        if local_workers > 0 {
-            coordinator.wait_for_workers(local_workers);
-        }
-        (coordinator, log)
+        (Self::attach(child, secret_file, dir, local_workers), log)
     }
 
     /// The pid of local worker `name` (a child started with `--name NAME`).
