@@ -48,6 +48,26 @@ pub struct SamplingParams {
     /// Added to these tokens' logits before the penalties (OpenAI's
     /// `logit_bias`); sorted by id, each id once.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Constrains the output to a grammar (vLLM's `structured_outputs`): the
+    /// worker compiles it once and masks every step's logits with it.
+    pub structured_output: Option<StructuredOutput>,
+}
+
+/// What a structured output must match. The coordinator builds it from
+/// `response_format`, vLLM's `guided_*` fields or a forced tool call; the
+/// worker compiles it (llguidance) into a per-step token mask.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StructuredOutput {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this JSON Schema, given as JSON text.
+    JsonSchema(String),
+    /// Text matching this regular expression.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark dialect (which may embed JSON schemas).
+    Lark(String),
 }
 
 impl Default for SamplingParams {
@@ -68,6 +88,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             logit_bias: Vec::new(),
+            structured_output: None,
         }
     }
 }

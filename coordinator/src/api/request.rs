@@ -152,6 +152,8 @@ impl SamplingFields {
             // Set by the endpoints that score prompts (`echo` with `logprobs`, `/generate`).
             prompt_logprobs: None,
             logit_bias,
+            // Set by the endpoints from `response_format`, `guided_*` or `tool_choice`.
+            structured_output: None,
         })
     }
 
