@@ -6,6 +6,7 @@
 pub mod block_hash;
 pub mod ids;
 pub mod kv_events;
+pub mod log;
 pub mod model;
 pub mod protocol;
 pub mod sampling;

@@ -184,6 +184,6 @@ const NORMALIZER_SLACK: usize = 4;
 /// BPE spells each byte with a 1-2 byte character; `<0xHH>` pieces are 6
 /// bytes for 1), so `bytes / this` bounds a text's token count from below.
 fn max_bytes_per_token(tokenizer: &Tokenizer) -> usize {
-    let longest = (0..tokenizer.vocab_size() as u32).map(|id| tokenizer.token_text(id).len()).max().unwrap_or(1);
+    let longest = (0..tokenizer.vocab_size() as u32).map(|id| tokenizer.token_piece(id).len()).max().unwrap_or(1);
     longest.max(1) * NORMALIZER_SLACK
 }

@@ -21,12 +21,12 @@ struct Args {
     /// A Hugging Face model directory or hub id (workers must serve the same model).
     #[arg(long)]
     model: String,
-    /// HTTP listen address.
+    /// HTTP listen address, HOST:PORT (a host name such as localhost, or an IP address).
     #[arg(long, default_value = "0.0.0.0:8080")]
-    http: SocketAddr,
-    /// QUIC listen address for workers.
+    http: String,
+    /// QUIC listen address for workers, HOST:PORT (a host name or an IP address).
     #[arg(long, default_value = "0.0.0.0:7070")]
-    quic: SocketAddr,
+    quic: String,
     /// Start and supervise this many workers on this host.
     #[arg(long, default_value_t = 0)]
     local_workers: usize,
@@ -120,18 +120,23 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
         _ => common::transport::self_signed_cert()?,
     };
+    let quic_bind = tokio::net::lookup_host(&args.quic)
+        .await
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .with_context(|| format!("--quic {}: not a HOST:PORT this machine can resolve", args.quic))?;
     let endpoint = {
         // The endpoint's driver task runs on the runtime it is made in.
         let _cluster_context = cluster_runtime.enter();
-        quinn::Endpoint::server(common::transport::server_config(cert, key)?, args.quic)
-            .with_context(|| format!("binding QUIC on {}", args.quic))?
+        quinn::Endpoint::server(common::transport::server_config(cert, key)?, quic_bind)
+            .with_context(|| format!("binding QUIC on {} ({quic_bind})", args.quic))?
     };
     let quic_addr = endpoint.local_addr()?;
     cluster_runtime.spawn(cluster.clone().accept_workers(endpoint.clone()));
     cluster_runtime.spawn(cluster.clone().watchdog());
 
     let listener =
-        tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
+        tokio::net::TcpListener::bind(&args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
     let http_addr = listener.local_addr()?;
     let limits = http_limits(&args);
     let app = Arc::new(AppState::new(
@@ -169,7 +174,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let server = tokio::spawn(coordinator::http::serve(listener, app.clone(), stop_rx.clone()));
 
     common::transport::shutdown_signal().await;
-    eprintln!("coordinator: shutting down; finishing in-flight requests");
+    common::log!("shutting down; finishing in-flight requests");
     app.begin_shutdown();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.shutdown_timeout_secs);
     while cluster.in_flight() > 0 && tokio::time::Instant::now() < deadline {
@@ -197,7 +202,7 @@ fn http_limits(args: &Args) -> coordinator::app::HttpLimits {
     if let Some(limit) = raise_fd_limit() {
         let room = limit.saturating_sub(OTHER_DESCRIPTORS).max(16);
         if (max_connections as u64) > room {
-            eprintln!("coordinator: at most {room} HTTP connections (descriptor limit {limit}), not {max_connections}");
+            common::log!("at most {room} HTTP connections (descriptor limit {limit}), not {max_connections}");
             max_connections = room as usize;
         }
     }
@@ -272,7 +277,7 @@ fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     if path.exists() {
         let read = common::transport::read_secret_file(path)?;
         for warning in &read.warnings {
-            eprintln!("coordinator: warning: {warning}");
+            common::log!("warning: {warning}");
         }
         return Ok(read.secret);
     }
@@ -283,7 +288,7 @@ fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
     let mut file = options.open(path).with_context(|| format!("creating {}", path.display()))?;
     std::io::Write::write_all(&mut file, secret.as_bytes())?;
-    eprintln!("coordinator: wrote a new cluster secret to {} (give this file to remote workers)", path.display());
+    common::log!("wrote a new cluster secret to {} (give this file to remote workers)", path.display());
     Ok(secret)
 }
 
@@ -329,7 +334,7 @@ async fn supervise_local_workers(
 ) {
     let exe = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("tinyvllm-worker")));
     let Some(exe) = exe.filter(|p| p.exists()) else {
-        eprintln!("coordinator: tinyvllm-worker not found next to this binary; cannot start local workers");
+        common::log!("tinyvllm-worker not found next to this binary; cannot start local workers");
         return;
     };
     let mut tasks = Vec::new();
@@ -360,7 +365,7 @@ async fn supervise_local_workers(
                 {
                     Ok(child) => child,
                     Err(e) => {
-                        eprintln!("coordinator: starting local worker {i}: {e}");
+                        common::log!("starting local worker {i}: {e}");
                         return;
                     }
                 };
@@ -372,7 +377,7 @@ async fn supervise_local_workers(
                         };
                         cluster.worker_process_exited(&name, &status);
                         let pause = backoff.after_exit(started.elapsed());
-                        eprintln!("coordinator: local worker {i} exited ({status}); restarting in {pause:?}");
+                        common::log!("local worker {i} exited ({status}); restarting in {pause:?}");
                         tokio::time::sleep(pause).await;
                     }
                     _ = stop.changed() => {

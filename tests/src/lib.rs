@@ -275,11 +275,21 @@ impl Log {
 impl Coordinator {
     /// `start`, with the coordinator's stderr collected into a `Log`.
     pub fn start_logged(model: &str, local_workers: usize, extra: &[&str]) -> (Self, Log) {
+        Self::start_logged_at(("127.0.0.1:0", "127.0.0.1:0"), model, local_workers, extra)
+    }
+
+    /// `start_logged`, listening on `(http, quic)`, each HOST:PORT.
+    pub fn start_logged_at(
+        (http, quic): (&str, &str),
+        model: &str,
+        local_workers: usize,
+        extra: &[&str],
+    ) -> (Self, Log) {
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
         let mut child = Command::new(binary("tinyvllm-coordinator"))
-            .args(["--model", model_dir(model).to_str().expect("utf-8 path"), "--http", "127.0.0.1:0"])
-            .args(["--quic", "127.0.0.1:0", "--local-workers", &local_workers.to_string()])
+            .args(["--model", model_dir(model).to_str().expect("utf-8 path"), "--http", http])
+            .args(["--quic", quic, "--local-workers", &local_workers.to_string()])
             .arg("--cluster-secret-file")
             .arg(&secret_file)
             .args(extra)

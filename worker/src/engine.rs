@@ -102,7 +102,7 @@ impl Engine {
                 return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
             }
             let (quantized, total) = model.quantize(q)?;
-            eprintln!(
+            common::log!(
                 "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple \
                  of 32, or were quantized already)"
             );

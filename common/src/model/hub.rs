@@ -106,19 +106,19 @@ struct LogProgress {
 impl hf_hub::api::Progress for LogProgress {
     fn init(&mut self, size: usize, filename: &str) {
         let (lines, first) = ProgressLines::start(&self.repo, filename, size as u64, Instant::now());
-        eprintln!("{first}");
+        crate::log!("{first}");
         self.lines = Some(lines);
     }
 
     fn update(&mut self, size: usize) {
         if let Some(line) = self.lines.as_mut().and_then(|l| l.advance(size as u64, Instant::now())) {
-            eprintln!("{line}");
+            crate::log!("{line}");
         }
     }
 
     fn finish(&mut self) {
         if let Some(lines) = &self.lines {
-            eprintln!("{}", lines.finish());
+            crate::log!("{}", lines.finish());
         }
     }
 }

@@ -125,7 +125,8 @@ impl TokenLogprob {
     }
 }
 
-/// Chat's `logprobs`: each token with its UTF-8 bytes.
+/// Chat's `logprobs`: each token with its bytes (a partial UTF-8 character's
+/// too, so that clients can join them, as OpenAI's).
 #[derive(Debug, Serialize)]
 pub struct ChatLogprobs {
     content: Vec<ChatTokenLogprob>,
@@ -148,21 +149,19 @@ struct ChatTopLogprob {
 
 impl ChatLogprobs {
     pub fn new(tokenizer: &Tokenizer, ids: &[u32], lps: &[WireLogprobs]) -> Self {
-        let top = |&(t, lp): &(u32, f32)| {
-            let token = tokenizer.token_text(t);
-            ChatTopLogprob { bytes: token.as_bytes().to_vec(), token, logprob: openai_logprob(lp) }
+        let top = |&(t, lp): &(u32, f32)| ChatTopLogprob {
+            bytes: tokenizer.token_bytes(t),
+            token: tokenizer.token_text(t),
+            logprob: openai_logprob(lp),
         };
         let content = ids
             .iter()
             .zip(lps)
-            .map(|(&id, l)| {
-                let token = tokenizer.token_text(id);
-                ChatTokenLogprob {
-                    bytes: token.as_bytes().to_vec(),
-                    token,
-                    logprob: openai_logprob(l.logprob),
-                    top_logprobs: l.top.iter().map(top).collect(),
-                }
+            .map(|(&id, l)| ChatTokenLogprob {
+                bytes: tokenizer.token_bytes(id),
+                token: tokenizer.token_text(id),
+                logprob: openai_logprob(l.logprob),
+                top_logprobs: l.top.iter().map(top).collect(),
             })
             .collect();
         Self { content }

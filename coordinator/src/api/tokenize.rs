@@ -61,7 +61,7 @@ fn tokenize_body(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
         (None, None) => return Err(ApiError::invalid("prompt", "prompt or messages is required")),
     };
     let token_strs =
-        req.return_token_strs.unwrap_or(false).then(|| ids.iter().map(|&id| app.tokenizer.token_text(id)).collect());
+        req.return_token_strs.unwrap_or(false).then(|| ids.iter().map(|&id| app.tokenizer.token_piece(id)).collect());
     Ok(Reply::json(&Tokenized { count: ids.len(), max_model_len: app.max_model_len(), tokens: ids, token_strs }))
 }
 

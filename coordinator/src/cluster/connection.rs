@@ -45,8 +45,8 @@ impl Cluster {
             let Ok(permit) = unauthenticated.clone().try_acquire_owned() else {
                 // Log once per burst of refusals, not once per packet.
                 if !refused_logged {
-                    eprintln!(
-                        "coordinator: {MAX_UNAUTHENTICATED} connections are already authenticating; refusing new \
+                    common::log!(
+                        "{MAX_UNAUTHENTICATED} connections are already authenticating; refusing new \
                          ones (from {})",
                         incoming.remote_address()
                     );
@@ -69,7 +69,7 @@ impl Cluster {
                     Err(_) => Ended::Unauthenticated(format!("no accepted handshake within {AUTH_TIMEOUT:?}")),
                 };
                 match result {
-                    Ended::Unauthenticated(why) => eprintln!("coordinator: connection from {address}: {why}"),
+                    Ended::Unauthenticated(why) => common::log!("connection from {address}: {why}"),
                     Ended::Worker(id, why) => cluster.remove_worker(id, &why),
                 }
             });
@@ -94,7 +94,7 @@ impl Cluster {
             })?
             .ok_or("closed before the handshake")?;
         if let Some(reason) = self.refusal(&hello, &binding) {
-            eprintln!("coordinator: refusing worker {:?} at {address}: {reason}", hello.worker_name);
+            common::log!("refusing worker {:?} at {address}: {reason}", hello.worker_name);
             let _ = transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await;
             let _ = send.finish();
             // Give the refusal time to arrive before the connection drops.
@@ -128,7 +128,7 @@ impl Cluster {
         if let Err(e) = transport::write_frame(&mut send, &reply).await {
             return Ended::Worker(worker_id, e.to_string());
         }
-        eprintln!("coordinator: worker {:?} at {address} registered as {worker_id}", hello.worker_name);
+        common::log!("worker {:?} at {address} registered as {worker_id}", hello.worker_name);
         let writer = tokio::spawn(async move {
             while let Some(message) = rx.recv().await {
                 if transport::write_frame(&mut send, &message).await.is_err() {
@@ -217,15 +217,12 @@ impl Cluster {
                 state.registry.on_stats(worker, stats);
             }
             WorkerMessage::Draining => {
-                eprintln!(
-                    "coordinator: worker {} is draining; routing no new requests to it",
-                    state.registry.label(worker)
-                );
+                common::log!("worker {} is draining; routing no new requests to it", state.registry.label(worker));
                 state.registry.set_draining(worker);
             }
             WorkerMessage::KvEvents(events) => {
                 if state.router.apply_kv_events(worker, &events) == EventOutcome::NeedSnapshot {
-                    eprintln!("coordinator: KV event gap from {}; requesting a snapshot", state.registry.label(worker));
+                    common::log!("KV event gap from {}; requesting a snapshot", state.registry.label(worker));
                     if let Some(w) = state.registry.get(worker) {
                         w.send(CoordinatorMessage::RequestKvSnapshot);
                     }

@@ -228,8 +228,8 @@ impl Cluster {
             Ok(target) => {
                 state.redispatches += 1;
                 self.metrics.redispatches.inc();
-                eprintln!(
-                    "coordinator: request {id} moved from worker {from_label} to {} after {} streamed tokens",
+                common::log!(
+                    "request {id} moved from worker {from_label} to {} after {} streamed tokens",
                     state.registry.label(target),
                     output.len()
                 );
@@ -239,7 +239,7 @@ impl Cluster {
                 }
             }
             Err(_) => {
-                eprintln!("coordinator: request {id} from worker {from_label} failed: no other worker can take it");
+                common::log!("request {id} from worker {from_label} failed: no other worker can take it");
                 if let Some(req) = state.requests.remove(&id) {
                     let _ = req.events.send(RequestEvent::Failed {
                         message: "the worker serving this request was lost and no other worker is available".into(),

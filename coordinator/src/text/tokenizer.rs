@@ -37,6 +37,11 @@ pub struct Tokenizer {
     byte_ids: HashSet<u32>,
     /// Added tokens marked special: what `skip_special_tokens` drops.
     special_ids: HashSet<u32>,
+    /// Added tokens (special or not): their pieces are literal text.
+    added_ids: HashSet<u32>,
+    /// The decoder is byte-level BPE's (GPT-2, Llama 3, Qwen): each byte of
+    /// text is spelled as one printable character in the pieces.
+    byte_level: bool,
 }
 
 impl Tokenizer {
@@ -78,8 +83,10 @@ impl Tokenizer {
         }
 
         let byte_ids = (0..=255u8).filter_map(|b| inner.token_to_id(&format!("<0x{b:02X}>"))).collect();
-        let special_ids =
-            inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        let added = inner.get_added_tokens_decoder();
+        let special_ids = added.iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        let added_ids = added.keys().copied().collect();
+        let byte_level = serde_json::to_value(inner.get_decoder()).is_ok_and(|d| is_byte_level_decoder(&d));
         let vocab_size = inner.get_vocab_size(true);
         Ok(Self {
             inner,
@@ -91,6 +98,8 @@ impl Tokenizer {
             model_max_length,
             byte_ids,
             special_ids,
+            added_ids,
+            byte_level,
         })
     }
 
@@ -107,13 +116,39 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special_tokens).unwrap_or_default()
     }
 
-    /// One token as text (its piece with SentencePiece's `▁` as a space),
-    /// for logprobs.
-    pub fn token_text(&self, id: u32) -> String {
-        match self.inner.id_to_token(id) {
-            Some(piece) => piece.replace('\u{2581}', " "),
-            None => String::new(),
+    /// One token's piece as the vocabulary spells it (`Ġhello`, `▁time`,
+    /// `<0xE2>`), as transformers' `convert_ids_to_tokens`.
+    pub fn token_piece(&self, id: u32) -> String {
+        self.inner.id_to_token(id).unwrap_or_default()
+    }
+
+    /// The bytes one token adds to the text: byte-level BPE's characters
+    /// mapped back to their bytes, a `<0xHH>` piece as its byte, SentencePiece's
+    /// `▁` as a space. A token may hold part of a UTF-8 character; OpenAI's
+    /// chat logprobs give these bytes so that clients can join them.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let piece = self.token_piece(id);
+        if self.added_ids.contains(&id) {
+            return piece.into_bytes();
         }
+        if self.byte_level
+            && let Some(bytes) = piece.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>()
+        {
+            return bytes;
+        }
+        let hex = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+        if self.byte_ids.contains(&id)
+            && let Some(byte) = hex.and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            return vec![byte];
+        }
+        piece.replace('\u{2581}', " ").into_bytes()
+    }
+
+    /// One token as text, for logprobs: its bytes, with a partial UTF-8
+    /// character as U+FFFD (as vLLM).
+    pub fn token_text(&self, id: u32) -> String {
+        String::from_utf8_lossy(&self.token_bytes(id)).into_owned()
     }
 
     /// Including added tokens.
@@ -160,6 +195,25 @@ impl Tokenizer {
 
 /// `Ok(None)` when the file does not exist: every file but `tokenizer.json`
 /// is optional in a Hugging Face model directory.
+/// Whether a `tokenizer.json` decoder (as JSON) is, or contains, ByteLevel.
+fn is_byte_level_decoder(decoder: &Value) -> bool {
+    decoder.get("type").and_then(Value::as_str) == Some("ByteLevel")
+        || decoder.get("decoders").and_then(Value::as_array).is_some_and(|d| d.iter().any(is_byte_level_decoder))
+}
+
+/// The byte that byte-level BPE (GPT-2's `bytes_to_unicode`) spells as `c`:
+/// printable Latin-1 bytes stand for themselves, and the other 68 bytes, in
+/// order, were moved to U+0100 onwards.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| matches!(b, 33..=126 | 161..=172 | 174..=255);
+    let code = u32::from(c);
+    if code < 256 {
+        return printable(code).then_some(code as u8);
+    }
+    let index = (code - 256) as usize;
+    (0u32..256).filter(|&b| !printable(b)).nth(index).map(|b| b as u8)
+}
+
 fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
@@ -272,6 +326,64 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A byte-level BPE tokenizer (GPT-2's scheme, as Llama 3's and Qwen's):
+    /// the 256 byte characters, a few merges, and `<|im_end|>` added.
+    fn byte_level_tokenizer() -> Tokenizer {
+        let alphabet: Vec<char> =
+            (0..512u32).filter_map(char::from_u32).filter(|&c| byte_level_byte(c).is_some()).collect();
+        assert_eq!(alphabet.len(), 256);
+        let mut vocab: serde_json::Map<String, Value> =
+            alphabet.iter().enumerate().map(|(i, c)| (c.to_string(), Value::from(i))).collect();
+        let merges = ["\u{120} t", "\u{120}t i", "\u{120}ti m", "\u{120}tim e", "O n", "On c", "Onc e"];
+        for merge in merges {
+            vocab.insert(merge.replace(' ', ""), Value::from(vocab.len()));
+        }
+        let end = vocab.len();
+        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+        let tokenizer = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "normalizer": null, "post_processor": null,
+            "added_tokens": [{"id": end, "content": "<|im_end|>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "pre_tokenizer": byte_level, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "vocab": vocab, "merges": merges},
+        });
+        let dir = scratch_dir("byte-level", &[("tokenizer.json", &tokenizer.to_string())]);
+        Tokenizer::from_dir(&dir).expect("a byte-level tokenizer")
+    }
+
+    /// A text's tokens' bytes join into the text's bytes, multi-byte
+    /// characters split over tokens included: byte-level BPE and
+    /// SentencePiece with byte fallback (the test models) alike.
+    #[test]
+    fn token_bytes_join_into_the_text() {
+        let text = "Once upon a time: héllo wörld, 世界 🙂 naïve\ttabs";
+        let mut tokenizers: Vec<(&str, Tokenizer)> =
+            ["tiny-qwen3", "tiny-llama3", "stories260K"].into_iter().map(|name| (name, model(name))).collect();
+        tokenizers.push(("byte-level", byte_level_tokenizer()));
+        for (name, tok) in &tokenizers {
+            let ids = tok.encode(text, false).expect("encode");
+            let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+            let joined = String::from_utf8(bytes).expect("whole characters once joined");
+            // SentencePiece prepends a space to the text.
+            assert_eq!(joined.strip_prefix(' ').filter(|_| !tok.byte_level).unwrap_or(&joined), text, "{name}");
+        }
+        let (_, bpe) = tokenizers.pop().expect("byte-level");
+        assert!(bpe.byte_level && !tokenizers.iter().any(|(_, t)| t.byte_level));
+        let time = bpe.encode(" time", false).expect("encode");
+        assert_eq!((bpe.token_piece(time[0]), bpe.token_text(time[0])), ("\u{120}time".into(), " time".into()));
+        let emoji = bpe.encode("🙂", false).expect("encode");
+        assert_eq!(emoji.len(), 4, "one token a byte");
+        assert_eq!(bpe.token_bytes(emoji[0]), [0xF0]);
+        assert_eq!(bpe.token_text(emoji[0]), "\u{FFFD}", "a partial character reads as U+FFFD");
+        let end = bpe.token_to_id("<|im_end|>").expect("an added token");
+        assert_eq!(bpe.token_bytes(end), b"<|im_end|>");
+        let llama = model("stories260K");
+        let byte = llama.token_to_id("<0xE4>").expect("a byte piece");
+        assert_eq!((llama.token_bytes(byte), llama.token_piece(byte)), (vec![0xE4], "<0xE4>".into()));
     }
 
     #[test]

@@ -65,14 +65,14 @@ pub struct EngineArgs {
 pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
     let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
     if files.random_weights {
-        eprintln!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
+        common::log!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
     }
     let selected = worker::runner::device::select(match args.device {
         DeviceArg::Auto => DeviceChoice::Auto,
         DeviceArg::Cpu => DeviceChoice::Cpu,
         DeviceArg::Metal => DeviceChoice::Metal,
     })?;
-    eprintln!("device: {}", selected.description);
+    common::log!("device: {}", selected.description);
     let device = selected.device.clone();
     let dtype = resolve_dtype(args.dtype, &files, &device);
     let config = EngineConfig {
@@ -89,7 +89,12 @@ pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, St
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
     let stats = engine.stats();
-    eprintln!("loaded {} ({dtype:?}), KV cache: {} blocks of {}", files.name, stats.kv_blocks_total, args.block_size);
+    common::log!(
+        "loaded {} ({dtype:?}), KV cache: {} blocks of {}",
+        files.name,
+        stats.kv_blocks_total,
+        args.block_size
+    );
     Ok((engine, files, selected.description))
 }
 

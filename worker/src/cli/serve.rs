@@ -21,10 +21,11 @@ pub struct ServeArgs {
     /// File holding the cluster secret (the coordinator writes one at start).
     #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE")]
     cluster_secret_file: std::path::PathBuf,
-    /// Serve Prometheus metrics (vLLM's names) on HOST:PORT; port 0 picks a
-    /// free one. The coordinator lists it at /v1/prometheus/targets.
+    /// Serve Prometheus metrics (vLLM's names) on HOST:PORT (a host name or
+    /// an IP address); port 0 picks a free one. The coordinator lists it at
+    /// /v1/prometheus/targets.
     #[arg(long)]
-    metrics: Option<std::net::SocketAddr>,
+    metrics: Option<String>,
     /// The model name in metric labels (default: the model directory's name,
     /// as the coordinator's default --served-model-name).
     #[arg(long)]
@@ -37,26 +38,28 @@ pub struct ServeArgs {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     use worker::serve::service::{self, ServeConfig};
+    let name = args.name.clone().unwrap_or_else(|| {
+        let host =
+            std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
+        format!("{host}-{}", std::process::id())
+    });
+    // Every log line from here on says which worker wrote it.
+    common::log::set_process_name(format!("worker {name}"));
     // Under 16 bytes is refused; short, or readable by others, is warned about.
     let read = common::transport::read_secret_file(&args.cluster_secret_file)?;
     for warning in &read.warnings {
-        eprintln!("worker: warning: {warning}");
+        common::log!("warning: {warning}");
     }
     let secret = read.secret;
     if args.exit_with_parent {
         watch_parent();
     }
     let (engine, files, device) = build_engine(&args.engine)?;
-    let name = args.name.clone().unwrap_or_else(|| {
-        let host =
-            std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
-        format!("{host}-{}", std::process::id())
-    });
     let stats = engine.stats();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let mut metrics = None;
     let mut metrics_address = None;
-    if let Some(addr) = args.metrics {
+    if let Some(addr) = &args.metrics {
         let listener = runtime
             .block_on(worker::serve::metrics_server::bind(addr))
             .with_context(|| format!("binding the metrics endpoint on {addr}"))?;
@@ -69,7 +72,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             listener,
             std::sync::Arc::new(move || worker::serve::metrics::render(&registry)),
         ));
-        eprintln!("worker {name}: metrics on http://{bound}/metrics");
+        common::log!("metrics on http://{bound}/metrics");
         metrics = Some(engine_metrics);
         metrics_address = Some(bound.to_string());
     }
@@ -94,7 +97,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         // are refused, then the engine stops and serve() returns.
         tokio::spawn(async move {
             common::transport::shutdown_signal().await;
-            eprintln!("signal received: draining");
+            common::log!("signal received: draining");
             let _ = drain.send(service::EngineCommand::Drain);
         });
         service::serve(config, stats.kv_blocks_total as u64, cmd_tx, out_rx).await
@@ -115,7 +118,7 @@ fn watch_parent() {
             loop {
                 std::thread::sleep(std::time::Duration::from_millis(500));
                 if std::os::unix::process::parent_id() != parent {
-                    eprintln!("parent process exited; stopping");
+                    common::log!("parent process exited; stopping");
                     std::process::exit(0);
                 }
             }

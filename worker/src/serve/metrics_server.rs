@@ -9,7 +9,6 @@
 //! so idle or slow clients cannot hold the worker's descriptors.
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +22,8 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Binds the metrics listener (port 0 picks a free port).
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+/// Binds `addr`, HOST:PORT (a host name is resolved; the first address is used).
+pub async fn bind(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await
 }
 
@@ -91,7 +91,7 @@ where
         match accept().await {
             Ok(stream) => {
                 if errors.in_burst > 0 {
-                    eprintln!("worker metrics: accepting again after {} failed accepts", errors.in_burst);
+                    common::log!("metrics endpoint: accepting again after {} failed accepts", errors.in_burst);
                     errors.in_burst = 0;
                 }
                 errors.backoff = Duration::ZERO;
@@ -99,7 +99,7 @@ where
             }
             Err(e) => {
                 if errors.in_burst == 0 {
-                    eprintln!("worker metrics: accept failed: {e}; retrying with backoff (logged once per burst)");
+                    common::log!("metrics endpoint: accept failed: {e}; retrying with backoff (logged once per burst)");
                 }
                 errors.in_burst += 1;
                 errors.total += 1;

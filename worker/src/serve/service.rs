@@ -167,7 +167,7 @@ pub fn engine_loop(
                 }
                 Err(e) => {
                     // A failed forward pass fails the requests of that step, not the worker.
-                    eprintln!("engine step failed: {e}; aborting in-flight requests");
+                    common::log!("engine step failed: {e}; aborting in-flight requests");
                     for id in live.drain(..) {
                         if let Some(o) = engine.abort(id) {
                             if let Some(m) = &metrics {
@@ -250,7 +250,7 @@ pub async fn serve(
                 return Ok(());
             }
             Ok(SessionEnd::Disconnected(why)) => {
-                eprintln!("worker {}: lost the coordinator ({why}); reconnecting", config.name);
+                common::log!("lost the coordinator at {addr} ({why}); reconnecting");
                 backoff = Duration::from_millis(100);
             }
             Err(
@@ -258,7 +258,7 @@ pub async fn serve(
             ) => {
                 return Err(e);
             }
-            Err(e) => eprintln!("worker {}: {e}; retrying in {backoff:?}", config.name),
+            Err(e) => common::log!("connecting to the coordinator at {addr}: {e}; retrying in {backoff:?}"),
         }
         commands.send(EngineCommand::AbortAll).map_err(|_| ServiceError::EngineStopped)?;
         tokio::time::sleep(backoff).await;
@@ -304,7 +304,7 @@ async fn session(
                 return Err(ServiceError::CoordinatorNotAuthenticated);
             }
             transport::trust_connection(&conn);
-            eprintln!("worker {}: registered with {addr} as worker {worker_id}", config.name);
+            common::log!("registered with the coordinator at {addr} as worker {worker_id}");
         }
         Some(HandshakeReply::Refused { reason }) => return Err(ServiceError::Refused(reason)),
         None => return Ok(SessionEnd::Disconnected("closed during the handshake".into())),
