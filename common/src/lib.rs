@@ -7,6 +7,7 @@ pub mod block_hash;
 pub mod ids;
 pub mod kv_events;
 pub mod model;
+pub mod pipeline;
 pub mod protocol;
 pub mod sampling;
 #[cfg(feature = "transport")]

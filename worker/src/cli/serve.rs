@@ -6,15 +6,34 @@
 use anyhow::Context;
 use clap::Args;
 
-use super::engine_args::{EngineArgs, build_engine, on_the_kernel_pool};
+use common::pipeline::LayerRange;
+
+use super::engine_args::{EngineArgs, build_engine_from, on_the_kernel_pool, resolve};
+use super::stage::StageArgs;
 
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
     engine: EngineArgs,
-    /// The coordinator's QUIC address, HOST:PORT.
+    /// The coordinator's QUIC address, HOST:PORT (every worker but a later
+    /// pipeline stage, which talks to the stages beside it only).
     #[arg(long)]
-    coordinator: String,
+    coordinator: Option<String>,
+    /// Hold only decoder layers FIRST-LAST (inclusive, e.g. 0-11): one stage
+    /// of a pipeline. The stage with layer 0 joins the coordinator and
+    /// schedules; the others serve the stage before them.
+    #[arg(long)]
+    layers: Option<String>,
+    /// The next pipeline stage's address, HOST:PORT (every stage but the last).
+    #[arg(long)]
+    next_stage: Option<String>,
+    /// Where a later pipeline stage listens for the stage before it,
+    /// HOST:PORT (port 0 picks one; it is logged).
+    #[arg(long)]
+    stage_listen: Option<std::net::SocketAddr>,
+    /// Write the bound --stage-listen address to this file once listening.
+    #[arg(long)]
+    stage_address_file: Option<std::path::PathBuf>,
     /// This worker's name in logs, metrics and /v1/workers (default: host name and pid).
     #[arg(long)]
     name: Option<String>,
@@ -46,14 +65,36 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.exit_with_parent {
         watch_parent();
     }
-    let (engine, files, device) = build_engine(&args.engine)?;
     let name = args.name.clone().unwrap_or_else(|| {
         let host =
             std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
         format!("{host}-{}", std::process::id())
     });
-    let stats = engine.stats();
+    let resolved = resolve(&args.engine)?;
+    let num_layers = resolved.files.config.num_layers;
+    let layers = args.layers.as_deref().map(|l| LayerRange::parse(l, num_layers)).transpose()?;
+    let layers = layers.filter(|l| !l.is_full());
+    if let Some(l) = layers.filter(|l| !l.is_last()) {
+        anyhow::ensure!(args.next_stage.is_some(), "--layers {l} end before the model's last layer: give --next-stage");
+    }
+    anyhow::ensure!(
+        args.next_stage.is_none() || layers.is_some(),
+        "--next-stage needs --layers: this worker holds every layer"
+    );
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    if let Some(l) = layers.filter(|l| !l.is_first()) {
+        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(&args, name, secret), runtime);
+    }
+    let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;
+    let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
+    if let (Some(next), Some(l)) = (&args.next_stage, layers) {
+        let downstream = runtime.block_on(super::stage::dial_next(&name, &secret, &files, &args.engine, l, next))?;
+        let weights = engine.resident_weight_bytes() as u64;
+        let kv = engine.kv_cache_bytes();
+        super::stage::log_pipeline(&name, l, weights, kv, &downstream.stages);
+        engine.attach_next_stage(downstream)?;
+    }
+    let stats = engine.stats();
     let mut metrics = None;
     let mut metrics_address = None;
     if let Some(addr) = args.metrics {
@@ -74,7 +115,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics_address = Some(bound.to_string());
     }
     let config = ServeConfig {
-        coordinator: args.coordinator.clone(),
+        coordinator,
         name,
         secret,
         model: files.identity(),
@@ -104,6 +145,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     drop(runtime);
     let _ = engine_thread.join();
     Ok(result?)
+}
+
+fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {
+    StageArgs {
+        name,
+        secret,
+        listen: args.stage_listen,
+        address_file: args.stage_address_file.clone(),
+        next_stage: args.next_stage.clone(),
+    }
 }
 
 /// Exits once this process is re-parented (its parent died).
