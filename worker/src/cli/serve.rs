@@ -114,6 +114,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics = Some(engine_metrics);
         metrics_address = Some(bound.to_string());
     }
+    let pipeline_lost = std::sync::Arc::new(std::sync::OnceLock::new());
     let config = ServeConfig {
         coordinator,
         name,
@@ -123,12 +124,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_model_len: engine.scheduler().config().max_model_len as u64,
         metrics_address,
         device,
+        pipeline_lost: pipeline_lost.clone(),
     };
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();
     let engine_thread = std::thread::Builder::new()
         .name("engine".into())
-        .spawn(move || on_the_kernel_pool(|| service::engine_loop(engine, cmd_rx, out_tx, metrics)))?;
+        .spawn(move || on_the_kernel_pool(|| service::engine_loop(engine, cmd_rx, out_tx, metrics, &pipeline_lost)))?;
     let drain = cmd_tx.clone();
     let result = runtime.block_on(async move {
         // SIGTERM drains: running requests finish and stream out, new ones
