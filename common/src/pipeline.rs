@@ -90,15 +90,22 @@ pub fn split_layers(total: usize, memory: &[u64]) -> Result<Vec<LayerRange>, Lay
     if stages > total {
         return Err(LayerRangeError::TooManyStages { layers: total, stages });
     }
-    // One layer each first, then the rest by memory.
-    let rest = (total - stages) as u128;
-    let mut counts: Vec<usize> = memory.iter().map(|&m| 1 + (rest * u128::from(m) / sum) as usize).collect();
+    // Shares of `total` by memory, rounded down, the rest by largest remainder.
+    let total_wide = total as u128;
+    let mut counts: Vec<usize> = memory.iter().map(|&m| (total_wide * u128::from(m) / sum) as usize).collect();
     let mut remainders: Vec<(u128, usize)> =
-        memory.iter().enumerate().map(|(i, &m)| (rest * u128::from(m) % sum, i)).collect();
+        memory.iter().enumerate().map(|(i, &m)| (total_wide * u128::from(m) % sum, i)).collect();
     remainders.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let missing = total - counts.iter().sum::<usize>();
     for &(_, i) in remainders.iter().take(missing) {
         counts[i] += 1;
+    }
+    // A stage with no layer takes one from the stage with the most (the
+    // earliest on a tie); there are at least as many layers as stages.
+    while let Some(empty) = counts.iter().position(|&n| n == 0) {
+        let most = (0..stages).max_by_key(|&i| (counts[i], std::cmp::Reverse(i))).expect("stages > 0");
+        counts[most] -= 1;
+        counts[empty] += 1;
     }
     let mut start = 0;
     Ok(counts

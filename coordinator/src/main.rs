@@ -264,7 +264,7 @@ fn pipeline_stages(args: &Args, num_layers: usize) -> anyhow::Result<Option<Vec<
         return Ok(None);
     }
     anyhow::ensure!(
-        args.local_workers > 0 && args.local_workers % p == 0,
+        args.local_workers > 0 && args.local_workers.is_multiple_of(p),
         "--pipeline-parallel-size {p} needs --local-workers a multiple of {p} (remote stages are pinned with --layers \
          on each worker)"
     );

@@ -94,6 +94,7 @@ fn start_stage(
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    terminate(&mut child);
     panic!("the stage never listened: {}", log.text());
 }
 

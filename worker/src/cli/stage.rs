@@ -44,7 +44,7 @@ pub fn run_later_stage(
         runner.num_blocks(),
         mib(info.kv_bytes)
     );
-    let compute = Compute::start(runner, &args.name, |f| on_the_kernel_pool(f))?;
+    let compute = Compute::start(runner, &args.name, on_the_kernel_pool)?;
     let config = FollowerConfig {
         name: args.name,
         secret: args.secret,

@@ -79,7 +79,7 @@ pub async fn dial_until_up(address: &str, secret: &str, hello: StageHello) -> Re
             Ok(downstream) => return Ok(downstream),
             Err(e @ (LinkError::Refused(_) | LinkError::NotAuthenticated | LinkError::Address(..))) => return Err(e),
             Err(e) => {
-                if attempts % 25 == 0 {
+                if attempts.is_multiple_of(25) {
                     eprintln!("stage {}: next stage at {address} not reachable yet ({e}); retrying", hello.name);
                 }
                 attempts += 1;
