@@ -76,6 +76,21 @@ impl std::fmt::Display for LayerRange {
     }
 }
 
+/// One stage of a worker's pipeline, as reported at registration and shown
+/// in `/v1/workers`. A worker that is no pipeline reports itself as its
+/// one stage, so every worker reports its resident memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageInfo {
+    /// The worker process's name.
+    pub name: String,
+    /// Inclusive, as `--layers` takes it ("0-11").
+    pub layers: String,
+    /// Bytes of weights the stage holds.
+    pub weight_bytes: u64,
+    /// Bytes of its KV cache's block pools.
+    pub kv_bytes: u64,
+}
+
 /// Splits `total` layers over stages in proportion to `memory` (bytes each
 /// stage can give to the model), in order, each stage at least one layer
 /// (vLLM likewise refuses more stages than layers). The shares are rounded

@@ -45,6 +45,10 @@ fn two_stages_reproduce_every_models_goldens_with_chunked_prefill_and_cache_hits
         let workers = cluster.workers();
         let workers = workers["data"].as_array().unwrap();
         assert_eq!(workers.len(), 1, "a pipeline is one routing target: {workers:?}");
+        let stages = workers[0]["stages"].as_array().expect("stages");
+        let names: Vec<&str> = stages.iter().map(|s| s["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["local-0", "local-0-stage-1"], "{model}");
+        assert!(stages.iter().all(|s| s["weight_bytes"].as_u64() > Some(0) && s["kv_bytes"].as_u64() > Some(0)));
     }
 }
 
@@ -52,6 +56,10 @@ fn two_stages_reproduce_every_models_goldens_with_chunked_prefill_and_cache_hits
 fn three_stages_of_stories260k_reproduce_the_goldens() {
     let cluster = Coordinator::start_pipelines("stories260K", 1, 3, &[]);
     check_goldens(&cluster, "stories260K");
+    let workers = cluster.workers();
+    let layers: Vec<&str> =
+        workers["data"][0]["stages"].as_array().unwrap().iter().map(|s| s["layers"].as_str().unwrap()).collect();
+    assert_eq!(layers, ["0-1", "2-3", "4-4"], "5 layers split evenly over 3 stages");
 }
 
 #[test]

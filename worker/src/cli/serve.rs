@@ -6,7 +6,7 @@
 use anyhow::Context;
 use clap::Args;
 
-use common::pipeline::LayerRange;
+use common::pipeline::{LayerRange, StageInfo};
 
 use super::engine_args::{EngineArgs, build_engine_from, on_the_kernel_pool, resolve};
 use super::stage::StageArgs;
@@ -87,12 +87,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
+    let mut later_stages = Vec::new();
     if let (Some(next), Some(l)) = (&args.next_stage, layers) {
         let downstream = runtime.block_on(super::stage::dial_next(&name, &secret, &files, &args.engine, l, next))?;
-        let weights = engine.resident_weight_bytes() as u64;
-        let kv = engine.kv_cache_bytes();
-        super::stage::log_pipeline(&name, l, weights, kv, &downstream.stages);
+        later_stages = downstream.stages.clone();
         engine.attach_next_stage(downstream)?;
+    }
+    let own = StageInfo {
+        name: name.clone(),
+        layers: layers.unwrap_or(LayerRange::full(num_layers)).to_string(),
+        weight_bytes: engine.resident_weight_bytes() as u64,
+        kv_bytes: engine.kv_cache_bytes(),
+    };
+    let stages: Vec<StageInfo> = std::iter::once(own).chain(later_stages).collect();
+    if stages.len() > 1 {
+        super::stage::log_pipeline(&stages);
     }
     let stats = engine.stats();
     let mut metrics = None;
@@ -124,6 +133,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_model_len: engine.scheduler().config().max_model_len as u64,
         metrics_address,
         device,
+        stages,
         pipeline_lost: pipeline_lost.clone(),
     };
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();

@@ -84,17 +84,11 @@ pub async fn dial_next(
 }
 
 /// The pipeline as the first stage sees it, one line per stage.
-pub fn log_pipeline(name: &str, layers: LayerRange, weights: u64, kv: u64, rest: &[StageInfo]) {
-    eprintln!(
-        "pipeline of {} stages; stage 0: {name} (layers {layers}): weights {:.1} MiB, KV cache {:.1} MiB",
-        rest.len() + 1,
-        mib(weights),
-        mib(kv)
-    );
-    for (i, s) in rest.iter().enumerate() {
+pub fn log_pipeline(stages: &[StageInfo]) {
+    for (i, s) in stages.iter().enumerate() {
         eprintln!(
-            "pipeline stage {}: {} (layers {}): weights {:.1} MiB, KV cache {:.1} MiB",
-            i + 1,
+            "pipeline stage {i} of {}: {} (layers {}): weights {:.1} MiB, KV cache {:.1} MiB",
+            stages.len(),
             s.name,
             s.layers,
             mib(s.weight_bytes),

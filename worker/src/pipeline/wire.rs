@@ -40,16 +40,7 @@ pub struct StageHello {
     pub auth_tag: Vec<u8>,
 }
 
-/// One stage of a formed chain, as the stages after the first report it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StageInfo {
-    pub name: String,
-    /// Inclusive, as `--layers` takes it.
-    pub layers: String,
-    /// Bytes of weights plus bytes of KV cache this stage holds.
-    pub weight_bytes: u64,
-    pub kv_bytes: u64,
-}
+pub use common::pipeline::StageInfo;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum StageReply {

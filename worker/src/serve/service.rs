@@ -38,6 +38,8 @@ pub struct ServeConfig {
     pub metrics_address: Option<String>,
     /// What the engine runs on, in words (shown in the coordinator's /v1/workers).
     pub device: String,
+    /// This worker's pipeline, itself first (see `Handshake::stages`).
+    pub stages: Vec<common::pipeline::StageInfo>,
     /// Set by the engine loop when its pipeline is lost (see `engine_loop`).
     pub pipeline_lost: Arc<OnceLock<String>>,
 }
@@ -316,6 +318,7 @@ async fn session(
         max_model_len: config.max_model_len,
         metrics_address: config.metrics_address.clone(),
         device: config.device.clone(),
+        stages: config.stages.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
     transport::write_frame(&mut send, &hello).await?;
