@@ -120,11 +120,8 @@ pub fn build_engine_from(
 }
 
 /// How a later pipeline stage (one without layer 0) is built.
-pub fn stage_config(args: &EngineArgs, resolved: &Resolved, layers: LayerRange) -> anyhow::Result<StageConfig> {
-    if args.quantize.is_some() {
-        anyhow::bail!("--quantize is not supported on a later pipeline stage yet");
-    }
-    Ok(StageConfig {
+pub fn stage_config(args: &EngineArgs, resolved: &Resolved, layers: LayerRange) -> StageConfig {
+    StageConfig {
         device: resolved.device.clone(),
         dtype: resolved.dtype,
         layers,
@@ -132,7 +129,8 @@ pub fn stage_config(args: &EngineArgs, resolved: &Resolved, layers: LayerRange) 
         kv_budget: kv_budget(args),
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
-    })
+        quantization: args.quantize,
+    }
 }
 
 fn kv_budget(args: &EngineArgs) -> KvBudget {

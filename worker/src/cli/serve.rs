@@ -83,6 +83,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     if let Some(l) = layers.filter(|l| !l.is_first()) {
+        if args.coordinator.is_some() {
+            eprintln!(
+                "note: layers {l} are a later pipeline stage, which talks to the stage before it, not to --coordinator"
+            );
+        }
         return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(&args, name, secret), runtime);
     }
     let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;

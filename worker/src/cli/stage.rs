@@ -33,7 +33,7 @@ pub fn run_later_stage(
     let listen = args.listen.with_context(|| {
         format!("layers {layers} are a later pipeline stage: give --stage-listen HOST:PORT for the stage before")
     })?;
-    let runner = StageRunner::new(&resolved.files, &stage_config(engine, &resolved, layers)?)
+    let runner = StageRunner::new(&resolved.files, &stage_config(engine, &resolved, layers))
         .with_context(|| format!("loading layers {layers} of {}", resolved.files.name))?;
     let info = runner.info(&args.name);
     eprintln!(

@@ -33,6 +33,9 @@ pub struct FollowerConfig {
     pub next_stage: Option<String>,
 }
 
+/// How long the stage before has to prove the secret once it connected.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A step for the compute thread, tagged with the link it came on.
 type ComputeInput = (u64, LogprobsMode, StepHeader, Vec<u8>);
 
@@ -111,10 +114,16 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
         };
         loop {
             let check = |hello: &StageHello| check_hello(hello, &config, compute.layers);
-            let accepted = tokio::select! {
-                up = link::accept(&endpoint, &config.secret, check, num_blocks, stages.clone()) => up,
+            let incoming = tokio::select! {
+                incoming = endpoint.accept() => incoming,
                 () = lost(&mut downstream) => break,
             };
+            let Some(incoming) = incoming else { return Err(LinkError::Closed) };
+            // A peer that stalls in the handshake does not hold the port.
+            let handshake = link::accept(incoming, &config.secret, check, num_blocks, stages.clone());
+            let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+                .await
+                .unwrap_or_else(|_| Err(LinkError::Connection("no handshake within 10 s".into())));
             let up = match accepted {
                 Ok(up) => up,
                 Err(LinkError::Closed) => return Err(LinkError::Closed),

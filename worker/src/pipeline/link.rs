@@ -156,17 +156,16 @@ pub fn listen(addr: SocketAddr) -> Result<quinn::Endpoint, LinkError> {
     quinn::Endpoint::server(config, addr).map_err(|e| LinkError::Connection(format!("listening on {addr}: {e}")))
 }
 
-/// Accepts one stage before this one: checks its proof of the secret, then
+/// Accepts one connection (`endpoint.accept()`) from the stage before: checks its proof of the secret, then
 /// `check(hello)` (model, block size, layers); refuses with the reason, or
 /// accepts with `accept`'s block count and stage list.
 pub async fn accept(
-    endpoint: &quinn::Endpoint,
+    incoming: quinn::Incoming,
     secret: &str,
     check: impl Fn(&StageHello) -> Result<(), String>,
     num_blocks: u64,
     stages: Vec<StageInfo>,
 ) -> Result<Upstream, LinkError> {
-    let incoming = endpoint.accept().await.ok_or(LinkError::Closed)?;
     let conn = incoming.await.map_err(|e| LinkError::Connection(e.to_string()))?;
     let binding = transport::channel_binding(&conn)?;
     let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| LinkError::Connection(e.to_string()))?;

@@ -8,9 +8,9 @@ use common::pipeline::LayerRange;
 
 use super::wire::{StageInfo, StepHeader, StepResult, WireSampled, f32_to_bytes, hidden_from_bytes, hidden_to_bytes};
 use crate::engine::{LogprobsMode, reported_logprobs};
-use crate::error::Result;
+use crate::error::{Result, WorkerError};
 use crate::models::llama::{StageInput, StageOutput};
-use crate::models::{CausalLm, ModelConfig, ModelFiles};
+use crate::models::{CausalLm, ModelConfig, ModelFiles, Quantization};
 use crate::runner::kv_cache::{self, KvBudget, LayerKvCache};
 use crate::runner::sampler::{self, SeqSamplingInput};
 
@@ -32,6 +32,8 @@ pub struct StageConfig {
     /// Caps the KV cache as the first stage's scheduler would use it.
     pub max_num_seqs: usize,
     pub max_model_len: Option<usize>,
+    /// Quantize linear weights at load time to a block format (CPU only).
+    pub quantization: Option<Quantization>,
 }
 
 pub struct StageRunner {
@@ -51,6 +53,12 @@ impl StageRunner {
     /// and allocates the KV cache of its layers from its own budget.
     pub fn new(files: &ModelFiles, config: &StageConfig) -> Result<Self> {
         let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, config.layers)?;
+        if let Some(q) = config.quantization {
+            if !q.is_block_format() || !config.device.is_cpu() {
+                return Err(WorkerError::Unsupported(format!("{q:?} quantization at load time runs on the CPU only")));
+            }
+            model.quantize(q)?;
+        }
         if config.device.is_cpu() {
             model.pack_weights()?;
             model.place_weights_in_huge_pages();
