@@ -221,3 +221,25 @@ fn a_local_pipeline_that_loses_a_stage_is_formed_again() {
     let (status, _) = post_json(&cluster.url("/v1/completions"), &greedy("The dog", 8));
     assert_eq!(status, 200);
 }
+
+#[test]
+fn seeded_sampling_penalties_and_logprobs_match_a_single_worker() {
+    // The last stage samples from what the header carries: the seed, the
+    // output count, the token history for penalties; prompt logprobs come
+    // back as logits. All of it must match one worker's answer exactly.
+    let body = json!({
+        "prompt": "Once upon a time there was", "max_tokens": 24, "temperature": 0.8, "seed": 7,
+        "logprobs": 2, "prompt_logprobs": 1, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "min_tokens": 20
+    });
+    let answer = |cluster: &Coordinator| {
+        let (status, mut out) = post_json(&cluster.url("/generate"), &body);
+        assert_eq!(status, 200, "{out}");
+        out.as_object_mut().unwrap().remove("worker");
+        out
+    };
+    let pipeline = answer(&Coordinator::start_pipelines("stories260K", 1, 2, &[]));
+    let single = answer(&Coordinator::start("stories260K", 1, &[]));
+    assert!(pipeline["prompt_logprobs"].as_array().is_some_and(|p| p.len() > 1), "{pipeline}");
+    assert!(pipeline["logprobs"].as_array().is_some_and(|p| p.len() == 24), "{pipeline}");
+    assert_eq!(pipeline, single);
+}
