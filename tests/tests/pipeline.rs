@@ -1,8 +1,9 @@
 //! Pipeline parallelism end to end (issue 30): a model's layers split over
 //! 2 or 3 real worker processes linked over QUIC on loopback, behind a real
 //! coordinator. Greedy output must equal transformers' golden tokens
-//! exactly, with chunked prefill and prefix-cache hits; a stage lost
-//! mid-stream loses no token; a stage of another model is refused.
+//! exactly, with chunked prefill, prefix-cache hits and preemption; seeded
+//! sampling equals one worker's; a stage lost mid-stream loses no token; a
+//! stage of another model is refused.
 
 use std::io::BufRead;
 use std::process::{Command, Stdio};
