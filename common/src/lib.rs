@@ -8,6 +8,7 @@ pub mod ids;
 pub mod kv_events;
 pub mod log;
 pub mod model;
+pub mod pipeline;
 pub mod protocol;
 pub mod sampling;
 #[cfg(feature = "transport")]

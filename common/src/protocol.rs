@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -56,6 +56,10 @@ pub struct Handshake {
     /// What the engine runs on, in words ("cpu (avx2, 2 threads)", "metal
     /// (Apple M2)", or "cpu (Metal requested but unavailable: ...)").
     pub device: String,
+    /// The worker's pipeline, first stage (this worker) first; one entry,
+    /// itself with every layer, for a worker that is no pipeline. Each
+    /// stage's layers and resident memory (weights, KV cache).
+    pub stages: Vec<crate::pipeline::StageInfo>,
     /// Proof that the worker knows the cluster secret, bound to this TLS
     /// session (`transport::auth_tag`): the secret itself never travels.
     pub auth_tag: Vec<u8>,

@@ -8,6 +8,7 @@ pub mod connections;
 pub mod fuzzing;
 pub mod http;
 pub mod loadgen;
+pub mod local_pipelines;
 pub mod metrics;
 pub mod router;
 pub mod sim;

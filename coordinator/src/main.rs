@@ -30,6 +30,10 @@ struct Args {
     /// Start and supervise this many workers on this host.
     #[arg(long, default_value_t = 0)]
     local_workers: usize,
+    /// Run the model as pipelines of this many local workers each, its
+    /// layers split over them (--local-workers must be a multiple).
+    #[arg(long, default_value_t = 1)]
+    pipeline_parallel_size: usize,
     /// Extra argument for local workers (repeatable), e.g. --worker-arg=--kv-cache-memory=1000000000
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
@@ -113,6 +117,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let max_model_len =
         args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
     let secret = load_or_create_secret(&args.cluster_secret_file)?;
+    let stages = pipeline_stages(&args, files.config.num_layers)?;
 
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
     let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests, args.policy, args.block_size);
@@ -156,12 +161,19 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let supervisor = (args.local_workers > 0).then(|| {
-        let connect = SocketAddr::new(
-            if quic_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { quic_addr.ip() },
-            quic_addr.port(),
-        );
-        tokio::spawn(supervise_local_workers(
+    let connect = SocketAddr::new(
+        if quic_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { quic_addr.ip() },
+        quic_addr.port(),
+    );
+    let pipelines = stages.map(|stages| pipeline_launch(&args, stages, connect)).transpose()?;
+    let supervisor = (args.local_workers > 0).then(|| match pipelines {
+        Some(launch) => tokio::spawn(coordinator::local_pipelines::supervise(
+            cluster.clone(),
+            args.local_workers / args.pipeline_parallel_size,
+            launch,
+            stop_rx.clone(),
+        )),
+        None => tokio::spawn(supervise_local_workers(
             cluster.clone(),
             args.local_workers,
             args.model.clone(),
@@ -169,7 +181,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
             args.cluster_secret_file.clone(),
             local_worker_args(&args),
             stop_rx.clone(),
-        ))
+        )),
     });
     let server = tokio::spawn(coordinator::http::serve(listener, app.clone(), stop_rx.clone()));
 
@@ -245,6 +257,42 @@ fn raise_fd_limit() -> Option<u64> {
 #[cfg(not(unix))]
 fn raise_fd_limit() -> Option<u64> {
     None
+}
+
+/// With `--pipeline-parallel-size` over 1, each stage's layers: split
+/// evenly, since one host's memory is shared by its stages. A split that
+/// cannot be made is an error at start.
+fn pipeline_stages(args: &Args, num_layers: usize) -> anyhow::Result<Option<Vec<common::pipeline::LayerRange>>> {
+    let p = args.pipeline_parallel_size;
+    anyhow::ensure!(p > 0, "--pipeline-parallel-size must be at least 1");
+    if p == 1 {
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        args.local_workers > 0 && args.local_workers.is_multiple_of(p),
+        "--pipeline-parallel-size {p} needs --local-workers a multiple of {p} (remote stages are pinned with --layers \
+         on each worker)"
+    );
+    let stages = common::pipeline::split_layers(num_layers, &vec![1; p])
+        .with_context(|| format!("pipelines of {p} stages for {}", args.model))?;
+    Ok(Some(stages))
+}
+
+/// What starting the local pipelines takes.
+fn pipeline_launch(
+    args: &Args,
+    stages: Vec<common::pipeline::LayerRange>,
+    coordinator: SocketAddr,
+) -> anyhow::Result<coordinator::local_pipelines::PipelineLaunch> {
+    let exe = std::env::current_exe()?.parent().map(|d| d.join("tinyvllm-worker")).unwrap_or_default();
+    Ok(coordinator::local_pipelines::PipelineLaunch {
+        exe,
+        model: args.model.clone(),
+        coordinator,
+        secret_file: args.cluster_secret_file.clone(),
+        extra: local_worker_args(args),
+        stages,
+    })
 }
 
 /// Local workers use the coordinator's block size and serve metrics on an

@@ -105,6 +105,20 @@ impl Coordinator {
     /// As [`Coordinator::start`], run under `wrapper` (a command and its
     /// arguments, e.g. `prlimit --nofile=128:128 --`).
     pub fn start_wrapped(wrapper: &[&str], model: &str, local_workers: usize, extra: &[&str]) -> Self {
+        Self::spawn(wrapper, model, local_workers, local_workers, extra)
+    }
+
+    /// Starts a coordinator with `pipelines` local pipelines of `stages`
+    /// workers each, and waits until every pipeline's first stage (the one
+    /// that registers) is ready.
+    pub fn start_pipelines(model: &str, pipelines: usize, stages: usize, extra: &[&str]) -> Self {
+        let pp = stages.to_string();
+        let mut args = vec!["--pipeline-parallel-size", pp.as_str()];
+        args.extend_from_slice(extra);
+        Self::spawn(&[], model, pipelines * stages, pipelines, &args)
+    }
+
+    fn spawn(wrapper: &[&str], model: &str, local_workers: usize, ready_workers: usize, extra: &[&str]) -> Self {
         let dir = TempDir::new("cluster");
         let secret_file = dir.0.join("secret");
         let coordinator = binary("tinyvllm-coordinator");
@@ -132,7 +146,7 @@ impl Coordinator {
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("starting the coordinator");
-        Self::attach(child, secret_file, dir, local_workers)
+        Self::attach(child, secret_file, dir, ready_workers)
     }
 
     /// Reads the started coordinator's first line (its addresses) and

@@ -1,12 +1,19 @@
 //! The engine: `step()` = schedule -> run the model -> sample -> update
 //! (nano-vllm's loop). A synchronous library API with no I/O; the service
 //! shell runs it on its own thread and talks to it through channels.
+//! On the first stage of a pipeline a step's hidden states go down the
+//! pipeline instead (`pipelined`).
+
+mod pipelined;
 
 use candle_core::{DType, Device};
+use common::pipeline::LayerRange;
 use common::{KvEventRecord, RequestId, SamplingParams};
 
 use crate::error::{Result, WorkerError};
 use crate::models::{ModelFiles, Quantization};
+use crate::pipeline::link::Downstream;
+use crate::pipeline::stage::stage_kv_config;
 use crate::profile::{self, Section};
 use crate::runner::device_sampler::{DeviceRow, LogprobValues};
 use crate::runner::kv_cache::{self, KvBudget};
@@ -41,6 +48,9 @@ pub struct EngineConfig {
     /// Where tokens are drawn: `None` means on the device for GPUs (only ids
     /// come back) and on the host for the CPU, where the logits already are.
     pub device_sampling: Option<bool>,
+    /// The decoder layers this engine holds: all (`None`), or the first
+    /// stage of a pipeline (`start == 0`; see `attach_next_stage`).
+    pub layers: Option<LayerRange>,
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -69,6 +79,7 @@ impl Default for EngineConfig {
             logprobs_mode: LogprobsMode::RawLogprobs,
             quantization: None,
             device_sampling: None,
+            layers: None,
         }
     }
 }
@@ -81,6 +92,10 @@ pub struct Engine {
     logprobs_mode: LogprobsMode,
     device_sampling: bool,
     last_step: StepInfo,
+    /// The link to the next stage, on the first stage of a pipeline.
+    next_stage: Option<Downstream>,
+    /// Steps sent down the pipeline, to match their results.
+    steps_sent: u64,
 }
 
 /// The requests one step computed, and how many tokens in all.
@@ -93,7 +108,13 @@ pub struct StepInfo {
 impl Engine {
     /// Loads the model and allocates the KV cache.
     pub fn new(files: &ModelFiles, config: EngineConfig) -> Result<Self> {
-        let mut model = crate::models::loader::load(files, config.dtype, &config.device)?;
+        let layers = config.layers.unwrap_or(LayerRange::full(files.config.num_layers));
+        if !layers.is_first() {
+            return Err(WorkerError::Unsupported(format!(
+                "an engine runs the first stage; layers {layers} are a later stage's"
+            )));
+        }
+        let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, layers)?;
         if let Some(q) = config.quantization {
             if !q.is_block_format() {
                 return Err(WorkerError::Unsupported(format!("{q:?} is not a quantization to apply at load time")));
@@ -116,11 +137,15 @@ impl Engine {
         let max_model_len =
             config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
+        // The cache holds this stage's layers only.
+        let kv_cfg = stage_kv_config(&cfg, layers);
         let num_blocks = match config.num_blocks {
             Some(n) => n,
-            None => kv_cache::num_blocks_for_budget(&cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?,
+            None => {
+                kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?
+            }
         };
-        let caches = kv_cache::allocate(&cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
+        let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
         let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_dtype);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -141,6 +166,10 @@ impl Engine {
             logprobs_mode: config.logprobs_mode,
             device_sampling: config.device_sampling.unwrap_or(!config.device.is_cpu()),
             last_step: StepInfo::default(),
+            next_stage: None,
+            // Random, so a result relayed late to a restarted first stage
+            // never matches one of its steps.
+            steps_sent: random_seed(),
         })
     }
 
@@ -207,6 +236,16 @@ impl Engine {
         self.runner.model().workspace_rows()
     }
 
+    /// Bytes of weights this engine holds (its stage's share on a pipeline).
+    pub fn resident_weight_bytes(&self) -> usize {
+        self.runner.model().resident_weight_bytes()
+    }
+
+    /// Bytes of its KV cache's block pools.
+    pub fn kv_cache_bytes(&self) -> u64 {
+        self.runner.kv_cache_bytes()
+    }
+
     /// Bytes of weights a decode step streams (see `CausalLm`).
     pub fn weight_bytes_per_token(&self) -> usize {
         self.runner.model().weight_bytes_per_token()
@@ -247,6 +286,9 @@ impl Engine {
         }
         let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
         drop(sched_timer);
+        if self.next_stage.is_some() {
+            return self.step_pipelined(&step, &batch);
+        }
         if self.device_sampling {
             return self.step_sampling_on_device(&step, &batch);
         }
@@ -260,6 +302,7 @@ impl Engine {
                 params: &req.params,
                 prompt_token_ids: req.prompt_token_ids(),
                 output_token_ids: req.output_token_ids(),
+                num_output_tokens: req.output_token_ids().len(),
                 seed: req.sampling_seed,
                 eos_token_ids: &self.eos_token_ids,
             })
@@ -304,14 +347,7 @@ impl Engine {
     /// `token`'s logprob and the top list as `logprobs_mode` reports them;
     /// `raw` is the row of logits they were computed from.
     fn reported(&self, raw: &[f32], token: u32, logprob: f32, top: Vec<(u32, f32)>) -> TokenLogprobs {
-        match self.logprobs_mode {
-            LogprobsMode::RawLogprobs => TokenLogprobs { logprob, top },
-            // Same order as logprobs (softmax is monotonic), other values.
-            LogprobsMode::RawLogits => {
-                let logit = |id: u32| raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
-                TokenLogprobs { logprob: logit(token), top: top.iter().map(|&(id, _)| (id, logit(id))).collect() }
-            }
-        }
+        reported_logprobs(self.logprobs_mode, raw, token, logprob, top)
     }
 
     /// The prompt logprobs this step computed, per request: `logits` holds
@@ -388,6 +424,25 @@ impl Engine {
             .collect();
         drop(rows);
         Ok(self.finish_step(step, sampled, &prompt_logits))
+    }
+}
+
+/// `token`'s logprob and the top list as `mode` reports them; `raw` is the
+/// row of logits they were computed from.
+pub(crate) fn reported_logprobs(
+    mode: LogprobsMode,
+    raw: &[f32],
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+) -> TokenLogprobs {
+    match mode {
+        LogprobsMode::RawLogprobs => TokenLogprobs { logprob, top },
+        // Same order as logprobs (softmax is monotonic), other values.
+        LogprobsMode::RawLogits => {
+            let logit = |id: u32| raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
+            TokenLogprobs { logprob: logit(token), top: top.iter().map(|&(id, _)| (id, logit(id))).collect() }
+        }
     }
 }
 

@@ -17,6 +17,10 @@ pub enum WorkerError {
     KvCache(String),
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// The link to the next pipeline stage is gone: the pipeline must be
+    /// formed again (its requests continue elsewhere).
+    #[error("pipeline lost: {0}")]
+    PipelineLost(String),
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
     #[error(transparent)]

@@ -15,6 +15,7 @@ pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod models;
+pub mod pipeline;
 pub mod profile;
 pub mod runner;
 pub mod serve;

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::WorkerId;
+use common::pipeline::StageInfo;
 use common::protocol::{CoordinatorMessage, Handshake, WorkerStats};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -38,6 +39,9 @@ pub struct WorkerInfo {
     pub metrics_address: Option<String>,
     /// What the worker's engine runs on, as it reported it.
     pub device: String,
+    /// Its pipeline, first stage (this worker) first, with each stage's
+    /// layers and resident bytes; one stage for a worker that is no pipeline.
+    pub stages: Vec<StageInfo>,
     pub state: WorkerState,
     /// Requests dispatched to it and not finished, counted at dispatch.
     pub in_flight_requests: usize,
@@ -65,6 +69,7 @@ pub(super) struct WorkerEntry {
     pub address: SocketAddr,
     metrics_address: Option<String>,
     device: String,
+    stages: Vec<StageInfo>,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
     state: WorkerState,
     stats: WorkerStats,
@@ -103,6 +108,7 @@ impl Registry {
                 address,
                 metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
                 device: hello.device.clone(),
+                stages: hello.stages.clone(),
                 tx,
                 state: WorkerState::Ready,
                 stats: WorkerStats { kv_blocks_total: hello.kv_capacity_blocks, ..WorkerStats::default() },
@@ -150,6 +156,7 @@ impl Registry {
                 address: w.address.to_string(),
                 metrics_address: w.metrics_address.clone(),
                 device: w.device.clone(),
+                stages: w.stages.clone(),
                 state: w.state,
                 in_flight_requests: w.in_flight,
                 stats: w.stats.clone(),

@@ -38,6 +38,7 @@ fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::Unbound
             max_model_len: 1024,
             metrics_address: None,
             device: "cpu".into(),
+            stages: Vec::new(),
             auth_tag: Vec::new(),
         };
         let (tx, rx) = mpsc::unbounded_channel();

@@ -136,6 +136,12 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
         max_model_len: 1024,
         metrics_address: Some("127.0.0.1:9100".into()),
         device: "cpu (avx2, 2 threads)".into(),
+        stages: vec![common::pipeline::StageInfo {
+            name: "worker-0".into(),
+            layers: "0-27".into(),
+            weight_bytes: 1 << 30,
+            kv_bytes: 1 << 28,
+        }],
         auth_tag: vec![0xab; 32],
     };
     let replies = [

@@ -4,7 +4,9 @@
 use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
+use common::pipeline::LayerRange;
 use worker::models::{ModelFiles, ModelSource, Need};
+use worker::pipeline::stage::StageConfig;
 use worker::runner::device::DeviceChoice;
 use worker::runner::kv_cache::KvBudget;
 use worker::{Engine, EngineConfig, Quantization};
@@ -61,8 +63,16 @@ pub struct EngineArgs {
     quantize: Option<Quantization>,
 }
 
-/// The loaded engine, its model's files, and the device in words.
-pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
+/// A model's files, where it runs (and that in words), and in what dtype.
+pub struct Resolved {
+    pub files: ModelFiles,
+    pub device: Device,
+    pub description: String,
+    pub dtype: DType,
+}
+
+/// Finds the model's files and picks the device and dtype.
+pub fn resolve(args: &EngineArgs) -> anyhow::Result<Resolved> {
     let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
     if files.random_weights {
         common::log!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
@@ -75,27 +85,56 @@ pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, St
     common::log!("device: {}", selected.description);
     let device = selected.device.clone();
     let dtype = resolve_dtype(args.dtype, &files, &device);
+    Ok(Resolved { files, device, description: selected.description, dtype })
+}
+
+/// The loaded engine, its model's files, and the device in words.
+pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
+    build_engine_from(args, resolve(args)?, None)
+}
+
+/// As [`build_engine`], holding only `layers` (the first stage of a pipeline).
+pub fn build_engine_from(
+    args: &EngineArgs,
+    resolved: Resolved,
+    layers: Option<LayerRange>,
+) -> anyhow::Result<(Engine, ModelFiles, String)> {
+    let Resolved { files, device, description, dtype } = resolved;
     let config = EngineConfig {
         device,
         dtype,
         block_size: args.block_size,
-        kv_budget: args.kv_cache_memory.map_or(KvBudget::FractionOfAvailable(0.25), KvBudget::Bytes),
+        kv_budget: kv_budget(args),
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
         enable_prefix_caching: !args.no_prefix_caching,
         quantization: args.quantize,
+        layers,
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
     let stats = engine.stats();
-    common::log!(
-        "loaded {} ({dtype:?}), KV cache: {} blocks of {}",
-        files.name,
-        stats.kv_blocks_total,
-        args.block_size
-    );
-    Ok((engine, files, selected.description))
+    common::log!("loaded {} ({dtype:?}), KV cache: {} blocks of {}", files.name, stats.kv_blocks_total, args.block_size);
+    Ok((engine, files, description))
+}
+
+/// How a later pipeline stage (one without layer 0) is built.
+pub fn stage_config(args: &EngineArgs, resolved: &Resolved, layers: LayerRange) -> StageConfig {
+    StageConfig {
+        device: resolved.device.clone(),
+        dtype: resolved.dtype,
+        layers,
+        block_size: args.block_size,
+        kv_budget: kv_budget(args),
+        max_num_seqs: args.max_num_seqs,
+        max_model_len: args.max_model_len,
+        quantization: args.quantize,
+    }
+}
+
+fn kv_budget(args: &EngineArgs) -> KvBudget {
+    args.kv_cache_memory.map_or(KvBudget::FractionOfAvailable(0.25), KvBudget::Bytes)
 }
 
 /// `auto` keeps the checkpoint's precision, except that bf16 runs as f32 on

@@ -6,6 +6,7 @@ mod engine_args;
 mod export;
 mod generate;
 mod serve;
+mod stage;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};

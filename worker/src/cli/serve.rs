@@ -6,15 +6,34 @@
 use anyhow::Context;
 use clap::Args;
 
-use super::engine_args::{EngineArgs, build_engine, on_the_kernel_pool};
+use common::pipeline::{LayerRange, StageInfo};
+
+use super::engine_args::{EngineArgs, build_engine_from, on_the_kernel_pool, resolve};
+use super::stage::StageArgs;
 
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
     engine: EngineArgs,
-    /// The coordinator's QUIC address, HOST:PORT.
+    /// The coordinator's QUIC address, HOST:PORT (every worker but a later
+    /// pipeline stage, which talks to the stages beside it only).
     #[arg(long)]
-    coordinator: String,
+    coordinator: Option<String>,
+    /// Hold only decoder layers FIRST-LAST (inclusive, e.g. 0-11): one stage
+    /// of a pipeline. The stage with layer 0 joins the coordinator and
+    /// schedules; the others serve the stage before them.
+    #[arg(long)]
+    layers: Option<String>,
+    /// The next pipeline stage's address, HOST:PORT (every stage but the last).
+    #[arg(long)]
+    next_stage: Option<String>,
+    /// Where a later pipeline stage listens for the stage before it,
+    /// HOST:PORT (port 0 picks one; it is logged).
+    #[arg(long)]
+    stage_listen: Option<std::net::SocketAddr>,
+    /// Write the bound --stage-listen address to this file once listening.
+    #[arg(long)]
+    stage_address_file: Option<std::path::PathBuf>,
     /// This worker's name in logs, metrics and /v1/workers (default: host name and pid).
     #[arg(long)]
     name: Option<String>,
@@ -54,9 +73,45 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.exit_with_parent {
         watch_parent();
     }
-    let (engine, files, device) = build_engine(&args.engine)?;
-    let stats = engine.stats();
+    let resolved = resolve(&args.engine)?;
+    let num_layers = resolved.files.config.num_layers;
+    let layers = args.layers.as_deref().map(|l| LayerRange::parse(l, num_layers)).transpose()?;
+    let layers = layers.filter(|l| !l.is_full());
+    if let Some(l) = layers.filter(|l| !l.is_last()) {
+        anyhow::ensure!(args.next_stage.is_some(), "--layers {l} end before the model's last layer: give --next-stage");
+    }
+    anyhow::ensure!(
+        args.next_stage.is_none() || layers.is_some(),
+        "--next-stage needs --layers: this worker holds every layer"
+    );
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    if let Some(l) = layers.filter(|l| !l.is_first()) {
+        if args.coordinator.is_some() {
+            common::log!(
+                "note: layers {l} are a later pipeline stage, which talks to the stage before it, not to --coordinator"
+            );
+        }
+        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(&args, name, secret), runtime);
+    }
+    let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;
+    let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
+    let mut later_stages = Vec::new();
+    if let (Some(next), Some(l)) = (&args.next_stage, layers) {
+        let downstream = runtime.block_on(super::stage::dial_next(&name, &secret, &files, &args.engine, l, next))?;
+        later_stages = downstream.stages.clone();
+        engine.attach_next_stage(downstream)?;
+    }
+    let own = StageInfo {
+        name: name.clone(),
+        layers: layers.unwrap_or(LayerRange::full(num_layers)).to_string(),
+        weight_bytes: engine.resident_weight_bytes() as u64,
+        kv_bytes: engine.kv_cache_bytes(),
+    };
+    let stages: Vec<StageInfo> = std::iter::once(own).chain(later_stages).collect();
+    if stages.len() > 1 {
+        super::stage::log_pipeline(&stages);
+    }
+    let stats = engine.stats();
     let mut metrics = None;
     let mut metrics_address = None;
     if let Some(addr) = &args.metrics {
@@ -76,8 +131,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics = Some(engine_metrics);
         metrics_address = Some(bound.to_string());
     }
+    let pipeline_lost = std::sync::Arc::new(std::sync::OnceLock::new());
     let config = ServeConfig {
-        coordinator: args.coordinator.clone(),
+        coordinator,
         name,
         secret,
         model: files.identity(),
@@ -85,12 +141,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_model_len: engine.scheduler().config().max_model_len as u64,
         metrics_address,
         device,
+        stages,
+        pipeline_lost: pipeline_lost.clone(),
     };
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();
     let engine_thread = std::thread::Builder::new()
         .name("engine".into())
-        .spawn(move || on_the_kernel_pool(|| service::engine_loop(engine, cmd_rx, out_tx, metrics)))?;
+        .spawn(move || on_the_kernel_pool(|| service::engine_loop(engine, cmd_rx, out_tx, metrics, &pipeline_lost)))?;
     let drain = cmd_tx.clone();
     let result = runtime.block_on(async move {
         // SIGTERM drains: running requests finish and stream out, new ones
@@ -107,6 +165,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     drop(runtime);
     let _ = engine_thread.join();
     Ok(result?)
+}
+
+fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {
+    StageArgs {
+        name,
+        secret,
+        listen: args.stage_listen,
+        address_file: args.stage_address_file.clone(),
+        next_stage: args.next_stage.clone(),
+    }
 }
 
 /// Exits once this process is re-parented (its parent died).

@@ -27,6 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 pub use common::model::gguf::{GgufInfo, read_info};
 use common::model::{Architecture, ModelConfig};
+use common::pipeline::LayerRange;
 use half::f16;
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
@@ -175,7 +176,8 @@ fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<Weight> {
 
 /// Loads the model of a GGUF file. Linear weights in Q8_0/Q4_0 stay
 /// quantized (CPU only); everything else becomes `dtype` tensors.
-pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<CausalLm> {
+/// Only the tensors of the stage holding decoder layers `range` are read.
+pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Result<CausalLm> {
     let info = read_info(path)?;
     let (content, mut reader) = open(path)?;
     let cfg = &info.config;
@@ -185,6 +187,9 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<CausalLm> {
     names.sort();
     for gguf in names {
         let Some(hf) = hf_name(gguf) else { continue };
+        if !super::loader::stage_holds(&hf, range, cfg.tie_word_embeddings) {
+            continue;
+        }
         let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
         let perm = qk_heads(cfg, &hf).map(|heads| invert(&llama_qk_permutation(q.shape().dims()[0], heads)));
         let is_linear = hf.ends_with("_proj.weight") || hf == "lm_head.weight";
@@ -209,8 +214,7 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<CausalLm> {
     }
     let pre = Prequantized::new(quantized);
     let vb = VarBuilder::from_tensors(dense, dtype, device);
-    let model =
-        CausalLm::with_prequantized(cfg, vb, &pre).map_err(|e| err(path, format!("building the model: {e}")))?;
+    let model = CausalLm::stage(cfg, vb, &pre, range).map_err(|e| err(path, format!("building the model: {e}")))?;
     let unused = pre.remaining();
     if !unused.is_empty() {
         return Err(err(path, format!("quantized tensors the model did not use: {unused:?}")));

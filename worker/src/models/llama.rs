@@ -28,8 +28,25 @@ use super::layers::{Attention, HostRope, Mlp, RmsNorm, RotaryEmbedding, activati
 use super::linear::{Linear, linear};
 use super::quant::{Prequantized, Quantization};
 use super::workspace::{Buffers, Workspace};
-use crate::error::Result;
+use crate::error::{Result, WorkerError};
 use crate::runner::kv_cache::LayerKvCache;
+use common::pipeline::LayerRange;
+
+/// What a pipeline stage starts from.
+pub enum StageInput<'a> {
+    /// `[T]` u32 token ids: the first stage embeds them.
+    Tokens(&'a Tensor),
+    /// `[T, hidden]`: the previous stage's output.
+    Hidden(&'a Tensor),
+}
+
+/// What a pipeline stage ends with.
+pub enum StageOutput {
+    /// `[S, vocab]` f32: the last stage's logits of the wanted rows.
+    Logits(Tensor),
+    /// `[T, hidden]` in the activation dtype, for the next stage.
+    Hidden(Tensor),
+}
 
 /// Pre-norm attention then pre-norm MLP, each added to the residual stream.
 struct DecoderLayer {
@@ -95,11 +112,14 @@ impl DecoderLayer {
 }
 
 /// A causal language model: embeddings, decoder layers, final norm, lm_head.
+/// A pipeline stage holds only its range of layers: the embeddings on the
+/// first stage, the final norm and lm_head on the last.
 pub struct CausalLm {
-    embed_tokens: Embedding, // [vocab, hidden]
+    embed_tokens: Option<Embedding>, // [vocab, hidden]
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear, // [vocab, hidden]
+    /// The final norm and lm_head (`[vocab, hidden]`), on the last stage.
+    head: Option<(RmsNorm, Linear)>,
+    range: LayerRange,
     rotary: RotaryEmbedding,
     cfg: ModelConfig,
     /// Dtype of activations and of the KV cache.
@@ -119,23 +139,47 @@ impl CausalLm {
     /// As [`CausalLm::new`], taking linear weights found in `pre` (already
     /// quantized, from a GGUF file) instead of from `vb`.
     pub fn with_prequantized(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
+        Self::stage(cfg, vb, pre, LayerRange::full(cfg.num_layers))
+    }
+
+    /// The pipeline stage holding decoder layers `range`: only their
+    /// tensors are read from `vb` (plus the embeddings on the first stage,
+    /// the final norm and lm_head on the last; with tied embeddings the
+    /// last stage reads the embedding table as its lm_head).
+    pub fn stage(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized, range: LayerRange) -> Result<Self> {
+        if range.total != cfg.num_layers || range.is_empty() || range.end > range.total {
+            return Err(WorkerError::Unsupported(format!(
+                "layers {range} of a model with {} layers (each stage needs at least one)",
+                cfg.num_layers
+            )));
+        }
         let device = vb.device().clone();
         let act = activation_dtype(vb.dtype(), &device);
         let model = vb.pp("model");
-        let embed_weight = model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight")?;
-        let embed_tokens = Embedding::new(embed_weight.clone(), cfg.hidden_size);
-        let layers = (0..cfg.num_layers)
+        let embed_weight = || model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight");
+        let embed_tokens = if range.is_first() { Some(Embedding::new(embed_weight()?, cfg.hidden_size)) } else { None };
+        let layers = (range.start..range.end)
             .map(|i| DecoderLayer::new(cfg, model.pp(format!("layers.{i}")), pre))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_weight, None)?
+        let head = if range.is_last() {
+            let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?;
+            let lm_head = match (&embed_tokens, cfg.tie_word_embeddings) {
+                (Some(embed), true) => Linear::new(embed.embeddings().clone(), None)?,
+                (None, true) => Linear::new(embed_weight()?, None)?,
+                (_, false) => linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"), pre)?,
+            };
+            Some((norm, lm_head))
         } else {
-            linear(cfg.hidden_size, cfg.vocab_size, false, vb.pp("lm_head"), pre)?
+            None
         };
         let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device)?;
         let workspace = Mutex::new(Workspace::default());
-        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, cfg: cfg.clone(), act, workspace })
+        Ok(Self { embed_tokens, layers, head, range, rotary, cfg: cfg.clone(), act, workspace })
+    }
+
+    /// The decoder layers this model (or pipeline stage) holds.
+    pub fn layer_range(&self) -> LayerRange {
+        self.range
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -146,8 +190,8 @@ impl CausalLm {
     /// lm_head shares the embedding table and is left out.
     fn own_linears_mut(&mut self) -> Vec<&mut Linear> {
         let mut linears: Vec<&mut Linear> = self.layers.iter_mut().flat_map(DecoderLayer::linears_mut).collect();
-        if !self.cfg.tie_word_embeddings {
-            linears.push(&mut self.lm_head);
+        if let Some((_, lm_head)) = self.head.as_mut().filter(|_| !self.cfg.tie_word_embeddings) {
+            linears.push(lm_head);
         }
         linears
     }
@@ -179,14 +223,29 @@ impl CausalLm {
     /// streams them all each step; see `kernels::cpu::back_with_huge_pages`).
     pub fn place_weights_in_huge_pages(&mut self) {
         self.layers.iter_mut().flat_map(DecoderLayer::linears_mut).for_each(|l| l.place_in_huge_pages());
-        self.lm_head.place_in_huge_pages();
+        if let Some((_, lm_head)) = &mut self.head {
+            lm_head.place_in_huge_pages();
+        }
     }
 
     /// Bytes of weights one decode step reads: every layer's projections and
     /// norms and the lm_head (of the embedding table, one row per token).
     pub fn weight_bytes_per_token(&self) -> usize {
         let layers: usize = self.layers.iter().map(DecoderLayer::size_in_bytes).sum();
-        self.norm.size_in_bytes() + self.lm_head.size_in_bytes() + layers
+        let head = self.head.as_ref().map_or(0, |(norm, lm_head)| norm.size_in_bytes() + lm_head.size_in_bytes());
+        head + layers
+    }
+
+    /// Bytes of weights this model (or stage) holds: what
+    /// `weight_bytes_per_token` streams, plus an embedding table not shared
+    /// with the lm_head.
+    pub fn resident_weight_bytes(&self) -> usize {
+        let embed = self
+            .embed_tokens
+            .as_ref()
+            .map_or(0, |e| e.embeddings().elem_count() * e.embeddings().dtype().size_in_bytes());
+        let shared = self.cfg.tie_word_embeddings && self.range.is_full();
+        self.weight_bytes_per_token() + if shared { 0 } else { embed }
     }
 
     /// Dtype of activations, and so of the KV cache this model needs.
@@ -211,52 +270,99 @@ impl CausalLm {
         meta: &AttentionMetadata,
         logits_indices: &Tensor,
     ) -> Result<Tensor> {
+        match self.forward_stage(StageInput::Tokens(input_ids), positions, kv_caches, meta, logits_indices)? {
+            StageOutput::Logits(logits) => Ok(logits),
+            StageOutput::Hidden(_) => Err(WorkerError::Unsupported(format!(
+                "layers {} are not the whole model: run them as a pipeline stage",
+                self.range
+            ))),
+        }
+    }
+
+    /// One step of this pipeline stage: from token ids (first stage) or the
+    /// previous stage's hidden states `[T, hidden]`, through this stage's
+    /// layers, to the logits of `logits_indices` (last stage) or the hidden
+    /// states `[T, hidden]` in the activation dtype for the next stage.
+    pub fn forward_stage(
+        &self,
+        input: StageInput,
+        positions: &Tensor,
+        kv_caches: &[LayerKvCache],
+        meta: &AttentionMetadata,
+        logits_indices: &Tensor,
+    ) -> Result<StageOutput> {
         let (cos, sin) = match &self.rotary {
             RotaryEmbedding::Host { cos, sin } => {
                 let positions = positions.to_vec1::<u32>()?;
                 let rope = HostRope { cos, sin, positions: &positions };
-                return self.forward_cpu(input_ids, &rope, kv_caches, meta, logits_indices);
+                return self.forward_cpu(input, &rope, kv_caches, meta, logits_indices);
             }
             RotaryEmbedding::Device { cos, sin } => (cos.index_select(positions, 0)?, sin.index_select(positions, 0)?),
         };
-        let mut x = self.embed_tokens.forward(input_ids)?.to_dtype(self.act)?; // [T, hidden]
+        let mut x = match (input, &self.embed_tokens) {
+            (StageInput::Tokens(ids), Some(embed)) => embed.forward(ids)?.to_dtype(self.act)?, // [T, hidden]
+            (StageInput::Hidden(hidden), None) => hidden.to_dtype(self.act)?,
+            _ => return Err(self.wrong_input()),
+        };
         for (layer, kv) in self.layers.iter().zip(kv_caches) {
             x = layer.forward(&x, &cos, &sin, kv, meta)?;
         }
-        self.logits(&x, logits_indices)
+        self.stage_output(&x, logits_indices)
     }
 
     /// The CPU step (f32 activations): every activation lives in the
     /// workspace's buffers, reused across layers and steps, so a step
-    /// allocates only its `[S, vocab]` logits and small per-row vectors.
+    /// allocates only its `[S, vocab]` logits and small per-row vectors
+    /// (and, on a pipeline stage, the hidden states it hands on).
     fn forward_cpu(
         &self,
-        input_ids: &Tensor,
+        input: StageInput,
         rope: &HostRope,
         kv_caches: &[LayerKvCache],
         meta: &AttentionMetadata,
         logits_indices: &Tensor,
-    ) -> Result<Tensor> {
-        let ids = input_ids.to_vec1::<u32>()?;
+    ) -> Result<StageOutput> {
         // A panic elsewhere cannot leave the buffers half-valid in a way that
         // matters: every step overwrites what it reads.
         let mut workspace = self.workspace.lock().unwrap_or_else(PoisonError::into_inner);
-        let b = workspace.rows(ids.len(), &self.cfg)?;
-        embed_into(self.embed_tokens.embeddings(), &ids, &b.hidden)?;
+        let b = workspace.rows(rope.positions.len(), &self.cfg)?;
+        match (input, &self.embed_tokens) {
+            (StageInput::Tokens(input_ids), Some(embed)) => {
+                embed_into(embed.embeddings(), &input_ids.to_vec1::<u32>()?, &b.hidden)?;
+            }
+            (StageInput::Hidden(hidden), None) => {
+                let values = hidden.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                kernels::cpu::write_f32(&b.hidden, &|out| {
+                    if out.len() != values.len() {
+                        candle_core::bail!("hidden states of {} values for {} rows", values.len(), b.hidden.dims()[0]);
+                    }
+                    out.copy_from_slice(&values);
+                    Ok(())
+                })?;
+            }
+            _ => return Err(self.wrong_input()),
+        }
         for (layer, kv) in self.layers.iter().zip(kv_caches) {
             layer.forward_cpu(&b, rope, kv, meta)?;
         }
-        self.logits(&b.hidden, logits_indices)
+        self.stage_output(&b.hidden, logits_indices)
     }
 
-    /// The next-token logits of rows `logits_indices` of the last hidden
-    /// states `[T, hidden]`, `[S, vocab]` in f32. Only the rows that sample
+    /// The last stage's logits of rows `logits_indices` of the last hidden
+    /// states `[T, hidden]`, `[S, vocab]` in f32 (only the rows that sample
     /// go through the final norm and lm_head: for a 2,000-token prompt that
-    /// is 1 row instead of 2,000.
-    fn logits(&self, hidden: &Tensor, logits_indices: &Tensor) -> Result<Tensor> {
+    /// is 1 row instead of 2,000); any other stage's hidden states, copied
+    /// out of the workspace.
+    fn stage_output(&self, hidden: &Tensor, logits_indices: &Tensor) -> Result<StageOutput> {
+        let Some((norm, lm_head)) = &self.head else { return Ok(StageOutput::Hidden(hidden.copy()?)) };
         let x = hidden.index_select(logits_indices, 0)?; // [S, hidden]
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?; // [S, vocab]
-        Ok(logits.to_dtype(DType::F32)?.contiguous()?)
+        let logits = lm_head.forward(&norm.forward(&x)?)?; // [S, vocab]
+        Ok(StageOutput::Logits(logits.to_dtype(DType::F32)?.contiguous()?))
+    }
+
+    fn wrong_input(&self) -> WorkerError {
+        let wanted = if self.range.is_first() { "token ids" } else { "hidden states" };
+        WorkerError::Unsupported(format!("layers {} take {wanted} as input", self.range))
     }
 
     /// Rows the CPU step's activation buffers hold (0 before the first step).

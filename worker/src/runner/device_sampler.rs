@@ -509,6 +509,7 @@ mod tests {
                     params: p,
                     prompt_token_ids: &prompt,
                     output_token_ids: &output,
+                    num_output_tokens: output.len(),
                     seed: 11,
                     eos_token_ids: &eos,
                 })

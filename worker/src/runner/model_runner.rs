@@ -7,10 +7,12 @@ use candle_core::{DType, Device, Tensor};
 use common::RequestId;
 use kernels::AttentionMetadata;
 
-use crate::error::Result;
+use crate::error::{Result, WorkerError};
 use crate::models::CausalLm;
+use crate::models::llama::{StageInput, StageOutput};
+use crate::pipeline::stage::stage_kv_config;
 use crate::runner::device_sampler::{self, DeviceRow, LogprobValues};
-use crate::runner::kv_cache::LayerKvCache;
+use crate::runner::kv_cache::{self, LayerKvCache};
 use crate::runner::sampler::SampledToken;
 use engine_core::{Request, SchedulerOutput};
 
@@ -111,6 +113,41 @@ impl ModelRunner {
         let p = batch.prompt_logprob_rows.len();
         let prompt = if p == 0 { Vec::new() } else { logits.narrow(0, s, p)?.flatten_all()?.to_vec1::<f32>()? };
         Ok((sampled, prompt))
+    }
+
+    /// The first pipeline stage's step: the hidden states `[T, hidden]` its
+    /// layers leave for the next stage.
+    pub fn execute_first_stage(&mut self, batch: &BatchInputs) -> Result<Tensor> {
+        let t = batch.input_ids.len();
+        let input_ids = Tensor::from_slice(&batch.input_ids, t, &self.device)?;
+        let positions = Tensor::from_slice(&batch.positions, t, &self.device)?;
+        // Only the last stage computes logits; this stage reads no rows.
+        let rows = Tensor::zeros(0, DType::U32, &self.device)?;
+        match self.model.forward_stage(
+            StageInput::Tokens(&input_ids),
+            &positions,
+            &self.kv_caches,
+            &batch.meta,
+            &rows,
+        )? {
+            StageOutput::Hidden(hidden) => Ok(hidden),
+            StageOutput::Logits(_) => Err(WorkerError::Unsupported("the whole model runs here: no next stage".into())),
+        }
+    }
+
+    /// Bytes of the KV cache's block pools.
+    pub fn kv_cache_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        self.kv_caches.iter().map(|c| bytes(&c.k) + bytes(&c.v)).sum()
+    }
+
+    /// Replaces the KV cache with one of `num_blocks` blocks (a pipeline
+    /// runs with its smallest stage's count).
+    pub fn reallocate_kv(&mut self, num_blocks: usize) -> Result<()> {
+        let cfg = stage_kv_config(self.model.config(), self.model.layer_range());
+        self.kv_caches.clear(); // before allocating the new ones
+        self.kv_caches = kv_cache::allocate(&cfg, num_blocks, self.block_size, self.dtype, &self.device)?;
+        Ok(())
     }
 
     /// The logits [S + P, vocab] of the sampled rows then the prompt-logprob

@@ -27,9 +27,14 @@ use rayon::prelude::*;
 /// What the sampler needs to know about one sequence of the batch.
 pub struct SeqSamplingInput<'a> {
     pub params: &'a SamplingParams,
+    /// Read by the repetition penalty only (a pipeline's last stage gets
+    /// it only then).
     pub prompt_token_ids: &'a [u32],
-    /// Tokens generated so far.
+    /// Tokens generated so far, read by the penalties only.
     pub output_token_ids: &'a [u32],
+    /// How many tokens were generated so far (`min_tokens`, the seeded
+    /// draw's position): `output_token_ids.len()` where that is complete.
+    pub num_output_tokens: usize,
     /// Seed of this request's random stream (from `params.seed`, or drawn by
     /// the engine when the request arrived).
     pub seed: u64,
@@ -87,7 +92,7 @@ struct Scratch {
 
 fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledToken {
     let p = seq.params;
-    let masks_stops = seq.output_token_ids.len() < p.min_tokens as usize;
+    let masks_stops = seq.num_output_tokens < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
     let biases = !p.logit_bias.is_empty();
     let token = if p.is_greedy() && !masks_stops && !penalises && !biases {
@@ -110,7 +115,7 @@ fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledTo
         if p.is_greedy() {
             argmax(&s.row)
         } else {
-            let u = step_uniform(seq.seed, seq.output_token_ids.len() as u64);
+            let u = step_uniform(seq.seed, seq.num_output_tokens as u64);
             let mut row = std::mem::take(&mut s.row);
             let token = draw(&mut row, p, u, s);
             s.row = row;
@@ -398,7 +403,14 @@ mod tests {
     const EOS: u32 = 2;
 
     fn input<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32], seed: u64) -> SeqSamplingInput<'a> {
-        SeqSamplingInput { params, prompt_token_ids: prompt, output_token_ids: output, seed, eos_token_ids: &[EOS] }
+        SeqSamplingInput {
+            params,
+            prompt_token_ids: prompt,
+            output_token_ids: output,
+            num_output_tokens: output.len(),
+            seed,
+            eos_token_ids: &[EOS],
+        }
     }
 
     fn sample(logits: &[f32], params: &SamplingParams, output: &[u32], seed: u64) -> SampledToken {

@@ -7,6 +7,7 @@
 
 use std::net::SocketAddr;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::protocol::{
@@ -18,6 +19,7 @@ use common::{RequestId, SamplingParams};
 use tokio::sync::mpsc;
 
 use crate::engine::Engine;
+use crate::error::WorkerError;
 use crate::serve::metrics::{EngineMetrics, RequestTimings};
 use engine_core::{RequestOutput, SchedulerStats};
 
@@ -36,6 +38,10 @@ pub struct ServeConfig {
     pub metrics_address: Option<String>,
     /// What the engine runs on, in words (shown in the coordinator's /v1/workers).
     pub device: String,
+    /// This worker's pipeline, itself first (see `Handshake::stages`).
+    pub stages: Vec<common::pipeline::StageInfo>,
+    /// Set by the engine loop when its pipeline is lost (see `engine_loop`).
+    pub pipeline_lost: Arc<OnceLock<String>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +60,8 @@ pub enum ServiceError {
     EngineStopped,
     #[error("a block size of {0} tokens does not fit the protocol")]
     BlockSize(usize),
+    #[error("{0}")]
+    PipelineLost(String),
 }
 
 /// Commands from the network side to the engine thread.
@@ -78,11 +86,17 @@ pub enum EngineCommand {
 /// Runs the engine loop on the current thread until `Shutdown` or until
 /// every sender is gone. Messages for the coordinator go to `out`; with
 /// `metrics`, the loop also records vLLM's engine metrics.
+///
+/// On the first stage of a pipeline whose link is lost the loop sets
+/// `pipeline_lost` and stops at once, aborting nothing: the service then
+/// closes its coordinator connection, and the coordinator re-dispatches
+/// the requests with the tokens they already streamed.
 pub fn engine_loop(
     mut engine: Engine,
     commands: std_mpsc::Receiver<EngineCommand>,
     out: mpsc::UnboundedSender<WorkerMessage>,
     mut metrics: Option<EngineMetrics>,
+    pipeline_lost: &OnceLock<String>,
 ) {
     let mut timings = RequestTimings::default();
     let mut draining = false;
@@ -164,6 +178,11 @@ pub fn engine_loop(
                         }
                         let _ = out.send(token_delta(output));
                     }
+                }
+                Err(WorkerError::PipelineLost(why)) => {
+                    common::log!("engine: pipeline lost ({why}); leaving the cluster so its requests move elsewhere");
+                    let _ = pipeline_lost.set(why);
+                    return;
                 }
                 Err(e) => {
                     // A failed forward pass fails the requests of that step, not the worker.
@@ -258,6 +277,10 @@ pub async fn serve(
             ) => {
                 return Err(e);
             }
+            Err(e @ ServiceError::PipelineLost(_)) => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+                return Err(e);
+            }
             Err(e) => common::log!("connecting to the coordinator at {addr}: {e}; retrying in {backoff:?}"),
         }
         commands.send(EngineCommand::AbortAll).map_err(|_| ServiceError::EngineStopped)?;
@@ -295,6 +318,7 @@ async fn session(
         max_model_len: config.max_model_len,
         metrics_address: config.metrics_address.clone(),
         device: config.device.clone(),
+        stages: config.stages.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
     transport::write_frame(&mut send, &hello).await?;
@@ -326,6 +350,10 @@ async fn session(
     let end = control_loop(&mut send, &mut frames, kv_capacity_blocks, commands, from_engine).await;
     reader.abort();
     if matches!(end, SessionEnd::EngineStopped) {
+        if let Some(why) = config.pipeline_lost.get() {
+            conn.close(1u32.into(), b"pipeline stage lost");
+            return Err(ServiceError::PipelineLost(format!("pipeline lost: {why}")));
+        }
         conn.close(0u32.into(), transport::DRAINED_CLOSE_REASON);
     }
     Ok(end)

@@ -1,0 +1,174 @@
+//! Pipeline parallelism's shared vocabulary: which decoder layers a stage
+//! holds ([`LayerRange`]) and how a model's layers are split over stages in
+//! proportion to their memory ([`split_layers`]). Pure functions; the data
+//! path lives in the worker (`worker::pipeline`).
+
+use serde::{Deserialize, Serialize};
+
+/// Decoder layers `start..end` of a model with `total` layers. The stage
+/// holding layer 0 also holds the embeddings; the one holding the last
+/// layer also holds the final norm and lm_head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerRange {
+    pub start: usize,
+    pub end: usize,
+    pub total: usize,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LayerRangeError {
+    #[error("--layers {0:?}: expected FIRST-LAST (inclusive, e.g. 0-11)")]
+    Syntax(String),
+    #[error("--layers {given}: the model has {total} layers (0-{last})", last = .total.saturating_sub(1))]
+    OutOfRange { given: String, total: usize },
+    #[error("cannot split {layers} layers over {stages} stages: each stage needs at least one layer")]
+    TooManyStages { layers: usize, stages: usize },
+    #[error("cannot split layers over no stage, or over stages with no memory")]
+    NoStages,
+}
+
+impl LayerRange {
+    /// Every layer: a worker that is not part of a pipeline.
+    pub fn full(total: usize) -> Self {
+        Self { start: 0, end: total, total }
+    }
+
+    /// Parses `FIRST-LAST` (inclusive, as users write it) for a model of
+    /// `total` layers.
+    pub fn parse(text: &str, total: usize) -> Result<Self, LayerRangeError> {
+        let syntax = || LayerRangeError::Syntax(text.to_string());
+        let (first, last) = text.split_once('-').ok_or_else(syntax)?;
+        let first: usize = first.trim().parse().map_err(|_| syntax())?;
+        let last: usize = last.trim().parse().map_err(|_| syntax())?;
+        if first > last || last >= total {
+            return Err(LayerRangeError::OutOfRange { given: text.to_string(), total });
+        }
+        Ok(Self { start: first, end: last + 1, total })
+    }
+
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// Holds the embeddings (and runs the scheduler).
+    pub fn is_first(&self) -> bool {
+        self.start == 0
+    }
+
+    /// Holds the final norm and lm_head (and samples).
+    pub fn is_last(&self) -> bool {
+        self.end == self.total
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.is_first() && self.is_last()
+    }
+}
+
+impl std::fmt::Display for LayerRange {
+    /// Inclusive, as `--layers` takes it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.start, self.end.saturating_sub(1))
+    }
+}
+
+/// One stage of a worker's pipeline, as reported at registration and shown
+/// in `/v1/workers`. A worker that is no pipeline reports itself as its
+/// one stage, so every worker reports its resident memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageInfo {
+    /// The worker process's name.
+    pub name: String,
+    /// Inclusive, as `--layers` takes it ("0-11").
+    pub layers: String,
+    /// Bytes of weights the stage holds.
+    pub weight_bytes: u64,
+    /// Bytes of its KV cache's block pools.
+    pub kv_bytes: u64,
+}
+
+/// Splits `total` layers over stages in proportion to `memory` (bytes each
+/// stage can give to the model), in order, each stage at least one layer
+/// (vLLM likewise refuses more stages than layers). The shares are rounded
+/// by largest remainder, ties to the earlier stage, so the result is exact
+/// and deterministic.
+pub fn split_layers(total: usize, memory: &[u64]) -> Result<Vec<LayerRange>, LayerRangeError> {
+    let stages = memory.len();
+    let sum: u128 = memory.iter().map(|&m| u128::from(m)).sum();
+    if stages == 0 || sum == 0 {
+        return Err(LayerRangeError::NoStages);
+    }
+    if stages > total {
+        return Err(LayerRangeError::TooManyStages { layers: total, stages });
+    }
+    // Shares of `total` by memory, rounded down, the rest by largest remainder.
+    let total_wide = total as u128;
+    let mut counts: Vec<usize> = memory.iter().map(|&m| (total_wide * u128::from(m) / sum) as usize).collect();
+    let mut remainders: Vec<(u128, usize)> =
+        memory.iter().enumerate().map(|(i, &m)| (total_wide * u128::from(m) % sum, i)).collect();
+    remainders.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let missing = total - counts.iter().sum::<usize>();
+    for &(_, i) in remainders.iter().take(missing) {
+        counts[i] += 1;
+    }
+    // A stage with no layer takes one from the stage with the most (the
+    // earliest on a tie); there are at least as many layers as stages.
+    while let Some(empty) = counts.iter().position(|&n| n == 0) {
+        let most = (0..stages).max_by_key(|&i| (counts[i], std::cmp::Reverse(i))).expect("stages > 0");
+        counts[most] -= 1;
+        counts[empty] += 1;
+    }
+    let mut start = 0;
+    Ok(counts
+        .into_iter()
+        .map(|n| {
+            let range = LayerRange { start, end: start + n, total };
+            start += n;
+            range
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_inclusive_ranges_and_refuses_bad_ones() {
+        assert_eq!(LayerRange::parse("0-11", 22).unwrap(), LayerRange { start: 0, end: 12, total: 22 });
+        assert_eq!(LayerRange::parse("12-21", 22).unwrap().to_string(), "12-21");
+        assert!(LayerRange::parse("12-21", 22).unwrap().is_last());
+        assert!(matches!(LayerRange::parse("3", 22), Err(LayerRangeError::Syntax(_))));
+        assert!(matches!(LayerRange::parse("5-4", 22), Err(LayerRangeError::OutOfRange { .. })));
+        assert!(matches!(LayerRange::parse("0-22", 22), Err(LayerRangeError::OutOfRange { .. })));
+    }
+
+    #[test]
+    fn splits_in_proportion_to_memory() {
+        let ranges = |total, mem: &[u64]| -> Vec<String> {
+            split_layers(total, mem).unwrap().iter().map(ToString::to_string).collect()
+        };
+        assert_eq!(ranges(22, &[8, 8]), ["0-10", "11-21"]);
+        assert_eq!(ranges(22, &[16, 8]), ["0-14", "15-21"]);
+        assert_eq!(ranges(5, &[1, 1, 1]), ["0-1", "2-3", "4-4"]);
+        assert_eq!(ranges(2, &[100, 1]), ["0-0", "1-1"], "every stage gets a layer");
+        assert_eq!(split_layers(2, &[1, 1, 1]), Err(LayerRangeError::TooManyStages { layers: 2, stages: 3 }));
+        assert_eq!(split_layers(4, &[]), Err(LayerRangeError::NoStages));
+    }
+
+    #[test]
+    fn a_split_covers_every_layer_once() {
+        for total in 1..40 {
+            for mem in [vec![3u64, 5, 7], vec![1, 1], vec![10, 1, 1, 1]] {
+                let Ok(split) = split_layers(total, &mem) else { continue };
+                assert_eq!(split.first().unwrap().start, 0);
+                assert_eq!(split.last().unwrap().end, total);
+                assert!(split.windows(2).all(|w| w[0].end == w[1].start && !w[0].is_empty()));
+            }
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! `tinyvllm-worker serve --layers ...`: the pipeline-stage side of `serve`.
+//! The first stage (layer 0) dials the next stage before joining the
+//! coordinator; a later stage serves the stage before it
+//! (`worker::pipeline::follower`) and never talks to the coordinator.
+
+use anyhow::Context;
+use common::pipeline::LayerRange;
+use worker::models::ModelFiles;
+use worker::pipeline::follower::{self, Compute, FollowerConfig};
+use worker::pipeline::link::{self, Downstream};
+use worker::pipeline::stage::StageRunner;
+use worker::pipeline::wire::{STAGE_PROTOCOL_VERSION, StageHello, StageInfo};
+
+use super::engine_args::{EngineArgs, Resolved, on_the_kernel_pool, stage_config};
+
+/// The `serve` options a later stage uses.
+pub struct StageArgs {
+    pub name: String,
+    pub secret: String,
+    pub listen: Option<std::net::SocketAddr>,
+    pub address_file: Option<std::path::PathBuf>,
+    pub next_stage: Option<String>,
+}
+
+/// Runs a later stage (one without layer 0) until SIGTERM or a fatal error.
+pub fn run_later_stage(
+    engine: &EngineArgs,
+    resolved: Resolved,
+    layers: LayerRange,
+    args: StageArgs,
+    runtime: tokio::runtime::Runtime,
+) -> anyhow::Result<()> {
+    let listen = args.listen.with_context(|| {
+        format!("layers {layers} are a later pipeline stage: give --stage-listen HOST:PORT for the stage before")
+    })?;
+    let runner = StageRunner::new(&resolved.files, &stage_config(engine, &resolved, layers))
+        .with_context(|| format!("loading layers {layers} of {}", resolved.files.name))?;
+    let info = runner.info(&args.name);
+    common::log!(
+        "stage {} (layers {layers} of {}): weights {:.1} MiB, KV cache {} blocks, {:.1} MiB",
+        args.name,
+        resolved.files.name,
+        mib(info.weight_bytes),
+        runner.num_blocks(),
+        mib(info.kv_bytes)
+    );
+    let compute = Compute::start(runner, &args.name, on_the_kernel_pool)?;
+    let config = FollowerConfig {
+        name: args.name,
+        secret: args.secret,
+        model: resolved.files.identity(),
+        block_size: engine.block_size,
+        listen,
+        address_file: args.address_file,
+        next_stage: args.next_stage,
+    };
+    runtime.block_on(async move {
+        tokio::select! {
+            result = follower::serve(config, compute) => result.map_err(anyhow::Error::from),
+            () = common::transport::shutdown_signal() => Ok(()),
+        }
+    })
+}
+
+/// The first stage's dial of the next stage, retried until it is up.
+pub async fn dial_next(
+    name: &str,
+    secret: &str,
+    files: &ModelFiles,
+    engine: &EngineArgs,
+    layers: LayerRange,
+    address: &str,
+) -> anyhow::Result<Downstream> {
+    let hello = StageHello {
+        version: STAGE_PROTOCOL_VERSION,
+        name: name.to_string(),
+        model: files.identity(),
+        block_size: engine.block_size as u32,
+        next_layer: layers.end as u32,
+        raw_logits: false,
+        auth_tag: Vec::new(),
+    };
+    link::dial_until_up(address, secret, hello).await.with_context(|| format!("joining the next stage at {address}"))
+}
+
+/// The pipeline as the first stage sees it, one line per stage.
+pub fn log_pipeline(stages: &[StageInfo]) {
+    for (i, s) in stages.iter().enumerate() {
+        common::log!(
+            "pipeline stage {i} of {}: {} (layers {}): weights {:.1} MiB, KV cache {:.1} MiB",
+            stages.len(),
+            s.name,
+            s.layers,
+            mib(s.weight_bytes),
+            mib(s.kv_bytes)
+        );
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}

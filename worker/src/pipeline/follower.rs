@@ -1,0 +1,261 @@
+//! A later stage's service: it dials the stage after it (if it is not the
+//! last), then listens for the stage before it, and passes each step through
+//! its compute thread: hidden states on to the next stage, results (from
+//! its own sampler, or relayed from the stage after) back. It holds no
+//! per-request state, so a stage before that reconnects starts clean; when
+//! the stage after goes away it drops the stage before (whose pipeline is
+//! then lost) and dials again.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::mpsc as std_mpsc;
+
+use common::pipeline::LayerRange;
+use common::protocol::ModelIdentity;
+use tokio::sync::mpsc;
+
+use super::link::{self, Downstream, Framed, LinkError, Upstream};
+use super::stage::{StageRunner, StageStep};
+use super::wire::{STAGE_PROTOCOL_VERSION, StageHello, StageInfo, StepHeader, StepResult};
+use crate::engine::LogprobsMode;
+
+pub struct FollowerConfig {
+    pub name: String,
+    pub secret: String,
+    pub model: ModelIdentity,
+    pub block_size: usize,
+    /// Where to listen for the stage before.
+    pub listen: SocketAddr,
+    /// Where the bound listen address is written once listening (for a
+    /// supervisor that chose port 0).
+    pub address_file: Option<PathBuf>,
+    /// The stage after this one (none on the last stage).
+    pub next_stage: Option<String>,
+}
+
+/// How long the stage before has to prove the secret once it connected.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A step for the compute thread, tagged with the link it came on.
+type ComputeInput = (u64, LogprobsMode, StepHeader, Vec<u8>);
+
+/// The compute thread's ends.
+pub struct Compute {
+    inputs: std_mpsc::Sender<ComputeInput>,
+    outputs: mpsc::UnboundedReceiver<(u64, StageStep)>,
+    layers: LayerRange,
+    num_blocks: u64,
+    info: StageInfo,
+}
+
+impl Compute {
+    /// Runs `runner` on a thread of its own; `on_pool` puts the loop on
+    /// the kernels' thread pool (as the engine's step loop).
+    pub fn start(
+        mut runner: StageRunner,
+        name: &str,
+        on_pool: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let (inputs, rx) = std_mpsc::channel::<ComputeInput>();
+        let (tx, outputs) = mpsc::unbounded_channel();
+        let (layers, num_blocks, info) = (runner.layers(), runner.num_blocks() as u64, runner.info(name));
+        std::thread::Builder::new().name("stage".into()).spawn(move || {
+            on_pool(Box::new(move || {
+                while let Ok((generation, mode, header, hidden)) = rx.recv() {
+                    runner.logprobs_mode = mode;
+                    if tx.send((generation, runner.run(header, hidden))).is_err() {
+                        return;
+                    }
+                }
+            }))
+        })?;
+        Ok(Self { inputs, outputs, layers, num_blocks, info })
+    }
+}
+
+/// Serves as a later stage until a fatal error (the stage after refused
+/// this one, or the listen address is unusable).
+pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), LinkError> {
+    let endpoint = link::listen(config.listen)?;
+    let bound = endpoint.local_addr().map_err(|e| LinkError::Connection(e.to_string()))?;
+    common::log!("stage {} (layers {}): listening for the stage before on {bound}", config.name, compute.layers);
+    if let Some(path) = &config.address_file {
+        // Written whole, then renamed: a reader never sees half an address.
+        let partial = path.with_extension("partial");
+        std::fs::write(&partial, bound.to_string())
+            .and_then(|()| std::fs::rename(&partial, path))
+            .map_err(|e| LinkError::Connection(format!("writing {}: {e}", path.display())))?;
+    }
+    let mut generation = 0u64;
+    loop {
+        let mut downstream = match &config.next_stage {
+            Some(address) => {
+                let hello = StageHello {
+                    version: STAGE_PROTOCOL_VERSION,
+                    name: config.name.clone(),
+                    model: config.model.clone(),
+                    block_size: config.block_size as u32,
+                    next_layer: compute.layers.end as u32,
+                    raw_logits: false,
+                    auth_tag: Vec::new(),
+                };
+                let d = link::dial_until_up(address, &config.secret, hello).await?;
+                common::log!("stage: connected to the next stage at {address}");
+                Some(d)
+            }
+            None => None,
+        };
+        let (num_blocks, stages) = match &downstream {
+            Some(d) => {
+                let stages = std::iter::once(compute.info.clone()).chain(d.stages.iter().cloned()).collect();
+                (compute.num_blocks.min(d.num_blocks), stages)
+            }
+            None => (compute.num_blocks, vec![compute.info.clone()]),
+        };
+        loop {
+            let check = |hello: &StageHello| check_hello(hello, &config, compute.layers);
+            let incoming = tokio::select! {
+                incoming = endpoint.accept() => incoming,
+                () = lost(&mut downstream) => break,
+            };
+            let Some(incoming) = incoming else { return Err(LinkError::Closed) };
+            // A peer that stalls in the handshake does not hold the port.
+            let handshake = link::accept(incoming, &config.secret, check, num_blocks, stages.clone());
+            let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+                .await
+                .unwrap_or_else(|_| Err(LinkError::Connection("no handshake within 10 s".into())));
+            let up = match accepted {
+                Ok(up) => up,
+                Err(LinkError::Closed) => return Err(LinkError::Closed),
+                Err(e) => {
+                    common::log!("stage: refused a stage before: {e}");
+                    continue;
+                }
+            };
+            generation += 1;
+            common::log!("stage: the stage before ({}) connected", up.hello.name);
+            match serve_link(up, &mut downstream, &mut compute, generation).await {
+                LinkEnd::UpstreamGone(why) => common::log!("stage: the stage before left ({why})"),
+                LinkEnd::DownstreamGone => {
+                    common::log!(
+                        "stage {}: lost the next stage; dropping the stage before and dialling again",
+                        config.name
+                    );
+                    break;
+                }
+                LinkEnd::ComputeStopped => return Err(LinkError::Connection("the compute thread stopped".into())),
+            }
+        }
+    }
+}
+
+/// Why the stage before may not connect, in words naming both sides.
+fn check_hello(hello: &StageHello, config: &FollowerConfig, layers: LayerRange) -> Result<(), String> {
+    if hello.version != STAGE_PROTOCOL_VERSION {
+        return Err(format!("stage protocol {} there, {STAGE_PROTOCOL_VERSION} here", hello.version));
+    }
+    if hello.model != config.model {
+        return Err(format!(
+            "model files differ: stage {} serves {} (config.json hash {:016x}), stage {} serves {} (config.json hash \
+             {:016x})",
+            hello.name,
+            hello.model.name,
+            hello.model.config_hash,
+            config.name,
+            config.model.name,
+            config.model.config_hash
+        ));
+    }
+    if hello.block_size as usize != config.block_size {
+        return Err(format!("block size {} there, {} here", hello.block_size, config.block_size));
+    }
+    if hello.next_layer as usize != layers.start {
+        return Err(format!(
+            "stage {} ends before layer {}, but stage {} holds layers {layers}",
+            hello.name, hello.next_layer, config.name
+        ));
+    }
+    Ok(())
+}
+
+enum LinkEnd {
+    UpstreamGone(String),
+    DownstreamGone,
+    ComputeStopped,
+}
+
+/// Resolves when the link to the stage after is lost (never without one).
+/// Results that arrive while no stage before is connected are stale.
+async fn lost(downstream: &mut Option<Downstream>) {
+    match downstream {
+        Some(d) => while d.results.recv().await.is_some() {},
+        None => std::future::pending().await,
+    }
+}
+
+async fn next_result(downstream: &mut Option<Downstream>) -> Option<Framed<StepResult>> {
+    match downstream {
+        Some(d) => d.results.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One connected stage before: steps in, through compute, on or back.
+async fn serve_link(
+    up: Upstream,
+    downstream: &mut Option<Downstream>,
+    compute: &mut Compute,
+    generation: u64,
+) -> LinkEnd {
+    let Upstream { conn, mut send, mut recv, hello } = up;
+    let mode = if hello.raw_logits { LogprobsMode::RawLogits } else { LogprobsMode::RawLogprobs };
+    let (frame_tx, mut frames) = mpsc::channel(4);
+    let reader = tokio::spawn(async move {
+        loop {
+            let frame = link::read_framed(&mut recv, StepHeader::raw_bytes).await;
+            let last = !matches!(frame, Ok(Some(_)));
+            if frame_tx.send(frame).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    let end = loop {
+        tokio::select! {
+            frame = frames.recv() => match frame {
+                Some(Ok(Some((header, hidden)))) => {
+                    if compute.inputs.send((generation, mode, header, hidden)).is_err() {
+                        break LinkEnd::ComputeStopped;
+                    }
+                }
+                Some(Ok(None)) | None => break LinkEnd::UpstreamGone("it closed the link".into()),
+                Some(Err(e)) => break LinkEnd::UpstreamGone(e.to_string()),
+            },
+            out = compute.outputs.recv() => match out {
+                None => break LinkEnd::ComputeStopped,
+                Some((g, _)) if g != generation => {} // a step of a link already gone
+                Some((_, StageStep::Forward(header, hidden))) => {
+                    let Some(d) = downstream.as_ref() else { break LinkEnd::DownstreamGone };
+                    if d.steps.send((header, hidden)).is_err() {
+                        break LinkEnd::DownstreamGone;
+                    }
+                }
+                Some((_, StageStep::Result(result, raw))) => {
+                    if let Err(e) = link::write_framed(&mut send, &result, &raw).await {
+                        break LinkEnd::UpstreamGone(e.to_string());
+                    }
+                }
+            },
+            result = next_result(downstream) => match result {
+                Some((result, raw)) => {
+                    if let Err(e) = link::write_framed(&mut send, &result, &raw).await {
+                        break LinkEnd::UpstreamGone(e.to_string());
+                    }
+                }
+                None => break LinkEnd::DownstreamGone,
+            },
+        }
+    };
+    reader.abort();
+    conn.close(0u32.into(), b"stage link closed");
+    end
+}

@@ -1,0 +1,196 @@
+//! A later pipeline stage's compute: its layers over the step the stage
+//! before sent, then either the hidden states for the next stage or, on the
+//! last stage, the logits and the sampled tokens. It keeps no per-request
+//! state: everything comes in the step's header. Synchronous, no I/O.
+
+use candle_core::{DType, Device, Tensor};
+use common::pipeline::LayerRange;
+
+use super::wire::{StageInfo, StepHeader, StepResult, WireSampled, f32_to_bytes, hidden_from_bytes, hidden_to_bytes};
+use crate::engine::{LogprobsMode, reported_logprobs};
+use crate::error::{Result, WorkerError};
+use crate::models::llama::{StageInput, StageOutput};
+use crate::models::{CausalLm, ModelConfig, ModelFiles, Quantization};
+use crate::runner::kv_cache::{self, KvBudget, LayerKvCache};
+use crate::runner::sampler::{self, SeqSamplingInput};
+
+/// What a stage hands on after computing a step.
+pub enum StageStep {
+    /// To the next stage: the header and this stage's output hidden states.
+    Forward(StepHeader, Vec<u8>),
+    /// Back to the stage before (last stage): the result and its raw bytes.
+    Result(StepResult, Vec<u8>),
+}
+
+/// How a stage that does not hold layer 0 is built.
+pub struct StageConfig {
+    pub device: Device,
+    pub dtype: DType,
+    pub layers: LayerRange,
+    pub block_size: usize,
+    pub kv_budget: KvBudget,
+    /// Caps the KV cache as the first stage's scheduler would use it.
+    pub max_num_seqs: usize,
+    pub max_model_len: Option<usize>,
+    /// Quantize linear weights at load time to a block format (CPU only).
+    pub quantization: Option<Quantization>,
+}
+
+pub struct StageRunner {
+    model: CausalLm,
+    kv_caches: Vec<LayerKvCache>,
+    num_blocks: usize,
+    block_size: usize,
+    device: Device,
+    eos_token_ids: Vec<u32>,
+    kv_bytes: u64,
+    /// How logprobs are reported, as the first stage asked.
+    pub logprobs_mode: LogprobsMode,
+}
+
+impl StageRunner {
+    /// Loads this stage's share of the weights (only its tensors are read)
+    /// and allocates the KV cache of its layers from its own budget.
+    pub fn new(files: &ModelFiles, config: &StageConfig) -> Result<Self> {
+        let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, config.layers)?;
+        if let Some(q) = config.quantization {
+            if !q.is_block_format() || !config.device.is_cpu() {
+                return Err(WorkerError::Unsupported(format!("{q:?} quantization at load time runs on the CPU only")));
+            }
+            model.quantize(q)?;
+        }
+        if config.device.is_cpu() {
+            model.pack_weights()?;
+            model.place_weights_in_huge_pages();
+        }
+        let kv_cfg = stage_kv_config(model.config(), config.layers);
+        let cfg = model.config();
+        let max_model_len =
+            config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
+        let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
+        let kv_dtype = model.activation_dtype();
+        let num_blocks =
+            kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?;
+        let kv_caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
+        let kv_bytes = kv_cache::bytes_per_block(&kv_cfg, config.block_size, kv_dtype) * num_blocks as u64;
+        Ok(Self {
+            model,
+            kv_caches,
+            num_blocks,
+            block_size: config.block_size,
+            device: config.device.clone(),
+            eos_token_ids: files.eos_token_ids.clone(),
+            kv_bytes,
+            logprobs_mode: LogprobsMode::RawLogprobs,
+        })
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn layers(&self) -> LayerRange {
+        self.model.layer_range()
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    /// This stage as the stage before sees it.
+    pub fn info(&self, name: &str) -> StageInfo {
+        StageInfo {
+            name: name.to_string(),
+            layers: self.layers().to_string(),
+            weight_bytes: self.model.resident_weight_bytes() as u64,
+            kv_bytes: self.kv_bytes,
+        }
+    }
+
+    /// Computes one step; a step that fails becomes a `Failed` result for
+    /// the first stage (its requests fail; the pipeline goes on).
+    pub fn run(&mut self, header: StepHeader, hidden: Vec<u8>) -> StageStep {
+        let step = header.step;
+        self.try_run(header, &hidden).unwrap_or_else(|e| {
+            StageStep::Result(StepResult::Failed { step, message: format!("stage {}: {e}", self.layers()) }, Vec::new())
+        })
+    }
+
+    fn try_run(&mut self, mut header: StepHeader, hidden: &[u8]) -> Result<StageStep> {
+        let cfg = self.model.config();
+        let last = self.layers().is_last();
+        header.check(self.num_blocks, self.block_size, cfg.hidden_size, last)?;
+        let t = header.positions.len();
+        let hidden = hidden_from_bytes(header.dtype, hidden, t, cfg.hidden_size, &self.device)?;
+        let positions = Tensor::from_slice(&header.positions, t, &self.device)?;
+        let meta = header.attention_metadata(self.block_size, cfg.sliding_window);
+        let mut wanted = header.logits_indices.clone();
+        wanted.extend_from_slice(&header.prompt_logprob_rows);
+        // A step of prompt chunks only still computes one row nobody reads.
+        let none_wanted = wanted.is_empty();
+        if none_wanted {
+            wanted.push(t as u32 - 1);
+        }
+        let rows = Tensor::from_slice(&wanted, wanted.len(), &self.device)?;
+        let input = StageInput::Hidden(&hidden);
+        match self.model.forward_stage(input, &positions, &self.kv_caches, &meta, &rows)? {
+            StageOutput::Hidden(out) => {
+                let (dtype, bytes) = hidden_to_bytes(&out)?;
+                header.dtype = dtype;
+                header.hidden_bytes = bytes.len() as u64;
+                Ok(StageStep::Forward(header, bytes))
+            }
+            StageOutput::Logits(_) if none_wanted => {
+                let result = StepResult::Sampled { step: header.step, sampled: Vec::new(), prompt_logits_bytes: 0 };
+                Ok(StageStep::Result(result, Vec::new()))
+            }
+            StageOutput::Logits(logits) => {
+                let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+                let (sampled, prompt_logits) = self.sample(&header, &logits);
+                let bytes = f32_to_bytes(prompt_logits);
+                let result =
+                    StepResult::Sampled { step: header.step, sampled, prompt_logits_bytes: bytes.len() as u64 };
+                Ok(StageStep::Result(result, bytes))
+            }
+        }
+    }
+
+    /// Samples the header's rows from `logits` (`[S + P, vocab]`); returns
+    /// the tokens and the prompt-logprob rows' logits.
+    fn sample<'l>(&self, header: &StepHeader, logits: &'l [f32]) -> (Vec<WireSampled>, &'l [f32]) {
+        let vocab = self.model.config().vocab_size;
+        let inputs: Vec<SeqSamplingInput> = header
+            .sampling
+            .iter()
+            .map(|row| SeqSamplingInput {
+                params: &row.params,
+                prompt_token_ids: &row.prompt_token_ids,
+                output_token_ids: &row.output_token_ids,
+                num_output_tokens: row.num_output_tokens as usize,
+                seed: row.seed,
+                eos_token_ids: &self.eos_token_ids,
+            })
+            .collect();
+        let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * vocab);
+        let sampled = sampler::sample_batch(sampling_logits, vocab, &inputs)
+            .into_iter()
+            .zip(&inputs)
+            .enumerate()
+            .map(|(row, (s, input))| WireSampled {
+                token_id: s.token_id,
+                logprobs: input.params.logprobs.map(|_| {
+                    let raw = &sampling_logits[row * vocab..][..vocab];
+                    let l = reported_logprobs(self.logprobs_mode, raw, s.token_id, s.logprob, s.top_logprobs);
+                    (l.logprob, l.top)
+                }),
+            })
+            .collect();
+        (sampled, prompt_logits)
+    }
+}
+
+/// The config a stage's KV cache is sized and allocated from: its own
+/// layers only.
+pub fn stage_kv_config(cfg: &ModelConfig, layers: LayerRange) -> ModelConfig {
+    ModelConfig { num_layers: layers.len(), ..cfg.clone() }
+}

@@ -1,0 +1,295 @@
+//! The stage-to-stage wire format: bincode frames over `common::transport`
+//! (length-prefixed, as on the coordinator link), with a step's hidden
+//! states following its header as raw little-endian bytes, so a
+//! megabyte of activations is not re-encoded element by element.
+//!
+//! Upstream (the stage before) dials and sends [`StageHello`], then steps;
+//! downstream answers [`StageReply`], then one [`StepResult`] per step.
+//! Everything a later stage needs travels in the [`StepHeader`]: it does no
+//! scheduling and keeps no per-request state.
+
+use candle_core::{DType, Device, Tensor};
+use common::SamplingParams;
+use common::protocol::ModelIdentity;
+use kernels::AttentionMetadata;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, WorkerError};
+
+/// Bumped on any incompatible change of the messages below.
+pub const STAGE_PROTOCOL_VERSION: u32 = 1;
+
+/// Largest raw payload after a frame (hidden states, prompt-logprob
+/// logits): 64k tokens of an 8192-wide f32 model. Frames themselves keep
+/// the protocol's `MAX_FRAME_BYTES`.
+pub const MAX_RAW_BYTES: u64 = 2 << 30;
+
+/// The first frame on a link, from the stage before.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageHello {
+    pub version: u32,
+    /// The upstream stage's name, for the other side's log.
+    pub name: String,
+    pub model: ModelIdentity,
+    pub block_size: u32,
+    /// The first layer the stage dialled must hold: where upstream's end.
+    pub next_layer: u32,
+    /// Logprobs as the raw logits (`LogprobsMode::RawLogits`).
+    pub raw_logits: bool,
+    /// `transport::auth_tag` of the dialling side (`Role::Worker`).
+    pub auth_tag: Vec<u8>,
+}
+
+pub use common::pipeline::StageInfo;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StageReply {
+    Accepted {
+        /// `transport::auth_tag` of the listening side (`Role::Coordinator`).
+        auth_tag: Vec<u8>,
+        /// The least number of KV blocks of this stage and every one after.
+        num_blocks: u64,
+        /// This stage and every one after it, in order.
+        stages: Vec<StageInfo>,
+    },
+    Refused {
+        reason: String,
+    },
+}
+
+/// Element type of the hidden states on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireDType {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// What the last stage needs to sample one row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingRow {
+    pub params: SamplingParams,
+    pub seed: u64,
+    /// Tokens generated so far (min_tokens, the seeded draw's position).
+    pub num_output_tokens: u32,
+    /// The prompt and output tokens, only when a penalty reads them
+    /// (repetition: both; frequency and presence: the output).
+    pub prompt_token_ids: Vec<u32>,
+    pub output_token_ids: Vec<u32>,
+}
+
+/// One step, as the stage before computed it; `hidden_bytes` bytes of
+/// `[T, hidden]` hidden states follow this frame.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepHeader {
+    pub step: u64,
+    pub dtype: WireDType,
+    pub hidden_bytes: u64,
+    /// `[T]`: each row's position.
+    pub positions: Vec<u32>,
+    pub slot_mapping: Vec<u32>,
+    pub query_start_loc: Vec<u32>,
+    pub context_lens: Vec<u32>,
+    pub block_tables: Vec<Vec<u32>>,
+    /// Rows that sample, then rows whose logits give prompt logprobs.
+    pub logits_indices: Vec<u32>,
+    pub prompt_logprob_rows: Vec<u32>,
+    /// One per `logits_indices` row.
+    pub sampling: Vec<SamplingRow>,
+}
+
+/// A sampled token and, if asked, its logprob and the top list.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireSampled {
+    pub token_id: u32,
+    pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
+}
+
+/// The last stage's answer to one step, relayed back to stage 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StepResult {
+    Sampled {
+        step: u64,
+        sampled: Vec<WireSampled>,
+        /// Bytes of the prompt-logprob rows' logits (row-major f32, little
+        /// endian) that follow this frame.
+        prompt_logits_bytes: u64,
+    },
+    /// A stage could not compute the step (its requests fail, not the pipeline).
+    Failed { step: u64, message: String },
+}
+
+impl StepResult {
+    /// Bytes that follow this frame.
+    pub fn raw_bytes(&self) -> u64 {
+        match self {
+            Self::Sampled { prompt_logits_bytes, .. } => *prompt_logits_bytes,
+            Self::Failed { .. } => 0,
+        }
+    }
+
+    pub fn step(&self) -> u64 {
+        match self {
+            Self::Sampled { step, .. } | Self::Failed { step, .. } => *step,
+        }
+    }
+}
+
+impl StepHeader {
+    /// Bytes that follow this frame.
+    pub fn raw_bytes(&self) -> u64 {
+        self.hidden_bytes
+    }
+
+    /// The attention metadata of the step, for a stage of `block_size`.
+    pub fn attention_metadata(&self, block_size: usize, sliding_window: Option<usize>) -> AttentionMetadata {
+        AttentionMetadata {
+            query_start_loc: self.query_start_loc.clone(),
+            context_lens: self.context_lens.clone(),
+            block_tables: self.block_tables.clone(),
+            slot_mapping: self.slot_mapping.clone(),
+            block_size,
+            sliding_window,
+        }
+    }
+
+    /// Checks that the header is self-consistent and names only blocks a
+    /// pool of `num_blocks` has, so no kernel indexes out of bounds.
+    pub fn check(&self, num_blocks: usize, block_size: usize, hidden_size: usize, last_stage: bool) -> Result<()> {
+        let t = self.positions.len();
+        let fail =
+            |what: &str| Err(WorkerError::Unsupported(format!("step {} from the stage before: {what}", self.step)));
+        let seqs = self.context_lens.len();
+        if t == 0 || self.slot_mapping.len() != t {
+            return fail("no rows, or a slot mapping of another length");
+        }
+        if self.query_start_loc.len() != seqs + 1
+            || self.block_tables.len() != seqs
+            || self.query_start_loc.first() != Some(&0)
+            || self.query_start_loc.last() != Some(&(t as u32))
+            || self.query_start_loc.windows(2).any(|w| w[0] > w[1])
+        {
+            return fail("sequence boundaries do not match the rows");
+        }
+        let slots = (num_blocks * block_size) as u64;
+        if self.slot_mapping.iter().any(|&s| u64::from(s) >= slots)
+            || self.block_tables.iter().flatten().any(|&b| b as usize >= num_blocks)
+        {
+            return fail("a block outside this stage's KV cache");
+        }
+        for (s, (&ctx, table)) in self.context_lens.iter().zip(&self.block_tables).enumerate() {
+            let q = self.query_start_loc[s + 1] - self.query_start_loc[s];
+            if ctx < q || (ctx as usize).div_ceil(block_size) > table.len() {
+                return fail("a context longer than its block table");
+            }
+        }
+        if self.logits_indices.iter().chain(&self.prompt_logprob_rows).any(|&r| r as usize >= t) {
+            return fail("a logits row outside the step");
+        }
+        if last_stage && self.sampling.len() != self.logits_indices.len() {
+            return fail("not one sampling row per sampled row");
+        }
+        let width = match self.dtype {
+            WireDType::F32 => 4,
+            WireDType::F16 | WireDType::Bf16 => 2,
+        };
+        if self.hidden_bytes != (t * hidden_size * width) as u64 {
+            return fail("hidden states of another size than [rows, hidden]");
+        }
+        Ok(())
+    }
+}
+
+/// f32 values as raw little-endian bytes (prompt-logprob logits).
+pub fn f32_to_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn f32_from_bytes(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+/// `[T, hidden]` hidden states as raw little-endian bytes.
+pub fn hidden_to_bytes(hidden: &Tensor) -> Result<(WireDType, Vec<u8>)> {
+    let flat = hidden.flatten_all()?;
+    Ok(match hidden.dtype() {
+        DType::F16 => (WireDType::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        DType::BF16 => (WireDType::Bf16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        _ => (WireDType::F32, f32_to_bytes(&flat.to_dtype(DType::F32)?.to_vec1::<f32>()?)),
+    })
+}
+
+/// The inverse of [`hidden_to_bytes`]: `[rows, hidden]` on `device`.
+pub fn hidden_from_bytes(
+    dtype: WireDType,
+    bytes: &[u8],
+    rows: usize,
+    hidden: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let shape = (rows, hidden);
+    Ok(match dtype {
+        WireDType::F32 => Tensor::from_vec(f32_from_bytes(bytes), shape, device)?,
+        WireDType::F16 => {
+            let v: Vec<half::f16> = bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]])).collect();
+            Tensor::from_vec(v, shape, device)?
+        }
+        WireDType::Bf16 => {
+            let v: Vec<half::bf16> = bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]])).collect();
+            Tensor::from_vec(v, shape, device)?
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> StepHeader {
+        StepHeader {
+            step: 7,
+            dtype: WireDType::F32,
+            hidden_bytes: 3 * 4 * 4,
+            positions: vec![0, 1, 5],
+            slot_mapping: vec![16, 17, 37],
+            query_start_loc: vec![0, 2, 3],
+            context_lens: vec![2, 6],
+            block_tables: vec![vec![1], vec![2]],
+            logits_indices: vec![1, 2],
+            prompt_logprob_rows: vec![],
+            sampling: vec![],
+        }
+    }
+
+    #[test]
+    fn hidden_states_round_trip_bit_for_bit() {
+        let values: Vec<f32> = (0..12).map(|i| i as f32 * 0.1 - 0.37).collect();
+        let t = Tensor::from_vec(values.clone(), (3, 4), &Device::Cpu).unwrap();
+        let (dtype, bytes) = hidden_to_bytes(&t).unwrap();
+        assert_eq!((dtype, bytes.len()), (WireDType::F32, 48));
+        let back = hidden_from_bytes(dtype, &bytes, 3, 4, &Device::Cpu).unwrap();
+        assert_eq!(back.flatten_all().unwrap().to_vec1::<f32>().unwrap(), values);
+        let h = t.to_dtype(DType::BF16).unwrap();
+        let (dtype, bytes) = hidden_to_bytes(&h).unwrap();
+        let back = hidden_from_bytes(dtype, &bytes, 3, 4, &Device::Cpu).unwrap();
+        assert_eq!(
+            back.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(),
+            h.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()
+        );
+    }
+
+    #[test]
+    fn a_header_naming_blocks_outside_the_pool_is_refused() {
+        let h = header();
+        h.check(3, 16, 4, false).unwrap();
+        assert!(h.check(2, 16, 4, false).is_err(), "block 2 of a pool of 2");
+        assert!(h.check(3, 16, 8, false).is_err(), "hidden bytes for another width");
+        assert!(h.check(3, 16, 4, true).is_err(), "the last stage needs a sampling row per sampled row");
+        let mut bad = header();
+        bad.query_start_loc = vec![0, 3, 2];
+        assert!(bad.check(3, 16, 4, false).is_err());
+        let mut bad = header();
+        bad.context_lens = vec![2, 17];
+        assert!(bad.check(3, 16, 4, false).is_err(), "context past its block table");
+    }
+}
