@@ -93,6 +93,19 @@ fn requests_choose_speculation_and_bad_options_are_refused() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert!(drafts() > 0.0, "the request asked for n-gram proposals");
+    // A stop string inside a step's accepted run ends the output at its
+    // token, as in plain decoding: the tokens after it are not returned.
+    let text = plain["text"].as_str().unwrap();
+    let stop: String = text.chars().skip(text.chars().count() / 2).take(6).collect();
+    let with_stop = |spec: Value| {
+        let mut b = body(spec);
+        b["stop"] = json!([stop]);
+        post_json(&cluster.url("/generate"), &b).1
+    };
+    let (a, b) = (with_stop(json!({"method": "off"})), with_stop(json!({"method": "ngram"})));
+    assert_eq!(a["finish_reason"], "stop", "{a}");
+    let completion = |v: &Value| v["usage"]["completion_tokens"].clone();
+    assert_eq!((&a["text"], &a["token_ids"], completion(&a)), (&b["text"], &b["token_ids"], completion(&b)));
     for (spec, param) in [
         (json!({"method": "draft"}), "speculative.method"),
         (json!({"method": "ngram", "num_speculative_tokens": 0}), "speculative.num_speculative_tokens"),
