@@ -78,7 +78,7 @@ pub struct SpeculativeArgs {
     /// may still turn it on or off for themselves).
     #[arg(long, value_enum, default_value = "off")]
     pub speculative_method: SpeculativeMethod,
-    /// Tokens proposed per step.
+    /// Tokens proposed per step (1-16).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=common::MAX_SPECULATIVE_TOKENS as i64))]
     pub num_speculative_tokens: u32,
     /// Shortest suffix the n-gram proposer matches.
