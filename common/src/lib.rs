@@ -18,4 +18,4 @@ pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
 pub use ids::{BlockId, RequestId, WorkerId};
 pub use kv_events::{KvEvent, KvEventRecord};
 pub use protocol::FinishReason;
-pub use sampling::{SamplingParams, SamplingParamsError, StructuredOutput};
+pub use sampling::{MAX_SPECULATIVE_TOKENS, SamplingParams, SamplingParamsError, Speculative, StructuredOutput};

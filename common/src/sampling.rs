@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub const MAX_LOGPROBS: u32 = 20;
 /// Largest |bias| in `logit_bias` (OpenAI's range).
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
+/// Most tokens one request may propose per step (`num_speculative_tokens`).
+pub const MAX_SPECULATIVE_TOKENS: u8 = 16;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -51,6 +53,20 @@ pub struct SamplingParams {
     /// Constrains the output to a grammar (vLLM's `structured_outputs`): the
     /// worker compiles it once and masks every step's logits with it.
     pub structured_output: Option<StructuredOutput>,
+    /// Speculative decoding for this request; `None` follows the worker's
+    /// `--speculative-method`. Never changes what is generated, only how fast.
+    pub speculative: Option<Speculative>,
+}
+
+/// A request's own choice of speculative decoding (vLLM configures it per
+/// server; `/generate` also takes it per request).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Speculative {
+    /// No proposals for this request.
+    Off,
+    /// n-gram prompt lookup, with this many proposed tokens per step
+    /// (`None`: the worker's `--num-speculative-tokens`, or 4).
+    Ngram { num_speculative_tokens: Option<u8> },
 }
 
 /// What a structured output must match. The coordinator builds it from
@@ -89,6 +105,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             logit_bias: Vec::new(),
             structured_output: None,
+            speculative: None,
         }
     }
 }
@@ -149,6 +166,11 @@ impl SamplingParams {
         }
         if !self.logit_bias.is_sorted_by(|a, b| a.0 < b.0) {
             return err("logit_bias", "token ids must be sorted and unique".to_string());
+        }
+        if let Some(Speculative::Ngram { num_speculative_tokens: Some(k) }) = self.speculative
+            && !(1..=MAX_SPECULATIVE_TOKENS).contains(&k)
+        {
+            return err("num_speculative_tokens", format!("must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"));
         }
         Ok(())
     }

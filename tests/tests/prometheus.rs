@@ -54,7 +54,8 @@ fn query(prom: &str, expr: &str) -> Value {
 }
 
 /// Keeps a mix of traffic going: shared-prefix completions (cache hits),
-/// streams (inter-token latency), chat-free /generate, and bad requests (errors).
+/// streams (inter-token latency), chat-free /generate (some speculating),
+/// and bad requests (errors).
 fn traffic(cluster_http: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let url = |p: &str| format!("http://{cluster_http}{p}");
@@ -66,6 +67,10 @@ fn traffic(cluster_http: String, stop: Arc<AtomicBool>) -> std::thread::JoinHand
             let body = json!({"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stream": i.is_multiple_of(2)});
             let _ = ureq::post(&url("/v1/completions")).send_json(body).map(|r| r.into_string());
             let _ = post_json(&url("/generate"), &json!({"prompt": "Once upon a time", "max_tokens": 8}));
+            // n-gram speculation on a prompt the output repeats (the acceptance panel).
+            let story = "Once upon a time, there was a little girl. Once upon a time, there was a little";
+            let spec = json!({"method": "ngram"});
+            let _ = post_json(&url("/generate"), &json!({"prompt": story, "max_tokens": 16, "speculative": spec}));
             let _ = ureq::post(&url("/v1/completions")).send_json(json!({"prompt": "x", "max_tokens": -1}));
             i += 1;
         }
@@ -165,6 +170,9 @@ fn worker_and_coordinator_metrics_have_the_documented_names_types_and_labels() {
         ("vllm:request_prefill_time_seconds", "histogram"),
         ("vllm:request_decode_time_seconds", "histogram"),
         ("vllm:iteration_tokens_total", "histogram"),
+        ("vllm:spec_decode_num_drafts_total", "counter"),
+        ("vllm:spec_decode_num_draft_tokens_total", "counter"),
+        ("vllm:spec_decode_num_accepted_tokens_total", "counter"),
         ("process_resident_memory_bytes", "gauge"),
         ("process_cpu_seconds_total", "counter"),
     ] {

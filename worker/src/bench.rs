@@ -1,6 +1,8 @@
 //! Offline throughput benchmark in the style of vLLM's
 //! `benchmark_throughput`: N prompts of random tokens with fixed input and
 //! output lengths (`ignore_eos`), all submitted at once, run to completion.
+//! The `Copy` workload gives outputs that repeat a span of their prompt,
+//! for n-gram speculative decoding.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +23,22 @@ pub struct BenchArgs {
     /// Score every prompt too (`prompt_logprobs` with this many top tokens),
     /// as an evaluation harness does.
     pub prompt_logprobs: Option<u32>,
+    pub workload: Workload,
+}
+
+/// What the prompts hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Workload {
+    /// Random tokens: outputs share nothing with their prompt.
+    #[default]
+    Random,
+    /// Outputs that repeat a span of the prompt, as when editing or
+    /// summarising a given text (n-gram speculation's case): each prompt is
+    /// `P C P`, where P is random and C is the model's own greedy
+    /// continuation of P (made before the timed run). A model that
+    /// continues the second P as it did the first copies C from its prompt.
+    /// `input_len` is the length of P.
+    Copy,
 }
 
 /// mean / p50 / p99 of a latency, in milliseconds.
@@ -60,6 +78,8 @@ pub struct BenchReport {
     pub peak_kv_blocks_used: usize,
     pub kv_blocks_total: usize,
     pub steps: usize,
+    /// Proposals made and accepted during the timed run.
+    pub spec_decoding: engine_core::SpecDecodingStats,
     /// Set with `BenchArgs::profile`.
     pub profile: Option<StepProfile>,
     /// Set with `BenchArgs::profile` on the CPU: how close batch-1 decode
@@ -123,6 +143,18 @@ impl std::fmt::Display for BenchReport {
             self.tpot.p99_ms,
             1e3 / self.tpot.mean_ms.max(1e-9)
         )?;
+        let spec = &self.spec_decoding;
+        if spec.num_drafts > 0 {
+            writeln!(
+                f,
+                "speculative: {} proposals of {} tokens, {} accepted ({:.1}%), {:.2} tokens per request-step",
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
+                spec.acceptance_rate() * 100.0,
+                1.0 + spec.num_accepted_tokens as f64 / spec.num_drafts as f64
+            )?;
+        }
         write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)?;
         if let Some(b) = &self.bandwidth {
             let decode = 1e3 / self.tpot.mean_ms.max(1e-9);
@@ -151,12 +183,19 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let vocab = engine.model_config().vocab_size as u64;
     let read_before = (args.profile && engine.device().is_cpu()).then(kernels::cpu::measure_read_bandwidth);
     let mut state = args.seed;
+    // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
+    let mut prompts: Vec<Vec<u32>> = (0..args.num_prompts)
+        .map(|_| (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect())
+        .collect();
+    if args.workload == Workload::Copy {
+        prompts = copy_prompts(engine, prompts, args.output_len)?;
+    }
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let spec_before = engine.stats().spec_decoding;
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];
     let mut last_token = vec![start; args.num_prompts];
-    for i in 0..args.num_prompts {
-        // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
-        let prompt = (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
+    for (i, prompt) in prompts.into_iter().enumerate() {
         let params = SamplingParams {
             ignore_eos: true,
             prompt_logprobs: args.prompt_logprobs,
@@ -200,6 +239,8 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         .filter(|_| args.output_len > 1)
         .map(|i| (last_token[i] - first_token[i].unwrap_or(start)) / (args.output_len as u32 - 1))
         .collect();
+    let spec_after = engine.stats().spec_decoding;
+    let spec_decoding = spec_after.since(&spec_before);
     let secs = elapsed.as_secs_f64();
     let out_tokens = (args.num_prompts * args.output_len) as f64;
     Ok(BenchReport {
@@ -207,15 +248,33 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         elapsed,
         requests_per_s: args.num_prompts as f64 / secs,
         output_tok_per_s: out_tokens / secs,
-        total_tok_per_s: (args.num_prompts * (args.input_len + args.output_len)) as f64 / secs,
+        total_tok_per_s: (prompt_tokens + args.num_prompts * args.output_len) as f64 / secs,
         ttft: Summary::of(ttft),
         tpot: Summary::of(tpot),
         peak_kv_blocks_used: peak,
         kv_blocks_total: engine.stats().kv_blocks_total,
         steps,
+        spec_decoding,
         profile: args.profile.then_some(profile),
         bandwidth,
     })
+}
+
+/// `P C P` for each random P, C being the model's greedy continuation of
+/// P (`output_len` tokens), all computed in one untimed batch.
+fn copy_prompts(engine: &mut Engine, prompts: Vec<Vec<u32>>, output_len: usize) -> Result<Vec<Vec<u32>>> {
+    let first = 1 << 40; // ids apart from the timed run's
+    for (i, p) in prompts.iter().enumerate() {
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(output_len as u32) };
+        engine.add_request(RequestId(first + i as u64), p.clone(), params, 0)?;
+    }
+    let mut continuations = vec![Vec::new(); prompts.len()];
+    while engine.has_unfinished() {
+        for out in engine.step()? {
+            continuations[(out.id.0 - first) as usize].extend(out.new_token_ids);
+        }
+    }
+    Ok(prompts.into_iter().zip(continuations).map(|(p, c)| [&p[..], &c, &p].concat()).collect())
 }
 
 fn splitmix(state: &mut u64) -> u64 {

@@ -6,6 +6,8 @@
 
 mod pipelined;
 
+use std::borrow::Cow;
+
 use candle_core::{DType, Device};
 use common::pipeline::LayerRange;
 use common::{KvEventRecord, RequestId, SamplingParams};
@@ -21,7 +23,7 @@ use crate::runner::model_runner::{BatchInputs, ModelRunner};
 use crate::runner::sampler::{self, SeqSamplingInput};
 use engine_core::{
     Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
-    SchedulingPolicy, TokenLogprobs,
+    SchedulingPolicy, SpeculativeConfig, TokenLogprobs,
 };
 
 /// Most logits a step keeps for prompt logprobs (128 MiB of f32): 1,000
@@ -51,6 +53,8 @@ pub struct EngineConfig {
     /// The decoder layers this engine holds: all (`None`), or the first
     /// stage of a pipeline (`start == 0`; see `attach_next_stage`).
     pub layers: Option<LayerRange>,
+    /// Speculative decoding (n-gram proposals verified in the step's pass).
+    pub speculative: SpeculativeConfig,
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -80,6 +84,7 @@ impl Default for EngineConfig {
             quantization: None,
             device_sampling: None,
             layers: None,
+            speculative: SpeculativeConfig::default(),
         }
     }
 }
@@ -157,6 +162,12 @@ impl Engine {
             policy: config.policy,
             eos_token_ids: files.eos_token_ids.clone(),
             max_prompt_logprob_rows: (MAX_PROMPT_LOGPROB_LOGITS / cfg.vocab_size.max(1)).max(1),
+            // A pipeline samples one row per request on its last stage, so a
+            // pipelined first stage proposes nothing (a cut-off of 0 tokens).
+            speculative: match config.layers {
+                Some(_) => SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..config.speculative.clone() },
+                None => config.speculative.clone(),
+            },
         });
         Ok(Self {
             scheduler,
@@ -297,12 +308,14 @@ impl Engine {
             self.runner.execute(&batch)?
         };
         let sampling_timer = profile::scope(Section::Sampling);
-        let inputs: Vec<SeqSamplingInput> = sampling_requests(&self.scheduler, &step)
-            .map(|req| SeqSamplingInput {
+        let rows = sampling_rows(&self.scheduler, &step);
+        let inputs: Vec<SeqSamplingInput> = rows
+            .iter()
+            .map(|(req, output)| SeqSamplingInput {
                 params: &req.params,
                 prompt_token_ids: req.prompt_token_ids(),
-                output_token_ids: req.output_token_ids(),
-                num_output_tokens: req.output_token_ids().len(),
+                output_token_ids: output,
+                num_output_tokens: output.len(),
                 seed: req.sampling_seed,
                 eos_token_ids: &self.eos_token_ids,
             })
@@ -322,6 +335,7 @@ impl Engine {
             })
             .collect();
         drop(inputs);
+        drop(rows);
         drop(sampling_timer);
         Ok(self.finish_step(&step, sampled, prompt_logits))
     }
@@ -400,10 +414,17 @@ impl Engine {
     /// draw uses its own request's uniform, so seeded output does not
     /// depend on the batch.
     fn step_sampling_on_device(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
-        let rows: Vec<DeviceRow> = sampling_requests(&self.scheduler, step)
-            .map(|req| {
-                let (prompt, output) = (req.prompt_token_ids(), req.output_token_ids());
-                DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids)
+        let outputs = sampling_rows(&self.scheduler, step);
+        let rows: Vec<DeviceRow> = outputs
+            .iter()
+            .map(|(req, output)| {
+                DeviceRow::for_request(
+                    &req.params,
+                    req.prompt_token_ids(),
+                    output,
+                    req.sampling_seed,
+                    &self.eos_token_ids,
+                )
             })
             .collect();
         let values = match self.logprobs_mode {
@@ -423,6 +444,7 @@ impl Engine {
             })
             .collect();
         drop(rows);
+        drop(outputs);
         Ok(self.finish_step(step, sampled, &prompt_logits))
     }
 }
@@ -451,6 +473,21 @@ pub(crate) fn reported_logprobs(
 fn sampling_requests<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> impl Iterator<Item = &'a Request> {
     let request = |id| scheduler.request(id).expect("scheduled request exists");
     step.scheduled.iter().filter(|s| s.samples).map(move |s| request(s.id))
+/// One entry per row of sampling logits, in the step's order: the request
+/// and its output as the sampler sees it at that row. A request verifying
+/// proposals has a row per proposal after its first, each seeing the
+/// proposals before it as generated, so penalties, `min_tokens` and the
+/// seeded draw at that position are exactly those of plain decoding.
+fn sampling_rows<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> Vec<(&'a Request, Cow<'a, [u32]>)> {
+    let mut rows = Vec::with_capacity(step.scheduled.len());
+    for s in step.scheduled.iter().filter(|s| s.samples) {
+        let req = scheduler.request(s.id).expect("scheduled request exists");
+        rows.push((req, Cow::Borrowed(req.output_token_ids())));
+        for i in 1..=s.spec_token_ids.len() {
+            rows.push((req, Cow::Owned([req.output_token_ids(), &s.spec_token_ids[..i]].concat())));
+        }
+    }
+    rows
 }
 
 /// A seed for requests that gave none: different per request and per run.

@@ -1,12 +1,15 @@
 //! The worker against Hugging Face transformers: every golden case of every
 //! model in ../shared/golden must give the same 48 greedy tokens, and the
 //! same top-5 logits (1e-3) at the recorded steps; alone, all cases of a
-//! model in one batch, and with prompts prefilled in chunks of 32 tokens.
+//! model in one batch, and with prompts prefilled in chunks of 32 tokens;
+//! and all of that again with n-gram speculative decoding, which must not
+//! change a token.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use common::{RequestId, SamplingParams};
+use engine_core::SpeculativeConfig;
 use serde::Deserialize;
 use worker::engine::LogprobsMode;
 use worker::models::{ModelFiles, ModelSource, Need};
@@ -44,6 +47,22 @@ fn load_golden(file: &str) -> Golden {
 }
 
 fn engine(model: &str, max_num_batched_tokens: usize) -> Engine {
+    engine_with(model, max_num_batched_tokens, SpeculativeConfig::default())
+}
+
+/// n-gram speculation on every request, eager to propose (1-token
+/// matches), so that many proposals are made and many rejected.
+fn speculative() -> SpeculativeConfig {
+    SpeculativeConfig {
+        enabled_by_default: true,
+        num_speculative_tokens: 4,
+        prompt_lookup_min: 1,
+        prompt_lookup_max: 3,
+        max_batch_tokens: usize::MAX,
+    }
+}
+
+fn engine_with(model: &str, max_num_batched_tokens: usize, speculative: SpeculativeConfig) -> Engine {
     let dir = shared().join("models").join(model);
     let files = ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap();
     let config = EngineConfig {
@@ -51,6 +70,7 @@ fn engine(model: &str, max_num_batched_tokens: usize) -> Engine {
         max_num_batched_tokens,
         logprobs_mode: LogprobsMode::RawLogits,
         device: worker::runner::device::test_device(),
+        speculative,
         ..EngineConfig::default()
     };
     Engine::new(&files, config).unwrap()
@@ -104,26 +124,43 @@ fn check(model: &str, what: &str, cases: &[Case], run: &Run) {
 }
 
 fn check_model(golden_file: &str) {
+    check_model_with(golden_file, SpeculativeConfig::default());
+}
+
+fn check_model_with(golden_file: &str, spec: SpeculativeConfig) {
     let golden = load_golden(golden_file);
     let model = golden.model.clone();
+    let mut proposals = Vec::new();
     // Each case alone.
-    let mut e = engine(&model, 2048);
+    let mut e = engine_with(&model, 2048, spec.clone());
     for case in &golden.cases {
         let run = run_cases(&mut e, std::slice::from_ref(case));
         check(&model, "alone", std::slice::from_ref(case), &run);
     }
+    proposals.push(e.stats().spec_decoding);
     // All cases of the model as one batch (shared prefixes hit the cache).
-    let mut e = engine(&model, 2048);
+    let mut e = engine_with(&model, 2048, spec.clone());
     let run = run_cases(&mut e, &golden.cases);
     check(&model, "batched", &golden.cases, &run);
+    proposals.push(e.stats().spec_decoding);
     // Prompts prefilled in chunks of 32 tokens, alone and batched.
-    let mut e = engine(&model, 32);
+    let mut e = engine_with(&model, 32, spec.clone());
     let longest = golden.cases.iter().max_by_key(|c| c.prompt_ids.len()).unwrap().clone();
     assert!(longest.prompt_ids.len() > 32);
     let run = run_cases(&mut e, std::slice::from_ref(&longest));
     check(&model, "chunked", std::slice::from_ref(&longest), &run);
     let run = run_cases(&mut e, &golden.cases);
     check(&model, "chunked batch", &golden.cases, &run);
+    proposals.push(e.stats().spec_decoding);
+    if spec.enabled_by_default {
+        // Exactness is only shown if guesses were verified, right and wrong.
+        for (what, p) in ["alone", "batched", "chunked"].iter().zip(&proposals) {
+            assert!(p.num_drafts > 0, "{model} {what}: no proposal was made");
+            assert!(p.num_accepted_tokens < p.num_draft_tokens, "{model} {what}: no proposal was rejected");
+        }
+        let accepted: u64 = proposals.iter().map(|p| p.num_accepted_tokens).sum();
+        assert!(accepted > 0, "{model}: no proposal was accepted");
+    }
 }
 
 #[test]
@@ -154,6 +191,32 @@ fn tiny_llama3_matches_transformers() {
 #[test]
 fn tiny_mistral_matches_transformers() {
     check_model("tiny-mistral.json");
+}
+
+#[test]
+fn stories260k_matches_transformers_with_ngram_speculation() {
+    check_model_with("stories260K.json", speculative());
+}
+
+#[test]
+fn tiny_qwen3_matches_transformers_with_ngram_speculation() {
+    check_model_with("tiny-qwen3.json", speculative());
+    check_model_with("tiny-qwen3-chat.json", speculative());
+}
+
+#[test]
+fn tiny_qwen2_matches_transformers_with_ngram_speculation() {
+    check_model_with("tiny-qwen2.json", speculative());
+}
+
+#[test]
+fn tiny_llama3_matches_transformers_with_ngram_speculation() {
+    check_model_with("tiny-llama3.json", speculative());
+}
+
+#[test]
+fn tiny_mistral_matches_transformers_with_ngram_speculation() {
+    check_model_with("tiny-mistral.json", speculative());
 }
 
 /// Prompt logprobs (`prompt_logprobs`, raw logits here) against the same

@@ -154,6 +154,8 @@ impl SamplingFields {
             logit_bias,
             // Set by the endpoints from `response_format`, `guided_*` or `tool_choice`.
             structured_output: None,
+            // Set by `/generate` from its `speculative` field.
+            speculative: None,
         })
     }
 
@@ -288,8 +290,49 @@ pub struct GenerateRequest {
     pub logprobs: Option<i64>,
     /// vLLM's: each prompt token's logprob (after the first) plus this many top ones.
     pub prompt_logprobs: Option<i64>,
+    /// Speculative decoding for this request (the worker's setting if absent).
+    pub speculative: Option<SpeculativeField>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+}
+
+/// `"speculative": {"method": "ngram" | "off", "num_speculative_tokens": k}`,
+/// in the words of vLLM's `speculative_config`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculativeField {
+    pub method: Option<String>,
+    pub num_speculative_tokens: Option<serde_json::Value>,
+}
+
+impl SpeculativeField {
+    pub fn to_param(&self) -> Result<common::Speculative, ApiError> {
+        let k = match &self.num_speculative_tokens {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => {
+                let max = common::MAX_SPECULATIVE_TOKENS;
+                let k = v.as_u64().filter(|k| (1..=max as u64).contains(k)).ok_or_else(|| {
+                    ApiError::invalid(
+                        "speculative.num_speculative_tokens",
+                        format!("num_speculative_tokens must be an integer in [1, {max}], got {v}"),
+                    )
+                })?;
+                Some(k as u8)
+            }
+        };
+        match self.method.as_deref() {
+            Some("off") if k.is_some() => Err(ApiError::invalid(
+                "speculative.num_speculative_tokens",
+                "num_speculative_tokens needs method \"ngram\"",
+            )),
+            Some("off") => Ok(common::Speculative::Off),
+            Some("ngram") | None => Ok(common::Speculative::Ngram { num_speculative_tokens: k }),
+            Some(other) => Err(ApiError::invalid(
+                "speculative.method",
+                format!("speculative method must be \"ngram\" or \"off\", got {other:?}"),
+            )),
+        }
+    }
 }
 
 /// `POST /tokenize`: `prompt` (special tokens added by default) or chat

@@ -123,17 +123,29 @@ async fn drive_choice(
                     return; // client gone: the guard aborts
                 }
             }
-            RequestEvent::Tokens { ids, logprobs } => {
+            RequestEvent::Tokens { mut ids, mut logprobs } => {
                 if completion_tokens == 0 {
                     app.metrics.first_token(endpoint, started.elapsed());
                 }
+                // One token at a time: a delta may carry several (a step
+                // that accepted speculative tokens), and a stop string ends
+                // the choice at its own token, dropping those after it.
+                let (mut text, mut stopped) = (String::new(), None);
+                for (n, &token) in ids.iter().enumerate() {
+                    let out = stops.push(&detok.push(&[token]));
+                    text.push_str(&out.text);
+                    if out.stopped.is_some() {
+                        stopped = out.stopped;
+                        ids.truncate(n + 1);
+                        logprobs.truncate(n + 1);
+                        break;
+                    }
+                }
                 completion_tokens += ids.len() as u32;
-                let text = detok.push(&ids);
-                let out = stops.push(&text);
-                if tx.send(Update::Delta { index, text: out.text, token_ids: ids, logprobs }).is_err() {
+                if tx.send(Update::Delta { index, text, token_ids: ids, logprobs }).is_err() {
                     return; // client gone: the guard aborts
                 }
-                if let Some(stop) = out.stopped {
+                if let Some(stop) = stopped {
                     // Looked up before the abort removes the request.
                     let worker = app.cluster.request_worker(id).unwrap_or(first_worker);
                     let worker = app.cluster.worker_label(worker);

@@ -1,6 +1,8 @@
 //! How the scheduler is configured: the step's token budget, the pool it
 //! allocates from, the order it serves requests in, when they stop.
 
+use crate::spec::SpeculativeConfig;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SchedulingPolicy {
     /// First come, first served; `priority` is ignored.
@@ -24,6 +26,8 @@ pub struct SchedulerConfig {
     /// `prompt_logprobs` (each is a row of vocabulary size); requests that
     /// ask for them are computed in chunks of at most this many tokens.
     pub max_prompt_logprob_rows: usize,
+    /// Speculative decoding (n-gram proposals); off unless enabled.
+    pub speculative: SpeculativeConfig,
 }
 
 impl SchedulerConfig {
@@ -38,6 +42,7 @@ impl SchedulerConfig {
             policy: SchedulingPolicy::Fcfs,
             eos_token_ids: Vec::new(),
             max_prompt_logprob_rows: 512,
+            speculative: SpeculativeConfig::default(),
         }
     }
 }

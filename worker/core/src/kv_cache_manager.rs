@@ -128,6 +128,21 @@ impl KvCacheManager {
         }
     }
 
+    /// Returns the blocks of `id` past those that hold its first
+    /// `num_tokens` tokens (slots of rejected speculative tokens), tail
+    /// first. None of them is in the prefix cache: only full blocks of
+    /// known tokens are hashed, and these hold none.
+    pub fn free_blocks_past(&mut self, id: RequestId, num_tokens: usize) {
+        let keep = num_tokens.div_ceil(self.block_size);
+        let Some(blocks) = self.req_blocks.get_mut(&id) else { return };
+        if blocks.len() <= keep {
+            return;
+        }
+        debug_assert!(self.num_cached_blocks.get(&id).copied().unwrap_or(0) <= keep);
+        let tail = blocks.split_off(keep);
+        self.pool.free(tail.into_iter().rev());
+    }
+
     /// Returns all of a request's blocks, tail first so that its own tail is
     /// evicted before the prefix it may share with others.
     pub fn free(&mut self, id: RequestId) {

@@ -10,6 +10,7 @@ pub mod kv_cache_manager;
 pub mod output;
 pub mod request;
 pub mod scheduler;
+pub mod spec;
 
 pub use block_pool::BlockPool;
 pub use common::FinishReason;
@@ -19,3 +20,4 @@ pub use kv_cache_manager::{KvCacheManager, PrefixCacheStats};
 pub use output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats, TokenLogprobs};
 pub use request::{Request, RequestStatus};
 pub use scheduler::Scheduler;
+pub use spec::{SpecDecodingStats, SpeculativeConfig};

@@ -11,6 +11,7 @@ use crate::kv_cache_manager::PrefixCacheStats;
 use common::FinishReason;
 
 use crate::request::Request;
+use crate::spec::SpecDecodingStats;
 
 /// One request's share of a step.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +28,18 @@ pub struct ScheduledRequest {
     /// Positions computed this step whose logits give the log-probability
     /// of the prompt token after them (`prompt_logprobs`); empty for most.
     pub prompt_logprob_positions: Range<usize>,
+    /// Proposed tokens verified this step, at the positions after the
+    /// request's last token: the last `spec_token_ids.len()` of the
+    /// `num_new_tokens`. A request with proposals samples at each of them
+    /// and at its last real token (vLLM's `scheduled_spec_decode_tokens`).
+    pub spec_token_ids: Vec<u32>,
+}
+
+impl ScheduledRequest {
+    /// Rows of logits this request samples from: one per verified position.
+    pub fn num_sampled_rows(&self) -> usize {
+        if self.samples { 1 + self.spec_token_ids.len() } else { 0 }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -91,4 +104,5 @@ pub struct SchedulerStats {
     pub kv_blocks_cached: usize,
     pub prefix_cache: PrefixCacheStats,
     pub num_preemptions: u64,
+    pub spec_decoding: SpecDecodingStats,
 }

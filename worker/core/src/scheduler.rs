@@ -9,6 +9,9 @@
 //! to a per-step row limit, and each position is reported once, even when a
 //! preemption makes it compute the prompt again.
 //!
+//! Speculative decoding (`spec`): a decode also computes its n-gram
+//! proposal, and the KV slots of rejected proposals are rolled back.
+//!
 //! No tensors and no I/O here: `schedule()` says what to compute, the model
 //! runner computes it, `update_from_output()` takes the sampled tokens.
 
@@ -23,6 +26,7 @@ use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutp
 use common::FinishReason;
 
 use crate::request::{Request, RequestStatus};
+use crate::spec::SpecDecodingStats;
 
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -34,6 +38,7 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     next_arrival: u64,
     num_preemptions: u64,
+    spec_stats: SpecDecodingStats,
 }
 
 impl Scheduler {
@@ -50,6 +55,7 @@ impl Scheduler {
             running: Vec::new(),
             next_arrival: 0,
             num_preemptions: 0,
+            spec_stats: SpecDecodingStats::default(),
         }
     }
 
@@ -117,6 +123,7 @@ impl Scheduler {
             kv_blocks_cached: self.kv.pool().num_cached(),
             prefix_cache: self.kv.prefix_stats,
             num_preemptions: self.num_preemptions,
+            spec_decoding: self.spec_stats.clone(),
         }
     }
 
@@ -125,13 +132,15 @@ impl Scheduler {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut logprob_rows = self.config.max_prompt_logprob_rows;
+        let speculate = self.config.speculative.speculates(self.running.iter().map(|id| &self.requests[id].params));
 
         // 1. Running requests first, highest priority first.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let req = &self.requests[&id];
-            let mut num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let remaining = req.num_tokens() - req.num_computed_tokens;
+            let mut num_new = remaining.min(budget);
             if req.owes_prompt_logprobs() {
                 num_new = num_new.min(logprob_rows);
             }
@@ -139,8 +148,19 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            let spec = &self.config.speculative;
+            let max_len = self.config.max_model_len;
+            let mut proposal =
+                if speculate && remaining == 1 { spec.proposal(req, budget - 1, max_len) } else { vec![] };
+            num_new += proposal.len();
             let mut preempted_self = false;
             while self.kv.allocate_slots(&self.requests[&id], num_new, &[]).is_none() {
+                // Short of blocks: drop the guesses before taking anyone's blocks.
+                if !proposal.is_empty() {
+                    num_new -= proposal.len();
+                    proposal.clear();
+                    continue;
+                }
                 // Out of blocks: the lowest-priority running request (the
                 // last, never yet scheduled this step) gives its blocks back.
                 let Some(victim) = self.running.pop() else { break };
@@ -154,7 +174,7 @@ impl Scheduler {
             if preempted_self {
                 break;
             }
-            logprob_rows -= self.push_scheduled(&mut out, id, num_new);
+            logprob_rows -= self.push_scheduled(&mut out, id, num_new, proposal);
             budget -= num_new;
             i += 1;
         }
@@ -189,16 +209,16 @@ impl Scheduler {
                 (other.priority, other.arrival) < key
             });
             self.running.insert(pos, id);
-            logprob_rows -= self.push_scheduled(&mut out, id, num_new);
+            logprob_rows -= self.push_scheduled(&mut out, id, num_new, Vec::new());
             budget -= num_new;
         }
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
         out
     }
 
-    /// Records `num_new` tokens of `id` in this step; returns how many
-    /// prompt-logprob rows they take.
-    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize) -> usize {
+    /// Records `num_new` tokens of `id` in this step, the last `spec.len()`
+    /// of them proposed; returns how many prompt-logprob rows they take.
+    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize, spec: Vec<u32>) -> usize {
         let req = self.requests.get_mut(&id).expect("scheduled request exists");
         let start = req.num_computed_tokens;
         req.num_computed_tokens += num_new;
@@ -219,8 +239,9 @@ impl Scheduler {
             num_computed_tokens: start,
             num_new_tokens: num_new,
             block_ids: self.kv.block_table(id).to_vec(),
-            samples: req.num_computed_tokens == req.num_tokens(),
+            samples: req.num_computed_tokens == req.num_tokens() + spec.len(),
             prompt_logprob_positions: logprob_positions.clone(),
+            spec_token_ids: spec,
         });
         logprob_positions.len()
     }
@@ -235,31 +256,29 @@ impl Scheduler {
         self.waiting.insert((req.priority, req.arrival), id);
     }
 
-    /// Appends the sampled tokens (one per scheduled request with
-    /// `samples`, in order), finishes requests that hit a stop condition and
-    /// frees their blocks.
+    /// Appends the sampled tokens (`num_sampled_rows` per scheduled
+    /// request, in order; see `Request::append_verified`), finishes requests
+    /// that hit a stop condition and frees their blocks, and the blocks of
+    /// rejected proposals.
     pub fn update_from_output(&mut self, out: &SchedulerOutput, sampled: Vec<SampledToken>) -> Vec<RequestOutput> {
-        let mut outputs = Vec::with_capacity(sampled.len());
-        let sampling = out.scheduled.iter().filter(|s| s.samples);
-        debug_assert_eq!(sampling.clone().count(), sampled.len());
-        for (sched, token) in sampling.zip(sampled) {
+        let mut outputs = Vec::with_capacity(out.scheduled.len());
+        debug_assert_eq!(out.scheduled.iter().map(ScheduledRequest::num_sampled_rows).sum::<usize>(), sampled.len());
+        let mut sampled = sampled.into_iter();
+        for sched in out.scheduled.iter().filter(|s| s.samples) {
+            let rows: Vec<SampledToken> = sampled.by_ref().take(sched.num_sampled_rows()).collect();
             let Some(req) = self.requests.get_mut(&sched.id) else { continue };
-            req.token_ids.push(token.token_id);
-            req.update_block_hashes(self.config.block_size);
-            let finish = stop_reason(req, token.token_id, &self.config);
-            outputs.push(RequestOutput {
-                new_token_ids: vec![token.token_id],
-                logprobs: token.logprobs.into_iter().collect(),
-                finish_reason: finish,
-                ..RequestOutput::empty(req)
-            });
-            if let Some(reason) = finish {
+            let (output, accepted) = req.append_verified(&sched.spec_token_ids, rows, &self.config);
+            self.spec_stats.observe(sched.spec_token_ids.len(), accepted);
+            let id = req.id;
+            if let Some(reason) = output.finish_reason {
                 req.status = RequestStatus::Finished(reason);
-                let id = req.id;
                 self.requests.remove(&id);
                 self.running.retain(|&r| r != id);
                 self.kv.free(id);
+            } else if !sched.spec_token_ids.is_empty() {
+                self.kv.free_blocks_past(id, req.num_tokens());
             }
+            outputs.push(output);
         }
         outputs
     }
@@ -275,43 +294,34 @@ impl Scheduler {
     }
 }
 
-/// Why `req` stops after appending `token`, if it does.
-fn stop_reason(req: &Request, token: u32, config: &SchedulerConfig) -> Option<FinishReason> {
-    let params = &req.params;
-    let generated = req.num_output_tokens();
-    if generated >= params.min_tokens as usize {
-        if !params.ignore_eos && config.eos_token_ids.contains(&token) {
-            return Some(FinishReason::Stop);
-        }
-        if params.stop_token_ids.contains(&token) {
-            return Some(FinishReason::Stop);
-        }
-    }
-    if generated >= params.max_tokens as usize || req.num_tokens() >= config.max_model_len {
-        return Some(FinishReason::Length);
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use common::SamplingParams;
 
     use super::*;
-
-    /// A stand-in for the model: the next token is a function of the last.
-    fn fake_next(req: &Request) -> u32 {
-        (req.token_ids.last().copied().unwrap_or(0) * 31 + 7) % 50 + 3
-    }
+    use crate::spec::SpeculativeConfig;
 
     fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<RequestOutput>) {
+        step_with(s, |tokens| fake_next_of(*tokens.last().unwrap()))
+    }
+
+    fn fake_next_of(last: u32) -> u32 {
+        (last * 31 + 7) % 50 + 3
+    }
+
+    /// A step with `model` (the next token given all tokens before it)
+    /// drawing at every verified position, as the sampler does: at
+    /// proposal i, as if proposals 0..i were real.
+    fn step_with(s: &mut Scheduler, model: impl Fn(&[u32]) -> u32) -> (SchedulerOutput, Vec<RequestOutput>) {
         let out = s.schedule();
-        let sampled = out
-            .scheduled
-            .iter()
-            .filter(|r| r.samples)
-            .map(|r| SampledToken { token_id: fake_next(s.request(r.id).unwrap()), logprobs: None })
-            .collect();
+        let mut sampled = Vec::new();
+        for r in out.scheduled.iter().filter(|r| r.samples) {
+            let mut seq = s.request(r.id).unwrap().token_ids.clone();
+            for i in 0..r.num_sampled_rows() {
+                sampled.push(SampledToken { token_id: model(&seq), logprobs: None });
+                seq.extend(r.spec_token_ids.get(i));
+            }
+        }
         let outputs = s.update_from_output(&out, sampled);
         s.check_invariants();
         (out, outputs)
@@ -528,6 +538,167 @@ mod tests {
         assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
         s.check_invariants();
         assert!(s.abort(RequestId(1)).is_none());
+    }
+
+    /// A model that mostly repeats a cycle (so n-gram guesses are often
+    /// right) but breaks it now and then (so some are rejected).
+    fn loopy_model(tokens: &[u32]) -> u32 {
+        let last = *tokens.last().unwrap();
+        if tokens.len().is_multiple_of(11) {
+            (last * 7 + tokens.len() as u32) % 40 + 3
+        } else {
+            (last * 13 + 5) % 9 + 3
+        }
+    }
+
+    fn speculative(cfg: &mut SchedulerConfig, k: usize) {
+        cfg.speculative = SpeculativeConfig {
+            enabled_by_default: true,
+            num_speculative_tokens: k,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 3,
+            max_batch_tokens: 1 << 20,
+        };
+    }
+
+    fn run_with(s: &mut Scheduler, model: fn(&[u32]) -> u32) -> HashMap<RequestId, Vec<u32>> {
+        let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
+        while s.has_unfinished() {
+            for o in step_with(s, model).1 {
+                assert_eq!(o.logprobs.len(), 0);
+                tokens.entry(o.id).or_default().extend(o.new_token_ids);
+            }
+        }
+        tokens
+    }
+
+    /// Greedy acceptance gives exactly the tokens one-at-a-time decoding
+    /// gives, under pool pressure (preemption) and a small budget too.
+    #[test]
+    fn speculation_keeps_every_output_identical() {
+        let prompts: Vec<Vec<u32>> =
+            (0..6).map(|i| (0..(9 + 5 * i)).map(|t| (t * (i + 2)) % 9 + 3).collect()).collect();
+        let add_all = |s: &mut Scheduler| {
+            for (i, p) in prompts.iter().enumerate() {
+                let max_tokens = 30 + 7 * i as u32;
+                s.add_request(Request::new(RequestId(i as u64), p.clone(), params(max_tokens), 0, 0)).unwrap();
+            }
+        };
+        let mut plain = Scheduler::new(config(1000));
+        add_all(&mut plain);
+        let reference = run_with(&mut plain, loopy_model);
+        for (num_blocks, budget) in [(1000, 2048), (30, 2048), (1000, 7)] {
+            let mut cfg = config(num_blocks);
+            cfg.block_size = 4;
+            cfg.max_num_batched_tokens = budget;
+            speculative(&mut cfg, 4);
+            let mut s = Scheduler::new(cfg);
+            add_all(&mut s);
+            let tokens = run_with(&mut s, loopy_model);
+            assert_eq!(tokens, reference, "{num_blocks} blocks, budget {budget}");
+            let stats = s.stats();
+            let spec = &stats.spec_decoding;
+            assert!(spec.num_accepted_tokens > 0 && spec.num_accepted_tokens < spec.num_draft_tokens, "{spec:?}");
+            assert_eq!(spec.accepted_per_pos.iter().sum::<u64>(), spec.num_accepted_tokens);
+            if num_blocks == 30 {
+                assert!(stats.num_preemptions > 0);
+            }
+            assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
+        }
+    }
+
+    /// The prefix cache never holds a block hash over a rejected guess:
+    /// every hash it holds, after every step, is the hash of a full block
+    /// of some request's final (accepted) tokens.
+    #[test]
+    fn no_block_hash_covers_a_rejected_token() {
+        let mut cfg = config(64);
+        cfg.block_size = 4;
+        speculative(&mut cfg, 5);
+        let mut s = Scheduler::new(cfg);
+        let prompts: Vec<Vec<u32>> = (0..4).map(|i| (0..(6 + i)).map(|t| (t * 5 + i) % 7 + 3).collect()).collect();
+        for (i, p) in prompts.iter().enumerate() {
+            s.add_request(Request::new(RequestId(i as u64), p.clone(), params(40), 0, 0)).unwrap();
+        }
+        let mut held = std::collections::HashSet::new();
+        let mut finals: HashMap<RequestId, Vec<u32>> =
+            prompts.iter().enumerate().map(|(i, p)| (RequestId(i as u64), p.clone())).collect();
+        while s.has_unfinished() {
+            let (out, outputs) = step_with(&mut s, loopy_model);
+            for r in out.scheduled.iter().filter(|r| !r.spec_token_ids.is_empty()) {
+                // A request that keeps running holds blocks for its tokens only.
+                if let Some(req) = s.request(r.id) {
+                    assert_eq!(s.kv_cache_manager().block_table(r.id).len(), req.num_tokens().div_ceil(4));
+                }
+            }
+            for o in outputs {
+                finals.get_mut(&o.id).unwrap().extend(o.new_token_ids);
+            }
+            held.extend(s.kv_cache_manager().kv_snapshot().1.into_iter().map(|(hash, _)| hash));
+        }
+        let spec = s.stats().spec_decoding;
+        assert!(spec.num_accepted_tokens > 0 && spec.num_accepted_tokens < spec.num_draft_tokens, "{spec:?}");
+        let mut accepted = std::collections::HashSet::new();
+        for tokens in finals.values() {
+            let mut req = Request::new(RequestId(99), tokens.clone(), params(1), 0, 0);
+            req.update_block_hashes(4);
+            accepted.extend(req.block_hashes);
+        }
+        assert!(!held.is_empty());
+        assert!(held.is_subset(&accepted), "a cached hash covers a token that was never accepted");
+    }
+
+    /// Proposals stop at `max_tokens` and a stop token inside an accepted
+    /// run ends the request there.
+    #[test]
+    fn accepted_runs_stop_where_plain_decoding_stops() {
+        let mut cfg = config(64);
+        speculative(&mut cfg, 4);
+        let mut s = Scheduler::new(cfg);
+        // The model repeats the prompt's cycle 3 4 5 6; every guess is right.
+        let cycle = |tokens: &[u32]| (tokens.last().unwrap() - 3 + 1) % 4 + 3;
+        let prompt = vec![3, 4, 5, 6, 3, 4, 5, 6, 3];
+        s.add_request(Request::new(RequestId(1), prompt.clone(), params(5), 0, 0)).unwrap();
+        let stop_at_6 = SamplingParams { stop_token_ids: vec![6], ..params(20) };
+        s.add_request(Request::new(RequestId(2), prompt, stop_at_6, 0, 0)).unwrap();
+        let mut got: HashMap<RequestId, Vec<u32>> = HashMap::new();
+        let mut proposed = Vec::new();
+        while s.has_unfinished() {
+            let (out, outputs) = step_with(&mut s, cycle);
+            proposed.extend(out.scheduled.iter().filter(|r| r.id == RequestId(1)).map(|r| r.spec_token_ids.len()));
+            for o in outputs {
+                got.entry(o.id).or_default().extend(o.new_token_ids);
+            }
+        }
+        assert_eq!(got[&RequestId(1)], [4, 5, 6, 3, 4]);
+        assert_eq!(proposed, [0, 3], "the prompt; then 3 guesses and the bonus make max_tokens");
+        assert_eq!(got[&RequestId(2)], [4, 5, 6], "the guesses after the stop token are dropped");
+    }
+
+    /// Past `max_batch_tokens` a step proposes nothing; requests that turn
+    /// speculation off never propose.
+    #[test]
+    fn large_batches_and_opted_out_requests_do_not_speculate() {
+        let mut cfg = config(256);
+        speculative(&mut cfg, 4);
+        cfg.speculative.max_batch_tokens = 10;
+        let mut s = Scheduler::new(cfg);
+        let cycle = |tokens: &[u32]| (tokens.last().unwrap() - 3 + 1) % 3 + 3;
+        let prompt = vec![3, 4, 5, 3, 4, 5, 3, 4];
+        let off = SamplingParams { speculative: Some(common::Speculative::Off), ..params(50) };
+        s.add_request(Request::new(RequestId(1), prompt.clone(), params(50), 0, 0)).unwrap();
+        s.add_request(Request::new(RequestId(2), prompt.clone(), off, 0, 0)).unwrap();
+        step_with(&mut s, cycle);
+        let (out, _) = step_with(&mut s, cycle);
+        let spec: Vec<usize> = out.scheduled.iter().map(|r| r.spec_token_ids.len()).collect();
+        assert_eq!(spec, [4, 0], "1 + 4 and 1 tokens to verify: under 10");
+        for i in 3..6 {
+            s.add_request(Request::new(RequestId(i), prompt.clone(), params(50), 0, 0)).unwrap();
+        }
+        step_with(&mut s, cycle);
+        let (out, _) = step_with(&mut s, cycle);
+        assert_eq!(out.scheduled.len(), 5);
+        assert!(out.scheduled.iter().all(|r| r.spec_token_ids.is_empty()), "4 x (1 + 4) + 1 tokens > 10");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `tinyvllm-worker bench`: the offline throughput benchmark
 //! (`worker::bench`), reported as text or JSON.
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 use super::engine_args::{EngineArgs, build_engine, on_the_kernel_pool};
 
@@ -32,6 +32,17 @@ pub struct BenchArgs {
     /// this many top tokens at each position (vLLM's `prompt_logprobs`).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=20))]
     prompt_logprobs: Option<u32>,
+    /// random: random prompts; copy: prompts P C P where C is the model's
+    /// own greedy continuation of a random P (input-len tokens), so the
+    /// output repeats a span of the prompt (n-gram speculation's case).
+    #[arg(long, value_enum, default_value = "random")]
+    workload: WorkloadArg,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum WorkloadArg {
+    Random,
+    Copy,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -43,6 +54,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         seed: args.seed,
         profile: args.profile,
         prompt_logprobs: args.prompt_logprobs,
+        workload: match args.workload {
+            WorkloadArg::Random => worker::bench::Workload::Random,
+            WorkloadArg::Copy => worker::bench::Workload::Copy,
+        },
     };
     let report = on_the_kernel_pool(|| worker::bench::run(&mut engine, &bench_args))?;
     if args.json {
@@ -55,6 +70,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "ttft_ms": {"mean": report.ttft.mean_ms, "p50": report.ttft.p50_ms, "p99": report.ttft.p99_ms},
                 "tpot_ms": {"mean": report.tpot.mean_ms, "p50": report.tpot.p50_ms, "p99": report.tpot.p99_ms},
                 "peak_kv_blocks_used": report.peak_kv_blocks_used, "kv_blocks_total": report.kv_blocks_total,
+                "spec_decode": {
+                    "num_drafts": report.spec_decoding.num_drafts,
+                    "num_draft_tokens": report.spec_decoding.num_draft_tokens,
+                    "num_accepted_tokens": report.spec_decoding.num_accepted_tokens,
+                    "acceptance_rate": report.spec_decoding.acceptance_rate(),
+                },
             })
         );
     } else {

@@ -5,6 +5,7 @@ use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use common::pipeline::LayerRange;
+use engine_core::SpeculativeConfig;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::pipeline::stage::StageConfig;
 use worker::runner::device::DeviceChoice;
@@ -61,6 +62,55 @@ pub struct EngineArgs {
     /// q8_0 (8.5 bits per weight) or q4_0 (4.5 bits).
     #[arg(long, value_parser = super::weight_format(&Quantization::BLOCK_FORMATS))]
     quantize: Option<Quantization>,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeMethod {
+    Off,
+    /// Prompt lookup: the tokens that followed the latest n-gram's earlier occurrence.
+    Ngram,
+}
+
+/// Speculative decoding, with vLLM's names.
+#[derive(Args, Clone, Debug)]
+pub struct SpeculativeArgs {
+    /// Propose tokens and verify them in the step's forward pass (requests
+    /// may still turn it on or off for themselves).
+    #[arg(long, value_enum, default_value = "off")]
+    pub speculative_method: SpeculativeMethod,
+    /// Tokens proposed per step (1-16).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=common::MAX_SPECULATIVE_TOKENS as i64))]
+    pub num_speculative_tokens: u32,
+    /// Shortest suffix the n-gram proposer matches.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub prompt_lookup_min: u32,
+    /// Longest suffix the n-gram proposer matches.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub prompt_lookup_max: u32,
+    /// A step stops proposing once its running requests times (k + 1)
+    /// exceed this many tokens: the pass is then compute-bound.
+    #[arg(long, default_value_t = engine_core::spec::DEFAULT_MAX_BATCH_TOKENS)]
+    pub speculative_max_batch_tokens: usize,
+}
+
+impl SpeculativeArgs {
+    pub fn config(&self) -> anyhow::Result<SpeculativeConfig> {
+        anyhow::ensure!(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "--prompt-lookup-min ({}) is above --prompt-lookup-max ({})",
+            self.prompt_lookup_min,
+            self.prompt_lookup_max
+        );
+        Ok(SpeculativeConfig {
+            enabled_by_default: self.speculative_method == SpeculativeMethod::Ngram,
+            num_speculative_tokens: self.num_speculative_tokens as usize,
+            prompt_lookup_min: self.prompt_lookup_min as usize,
+            prompt_lookup_max: self.prompt_lookup_max as usize,
+            max_batch_tokens: self.speculative_max_batch_tokens,
+        })
+    }
 }
 
 /// A model's files, where it runs (and that in words), and in what dtype.
@@ -111,6 +161,7 @@ pub fn build_engine_from(
         enable_prefix_caching: !args.no_prefix_caching,
         quantization: args.quantize,
         layers,
+        speculative: args.speculative.config()?,
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;

@@ -1,6 +1,8 @@
 //! Turns a scheduler step into one batched forward pass: the new tokens of
 //! every scheduled request flattened into one varlen batch (no padding),
-//! with positions, slot mapping and block tables for paged attention. Owns
+//! with positions, slot mapping and block tables for paged attention.
+//! Proposed tokens (speculative decoding) are inputs like any other, and
+//! each gets a row of logits so the sampler can verify it. Owns
 //! the model and the KV block pools; knows nothing of queues or sockets.
 
 use candle_core::{DType, Device, Tensor};
@@ -30,7 +32,8 @@ pub struct BatchInputs {
     pub input_ids: Vec<u32>,
     pub positions: Vec<u32>,
     pub meta: AttentionMetadata,
-    /// Row of each sampling request's last new token.
+    /// Rows whose logits are sampled: each sampling request's last new
+    /// token, then each of its proposed tokens (speculative decoding).
     pub logits_indices: Vec<u32>,
     /// Rows whose logits give prompt logprobs, in the order of the step's
     /// `prompt_logprob_positions`.
@@ -69,8 +72,10 @@ impl ModelRunner {
         for sched in &step.scheduled {
             let req = request(sched.id);
             let end = sched.num_computed_tokens + sched.num_new_tokens;
+            // Positions past the known tokens hold this step's proposals.
+            let known = req.token_ids.len();
             for pos in sched.num_computed_tokens..end {
-                b.input_ids.push(req.token_ids[pos]);
+                b.input_ids.push(if pos < known { req.token_ids[pos] } else { sched.spec_token_ids[pos - known] });
                 b.positions.push(pos as u32);
                 b.meta.slot_mapping.push(sched.block_ids[pos / bs].0 * bs as u32 + (pos % bs) as u32);
             }
@@ -81,9 +86,9 @@ impl ModelRunner {
             b.meta.query_start_loc.push(b.input_ids.len() as u32);
             b.meta.context_lens.push(end as u32);
             b.meta.block_tables.push(sched.block_ids.iter().map(|blk| blk.0).collect());
-            if sched.samples {
-                b.logits_indices.push(b.input_ids.len() as u32 - 1);
-            }
+            // The last real token's row, then one per proposal.
+            let rows = sched.num_sampled_rows() as u32;
+            b.logits_indices.extend(b.input_ids.len() as u32 - rows..b.input_ids.len() as u32);
         }
         b
     }

@@ -47,6 +47,10 @@ pub struct EngineMetrics {
     request_prefill_time: Histogram,
     request_decode_time: Histogram,
     iteration_tokens: Histogram,
+    spec_decode_num_drafts: IntCounter,
+    spec_decode_num_draft_tokens: IntCounter,
+    spec_decode_num_accepted_tokens: IntCounter,
+    spec_decode_num_accepted_tokens_per_pos: IntCounterVec,
     /// Last cumulative scheduler counters, to turn them into increments.
     last_stats: SchedulerStats,
 }
@@ -118,6 +122,17 @@ impl EngineMetrics {
                 "Histogram of number of tokens per engine_step.",
                 &ITERATION_TOKEN_BUCKETS,
             ),
+            spec_decode_num_drafts: counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts."),
+            spec_decode_num_draft_tokens: counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens."),
+            spec_decode_num_accepted_tokens: counter(
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Number of accepted tokens.",
+            ),
+            spec_decode_num_accepted_tokens_per_pos: IntCounterVec::new(
+                Opts::new("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position."),
+                &["position"],
+            )
+            .expect("valid metric"),
             registry,
             last_stats: SchedulerStats::default(),
         };
@@ -138,6 +153,10 @@ impl EngineMetrics {
             Box::new(m.request_prefill_time.clone()),
             Box::new(m.request_decode_time.clone()),
             Box::new(m.iteration_tokens.clone()),
+            Box::new(m.spec_decode_num_drafts.clone()),
+            Box::new(m.spec_decode_num_draft_tokens.clone()),
+            Box::new(m.spec_decode_num_accepted_tokens.clone()),
+            Box::new(m.spec_decode_num_accepted_tokens_per_pos.clone()),
         ];
         for c in collectors {
             m.registry.register(c).expect("unique metric names");
@@ -166,6 +185,15 @@ impl EngineMetrics {
         self.prefix_cache_queries.inc_by(s.prefix_cache.queries.saturating_sub(last.prefix_cache.queries));
         self.prefix_cache_hits.inc_by(s.prefix_cache.hits.saturating_sub(last.prefix_cache.hits));
         self.num_preemptions.inc_by(s.num_preemptions.saturating_sub(last.num_preemptions));
+        let (spec, last_spec) = (&s.spec_decoding, &last.spec_decoding);
+        self.spec_decode_num_drafts.inc_by(spec.num_drafts.saturating_sub(last_spec.num_drafts));
+        self.spec_decode_num_draft_tokens.inc_by(spec.num_draft_tokens.saturating_sub(last_spec.num_draft_tokens));
+        self.spec_decode_num_accepted_tokens
+            .inc_by(spec.num_accepted_tokens.saturating_sub(last_spec.num_accepted_tokens));
+        for (pos, &n) in spec.accepted_per_pos.iter().enumerate() {
+            let before = last_spec.accepted_per_pos.get(pos).copied().unwrap_or(0);
+            self.spec_decode_num_accepted_tokens_per_pos.with_label_values(&[&pos.to_string()]).inc_by(n - before);
+        }
         self.last_stats = s.clone();
     }
 

@@ -1,0 +1,120 @@
+//! n-gram speculative decoding through a real cluster (issue 33): a worker
+//! started with `--speculative-method ngram` streams every stories260K
+//! golden case's exact tokens, several per event where proposals were
+//! accepted, with one logprob per token; requests turn speculation on or
+//! off for themselves; bad options get a 400 naming the field; the
+//! worker's Prometheus endpoint counts drafts under vLLM's names.
+
+use serde_json::{Value, json};
+use tinyvllm_tests::{Coordinator, golden, post_json, post_sse};
+
+/// The first worker's metrics, as text.
+fn worker_metrics(cluster: &Coordinator) -> String {
+    let targets: Value =
+        ureq::get(&cluster.url("/v1/prometheus/targets")).call().expect("targets").into_json().unwrap();
+    let worker = targets[0]["targets"][0].as_str().expect("a worker target").to_string();
+    ureq::get(&format!("http://{worker}/metrics")).call().expect("scrape").into_string().unwrap()
+}
+
+/// The value of an unlabelled (but for model and worker) counter.
+fn counter(metrics: &str, name: &str) -> f64 {
+    let line = metrics.lines().find(|l| l.starts_with(&format!("{name}{{"))).unwrap_or_else(|| panic!("{name}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Streams one greedy case; returns its tokens, the number of events
+/// carrying more than one token, and the number of logprob entries.
+fn stream_case(cluster: &Coordinator, prompt: &Value, max_tokens: usize, extra: Value) -> (Vec<u32>, usize, usize) {
+    let mut body = json!({"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": 0,
+                          "ignore_eos": true, "stream": true, "logprobs": 1});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let (events, done) = post_sse(&cluster.url("/generate"), &body);
+    assert!(done, "{events:?}");
+    let mut tokens = Vec::new();
+    let (mut multi, mut logprobs) = (0, 0);
+    for e in &events {
+        let ids: Vec<u32> = e["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        multi += usize::from(ids.len() > 1);
+        logprobs += e["logprobs"].as_array().map_or(0, Vec::len);
+        tokens.extend(ids);
+    }
+    (tokens, multi, logprobs)
+}
+
+#[test]
+fn a_speculating_worker_streams_the_golden_tokens() {
+    let cluster = Coordinator::start("stories260K", 1, &["--worker-arg=--speculative-method=ngram"]);
+    let golden = golden("stories260K.json");
+    let mut multi_token_events = 0;
+    for case in golden["cases"].as_array().unwrap() {
+        let want: Vec<u32> =
+            case["generated_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let (got, multi, logprobs) = stream_case(&cluster, &case["prompt_ids"], want.len(), json!({}));
+        assert_eq!(got, want, "case {}", case["id"]);
+        assert_eq!(logprobs, want.len(), "one logprob per token, case {}", case["id"]);
+        multi_token_events += multi;
+        // The same case with speculation off for this request alone.
+        let off = json!({"speculative": {"method": "off"}});
+        let (plain, multi, _) = stream_case(&cluster, &case["prompt_ids"], want.len(), off);
+        assert_eq!((plain, multi), (want, 0), "case {}", case["id"]);
+    }
+    assert!(multi_token_events > 0, "no step accepted a proposal");
+    let metrics = worker_metrics(&cluster);
+    let drafts = counter(&metrics, "vllm:spec_decode_num_drafts_total");
+    let proposed = counter(&metrics, "vllm:spec_decode_num_draft_tokens_total");
+    let accepted = counter(&metrics, "vllm:spec_decode_num_accepted_tokens_total");
+    assert!(drafts > 0.0 && proposed >= drafts && accepted > 0.0 && accepted <= proposed, "{metrics}");
+    let per_pos: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("vllm:spec_decode_num_accepted_tokens_per_pos_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(per_pos, accepted, "per-position counts add up to the accepted tokens");
+}
+
+#[test]
+fn requests_choose_speculation_and_bad_options_are_refused() {
+    let cluster = Coordinator::start("stories260K", 1, &[]);
+    let prompt = "Once upon a time, there was a little girl. Once upon a time, there was a little";
+    let body = |spec: Value| json!({"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": spec});
+    let drafts = || counter(&worker_metrics(&cluster), "vllm:spec_decode_num_drafts_total");
+    let (status, plain) = post_json(&cluster.url("/generate"), &body(Value::Null));
+    assert_eq!(status, 200, "{plain}");
+    assert_eq!(drafts(), 0.0, "the worker does not speculate by default");
+    let ngram = json!({"method": "ngram", "num_speculative_tokens": 3});
+    let (status, fast) = post_json(&cluster.url("/generate"), &body(ngram));
+    assert_eq!(status, 200, "{fast}");
+    assert_eq!(fast["token_ids"], plain["token_ids"]);
+    // The worker updates its counters just after the step that sent the last token.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while drafts() == 0.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(drafts() > 0.0, "the request asked for n-gram proposals");
+    // A stop string inside a step's accepted run ends the output at its
+    // token, as in plain decoding: the tokens after it are not returned.
+    let text = plain["text"].as_str().unwrap();
+    let stop: String = text.chars().skip(text.chars().count() / 2).take(6).collect();
+    let with_stop = |spec: Value| {
+        let mut b = body(spec);
+        b["stop"] = json!([stop]);
+        post_json(&cluster.url("/generate"), &b).1
+    };
+    let (a, b) = (with_stop(json!({"method": "off"})), with_stop(json!({"method": "ngram"})));
+    assert_eq!(a["finish_reason"], "stop", "{a}");
+    let completion = |v: &Value| v["usage"]["completion_tokens"].clone();
+    assert_eq!((&a["text"], &a["token_ids"], completion(&a)), (&b["text"], &b["token_ids"], completion(&b)));
+    for (spec, param) in [
+        (json!({"method": "draft"}), "speculative.method"),
+        (json!({"method": "ngram", "num_speculative_tokens": 0}), "speculative.num_speculative_tokens"),
+        (json!({"method": "ngram", "num_speculative_tokens": 17}), "speculative.num_speculative_tokens"),
+        (json!({"method": "off", "num_speculative_tokens": 2}), "speculative.num_speculative_tokens"),
+    ] {
+        let (status, err) = post_json(&cluster.url("/generate"), &body(spec.clone()));
+        assert_eq!((status, err["error"]["param"].as_str()), (400, Some(param)), "{spec}: {err}");
+    }
+    let (status, err) = post_json(&cluster.url("/generate"), &body(json!("ngram")));
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("speculative")), "{err}");
+}
