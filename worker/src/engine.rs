@@ -473,6 +473,8 @@ pub(crate) fn reported_logprobs(
 fn sampling_requests<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> impl Iterator<Item = &'a Request> {
     let request = |id| scheduler.request(id).expect("scheduled request exists");
     step.scheduled.iter().filter(|s| s.samples).map(move |s| request(s.id))
+}
+
 /// One entry per row of sampling logits, in the step's order: the request
 /// and its output as the sampler sees it at that row. A request verifying
 /// proposals has a row per proposal after its first, each seeing the
