@@ -400,6 +400,18 @@ async fn supervise_local_workers(
     }
 }
 
+/// Structured outputs' compiler over the model's vocabulary (the workers
+/// build the same one); `Err` says why this model takes no constraints.
+fn grammar_compiler(
+    tokenizer_json: &Path,
+    files: &ModelFiles,
+) -> Result<Arc<common::structured::GrammarCompiler>, String> {
+    let text = std::fs::read_to_string(tokenizer_json).map_err(|e| format!("{}: {e}", tokenizer_json.display()))?;
+    common::structured::GrammarCompiler::from_tokenizer_json(&text, files.config.vocab_size, &files.eos_token_ids)
+        .map(Arc::new)
+        .map_err(|e| format!("structured outputs are unavailable for this model: {}: {e}", tokenizer_json.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,16 +426,4 @@ mod tests {
         assert_eq!(b.after_exit(HEALTHY_UPTIME), FIRST_BACKOFF);
         assert_eq!(b.after_exit(quick), Duration::from_secs(1));
     }
-}
-
-/// Structured outputs' compiler over the model's vocabulary (the workers
-/// build the same one); `Err` says why this model takes no constraints.
-fn grammar_compiler(
-    tokenizer_json: &Path,
-    files: &ModelFiles,
-) -> Result<Arc<common::structured::GrammarCompiler>, String> {
-    let text = std::fs::read_to_string(tokenizer_json).map_err(|e| format!("{}: {e}", tokenizer_json.display()))?;
-    common::structured::GrammarCompiler::from_tokenizer_json(&text, files.config.vocab_size, &files.eos_token_ids)
-        .map(Arc::new)
-        .map_err(|e| format!("structured outputs are unavailable for this model: {}: {e}", tokenizer_json.display()))
 }
