@@ -11,6 +11,8 @@ pub mod model;
 pub mod pipeline;
 pub mod protocol;
 pub mod sampling;
+#[cfg(feature = "structured")]
+pub mod structured;
 #[cfg(feature = "transport")]
 pub mod transport;
 

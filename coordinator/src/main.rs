@@ -144,16 +144,23 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         tokio::net::TcpListener::bind(&args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
     let http_addr = listener.local_addr()?;
     let limits = http_limits(&args);
-    let app = Arc::new(AppState::new(
-        cluster.clone(),
-        tokenizer,
-        chat_template,
-        served_model_name.clone(),
-        max_model_len,
-        args.block_size,
-        args.api_key.clone(),
-        limits,
-    ));
+    let grammar_compiler = grammar_compiler(&tokenizer_path, &files);
+    if let Err(e) = &grammar_compiler {
+        eprintln!("{e}");
+    }
+    let app = Arc::new(
+        AppState::new(
+            cluster.clone(),
+            tokenizer,
+            chat_template,
+            served_model_name.clone(),
+            max_model_len,
+            args.block_size,
+            args.api_key.clone(),
+            limits,
+        )
+        .with_grammar_compiler(grammar_compiler),
+    );
     // One line tests and scripts can parse.
     println!(
         "tinyvllm-coordinator listening http={http_addr} quic={quic_addr} model={served_model_name} policy={}",
@@ -444,6 +451,18 @@ async fn supervise_local_workers(
     for t in tasks {
         let _ = t.await;
     }
+}
+
+/// Structured outputs' compiler over the model's vocabulary (the workers
+/// build the same one); `Err` says why this model takes no constraints.
+fn grammar_compiler(
+    tokenizer_json: &Path,
+    files: &ModelFiles,
+) -> Result<Arc<common::structured::GrammarCompiler>, String> {
+    let text = std::fs::read_to_string(tokenizer_json).map_err(|e| format!("{}: {e}", tokenizer_json.display()))?;
+    common::structured::GrammarCompiler::from_tokenizer_json(&text, files.config.vocab_size, &files.eos_token_ids)
+        .map(Arc::new)
+        .map_err(|e| format!("structured outputs are unavailable for this model: {}: {e}", tokenizer_json.display()))
 }
 
 #[cfg(test)]

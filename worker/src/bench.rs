@@ -3,10 +3,13 @@
 //! output lengths (`ignore_eos`), all submitted at once, run to completion.
 //! The `Copy` workload gives outputs that repeat a span of their prompt,
 //! for n-gram speculative decoding.
+//! With a structured-output constraint, each request instead runs until its
+//! grammar is complete (or `output_len`), and its time per output token
+//! counts the tokens it made.
 
 use std::time::{Duration, Instant};
 
-use common::{RequestId, SamplingParams};
+use common::{RequestId, SamplingParams, StructuredOutput};
 
 use crate::Engine;
 use crate::error::Result;
@@ -24,6 +27,8 @@ pub struct BenchArgs {
     /// as an evaluation harness does.
     pub prompt_logprobs: Option<u32>,
     pub workload: Workload,
+    /// Constrain every output (structured outputs).
+    pub structured_output: Option<StructuredOutput>,
 }
 
 /// What the prompts hold.
@@ -70,6 +75,8 @@ pub struct BenchReport {
     pub args: BenchArgs,
     pub elapsed: Duration,
     pub requests_per_s: f64,
+    /// Tokens generated in all.
+    pub output_tokens: usize,
     pub output_tok_per_s: f64,
     pub total_tok_per_s: f64,
     pub ttft: Summary,
@@ -117,11 +124,14 @@ impl std::fmt::Display for BenchReport {
         let a = &self.args;
         writeln!(
             f,
-            "prompts {} x (input {} + output {}){}, {} steps in {:.2} s",
+            "prompts {} x (input {} + output {}){}{}, {} steps in {:.2} s",
             a.num_prompts,
             a.input_len,
             a.output_len,
             a.prompt_logprobs.map_or(String::new(), |n| format!(", prompts scored (prompt_logprobs {n})")),
+            a.structured_output
+                .as_ref()
+                .map_or(String::new(), |_| format!(", outputs constrained ({} tokens made)", self.output_tokens)),
             self.steps,
             self.elapsed.as_secs_f64()
         )?;
@@ -195,10 +205,13 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];
     let mut last_token = vec![start; args.num_prompts];
+    let mut made = vec![0usize; args.num_prompts];
     for (i, prompt) in prompts.into_iter().enumerate() {
         let params = SamplingParams {
-            ignore_eos: true,
+            // A constrained output ends with its grammar.
+            ignore_eos: args.structured_output.is_none(),
             prompt_logprobs: args.prompt_logprobs,
+            structured_output: args.structured_output.clone(),
             ..SamplingParams::greedy(args.output_len as u32)
         };
         engine.add_request(RequestId(i as u64), prompt, params, 0)?;
@@ -222,10 +235,11 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         steps += 1;
         let now = Instant::now();
         peak = peak.max(engine.stats().kv_blocks_used);
-        for out in outputs {
+        for out in outputs.iter().filter(|o| !o.new_token_ids.is_empty()) {
             let i = out.id.0 as usize;
             first_token[i].get_or_insert(now);
             last_token[i] = now;
+            made[i] += out.new_token_ids.len();
         }
     }
     let elapsed = start.elapsed();
@@ -236,19 +250,21 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     });
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();
     let tpot: Vec<Duration> = (0..args.num_prompts)
-        .filter(|_| args.output_len > 1)
-        .map(|i| (last_token[i] - first_token[i].unwrap_or(start)) / (args.output_len as u32 - 1))
+        .filter(|&i| made[i] > 1)
+        .map(|i| (last_token[i] - first_token[i].unwrap_or(start)) / (made[i] as u32 - 1))
         .collect();
     let spec_after = engine.stats().spec_decoding;
     let spec_decoding = spec_after.since(&spec_before);
     let secs = elapsed.as_secs_f64();
-    let out_tokens = (args.num_prompts * args.output_len) as f64;
+    let output_tokens: usize = made.iter().sum();
+    let out_tokens = output_tokens as f64;
     Ok(BenchReport {
         args: args.clone(),
         elapsed,
         requests_per_s: args.num_prompts as f64 / secs,
+        output_tokens,
         output_tok_per_s: out_tokens / secs,
-        total_tok_per_s: (prompt_tokens + args.num_prompts * args.output_len) as f64 / secs,
+        total_tok_per_s: (prompt_tokens + output_tokens) as f64 / secs,
         ttft: Summary::of(ttft),
         tpot: Summary::of(tpot),
         peak_kv_blocks_used: peak,

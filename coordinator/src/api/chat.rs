@@ -12,6 +12,7 @@ use super::prepare::{chat_prompt_ids, check_model, check_prompt, fit_completion,
 use super::reply::Reply;
 use super::request::{ChatRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec};
+use super::structured::constrain;
 use super::validate::Kind as Shape;
 use crate::app::AppState;
 
@@ -66,7 +67,8 @@ fn plan(app: &AppState, body: &[u8]) -> Result<(ChatRequest, Vec<ChoiceSpec>, Op
     check_prompt(app, &prompt_ids, max_len)?;
     // Chat's default is the whole room left (OpenAI's, vLLM's).
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;
-    let params = req.sampling.to_params(default_max, logprobs)?;
+    let mut params = req.sampling.to_params(default_max, logprobs)?;
+    constrain(app, &req.sampling.structured, &mut params)?;
     let params = fit_completion(app, max_len, "messages", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
     Ok((req, n_choices(&prompt_ids, &params, &stops, n), logprobs))
 }

@@ -1,6 +1,6 @@
 //! The HTTP API: one file per endpoint family (`generate`, `completions`,
 //! `chat`, `tokenize`, `info`), over the request types and their checks
-//! (`request`, `prepare`), the choice runner (`run`), the response shapes
+//! (`request`, `prepare`, `structured` for constrained output), the choice runner (`run`), the response shapes
 //! (`openai`, `logprobs`), the SSE stream (`sse`), and OpenAI-shaped errors.
 
 pub mod chat;
@@ -15,6 +15,7 @@ pub mod reply;
 pub mod request;
 pub mod run;
 pub mod sse;
+pub mod structured;
 pub mod tokenize;
 pub mod validate;
 

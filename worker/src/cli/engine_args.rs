@@ -64,6 +64,11 @@ pub struct EngineArgs {
     quantize: Option<Quantization>,
     #[command(flatten)]
     pub speculative: SpeculativeArgs,
+    /// A tokenizer.json to read the vocabulary from (for structured
+    /// outputs, and text), for a model that has none, such as a random:<preset>
+    /// (tinyllama-1.1b has Llama 2's 32,000 tokens, as ../shared/models/tiny-qwen3 does).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -123,7 +128,11 @@ pub struct Resolved {
 
 /// Finds the model's files and picks the device and dtype.
 pub fn resolve(args: &EngineArgs) -> anyhow::Result<Resolved> {
-    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    let mut files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    if let Some(tokenizer) = &args.tokenizer {
+        anyhow::ensure!(tokenizer.is_file(), "--tokenizer {}: no such file", tokenizer.display());
+        files.tokenizer_json = Some(tokenizer.clone());
+    }
     if files.random_weights {
         common::log!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
     }

@@ -169,6 +169,8 @@ impl StageRunner {
                 num_output_tokens: row.num_output_tokens as usize,
                 seed: row.seed,
                 eos_token_ids: &self.eos_token_ids,
+                // Pipelines refuse structured outputs (`Engine::add_request`).
+                allowed: None,
             })
             .collect();
         let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * vocab);
