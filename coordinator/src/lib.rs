@@ -12,3 +12,4 @@ pub mod metrics;
 pub mod router;
 pub mod sim;
 pub mod text;
+pub mod tools;

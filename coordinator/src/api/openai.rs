@@ -1,6 +1,7 @@
 //! OpenAI's completion objects, shared by `/v1/completions` and
 //! `/v1/chat/completions`: the response and its stream chunks, their
-//! choices and usage; and the chunk stream itself. Each choice carries two
+//! choices and usage; and the chunk stream itself, which reads chat
+//! choices for tool calls when the request offers tools. Each choice carries two
 //! tinyvllm extensions once it ends: the worker it ran on and its
 //! prefix-cache hit (`cached_tokens`).
 
@@ -17,6 +18,7 @@ use super::prepare::now;
 use super::reply::Reply;
 use super::run::{ChoiceEnd, Update};
 use super::sse::{self, Events};
+use super::tools::{self, ChoiceTools, ToolCall, ToolCallDelta, ToolDelta};
 use crate::app::AppState;
 
 /// A whole response, or one chunk of a stream.
@@ -39,7 +41,8 @@ pub struct Choice {
     #[serde(flatten)]
     pub content: Content,
     pub logprobs: Option<Logprobs>,
-    pub finish_reason: Option<FinishReason>,
+    /// `stop`, `length`, `abort`, or `tool_calls` (see `tools::finish_reason`).
+    pub finish_reason: Option<&'static str>,
     /// Left out of the stream chunks before the choice's end.
     #[serde(flatten)]
     pub end: Option<EndDetails>,
@@ -58,7 +61,10 @@ pub enum Content {
 #[derive(Serialize)]
 pub struct Message {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the reply is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// A chat chunk's delta: the role only in a choice's first chunk; empty in
@@ -69,6 +75,21 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+impl Delta {
+    /// A chat chunk's delta: the role if it is the choice's first; the
+    /// content unless the chunk carries only call pieces.
+    fn chat(first: bool, content: String, calls: Vec<ToolCallDelta>) -> Content {
+        let only_calls = content.is_empty() && !calls.is_empty();
+        Content::Delta(Self {
+            role: first.then_some("assistant"),
+            content: (!only_calls).then_some(content),
+            tool_calls: (!calls.is_empty()).then_some(calls),
+        })
+    }
 }
 
 #[derive(Serialize)]
@@ -98,7 +119,7 @@ impl Choice {
             index,
             content,
             logprobs,
-            finish_reason: end.map(|e| e.finish_reason),
+            finish_reason: end.map(|e| e.finish_reason.as_str()),
             end: Some(EndDetails {
                 stop_reason: end.and_then(|e| e.stop.clone()),
                 worker: end.map(|e| e.worker.clone()),
@@ -161,6 +182,8 @@ pub struct ChunkStream {
     pub include_usage: bool,
     pub kind: Kind,
     pub echo: EchoStream,
+    /// Chat: each choice read for tool calls; empty when tools are not parsed.
+    pub tools: Vec<ChoiceTools>,
 }
 
 impl ChunkStream {
@@ -172,7 +195,7 @@ impl ChunkStream {
     /// prompt is each choice's first chunk, sent once its prompt logprobs
     /// (which come before any token) are in.
     async fn write(self, events: Events, app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) {
-        let Self { id, n, include_usage, kind, mut echo } = self;
+        let Self { id, n, include_usage, kind, mut echo, mut tools } = self;
         let created = now();
         let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         let chunk =
@@ -214,8 +237,14 @@ impl ChunkStream {
             let choice = match update {
                 Update::PromptLogprobs { .. } => continue,
                 Update::Delta { index, text, token_ids, logprobs } => {
-                    if text.is_empty() && (kind == Kind::Chat && started[index]) {
-                        continue; // held back by a stop-string candidate; nothing to show yet
+                    let ToolDelta { content: text, calls } = match tools.get_mut(index) {
+                        Some(choice_tools) => choice_tools.push(&text),
+                        None => ToolDelta { content: text, calls: Vec::new() },
+                    };
+                    // Held back by a stop-string candidate or a possible tool call's markup.
+                    let quiet = text.is_empty() && calls.is_empty() && (tools.is_empty() || logprobs.is_empty());
+                    if quiet && (kind == Kind::Chat && started[index]) {
+                        continue; // nothing to show yet
                     }
                     let lp = (!logprobs.is_empty()).then(|| match kind {
                         Kind::Chat => Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &token_ids, &logprobs)),
@@ -226,21 +255,32 @@ impl ChunkStream {
                         }
                     });
                     let content = match kind {
-                        Kind::Chat => Content::Delta(Delta {
-                            role: (!started[index]).then_some("assistant"),
-                            content: Some(text),
-                        }),
+                        Kind::Chat => Delta::chat(!started[index], text, calls),
                         Kind::Completion => Content::Text(text),
                     };
                     started[index] = true;
                     Choice::running(index, content, lp)
                 }
                 Update::End(end) => {
+                    let mut called = false;
+                    if let Some(choice_tools) = tools.get_mut(end.index) {
+                        // What the parser held back until the end.
+                        let ToolDelta { content, calls } = choice_tools.finish();
+                        called = choice_tools.called();
+                        if !content.is_empty() || !calls.is_empty() {
+                            let rest =
+                                Choice::running(end.index, Delta::chat(!started[end.index], content, calls), None);
+                            if events.send(&chunk(vec![rest], None)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
                     let content = match kind {
                         Kind::Chat => Content::Delta(Delta::default()),
                         Kind::Completion => Content::Text(String::new()),
                     };
-                    let choice = Choice::ended(end.index, content, None, Some(&end));
+                    let mut choice = Choice::ended(end.index, content, None, Some(&end));
+                    choice.finish_reason = Some(tools::finish_reason(called, end.finish_reason));
                     ends.push(end);
                     choice
                 }
