@@ -35,6 +35,9 @@ pub struct ToolRequest {
     pub choice: ToolChoice,
     /// At most one call unless true (OpenAI's default).
     pub parallel: bool,
+    /// `tool_choice` was given (not the default `auto`): errors about the
+    /// choice name it rather than `tools`.
+    explicit_choice: bool,
 }
 
 /// OpenAI's rule for function names, with `.` and `:` also allowed (MCP
@@ -70,11 +73,13 @@ impl ToolRequest {
             }
             functions.push(function);
         }
+        let explicit_choice = choice.is_some();
         let choice = match choice {
             None => ToolChoice::Auto,
             Some(choice) => read_choice(choice, &functions)?,
         };
-        Ok(Some(Self { tools: tools.to_vec(), functions, choice, parallel: parallel.unwrap_or(true) }))
+        let parallel = parallel.unwrap_or(true);
+        Ok(Some(Self { tools: tools.to_vec(), functions, choice, parallel, explicit_choice }))
     }
 
     /// The format the output's calls are read in: none for `tool_choice:
@@ -86,7 +91,7 @@ impl ToolRequest {
         }
         model_format.map(Some).ok_or_else(|| {
             ApiError::invalid(
-                "tool_choice",
+                if self.explicit_choice { "tool_choice" } else { "tools" },
                 "this model's chat template shows no tool-call format this server reads; start the coordinator \
                  with --tool-call-parser hermes or llama3_json, or send tool_choice \"none\"",
             )
@@ -466,7 +471,9 @@ mod tests {
         let tools = json!([weather_tool()]);
         let auto = read(tools.clone(), None).unwrap().unwrap();
         assert_eq!(auto.format(Some(ToolFormat::Hermes)).unwrap(), Some(ToolFormat::Hermes));
-        assert_eq!(auto.format(None).unwrap_err().param.as_deref(), Some("tool_choice"));
+        assert_eq!(auto.format(None).unwrap_err().param.as_deref(), Some("tools"));
+        let explicit = read(tools.clone(), Some(json!("auto"))).unwrap().unwrap();
+        assert_eq!(explicit.format(None).unwrap_err().param.as_deref(), Some("tool_choice"));
         assert!(auto.constraint(ToolFormat::Hermes).is_none());
         let none = read(tools.clone(), Some(json!("none"))).unwrap().unwrap();
         assert_eq!(none.format(None).unwrap(), None);
