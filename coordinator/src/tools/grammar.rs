@@ -10,7 +10,8 @@
 //!
 //! Each call's schema is `{"name": {"const": f}, <key>: f's parameters}`
 //! for every offered `f` (an `anyOf`), so the name is one of the tools and
-//! the arguments validate against that tool's schema. JSON is written with
+//! the arguments validate against that tool's schema (closed to other keys
+//! unless it allows them: see `arguments_schema`). JSON is written with
 //! `", "` and `": "` between items and no other whitespace, as the models'
 //! own examples are: a model left free to add whitespace can wander off
 //! into it (llguidance's default allows any).
@@ -51,18 +52,22 @@ fn call_schema(functions: &[&Function], arguments_key: &str) -> String {
     format!(r#"{{"x-guidance":{layout},"anyOf":[{}]}}"#, options.join(","))
 }
 
-/// A function's parameters as a schema for its arguments: an object, the
-/// schema's own constraints applied (OpenAI's `parameters` describe an
-/// object; an omitted one takes none).
+/// A function's parameters as a schema for its arguments: an object with
+/// the properties it declares and no others unless it allows them
+/// (`additionalProperties` absent means false here, as in llama.cpp's
+/// tool grammars: a forced call carries the function's arguments, not
+/// whatever keys a model makes up). Omitted parameters take no arguments.
 fn arguments_schema(parameters: &Value) -> Value {
-    match parameters {
-        Value::Object(schema) if !schema.is_empty() => {
-            let mut schema = schema.clone();
-            schema.entry("type").or_insert_with(|| json!("object"));
-            Value::Object(schema)
-        }
-        _ => json!({ "type": "object" }),
+    let mut schema = match parameters {
+        Value::Object(schema) => schema.clone(),
+        _ => Default::default(),
+    };
+    schema.entry("type").or_insert_with(|| json!("object"));
+    schema.entry("additionalProperties").or_insert(json!(false));
+    if !schema.contains_key("properties") && schema["additionalProperties"] == false {
+        schema.insert("properties".into(), json!({}));
     }
+    Value::Object(schema)
 }
 
 #[cfg(test)]
@@ -101,14 +106,19 @@ mod tests {
         let options = schema["anyOf"].as_array().expect("anyOf");
         assert_eq!(options.len(), 2);
         assert_eq!(options[0]["properties"]["name"], json!({"const": "get_weather"}));
-        assert_eq!(options[0]["properties"]["arguments"], weather.parameters);
+        let mut arguments = weather.parameters.clone();
+        arguments["additionalProperties"] = json!(false);
+        assert_eq!(options[0]["properties"]["arguments"], arguments);
         assert_eq!(options[0]["required"], json!(["name", "arguments"]));
         assert_eq!(options[0]["additionalProperties"], false);
-        // No parameters: any object.
-        assert_eq!(options[1]["properties"]["arguments"], json!({"type": "object"}));
+        // No parameters: no arguments.
+        let none = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        assert_eq!(options[1]["properties"]["arguments"], none);
         // The name is written (and so generated) before the arguments.
         let text = grammar.lines().last().expect("last line");
-        assert!(text.find(r#""name":{"const":"now"}"#) < text.rfind(r#""arguments":{"type":"object"}"#), "{text}");
+        let name = text.find(r#""name":{"const":"now"}"#).expect("name");
+        let arguments = text.rfind(r#""arguments":{"additionalProperties":false"#).expect("arguments");
+        assert!(name < arguments, "{text}");
     }
 
     #[test]
@@ -120,13 +130,20 @@ mod tests {
         assert!(llama.contains("\nstart: call (\"; \" call)*\n"), "{llama}");
         assert!(llama.contains("\ncall: call_json\n"), "{llama}");
         let option = &schema_of(&llama)["anyOf"][0];
-        assert_eq!(option["properties"]["parameters"], weather.parameters);
+        assert_eq!(option["properties"]["parameters"]["properties"], weather.parameters["properties"]);
         assert_eq!(option["required"], json!(["name", "parameters"]));
     }
 
     #[test]
-    fn schemas_without_a_type_are_objects() {
-        assert_eq!(arguments_schema(&json!({"properties": {}})), json!({"type": "object", "properties": {}}));
-        assert_eq!(arguments_schema(&Value::Null), json!({"type": "object"}));
+    fn arguments_are_the_declared_properties_unless_more_are_allowed() {
+        let closed = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        assert_eq!(arguments_schema(&json!({})), closed);
+        assert_eq!(arguments_schema(&Value::Null), closed);
+        let open = json!({"type": "object", "additionalProperties": {"type": "integer"}});
+        assert_eq!(arguments_schema(&open), open);
+        let declared = json!({"properties": {"a": {"type": "string"}}});
+        let expected =
+            json!({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": false});
+        assert_eq!(arguments_schema(&declared), expected);
     }
 }
