@@ -228,10 +228,8 @@ pub fn check_messages(messages: &[Value]) -> Result<(), ApiError> {
     for (i, message) in messages.iter().enumerate() {
         let invalid = |why: String| Err(ApiError::invalid("messages", format!("messages[{i}]{why}")));
         match message.get("role").and_then(Value::as_str) {
-            Some("tool") => {
-                if !message.get("tool_call_id").is_some_and(Value::is_string) {
-                    return invalid(".tool_call_id must be a string: the id of the call this answers".into());
-                }
+            Some("tool") if !message.get("tool_call_id").is_some_and(Value::is_string) => {
+                return invalid(".tool_call_id must be a string: the id of the call this answers".into());
             }
             Some("assistant") => {
                 let calls = match message.get("tool_calls") {
@@ -515,7 +513,7 @@ mod tests {
             ),
             (json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}), "arguments"),
         ] {
-            let err = check_messages(&[bad.clone()]).unwrap_err();
+            let err = check_messages(std::slice::from_ref(&bad)).unwrap_err();
             assert_eq!(err.param.as_deref(), Some("messages"));
             assert!(err.message.contains(words), "{bad}: {}", err.message);
         }
