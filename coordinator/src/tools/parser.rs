@@ -553,6 +553,55 @@ mod tests {
         assert_eq!(parse_every_way(ToolFormat::Llama3Json, text), (String::new(), vec![call("f", "[true]")]));
     }
 
+    /// Pieces of call markup and text, for random outputs.
+    const PIECES: [&str; 22] = [
+        "{\"name\": \"f\", \"arguments\": ",
+        "{\"name\": \"g\", \"parameters\": ",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool",
+        "<|python_tag|>",
+        "{",
+        "}",
+        "[",
+        "]",
+        "\"name\"",
+        "\"arguments\"",
+        "\"parameters\"",
+        ": ",
+        ", ",
+        "\"f\"",
+        "\"",
+        "\\",
+        "; ",
+        "\n",
+        " ",
+        "ü2",
+    ];
+
+    proptest::proptest! {
+        /// Any output, cut anywhere: never a panic, and the same content and
+        /// calls however it was split.
+        #[test]
+        fn any_split_gives_the_same_result(
+            picks in proptest::collection::vec(0..PIECES.len(), 0..40),
+            cuts in proptest::collection::vec(0..usize::MAX, 0..6),
+            llama in proptest::prelude::any::<bool>(),
+        ) {
+            let text: String = picks.iter().map(|&i| PIECES[i]).collect();
+            let format = if llama { ToolFormat::Llama3Json } else { ToolFormat::Hermes };
+            let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
+            bounds.sort_unstable();
+            let mut pieces = Vec::new();
+            let mut start = 0;
+            for end in bounds.into_iter().chain([text.len()]) {
+                pieces.push(&text[start..end]);
+                start = end;
+            }
+            proptest::prop_assert_eq!(fold(&streamed(format, &pieces)), fold(&ToolCallParser::parse(format, &text)));
+        }
+    }
+
     #[test]
     fn llama3_json_text() {
         for text in [" Hello {\"name\": 1}", "{\"answer\": 42} is JSON", "<|python", "{\"name\": \"f\", \"parameters\""]
