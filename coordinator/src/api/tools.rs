@@ -344,8 +344,11 @@ impl ChoiceTools {
                     kind: Some("function"),
                     function: FunctionDelta { name: Some(name), arguments: String::new() },
                 }),
+                // A call's start stays apart (empty arguments), as OpenAI streams it.
                 ToolEvent::Arguments { index, fragment } => match out.calls.last_mut() {
-                    Some(last) if last.index == index => last.function.arguments.push_str(&fragment),
+                    Some(last) if last.index == index && last.id.is_none() => {
+                        last.function.arguments.push_str(&fragment)
+                    }
                     _ => out.calls.push(ToolCallDelta {
                         index,
                         id: None,
