@@ -9,6 +9,8 @@ pub mod kv_events;
 pub mod model;
 pub mod protocol;
 pub mod sampling;
+#[cfg(feature = "structured")]
+pub mod structured;
 #[cfg(feature = "transport")]
 pub mod transport;
 

@@ -1,10 +1,13 @@
 //! Offline throughput benchmark in the style of vLLM's
 //! `benchmark_throughput`: N prompts of random tokens with fixed input and
 //! output lengths (`ignore_eos`), all submitted at once, run to completion.
+//! With a structured-output constraint, each request instead runs until its
+//! grammar is complete (or `output_len`), and its time per output token
+//! counts the tokens it made.
 
 use std::time::{Duration, Instant};
 
-use common::{RequestId, SamplingParams};
+use common::{RequestId, SamplingParams, StructuredOutput};
 
 use crate::Engine;
 use crate::error::Result;
@@ -21,6 +24,8 @@ pub struct BenchArgs {
     /// Score every prompt too (`prompt_logprobs` with this many top tokens),
     /// as an evaluation harness does.
     pub prompt_logprobs: Option<u32>,
+    /// Constrain every output (structured outputs).
+    pub structured_output: Option<StructuredOutput>,
 }
 
 /// mean / p50 / p99 of a latency, in milliseconds.
@@ -52,6 +57,8 @@ pub struct BenchReport {
     pub args: BenchArgs,
     pub elapsed: Duration,
     pub requests_per_s: f64,
+    /// Tokens generated in all.
+    pub output_tokens: usize,
     pub output_tok_per_s: f64,
     pub total_tok_per_s: f64,
     pub ttft: Summary,
@@ -97,11 +104,14 @@ impl std::fmt::Display for BenchReport {
         let a = &self.args;
         writeln!(
             f,
-            "prompts {} x (input {} + output {}){}, {} steps in {:.2} s",
+            "prompts {} x (input {} + output {}){}{}, {} steps in {:.2} s",
             a.num_prompts,
             a.input_len,
             a.output_len,
             a.prompt_logprobs.map_or(String::new(), |n| format!(", prompts scored (prompt_logprobs {n})")),
+            a.structured_output
+                .as_ref()
+                .map_or(String::new(), |_| format!(", outputs constrained ({} tokens made)", self.output_tokens)),
             self.steps,
             self.elapsed.as_secs_f64()
         )?;
@@ -154,12 +164,15 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let start = Instant::now();
     let mut first_token = vec![None; args.num_prompts];
     let mut last_token = vec![start; args.num_prompts];
+    let mut made = vec![0usize; args.num_prompts];
     for i in 0..args.num_prompts {
         // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
         let prompt = (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
         let params = SamplingParams {
-            ignore_eos: true,
+            // A constrained output ends with its grammar.
+            ignore_eos: args.structured_output.is_none(),
             prompt_logprobs: args.prompt_logprobs,
+            structured_output: args.structured_output.clone(),
             ..SamplingParams::greedy(args.output_len as u32)
         };
         engine.add_request(RequestId(i as u64), prompt, params, 0)?;
@@ -183,10 +196,11 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         steps += 1;
         let now = Instant::now();
         peak = peak.max(engine.stats().kv_blocks_used);
-        for out in outputs {
+        for out in outputs.iter().filter(|o| !o.new_token_ids.is_empty()) {
             let i = out.id.0 as usize;
             first_token[i].get_or_insert(now);
             last_token[i] = now;
+            made[i] += out.new_token_ids.len();
         }
     }
     let elapsed = start.elapsed();
@@ -197,17 +211,19 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     });
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();
     let tpot: Vec<Duration> = (0..args.num_prompts)
-        .filter(|_| args.output_len > 1)
-        .map(|i| (last_token[i] - first_token[i].unwrap_or(start)) / (args.output_len as u32 - 1))
+        .filter(|&i| made[i] > 1)
+        .map(|i| (last_token[i] - first_token[i].unwrap_or(start)) / (made[i] as u32 - 1))
         .collect();
     let secs = elapsed.as_secs_f64();
-    let out_tokens = (args.num_prompts * args.output_len) as f64;
+    let output_tokens: usize = made.iter().sum();
+    let out_tokens = output_tokens as f64;
     Ok(BenchReport {
         args: args.clone(),
         elapsed,
         requests_per_s: args.num_prompts as f64 / secs,
+        output_tokens,
         output_tok_per_s: out_tokens / secs,
-        total_tok_per_s: (args.num_prompts * (args.input_len + args.output_len)) as f64 / secs,
+        total_tok_per_s: (args.num_prompts * args.input_len + output_tokens) as f64 / secs,
         ttft: Summary::of(ttft),
         tpot: Summary::of(tpot),
         peak_kv_blocks_used: peak,

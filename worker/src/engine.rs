@@ -9,6 +9,7 @@ use crate::error::{Result, WorkerError};
 use crate::models::{ModelFiles, Quantization};
 use crate::profile::{self, Section};
 use crate::runner::device_sampler::{DeviceRow, LogprobValues};
+use crate::runner::grammar::{Grammars, RequestGrammar, Vocabulary};
 use crate::runner::kv_cache::{self, KvBudget};
 use crate::runner::model_runner::{BatchInputs, ModelRunner};
 use crate::runner::sampler::{self, SeqSamplingInput};
@@ -80,6 +81,8 @@ pub struct Engine {
     eos_token_ids: Vec<u32>,
     logprobs_mode: LogprobsMode,
     device_sampling: bool,
+    /// Structured outputs: each constrained request's matcher.
+    grammars: Grammars,
     last_step: StepInfo,
 }
 
@@ -133,6 +136,13 @@ impl Engine {
             eos_token_ids: files.eos_token_ids.clone(),
             max_prompt_logprob_rows: (MAX_PROMPT_LOGPROB_LOGITS / cfg.vocab_size.max(1)).max(1),
         });
+        let vocabulary = match &files.tokenizer_json {
+            Some(path) => Vocabulary::TokenizerJson(path.clone()),
+            None => Vocabulary::Missing(format!(
+                "structured outputs need the model's tokenizer.json for its vocabulary, and {} has none",
+                files.name
+            )),
+        };
         Ok(Self {
             scheduler,
             runner,
@@ -140,6 +150,7 @@ impl Engine {
             eos_token_ids: files.eos_token_ids.clone(),
             logprobs_mode: config.logprobs_mode,
             device_sampling: config.device_sampling.unwrap_or(!config.device.is_cpu()),
+            grammars: Grammars::new(vocabulary, &files.eos_token_ids, cfg.vocab_size),
             last_step: StepInfo::default(),
         })
     }
@@ -168,6 +179,34 @@ impl Engine {
         params: SamplingParams,
         priority: i32,
     ) -> Result<()> {
+        let grammar = match &params.structured_output {
+            Some(constraint) => Some(
+                self.grammars
+                    .prepare(constraint, output)
+                    .map_err(|e| WorkerError::InvalidRequest { id, message: e.to_string() })?,
+            ),
+            None => None,
+        };
+        self.resume_request_with_grammar(id, prompt, output, params, priority, grammar)
+    }
+
+    /// [`resume_request`](Self::resume_request) with the request's grammar
+    /// compiled already (off the engine's thread, with
+    /// [`grammar_compiler`](Self::grammar_compiler)); `None` for an
+    /// unconstrained request.
+    pub fn resume_request_with_grammar(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        output: &[u32],
+        params: SamplingParams,
+        priority: i32,
+        grammar: Option<RequestGrammar>,
+    ) -> Result<()> {
+        if params.structured_output.is_some() != grammar.is_some() {
+            let message = "a constrained request needs its grammar (and only it)".to_string();
+            return Err(WorkerError::InvalidRequest { id, message });
+        }
         if output.len() >= params.max_tokens as usize {
             let message = format!("{} tokens already generated of max_tokens {}", output.len(), params.max_tokens);
             return Err(WorkerError::InvalidRequest { id, message });
@@ -181,11 +220,27 @@ impl Engine {
         let seed = params.seed.unwrap_or_else(random_seed);
         self.scheduler
             .add_request(Request::new(id, prompt, params, priority, seed).with_output(output))
-            .map_err(|e| WorkerError::InvalidRequest { id, message: e.to_string() })
+            .map_err(|e| WorkerError::InvalidRequest { id, message: e.to_string() })?;
+        if let Some(grammar) = grammar {
+            self.grammars.insert(id, grammar);
+        }
+        Ok(())
+    }
+
+    /// What compiles structured-output constraints for this model (built on
+    /// first use), to share with threads that compile ahead of
+    /// [`resume_request_with_grammar`](Self::resume_request_with_grammar);
+    /// `Err` says why this model takes none.
+    pub fn grammar_compiler(
+        &self,
+    ) -> std::result::Result<std::sync::Arc<common::structured::GrammarCompiler>, common::structured::StructuredError>
+    {
+        self.grammars.compiler().cloned()
     }
 
     /// Stops a request and frees its blocks now; `None` if it is unknown (or already finished).
     pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
+        self.grammars.remove(id);
         self.scheduler.abort(id)
     }
 
@@ -250,18 +305,21 @@ impl Engine {
         if self.device_sampling {
             return self.step_sampling_on_device(&step, &batch);
         }
-        let logits = {
+        let (logits, masks) = {
             let _t = profile::scope(Section::Forward);
-            self.runner.execute(&batch)?
+            let runner = &mut self.runner;
+            with_masks(&mut self.grammars, &self.scheduler, &step, || runner.execute(&batch))?
         };
         let sampling_timer = profile::scope(Section::Sampling);
         let inputs: Vec<SeqSamplingInput> = sampling_requests(&self.scheduler, &step)
-            .map(|req| SeqSamplingInput {
+            .zip(&masks)
+            .map(|(req, mask)| SeqSamplingInput {
                 params: &req.params,
                 prompt_token_ids: req.prompt_token_ids(),
                 output_token_ids: req.output_token_ids(),
                 seed: req.sampling_seed,
                 eos_token_ids: &self.eos_token_ids,
+                allowed: mask.as_ref().map(|m| m.as_slice()),
             })
             .collect();
         let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * self.vocab_size);
@@ -298,6 +356,9 @@ impl Engine {
         };
         let _t = profile::scope(Section::Scheduler);
         let outputs = self.scheduler.update_from_output(step, sampled);
+        for o in outputs.iter().filter(|o| o.finish_reason.is_some()) {
+            self.grammars.remove(o.id);
+        }
         self.with_prompt_logprobs(outputs, prompt_logprobs)
     }
 
@@ -364,20 +425,27 @@ impl Engine {
     /// draw uses its own request's uniform, so seeded output does not
     /// depend on the batch.
     fn step_sampling_on_device(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
-        let rows: Vec<DeviceRow> = sampling_requests(&self.scheduler, step)
-            .map(|req| {
-                let (prompt, output) = (req.prompt_token_ids(), req.output_token_ids());
-                DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids)
-            })
-            .collect();
         let values = match self.logprobs_mode {
             LogprobsMode::RawLogits => LogprobValues::RawLogits,
             LogprobsMode::RawLogprobs => LogprobValues::Logprobs,
         };
-        let (drawn, prompt_logits) = {
-            let _t = profile::scope(Section::Forward);
-            self.runner.execute_on_device(batch, &rows, values)?
-        };
+        let forward_timer = profile::scope(Section::Forward);
+        let runner = &mut self.runner;
+        let (logits, masks) =
+            with_masks(&mut self.grammars, &self.scheduler, step, || runner.forward_on_device(batch))?;
+        let rows: Vec<DeviceRow> = sampling_requests(&self.scheduler, step)
+            .zip(&masks)
+            .map(|(req, mask)| {
+                let (prompt, output) = (req.prompt_token_ids(), req.output_token_ids());
+                let row = DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids);
+                match mask {
+                    Some(mask) => row.with_allowed(mask.as_slice()),
+                    None => row,
+                }
+            })
+            .collect();
+        let (drawn, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, values)?;
+        drop(forward_timer);
         let sampled: Vec<SampledToken> = drawn
             .into_iter()
             .zip(&rows)
@@ -396,6 +464,30 @@ impl Engine {
 fn sampling_requests<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> impl Iterator<Item = &'a Request> {
     let request = |id| scheduler.request(id).expect("scheduled request exists");
     step.scheduled.iter().filter(|s| s.samples).map(move |s| request(s.id))
+}
+
+/// Runs `forward` (the model) on this thread while another computes the
+/// step's structured-output masks, one per sampling row (`None` for
+/// unconstrained rows); joins both before sampling. A step with no
+/// constrained request runs `forward` alone.
+fn with_masks<T>(
+    grammars: &mut Grammars,
+    scheduler: &Scheduler,
+    step: &SchedulerOutput,
+    forward: impl FnOnce() -> Result<T>,
+) -> Result<(T, Vec<Option<common::structured::TokenMask>>)> {
+    let rows: Vec<(RequestId, &[u32])> =
+        sampling_requests(scheduler, step).map(|req| (req.id, req.output_token_ids())).collect();
+    if !grammars.any_constrained(rows.iter().map(|r| r.0)) {
+        return Ok((forward()?, vec![None; rows.len()]));
+    }
+    std::thread::scope(|s| {
+        let masker = s.spawn(|| grammars.masks(&rows));
+        let out = forward();
+        let masks =
+            masker.join().map_err(|_| WorkerError::Unsupported("the structured-output masker panicked".into()))?;
+        Ok((out?, masks))
+    })
 }
 
 /// A seed for requests that gave none: different per request and per run.

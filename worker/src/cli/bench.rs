@@ -1,6 +1,7 @@
 //! `tinyvllm-worker bench`: the offline throughput benchmark
 //! (`worker::bench`), reported as text or JSON.
 
+use anyhow::Context;
 use clap::Args;
 
 use super::engine_args::{EngineArgs, build_engine, on_the_kernel_pool};
@@ -32,9 +33,22 @@ pub struct BenchArgs {
     /// this many top tokens at each position (vLLM's `prompt_logprobs`).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=20))]
     prompt_logprobs: Option<u32>,
+    /// Constrain every output to the JSON schema in this file (structured
+    /// outputs; needs the model's vocabulary, see --tokenizer). Requests
+    /// then end when the schema is complete, EOS included, and TPOT counts
+    /// the tokens each made.
+    #[arg(long)]
+    json_schema: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let structured_output = match &args.json_schema {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            Some(common::StructuredOutput::JsonSchema(text))
+        }
+        None => None,
+    };
     let (mut engine, files, _device) = build_engine(&args.engine)?;
     let bench_args = worker::bench::BenchArgs {
         num_prompts: args.num_prompts,
@@ -43,6 +57,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         seed: args.seed,
         profile: args.profile,
         prompt_logprobs: args.prompt_logprobs,
+        structured_output,
     };
     let report = on_the_kernel_pool(|| worker::bench::run(&mut engine, &bench_args))?;
     if args.json {
@@ -51,7 +66,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             serde_json::json!({
                 "model": files.name, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                 "elapsed_s": report.elapsed.as_secs_f64(), "requests_per_s": report.requests_per_s,
-                "output_tok_per_s": report.output_tok_per_s, "total_tok_per_s": report.total_tok_per_s,
+                "output_tokens": report.output_tokens, "output_tok_per_s": report.output_tok_per_s, "total_tok_per_s": report.total_tok_per_s,
                 "ttft_ms": {"mean": report.ttft.mean_ms, "p50": report.ttft.p50_ms, "p99": report.ttft.p99_ms},
                 "tpot_ms": {"mean": report.tpot.mean_ms, "p50": report.tpot.p50_ms, "p99": report.tpot.p99_ms},
                 "peak_kv_blocks_used": report.peak_kv_blocks_used, "kv_blocks_total": report.kv_blocks_total,

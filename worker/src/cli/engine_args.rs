@@ -59,11 +59,20 @@ pub struct EngineArgs {
     /// q8_0 (8.5 bits per weight) or q4_0 (4.5 bits).
     #[arg(long, value_parser = super::weight_format(&Quantization::BLOCK_FORMATS))]
     quantize: Option<Quantization>,
+    /// A tokenizer.json to read the vocabulary from (for structured
+    /// outputs, and text), for a model that has none, such as a random:<preset>
+    /// (tinyllama-1.1b has Llama 2's 32,000 tokens, as ../shared/models/tiny-qwen3 does).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 /// The loaded engine, its model's files, and the device in words.
 pub fn build_engine(args: &EngineArgs) -> anyhow::Result<(Engine, ModelFiles, String)> {
-    let files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    let mut files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    if let Some(tokenizer) = &args.tokenizer {
+        anyhow::ensure!(tokenizer.is_file(), "--tokenizer {}: no such file", tokenizer.display());
+        files.tokenizer_json = Some(tokenizer.clone());
+    }
     if files.random_weights {
         eprintln!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
     }

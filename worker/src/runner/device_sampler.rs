@@ -2,8 +2,8 @@
 //! sends back token ids (and the logprobs a request asked for) rather than
 //! `[S, vocab]` logits.
 //!
-//! It does what the host sampler does, in vLLM's order: `min_tokens`
-//! masking, logit bias, repetition, frequency and presence penalties, then
+//! It does what the host sampler does, in vLLM's order: the
+//! structured-output mask, `min_tokens` masking, logit bias, repetition, frequency and presence penalties, then
 //! either the argmax or temperature, top-k and min-p as floors below the
 //! top token, top-p, and the token at which the cumulative weight, in
 //! vocabulary order, first exceeds `u` times the kept total (`u` is the request's
@@ -55,6 +55,8 @@ pub struct DeviceRow<'a> {
     /// `Some(n)`: the chosen token's log-probability and the `n` most
     /// likely tokens', from the raw logits.
     pub logprobs: Option<u32>,
+    /// The structured-output bitmask (see `SeqSamplingInput::allowed`).
+    pub allowed: Option<&'a [u32]>,
 }
 
 impl<'a> DeviceRow<'a> {
@@ -87,7 +89,27 @@ impl<'a> DeviceRow<'a> {
             banned_token_ids,
             logit_bias: p.logit_bias.clone(),
             logprobs: p.logprobs,
+            allowed: None,
         }
+    }
+}
+
+impl<'a> DeviceRow<'a> {
+    /// The row restricted to the tokens the bitmask `allowed` sets. As on
+    /// the host, the grammar beats `min_tokens`: bans that would leave no
+    /// token at all (EOS is all the grammar allows) are dropped.
+    pub fn with_allowed(mut self, allowed: &'a [u32]) -> Self {
+        let is_allowed = |t: usize| allowed.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
+        let allowed_count: usize = allowed.iter().map(|w| w.count_ones() as usize).sum();
+        let mut banned = self.banned_token_ids.clone();
+        banned.sort_unstable();
+        banned.dedup();
+        let banned_allowed = banned.iter().filter(|&&t| is_allowed(t as usize)).count();
+        if banned_allowed == allowed_count {
+            self.banned_token_ids.clear();
+        }
+        self.allowed = Some(allowed);
+        self
     }
 }
 
@@ -141,6 +163,18 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     let (s, vocab) = x.dims2()?;
     let device = x.device();
     let mut x = x.clone();
+    if rows.iter().any(|r| r.allowed.is_some()) {
+        // One byte per logit crosses to the device: 1 where the grammar
+        // (or no grammar) allows the token.
+        let mut keep = vec![1u8; s * vocab];
+        for (row, allowed) in keep.chunks_exact_mut(vocab).zip(rows).filter_map(|(k, r)| Some((k, r.allowed?))) {
+            for (t, k) in row.iter_mut().enumerate() {
+                *k = u8::from(allowed.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0));
+            }
+        }
+        let keep = Tensor::from_vec(keep, (s, vocab), device)?;
+        x = keep.where_cond(&x, &Tensor::full(f32::NEG_INFINITY, (s, vocab), device)?)?;
+    }
     if rows.iter().any(|r| !r.logit_bias.is_empty()) {
         x = (x + scattered(rows.iter().map(|r| r.logit_bias.iter().copied()), s, vocab, device)?)?;
     }
@@ -455,6 +489,30 @@ mod tests {
     }
 
     #[test]
+    fn a_grammar_mask_limits_the_draw_as_on_the_host() {
+        let device = Device::Cpu;
+        let mut values = vec![0.0f32; 40];
+        values[5] = 9.0;
+        values[33] = -3.0;
+        let logits = Tensor::from_vec(values.repeat(3), (3, 40), &device).unwrap();
+        let allowed = [0b10, 0b10]; // tokens 1 and 33
+        for u in [0.0, 0.3, 0.7, 0.999] {
+            let rows = [row(0.0, 0, 1.0, 0.0, u), row(1.0, 0, 1.0, 0.0, u), row(0.7, 1, 0.9, 0.0, u)]
+                .map(|r| r.with_allowed(&allowed));
+            for t in ids(&logits, &rows).unwrap() {
+                assert!(t == 1 || t == 33, "drew {t} at u = {u}");
+            }
+        }
+        // EOS (2) is all the grammar allows and min_tokens bans it: EOS.
+        let params = SamplingParams { min_tokens: 3, ..SamplingParams::default() };
+        let eos_only = [1 << 2];
+        let row = DeviceRow::for_request(&params, &[], &[], 0, &[2]).with_allowed(&eos_only);
+        assert!(row.banned_token_ids.is_empty());
+        let logits = Tensor::from_vec(vec![5.0f32, 1.0, 0.0, 3.0], (1, 4), &device).unwrap();
+        assert_eq!(ids(&logits, &[row]).unwrap(), vec![2]);
+    }
+
+    #[test]
     fn odd_rows_do_not_panic() {
         // A NaN logit is an impossible token; a row with nothing possible
         // still yields an id in range.
@@ -511,6 +569,7 @@ mod tests {
                     output_token_ids: &output,
                     seed: 11,
                     eos_token_ids: &eos,
+                    allowed: None,
                 })
                 .collect();
             let host = sample_batch(&logits, vocab, &inputs);

@@ -96,16 +96,24 @@ impl ModelRunner {
         }
     }
 
-    /// Runs the model and samples on the device, one row per sampled
-    /// sequence: only token ids and requested logprobs cross to the host,
-    /// plus the prompt-logprob rows' logits (row-major, f32) if any.
-    pub fn execute_on_device(
-        &mut self,
+    /// Runs the model and keeps the logits on the device, for
+    /// [`sample_on_device`](Self::sample_on_device).
+    pub fn forward_on_device(&mut self, batch: &BatchInputs) -> Result<Option<Tensor>> {
+        self.forward(batch)
+    }
+
+    /// Samples on the device from [`forward_on_device`](Self::forward_on_device)'s
+    /// logits, one row per sampled sequence: only token ids and requested
+    /// logprobs cross to the host, plus the prompt-logprob rows' logits
+    /// (row-major, f32) if any.
+    pub fn sample_on_device(
+        &self,
+        logits: Option<Tensor>,
         batch: &BatchInputs,
         rows: &[DeviceRow],
         values: LogprobValues,
     ) -> Result<(Vec<SampledToken>, Vec<f32>)> {
-        let Some(logits) = self.forward(batch)? else { return Ok((Vec::new(), Vec::new())) };
+        let Some(logits) = logits else { return Ok((Vec::new(), Vec::new())) };
         let s = batch.logits_indices.len();
         let sampled = if s == 0 { Vec::new() } else { device_sampler::sample(&logits.narrow(0, 0, s)?, rows, values)? };
         let p = batch.prompt_logprob_rows.len();

@@ -2,7 +2,8 @@
 //! `SamplingParams`, to one token each. Follows vLLM v1's `Sampler`, on the
 //! host.
 //!
-//! Per row, in vLLM's order: min_tokens masking (stop ids, EOS), logit
+//! Per row, in vLLM's order: the structured-output mask (tokens the
+//! request's grammar forbids get -inf, before anything else), min_tokens masking (stop ids, EOS), logit
 //! bias, repetition penalty (prompt + output), frequency and presence
 //! penalties (output), then either greedy argmax or temperature, min-p,
 //! top-k, top-p and one draw. Log-probabilities are those of the raw model logits (vLLM's default
@@ -36,6 +37,10 @@ pub struct SeqSamplingInput<'a> {
     /// Ids that end generation by default (EOS); masked until `min_tokens`
     /// tokens were generated, unless `params.ignore_eos`.
     pub eos_token_ids: &'a [u32],
+    /// The structured-output mask: token t may be drawn only if bit t % 32
+    /// of word t / 32 is set (llguidance's layout). It beats `min_tokens`:
+    /// when the grammar allows only EOS, EOS it is.
+    pub allowed: Option<&'a [u32]>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -90,11 +95,14 @@ fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledTo
     let masks_stops = seq.output_token_ids.len() < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
     let biases = !p.logit_bias.is_empty();
-    let token = if p.is_greedy() && !masks_stops && !penalises && !biases {
+    let token = if p.is_greedy() && !masks_stops && !penalises && !biases && seq.allowed.is_none() {
         argmax(raw)
     } else {
         s.row.clear();
         s.row.extend(raw.iter().map(|&x| clean(x)));
+        if let Some(allowed) = seq.allowed {
+            apply_allowed(&mut s.row, allowed);
+        }
         if masks_stops {
             apply_min_tokens(&mut s.row, seq);
         }
@@ -117,8 +125,9 @@ fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledTo
             token
         }
     };
-    // Everything masked (all -inf or NaN): the raw argmax, or token 0.
-    let token_id = token.or_else(|| argmax(raw)).unwrap_or(0);
+    // Everything masked (all -inf or NaN): the most likely token the
+    // grammar allows, else the raw argmax, else token 0.
+    let token_id = token.or_else(|| best_allowed(raw, seq.allowed)).or_else(|| argmax(raw)).unwrap_or(0);
     let (logprob, top_logprobs) = match p.logprobs {
         Some(n) => raw_logprobs(raw, token_id, n as usize),
         None => (f32::NAN, Vec::new()),
@@ -139,6 +148,36 @@ fn apply_min_tokens(row: &mut [f32], seq: &SeqSamplingInput) {
             *x = f32::NEG_INFINITY;
         }
     }
+}
+
+/// Sets every token the bitmask `allowed` forbids to -inf (and all tokens
+/// past its end).
+fn apply_allowed(row: &mut [f32], allowed: &[u32]) {
+    for (chunk, &word) in row.chunks_mut(32).zip(allowed.iter().chain(std::iter::repeat(&0))) {
+        if word == u32::MAX {
+            continue;
+        }
+        for (bit, x) in chunk.iter_mut().enumerate() {
+            if word & (1 << bit) == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The allowed token with the largest raw logit (lowest id on a tie), even
+/// when every logit is -inf or NaN; `None` without a mask or if it allows nothing.
+fn best_allowed(raw: &[f32], allowed: Option<&[u32]>) -> Option<u32> {
+    let allowed = allowed?;
+    let is_allowed = |t: usize| allowed.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
+    let mut best: Option<(usize, f32)> = None;
+    for (t, &x) in raw.iter().enumerate().filter(|&(t, _)| is_allowed(t)) {
+        let x = clean(x);
+        if best.is_none_or(|(_, b)| x > b) {
+            best = Some((t, x));
+        }
+    }
+    best.map(|(t, _)| t as u32)
 }
 
 /// vLLM's `apply_penalties`: repetition over prompt and output, then
@@ -398,7 +437,14 @@ mod tests {
     const EOS: u32 = 2;
 
     fn input<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32], seed: u64) -> SeqSamplingInput<'a> {
-        SeqSamplingInput { params, prompt_token_ids: prompt, output_token_ids: output, seed, eos_token_ids: &[EOS] }
+        SeqSamplingInput {
+            params,
+            prompt_token_ids: prompt,
+            output_token_ids: output,
+            seed,
+            eos_token_ids: &[EOS],
+            allowed: None,
+        }
     }
 
     fn sample(logits: &[f32], params: &SamplingParams, output: &[u32], seed: u64) -> SampledToken {
@@ -421,6 +467,33 @@ mod tests {
         // Also through the processed-row path (a no-op penalty forces it).
         let p = SamplingParams { presence_penalty: 0.5, ..greedy() };
         assert_eq!(sample(&[0.1, 3.0, 3.0, -1.0], &p, &[0], 0).token_id, 1);
+    }
+
+    #[test]
+    fn a_grammar_mask_limits_every_draw_and_beats_min_tokens() {
+        // Tokens 1 and 33 of 40 allowed: bits 1 of word 0 and 1 of word 1.
+        let allowed = [0b10, 0b10];
+        let mut logits = vec![0.0f32; 40];
+        logits[5] = 9.0;
+        logits[33] = -3.0;
+        for (params, seed) in
+            [(greedy(), 0), (random(), 1), (random(), 2), (SamplingParams { top_k: 1, ..random() }, 3)]
+        {
+            for seed in seed..seed + 20 {
+                let seq = SeqSamplingInput { allowed: Some(&allowed), ..input(&params, &[], &[], seed) };
+                let t = sample_batch(&logits, 40, &[seq]).remove(0).token_id;
+                assert!(t == 1 || t == 33, "drew {t}");
+            }
+        }
+        // Only EOS allowed, EOS banned by min_tokens: the grammar wins.
+        let p = SamplingParams { min_tokens: 5, ..random() };
+        let eos_only = [1 << EOS];
+        let seq = SeqSamplingInput { allowed: Some(&eos_only), ..input(&p, &[], &[], 0) };
+        assert_eq!(sample_batch(&[1.0, 2.0, 0.0, 3.0], 4, &[seq]).remove(0).token_id, EOS);
+        // A mask shorter than the row forbids the tokens past its end.
+        let params = greedy();
+        let seq = SeqSamplingInput { allowed: Some(&[0b1]), ..input(&params, &[], &[], 0) };
+        assert_eq!(sample_batch(&logits, 40, &[seq]).remove(0).token_id, 0);
     }
 
     #[test]

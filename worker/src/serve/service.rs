@@ -18,6 +18,7 @@ use common::{RequestId, SamplingParams};
 use tokio::sync::mpsc;
 
 use crate::engine::Engine;
+use crate::serve::compile::{PendingCompiles, Waiting};
 use crate::serve::metrics::{EngineMetrics, RequestTimings};
 use engine_core::{RequestOutput, SchedulerStats};
 
@@ -88,12 +89,15 @@ pub fn engine_loop(
     let mut draining = false;
     let mut last_stats = Instant::now() - STATS_INTERVAL;
     let mut live: Vec<RequestId> = Vec::new();
+    let mut compiling = PendingCompiles::default();
     loop {
-        // Block only when idle; otherwise take what arrived and step.
+        // Block only when idle; otherwise take what arrived and step. A
+        // grammar compiling elsewhere is waited for in short naps.
         let first = if engine.has_unfinished() {
             commands.try_recv().ok()
         } else {
-            match commands.recv_timeout(STATS_INTERVAL) {
+            let wait = if compiling.is_empty() { STATS_INTERVAL } else { Duration::from_millis(1) };
+            match commands.recv_timeout(wait) {
                 Ok(cmd) => Some(cmd),
                 Err(std_mpsc::RecvTimeoutError::Timeout) => None,
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
@@ -104,6 +108,16 @@ pub fn engine_loop(
                 EngineCommand::Generate { request_id, prompt, output, params } => {
                     if draining {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: "worker is draining".into() });
+                    } else if params.structured_output.is_some() {
+                        match engine.grammar_compiler() {
+                            Ok(compiler) => {
+                                let request = Waiting { prompt, output, params, arrived: Instant::now() };
+                                compiling.start(request_id, compiler, request);
+                            }
+                            Err(e) => {
+                                let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
+                            }
+                        }
                     } else if let Err(e) = engine.resume_request(request_id, prompt, &output, params, 0) {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
                     } else {
@@ -112,7 +126,7 @@ pub fn engine_loop(
                     }
                 }
                 EngineCommand::Abort(id) => {
-                    if engine.abort(id).is_some() {
+                    if compiling.cancel(id) || engine.abort(id).is_some() {
                         live.retain(|&r| r != id);
                         if let Some(m) = &metrics {
                             timings.aborted(m, id, Instant::now());
@@ -120,6 +134,7 @@ pub fn engine_loop(
                     }
                 }
                 EngineCommand::AbortAll => {
+                    compiling.cancel_all();
                     for id in live.drain(..) {
                         engine.abort(id);
                         if let Some(m) = &metrics {
@@ -145,6 +160,23 @@ pub fn engine_loop(
                     draining = true;
                 }
                 EngineCommand::Shutdown => return,
+            }
+        }
+        for c in compiling.finished() {
+            let Waiting { prompt, output, params, arrived } = c.request;
+            let added = c.grammar.map_err(|e| e.to_string()).and_then(|grammar| {
+                engine
+                    .resume_request_with_grammar(c.id, prompt, &output, params, 0, Some(grammar))
+                    .map_err(|e| e.to_string())
+            });
+            match added {
+                Ok(()) => {
+                    live.push(c.id);
+                    timings.arrived(c.id, arrived);
+                }
+                Err(message) => {
+                    let _ = out.send(WorkerMessage::Rejected { request_id: c.id, message });
+                }
             }
         }
         if engine.has_unfinished() {
@@ -191,7 +223,7 @@ pub fn engine_loop(
             last_stats = Instant::now();
             let _ = out.send(WorkerMessage::Stats(wire_stats(&engine.stats())));
         }
-        if draining && !engine.has_unfinished() {
+        if draining && !engine.has_unfinished() && compiling.is_empty() {
             return;
         }
     }
