@@ -5,8 +5,7 @@
 //!
 //! Tiny-qwen3's weights are random, so it calls a tool only when made to:
 //! `tool_choice: "required"` or a named function, which the worker forces
-//! with the grammar the coordinator builds. Those tests need the worker's
-//! structured outputs (branch h-so) and are ignored until it is merged.
+//! with the grammar the coordinator builds (its structured outputs).
 
 use std::path::Path;
 use std::process::Command;
@@ -272,7 +271,6 @@ fn forced_call_whole_and_streamed(cluster: &Coordinator, choice: Value, expected
 }
 
 #[test]
-#[ignore = "needs h-so: the worker's structured outputs force the call"]
 fn required_and_named_calls_are_forced_hermes() {
     let model = model_with_template("tools-forced", &qwen25_template());
     let cluster = start(&model.0, &[]);
@@ -296,7 +294,6 @@ fn required_and_named_calls_are_forced_hermes() {
 }
 
 #[test]
-#[ignore = "needs h-so: the worker's structured outputs force the call"]
 fn required_and_named_calls_are_forced_llama3_json() {
     let model = model_with_template("tools-llama", LLAMA31_TEMPLATE);
     let cluster = start(&model.0, &[]);
@@ -314,7 +311,6 @@ fn required_and_named_calls_are_forced_llama3_json() {
 /// The official openai client (create, stream, `parse` with a pydantic
 /// tool) and langchain-openai (`bind_tools`, `with_structured_output`).
 #[test]
-#[ignore = "needs h-so: the worker's structured outputs force the call"]
 fn openai_and_langchain_clients_call_tools() {
     let Some(python) = std::env::var_os("TINYVLLM_TEST_PYTHON") else {
         assert!(std::env::var_os("CI").is_none(), "TINYVLLM_TEST_PYTHON is not set in CI (.ci/run sets it)");
