@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use common::structured::GrammarCompiler;
 use tokio::sync::{Semaphore, watch};
 
 use crate::api::ApiError;
@@ -69,6 +70,9 @@ pub struct AppState {
     pub limits: HttpLimits,
     pub started_at: u64,
     pub metrics: Metrics,
+    /// Compiles structured-output constraints to check them before
+    /// dispatch; `Err` says why this model takes none.
+    grammar_compiler: Result<Arc<GrammarCompiler>, String>,
     pool: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// Turns true when in-flight responses must end (the shutdown timeout).
@@ -103,10 +107,22 @@ impl AppState {
             pool: Arc::new(Semaphore::new(limits.tokenizer_pool.max(1))),
             limits,
             started_at,
+            grammar_compiler: Err("structured outputs are not set up on this coordinator".into()),
             shutting_down: AtomicBool::new(false),
             cut: watch::Sender::new(false),
             next_id: AtomicU64::new(started_at << 20),
         }
+    }
+
+    /// With structured outputs checked by `compiler` (see `api::structured`).
+    pub fn with_grammar_compiler(mut self, compiler: Result<Arc<GrammarCompiler>, String>) -> Self {
+        self.grammar_compiler = compiler;
+        self
+    }
+
+    /// What compiles structured-output constraints; `Err` says why there is none.
+    pub fn grammar_compiler(&self) -> Result<&GrammarCompiler, &str> {
+        self.grammar_compiler.as_deref().map_err(String::as_str)
     }
 
     /// The effective context: the model's, or the smallest worker KV cache

@@ -139,6 +139,10 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         tokio::net::TcpListener::bind(args.http).await.with_context(|| format!("binding HTTP on {}", args.http))?;
     let http_addr = listener.local_addr()?;
     let limits = http_limits(&args);
+    let grammar_compiler = grammar_compiler(&tokenizer_path, &files);
+    if let Err(e) = &grammar_compiler {
+        eprintln!("{e}");
+    }
     let mut app = AppState::new(
         cluster.clone(),
         tokenizer,
@@ -148,7 +152,8 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         args.block_size,
         args.api_key.clone(),
         limits,
-    );
+    )
+    .with_grammar_compiler(grammar_compiler);
     app.tool_format = args.tool_call_parser.or(app.tool_format);
     match app.tool_format {
         Some(format) => eprintln!("coordinator: tool calls are read in the {format} format"),
@@ -402,6 +407,18 @@ async fn supervise_local_workers(
     for t in tasks {
         let _ = t.await;
     }
+}
+
+/// Structured outputs' compiler over the model's vocabulary (the workers
+/// build the same one); `Err` says why this model takes no constraints.
+fn grammar_compiler(
+    tokenizer_json: &Path,
+    files: &ModelFiles,
+) -> Result<Arc<common::structured::GrammarCompiler>, String> {
+    let text = std::fs::read_to_string(tokenizer_json).map_err(|e| format!("{}: {e}", tokenizer_json.display()))?;
+    common::structured::GrammarCompiler::from_tokenizer_json(&text, files.config.vocab_size, &files.eos_token_ids)
+        .map(Arc::new)
+        .map_err(|e| format!("structured outputs are unavailable for this model: {}: {e}", tokenizer_json.display()))
 }
 
 #[cfg(test)]

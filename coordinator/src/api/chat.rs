@@ -14,6 +14,7 @@ use super::prepare::{chat_prompt_ids, check_model, check_prompt, fit_completion,
 use super::reply::Reply;
 use super::request::{ChatRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec};
+use super::structured::constrain;
 use super::tools::{self, ChoiceTools, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
@@ -113,6 +114,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
     // Chat's default is the whole room left (OpenAI's, vLLM's).
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;
     let mut params = req.sampling.to_params(default_max, logprobs)?;
+    constrain(app, &req.sampling.structured, &mut params)?;
     if let Some(forced) = tool_request.as_ref().zip(format).and_then(|(t, f)| t.constraint(f)) {
         if params.structured_output.is_some() {
             return Err(ApiError::invalid(
@@ -121,6 +123,10 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
                  (response_format or guided decoding)",
             ));
         }
+        let compiler = app.grammar_compiler().map_err(|why| ApiError::invalid("tool_choice", why.to_string()))?;
+        compiler.compile(&forced).map_err(|e| {
+            ApiError::invalid("tools", format!("the tools' parameters do not compile into a call grammar: {e}"))
+        })?;
         params.structured_output = Some(forced);
     }
     let params = fit_completion(app, max_len, "messages", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;

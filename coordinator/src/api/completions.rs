@@ -15,6 +15,7 @@ use super::prepare::{check_model, check_prompt, encode_prompt, fit_completion, n
 use super::reply::Reply;
 use super::request::{CompletionRequest, PromptInput, SamplingFields, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec, Collected};
+use super::structured::constrain;
 use super::validate::Kind as Shape;
 use crate::app::AppState;
 
@@ -138,6 +139,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
         (sampling.max_tokens, sampling.max_completion_tokens) = (Some(1), None);
     }
     let mut params = sampling.to_params(16, logprobs)?;
+    constrain(app, &sampling.structured, &mut params)?;
     if echo {
         // The echoed prompt's tokens carry logprobs too (what scoring harnesses read).
         params.prompt_logprobs = logprobs;

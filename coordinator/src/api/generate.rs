@@ -17,6 +17,7 @@ use super::reply::Reply;
 use super::request::{GenerateRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec, Update};
 use super::sse::{self, Events};
+use super::structured::constrain;
 use super::validate::Kind as Shape;
 use crate::app::AppState;
 
@@ -122,6 +123,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<(GenerateRequest, ChoiceSpec, Opt
     check_prompt(app, &prompt_ids, max_len)?;
     let logprobs = top_n("logprobs", req.logprobs)?;
     let mut params = req.sampling.to_params(16, logprobs)?;
+    constrain(app, &req.sampling.structured, &mut params)?;
     params.prompt_logprobs = top_n("prompt_logprobs", req.prompt_logprobs)?;
     let params = fit_completion(app, max_len, "prompt", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
     let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };

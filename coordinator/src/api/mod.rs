@@ -1,8 +1,8 @@
 //! The HTTP API: one file per endpoint family (`generate`, `completions`,
 //! `chat`, `tokenize`, `info`), over the request types and their checks
-//! (`request`, `prepare`), the choice runner (`run`), the response shapes
-//! (`openai`, `logprobs`), the SSE stream (`sse`), tool calling (`tools`),
-//! and OpenAI-shaped errors.
+//! (`request`, `prepare`, `structured` for constrained output), the choice
+//! runner (`run`), the response shapes (`openai`, `logprobs`), the SSE
+//! stream (`sse`), tool calling (`tools`), and OpenAI-shaped errors.
 
 pub mod chat;
 pub mod completions;
@@ -16,6 +16,7 @@ pub mod reply;
 pub mod request;
 pub mod run;
 pub mod sse;
+pub mod structured;
 pub mod tokenize;
 pub mod tools;
 pub mod validate;

@@ -7,6 +7,7 @@ use common::SamplingParams;
 use serde::Deserialize;
 
 use super::error::ApiError;
+use super::structured::StructuredFields;
 
 /// `stop`: a string or a list of strings.
 #[derive(Clone, Debug, Deserialize)]
@@ -38,6 +39,9 @@ pub struct SamplingFields {
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// `response_format`, `structured_outputs` and `guided_*` (see `structured`).
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -201,7 +205,6 @@ impl SamplingFields {
 /// relying on one gets a 400 naming it rather than an answer without it.
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct UnservedFields {
-    pub response_format: Option<serde_json::Value>,
     pub tools: Option<Vec<serde_json::Value>>,
     pub functions: Option<Vec<serde_json::Value>>,
     pub suffix: Option<String>,
@@ -209,21 +212,9 @@ pub struct UnservedFields {
 }
 
 impl UnservedFields {
-    /// Refuses what would change the answer; plain text output, an empty
-    /// tool list and `best_of == n` are what every answer here already is.
+    /// Refuses what would change the answer; an empty tool list and
+    /// `best_of == n` are what every answer here already is.
     pub fn check(&self, n: usize) -> Result<(), ApiError> {
-        if let Some(format) = &self.response_format {
-            let kind = format.get("type").and_then(|t| t.as_str());
-            if kind != Some("text") {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!(
-                        "response_format {} is not supported: this server has no structured (JSON) output",
-                        kind.map_or_else(|| format.to_string(), |k| format!("'{k}'"))
-                    ),
-                ));
-            }
-        }
         for (param, list, why) in [
             ("tools", &self.tools, "tools (tool calling) are served on /v1/chat/completions only"),
             (
@@ -391,9 +382,6 @@ mod tests {
     fn fields_this_server_lacks_are_refused_by_name() {
         let unserved = |json: &str| serde_json::from_str::<UnservedFields>(json).unwrap();
         for (json, param) in [
-            (r#"{"response_format": {"type": "json_object"}}"#, "response_format"),
-            (r#"{"response_format": {"type": "json_schema", "json_schema": {}}}"#, "response_format"),
-            (r#"{"response_format": "json"}"#, "response_format"),
             (r#"{"tools": [{"type": "function", "function": {"name": "f"}}]}"#, "tools"),
             (r#"{"functions": [{"name": "f"}]}"#, "functions"),
             (r#"{"suffix": "end"}"#, "suffix"),
@@ -402,9 +390,7 @@ mod tests {
             let err = unserved(json).check(1).unwrap_err();
             assert_eq!(err.param.as_deref(), Some(param), "{json}");
         }
-        for json in
-            [r#"{"response_format": {"type": "text"}}"#, r#"{"tools": []}"#, r#"{"suffix": ""}"#, r#"{"best_of": 2}"#]
-        {
+        for json in [r#"{"tools": []}"#, r#"{"suffix": ""}"#, r#"{"best_of": 2}"#] {
             assert!(unserved(json).check(2).is_ok(), "{json}");
         }
     }

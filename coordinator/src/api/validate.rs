@@ -57,8 +57,14 @@ pub const SAMPLING: &[(&str, Kind)] = &[
     ("n", Kind::Int),
     ("stream", Kind::Bool),
     ("stream_options", Kind::StreamOptions),
-    // Read only to be refused by name (`UnservedFields`).
+    // Structured outputs: shapes checked where they are read (`structured`).
     ("response_format", Kind::Any),
+    ("structured_outputs", Kind::Any),
+    ("guided_json", Kind::Any),
+    ("guided_regex", Kind::Any),
+    ("guided_choice", Kind::Any),
+    ("guided_grammar", Kind::Any),
+    // Read only to be refused by name (`UnservedFields`).
     ("tools", Kind::Array),
     ("functions", Kind::Array),
     ("suffix", Kind::String),

@@ -117,7 +117,7 @@ mod tests {
         // The name is written (and so generated) before the arguments.
         let text = grammar.lines().last().expect("last line");
         let name = text.find(r#""name":{"const":"now"}"#).expect("name");
-        let arguments = text.rfind(r#""arguments":{"additionalProperties":false"#).expect("arguments");
+        let arguments = text.rfind(r#""arguments":"#).expect("arguments");
         assert!(name < arguments, "{text}");
     }
 

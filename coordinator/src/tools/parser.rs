@@ -112,6 +112,8 @@ impl ToolCallParser {
         while self.step() {}
         let rest = std::mem::take(&mut self.buf);
         match (&self.state, self.format) {
+            // After calls, an unfinished `<tool_call>` is the next call cut short, not text.
+            (State::Text, ToolFormat::Hermes) if self.calls > 0 && CALL_OPEN.starts_with(rest.as_str()) => {}
             (State::Text | State::PlainText | State::BetweenCalls, _) => self.outside(&rest),
             (State::Header | State::Whole { .. }, ToolFormat::Hermes) => {
                 self.whole_call(&rest, &format!("{CALL_OPEN}{rest}"))
@@ -516,6 +518,9 @@ mod tests {
         // Cut inside the opening: that is text.
         let text = "Hi <tool_call>\n{\"name\": \"f";
         assert_eq!(parse_every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
+        // Cut inside the next call's tag: no markup shows.
+        let text = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n<tool_";
+        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
     }
 
     #[test]
