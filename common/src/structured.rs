@@ -55,9 +55,9 @@ impl GrammarCompiler {
     ) -> Result<Self, StructuredError> {
         let json: Value = serde_json::from_str(tokenizer_json)
             .map_err(|e| StructuredError(format!("tokenizer.json is not JSON: {e}")))?;
-        let mut tokens = llguidance::token_bytes_from_tokenizer_json(&json)
+        let tokens = llguidance::token_bytes_from_tokenizer_json(&json)
             .map_err(|e| StructuredError(format!("tokenizer.json: {e}")))?;
-        Self::from_token_bytes(std::mem::take(&mut tokens), vocab_size, eos_token_ids)
+        Self::from_token_bytes(tokens, vocab_size, eos_token_ids)
     }
 
     /// The vocabulary given as each token's bytes (special tokens start

@@ -105,7 +105,8 @@ def bad_request(param, **kwargs):
 
 bad_request("max_tokens", max_tokens=-1)
 bad_request("max_tokens", max_tokens=100_000)  # beyond the context
-bad_request("response_format", response_format={"type": "json_object"})
+bad_request("response_format", response_format={  # a schema the grammar compiler rejects
+    "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 2, "maximum": 1}}})
 bad_request("tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
 
 print("openai client: ok")

@@ -204,7 +204,7 @@ fn bad_input_gets_openai_errors_and_disturbs_no_one() {
         ("/generate", r#"{"prompt": "hi", "max_tokens": 600}"#.into(), key, 400, Some("max_tokens")),
         (
             "/v1/completions",
-            r#"{"prompt": "hi", "response_format": {"type": "json_object"}}"#.into(),
+            r#"{"prompt": "hi", "response_format": {"type": "yaml"}}"#.into(),
             key,
             400,
             Some("response_format"),

@@ -236,7 +236,7 @@ mod tests {
     fn conflicts_and_bad_shapes_are_refused_by_name() {
         for (json, param) in [
             (r#"{"response_format": {"type": "json_object"}, "guided_regex": "a"}"#, "guided_regex"),
-            (r#"{"guided_choice": ["a"], "guided_regex": "a"}"#, "guided_regex"),
+            (r#"{"guided_choice": ["a"], "guided_regex": "a"}"#, "guided_choice"),
             (r#"{"structured_outputs": {"regex": "a", "choice": ["a"]}}"#, "structured_outputs"),
             (r#"{"structured_outputs": {"json_object": true}, "guided_json": {}}"#, "guided_json"),
             (r#"{"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}"#, "response_format"),

@@ -491,7 +491,7 @@ mod tests {
     #[test]
     fn a_grammar_mask_limits_the_draw_as_on_the_host() {
         let device = Device::Cpu;
-        let mut values = vec![0.0f32; 40];
+        let mut values = [0.0f32; 40];
         values[5] = 9.0;
         values[33] = -3.0;
         let logits = Tensor::from_vec(values.repeat(3), (3, 40), &device).unwrap();
