@@ -1,6 +1,7 @@
 //! Everything a request handler needs, shared behind an `Arc`: the cluster,
-//! the tokenizer, the HTTP limits, the blocking pool that parsing and
-//! tokenizing run on, and the shutdown state.
+//! the tokenizer and chat template (with its tool-call format), the HTTP
+//! limits, the blocking pool that parsing and tokenizing run on, and the
+//! shutdown state.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,6 +14,7 @@ use crate::api::ApiError;
 use crate::cluster::Cluster;
 use crate::metrics::Metrics;
 use crate::text::{ChatTemplate, Tokenizer};
+use crate::tools::ToolFormat;
 
 /// Bodies up to this size are parsed and tokenized without waiting for a
 /// pool permit: they take milliseconds, and must never queue behind a
@@ -54,6 +56,9 @@ pub struct AppState {
     pub cluster: Cluster,
     pub tokenizer: Arc<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
+    /// How the model writes tool calls: detected from its chat template, or
+    /// `--tool-call-parser`; `None` serves only `tool_choice: "none"`.
+    pub tool_format: Option<ToolFormat>,
     pub served_model_name: String,
     /// The model's context (or `--max-model-len`); see [`AppState::max_model_len`].
     model_max_len: usize,
@@ -93,6 +98,7 @@ impl AppState {
             cluster,
             max_bytes_per_token: max_bytes_per_token(&tokenizer),
             tokenizer,
+            tool_format: chat_template.as_ref().and_then(|t| ToolFormat::detect(t.source())),
             chat_template,
             served_model_name,
             model_max_len: max_model_len,

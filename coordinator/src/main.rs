@@ -88,6 +88,11 @@ struct Args {
     /// blocking thread (default: half the cores, at least 1).
     #[arg(long)]
     tokenizer_pool_size: Option<usize>,
+    /// How the model writes tool calls, for `tools` on chat completions:
+    /// hermes (`<tool_call>` JSON; Hermes, Qwen 2.5/3) or llama3_json
+    /// (Llama 3.1/3.2 JSON). Default: detected from the chat template.
+    #[arg(long)]
+    tool_call_parser: Option<coordinator::tools::ToolFormat>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -148,19 +153,23 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     if let Err(e) = &grammar_compiler {
         eprintln!("{e}");
     }
-    let app = Arc::new(
-        AppState::new(
-            cluster.clone(),
-            tokenizer,
-            chat_template,
-            served_model_name.clone(),
-            max_model_len,
-            args.block_size,
-            args.api_key.clone(),
-            limits,
-        )
-        .with_grammar_compiler(grammar_compiler),
-    );
+    let mut app = AppState::new(
+        cluster.clone(),
+        tokenizer,
+        chat_template,
+        served_model_name.clone(),
+        max_model_len,
+        args.block_size,
+        args.api_key.clone(),
+        limits,
+    )
+    .with_grammar_compiler(grammar_compiler);
+    app.tool_format = args.tool_call_parser.or(app.tool_format);
+    match app.tool_format {
+        Some(format) => eprintln!("coordinator: tool calls are read in the {format} format"),
+        None => eprintln!("coordinator: no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),
+    }
+    let app = Arc::new(app);
     // One line tests and scripts can parse.
     println!(
         "tinyvllm-coordinator listening http={http_addr} quic={quic_addr} model={served_model_name} policy={}",

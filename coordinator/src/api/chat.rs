@@ -1,5 +1,7 @@
 //! `POST /v1/chat/completions`: a conversation through the model's chat
-//! template, `n` choices, OpenAI's chat logprobs (tokens with their bytes).
+//! template, `n` choices, OpenAI's chat logprobs (tokens with their bytes),
+//! and tool calls (`tools`, `tool_choice`, `parallel_tool_calls`; see
+//! `api::tools`).
 
 use std::sync::Arc;
 
@@ -13,22 +15,51 @@ use super::reply::Reply;
 use super::request::{ChatRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec};
 use super::structured::constrain;
+use super::tools::{self, ChoiceTools, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
+use crate::tools::ToolFormat;
 
 /// Fields of a chat body besides the sampling ones.
-const FIELDS: &[(&str, Shape)] =
-    &[("messages", Shape::Messages), ("logprobs", Shape::Bool), ("top_logprobs", Shape::Int)];
+const FIELDS: &[(&str, Shape)] = &[
+    ("messages", Shape::Messages),
+    ("logprobs", Shape::Bool),
+    ("top_logprobs", Shape::Int),
+    ("tool_choice", Shape::Any),
+    ("parallel_tool_calls", Shape::Bool),
+];
+
+/// How the choices' output is read for tool calls.
+#[derive(Clone, Copy)]
+struct ToolParsing {
+    format: ToolFormat,
+    parallel: bool,
+}
+
+impl ToolParsing {
+    fn choice(self, app: &AppState) -> ChoiceTools {
+        ChoiceTools::new(self.format, self.parallel, app.next_id())
+    }
+}
+
+/// A request read, checked and tokenized: what runs it.
+struct Plan {
+    req: ChatRequest,
+    specs: Vec<ChoiceSpec>,
+    logprobs: Option<u32>,
+    tools: Option<ToolParsing>,
+}
 
 /// `POST /v1/chat/completions`. Templating and tokenizing run on the blocking pool.
 pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
-    let (req, specs, logprobs) = app.offload(body.len(), move |app| plan(app, &body)).await?;
+    let Plan { req, specs, logprobs, tools } = app.offload(body.len(), move |app| plan(app, &body)).await?;
     let n = specs.len();
     let rx = run::launch(&app, "/v1/chat/completions", specs)?;
     let id = format!("chatcmpl-{}", app.next_id());
     if req.sampling.stream() {
         let include_usage = req.sampling.include_usage();
-        let stream = ChunkStream { id, n, include_usage, kind: Kind::Chat, echo: EchoStream::default() };
+        let tools = tools.map(|t| (0..n).map(|_| t.choice(&app)).collect()).unwrap_or_default();
+        let stream = ChunkStream { id, n, include_usage, kind: Kind::Chat, echo: EchoStream::default(), tools };
         return Ok(stream.reply(app, rx));
     }
     let choices = run::collect(rx, n).await?;
@@ -38,9 +69,16 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let message = Content::Message(Message { role: "assistant", content: c.text.clone() });
+            let (content, tool_calls) = match tools {
+                Some(t) => t.choice(&app).whole(&c.text),
+                None => (Some(c.text.clone()), Vec::new()),
+            };
+            let called = !tool_calls.is_empty();
+            let message = Content::Message(Message { role: "assistant", content, tool_calls });
             let lp = logprobs.map(|_| Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &c.token_ids, &c.logprobs)));
-            Choice::ended(i, message, lp, c.end.as_ref())
+            let mut choice = Choice::ended(i, message, lp, c.end.as_ref());
+            choice.finish_reason = c.end.as_ref().map(|e| tools::finish_reason(called, e.finish_reason));
+            choice
         })
         .collect();
     let object = "chat.completion";
@@ -49,8 +87,9 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
 }
 
 /// Everything before the request runs: the body read and checked, the
-/// conversation templated and tokenized, the choices fitted to the context.
-fn plan(app: &AppState, body: &[u8]) -> Result<(ChatRequest, Vec<ChoiceSpec>, Option<u32>), ApiError> {
+/// conversation templated (with its tools) and tokenized, the choices
+/// fitted to the context, and the calls a tool choice requires forced.
+fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
     let mut req: ChatRequest = parse(body, &["messages"], FIELDS)?;
     check_model(app, req.model.as_deref())?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
@@ -61,14 +100,37 @@ fn plan(app: &AppState, body: &[u8]) -> Result<(ChatRequest, Vec<ChoiceSpec>, Op
     let n = req.sampling.n()?;
     req.unserved.check(n)?;
     let stops = req.sampling.stop_strings()?;
+    let tool_request = ToolRequest::read(req.tools.as_deref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+    let format = match &tool_request {
+        Some(t) => t.format(app.tool_format)?,
+        None => None,
+    };
     let max_len = app.max_model_len();
     let messages = std::mem::take(&mut req.messages);
-    let prompt_ids = chat_prompt_ids(app, &messages, true, false, Some(max_len))?;
+    tools::check_messages(&messages)?;
+    let template_tools = tool_request.as_ref().map(|t| t.tools.as_slice());
+    let prompt_ids = chat_prompt_ids(app, &messages, template_tools, true, false, Some(max_len))?;
     check_prompt(app, &prompt_ids, max_len)?;
     // Chat's default is the whole room left (OpenAI's, vLLM's).
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;
     let mut params = req.sampling.to_params(default_max, logprobs)?;
     constrain(app, &req.sampling.structured, &mut params)?;
+    if let Some(forced) = tool_request.as_ref().zip(format).and_then(|(t, f)| t.constraint(f)) {
+        if params.structured_output.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice \"required\" or a named function cannot be combined with another output constraint \
+                 (response_format or guided decoding)",
+            ));
+        }
+        let compiler = app.grammar_compiler().map_err(|why| ApiError::invalid("tool_choice", why.to_string()))?;
+        compiler.compile(&forced).map_err(|e| {
+            ApiError::invalid("tools", format!("the tools' parameters do not compile into a call grammar: {e}"))
+        })?;
+        params.structured_output = Some(forced);
+    }
     let params = fit_completion(app, max_len, "messages", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
-    Ok((req, n_choices(&prompt_ids, &params, &stops, n), logprobs))
+    let specs = n_choices(&prompt_ids, &params, &stops, n);
+    let parallel = tool_request.as_ref().is_none_or(|t| t.parallel);
+    Ok(Plan { req, specs, logprobs, tools: format.map(|format| ToolParsing { format, parallel }) })
 }

@@ -1,7 +1,8 @@
 //! The HTTP API: one file per endpoint family (`generate`, `completions`,
 //! `chat`, `tokenize`, `info`), over the request types and their checks
-//! (`request`, `prepare`, `structured` for constrained output), the choice runner (`run`), the response shapes
-//! (`openai`, `logprobs`), the SSE stream (`sse`), and OpenAI-shaped errors.
+//! (`request`, `prepare`, `structured` for constrained output), the choice
+//! runner (`run`), the response shapes (`openai`, `logprobs`), the SSE
+//! stream (`sse`), tool calling (`tools`), and OpenAI-shaped errors.
 
 pub mod chat;
 pub mod completions;
@@ -17,6 +18,7 @@ pub mod run;
 pub mod sse;
 pub mod structured;
 pub mod tokenize;
+pub mod tools;
 pub mod validate;
 
 pub use error::ApiError;

@@ -1,8 +1,9 @@
 //! OpenAI's completion objects, shared by `/v1/completions` and
 //! `/v1/chat/completions`: the response and its stream chunks, their
-//! choices and usage; and the chunk stream itself. Each choice carries two
-//! tinyvllm extensions once it ends: the worker it ran on and its
-//! prefix-cache hit (`cached_tokens`).
+//! choices and usage; and the chunk stream itself, which reads chat
+//! choices for tool calls when the request offers tools. Each choice
+//! carries two tinyvllm extensions once it ends: the worker it ran on and
+//! its prefix-cache hit (`cached_tokens`).
 
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ use super::prepare::now;
 use super::reply::Reply;
 use super::run::{ChoiceEnd, Update};
 use super::sse::{self, Events};
+use super::tools::{self, ChoiceTools, ToolCall, ToolCallDelta, ToolDelta};
 use crate::app::AppState;
 
 /// A whole response, or one chunk of a stream.
@@ -39,7 +41,8 @@ pub struct Choice {
     #[serde(flatten)]
     pub content: Content,
     pub logprobs: Option<Logprobs>,
-    pub finish_reason: Option<FinishReason>,
+    /// `stop`, `length`, `abort`, or `tool_calls` (see `tools::finish_reason`).
+    pub finish_reason: Option<&'static str>,
     /// Left out of the stream chunks before the choice's end.
     #[serde(flatten)]
     pub end: Option<EndDetails>,
@@ -58,7 +61,10 @@ pub enum Content {
 #[derive(Serialize)]
 pub struct Message {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the reply is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// A chat chunk's delta: the role only in a choice's first chunk; empty in
@@ -69,6 +75,29 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+impl Delta {
+    /// A chat choice's next deltas: one, or one per call piece (a call's
+    /// start and its arguments go in chunks of their own, as OpenAI sends
+    /// them). The role goes in the choice's first; the content in the
+    /// first here, unless there are only call pieces.
+    fn chat(first: bool, content: String, calls: Vec<ToolCallDelta>) -> Vec<Content> {
+        let only_calls = content.is_empty() && !calls.is_empty();
+        let mut content = (!only_calls).then_some(content);
+        let mut role = first.then_some("assistant");
+        if calls.is_empty() {
+            return vec![Content::Delta(Self { role, content, tool_calls: None })];
+        }
+        calls
+            .into_iter()
+            .map(|call| {
+                Content::Delta(Self { role: role.take(), content: content.take(), tool_calls: Some(vec![call]) })
+            })
+            .collect()
+    }
 }
 
 #[derive(Serialize)]
@@ -98,7 +127,7 @@ impl Choice {
             index,
             content,
             logprobs,
-            finish_reason: end.map(|e| e.finish_reason),
+            finish_reason: end.map(|e| e.finish_reason.as_str()),
             end: Some(EndDetails {
                 stop_reason: end.and_then(|e| e.stop.clone()),
                 worker: end.map(|e| e.worker.clone()),
@@ -161,6 +190,8 @@ pub struct ChunkStream {
     pub include_usage: bool,
     pub kind: Kind,
     pub echo: EchoStream,
+    /// Chat: each choice read for tool calls; empty when tools are not parsed.
+    pub tools: Vec<ChoiceTools>,
 }
 
 impl ChunkStream {
@@ -172,7 +203,7 @@ impl ChunkStream {
     /// prompt is each choice's first chunk, sent once its prompt logprobs
     /// (which come before any token) are in.
     async fn write(self, events: Events, app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) {
-        let Self { id, n, include_usage, kind, mut echo } = self;
+        let Self { id, n, include_usage, kind, mut echo, mut tools } = self;
         let created = now();
         let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         let chunk =
@@ -214,10 +245,16 @@ impl ChunkStream {
             let choice = match update {
                 Update::PromptLogprobs { .. } => continue,
                 Update::Delta { index, text, token_ids, logprobs } => {
-                    if text.is_empty() && (kind == Kind::Chat && started[index]) {
-                        continue; // held back by a stop-string candidate; nothing to show yet
+                    let ToolDelta { content: text, calls } = match tools.get_mut(index) {
+                        Some(choice_tools) => choice_tools.push(&text),
+                        None => ToolDelta { content: text, calls: Vec::new() },
+                    };
+                    // Held back by a stop-string candidate or a possible tool call's markup.
+                    let quiet = text.is_empty() && calls.is_empty() && (tools.is_empty() || logprobs.is_empty());
+                    if quiet && (kind == Kind::Chat && started[index]) {
+                        continue; // nothing to show yet
                     }
-                    let lp = (!logprobs.is_empty()).then(|| match kind {
+                    let mut lp = (!logprobs.is_empty()).then(|| match kind {
                         Kind::Chat => Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &token_ids, &logprobs)),
                         Kind::Completion => {
                             let offsets = echo.offsets.get_mut(index).map(|o| o.next(&token_ids)).unwrap_or_default();
@@ -225,22 +262,41 @@ impl ChunkStream {
                             Logprobs::Completion(lp)
                         }
                     });
-                    let content = match kind {
-                        Kind::Chat => Content::Delta(Delta {
-                            role: (!started[index]).then_some("assistant"),
-                            content: Some(text),
-                        }),
-                        Kind::Completion => Content::Text(text),
-                    };
-                    started[index] = true;
-                    Choice::running(index, content, lp)
+                    if kind == Kind::Completion {
+                        started[index] = true;
+                        Choice::running(index, Content::Text(text), lp)
+                    } else {
+                        for delta in Delta::chat(!started[index], text, calls) {
+                            let choice = Choice::running(index, delta, lp.take());
+                            if events.send(&chunk(vec![choice], None)).await.is_err() {
+                                return;
+                            }
+                        }
+                        started[index] = true;
+                        continue;
+                    }
                 }
                 Update::End(end) => {
+                    let mut called = false;
+                    if let Some(choice_tools) = tools.get_mut(end.index) {
+                        // What the parser held back until the end.
+                        let ToolDelta { content, calls } = choice_tools.finish();
+                        called = choice_tools.called();
+                        if !content.is_empty() || !calls.is_empty() {
+                            for delta in Delta::chat(!started[end.index], content, calls) {
+                                let rest = Choice::running(end.index, delta, None);
+                                if events.send(&chunk(vec![rest], None)).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
                     let content = match kind {
                         Kind::Chat => Content::Delta(Delta::default()),
                         Kind::Completion => Content::Text(String::new()),
                     };
-                    let choice = Choice::ended(end.index, content, None, Some(&end));
+                    let mut choice = Choice::ended(end.index, content, None, Some(&end));
+                    choice.finish_reason = Some(tools::finish_reason(called, end.finish_reason));
                     ends.push(end);
                     choice
                 }
@@ -257,5 +313,126 @@ impl ChunkStream {
             let refs: Vec<&ChoiceEnd> = ends.iter().collect();
             let _ = events.send(&chunk(Vec::new(), Some(Usage::of(&refs)))).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use common::protocol::ModelIdentity;
+    use http_body_util::BodyExt;
+    use serde_json::Value;
+
+    use super::*;
+    use crate::app::HttpLimits;
+    use crate::cluster::Cluster;
+    use crate::text::Tokenizer;
+    use crate::tools::ToolFormat;
+
+    /// A coordinator's state with tiny-qwen3's tokenizer and no workers.
+    fn app() -> Arc<AppState> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/tiny-qwen3");
+        let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+        let identity = ModelIdentity { name: "m".into(), config_hash: 0 };
+        let cluster = Cluster::new("test".into(), identity, 8, Default::default(), 16);
+        Arc::new(AppState::new(cluster, tokenizer, None, "m".into(), 1024, 16, None, HttpLimits::default()))
+    }
+
+    fn delta(text: &str) -> Update {
+        Update::Delta { index: 0, text: text.into(), token_ids: Vec::new(), logprobs: Vec::new() }
+    }
+
+    /// The chunks a chat stream with tool parsing writes for `updates`.
+    fn chat_chunks(updates: Vec<Update>, format: ToolFormat, parallel: bool) -> Vec<Value> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        runtime.block_on(async {
+            let app = app();
+            let (tx, rx) = mpsc::unbounded_channel();
+            for update in updates {
+                tx.send(update).expect("send");
+            }
+            let tools = vec![ChoiceTools::new(format, parallel, "t".into())];
+            let stream = ChunkStream {
+                id: "c".into(),
+                n: 1,
+                include_usage: false,
+                kind: Kind::Chat,
+                echo: EchoStream::default(),
+                tools,
+            };
+            let body = stream.reply(app, rx).into_response().into_body().collect().await.expect("body").to_bytes();
+            let body = String::from_utf8(body.to_vec()).expect("utf-8");
+            assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+            body.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+                .collect()
+        })
+    }
+
+    fn end(reason: FinishReason) -> Update {
+        Update::End(ChoiceEnd {
+            index: 0,
+            finish_reason: reason,
+            stop: None,
+            prompt_tokens: 3,
+            completion_tokens: 9,
+            cached_tokens: 0,
+            worker: "w".into(),
+        })
+    }
+
+    #[test]
+    fn streamed_calls_are_openai_deltas() {
+        let updates = vec![
+            delta("Sure.\n<tool"),
+            delta("_call>\n{\"name\": \"get_weather\", \"argu"),
+            delta("ments\": {\"city\": "),
+            delta("\"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}"),
+            delta("\n</tool_call>"),
+            end(FinishReason::Stop),
+        ];
+        let chunks = chat_chunks(updates, ToolFormat::Hermes, true);
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+        assert_eq!(deltas[0]["role"], "assistant");
+        let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+        assert_eq!(content, "Sure.");
+        let calls: Vec<&Value> = deltas.iter().filter_map(|d| d["tool_calls"].as_array()).flatten().collect();
+        assert_eq!(
+            calls[0],
+            &serde_json::json!({"index": 0, "id": "call_t_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": ""}})
+        );
+        let arguments = |index: u64| -> String {
+            calls.iter().filter(|c| c["index"] == index).map(|c| c["function"]["arguments"].as_str().unwrap()).collect()
+        };
+        assert_eq!(arguments(0), r#"{"city": "Paris"}"#);
+        assert!(calls[1..].iter().filter(|c| c["index"] == 0).all(|c| c.get("id").is_none()));
+        // Each chunk carries one call piece, as OpenAI's do.
+        assert!(deltas.iter().all(|d| d["tool_calls"].as_array().is_none_or(|c| c.len() == 1)));
+        assert!(calls.iter().any(|c| c["index"] == 1 && c["id"] == "call_t_1" && c["function"]["name"] == "now"));
+        assert_eq!(arguments(1), "{}");
+        let last = chunks.last().expect("chunks");
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+        assert!(chunks[..chunks.len() - 1].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+    }
+
+    #[test]
+    fn held_back_text_comes_out_at_the_end() {
+        // Text that looked like the start of a call, and a call cut by max_tokens.
+        let chunks = chat_chunks(vec![delta("a <tool"), end(FinishReason::Stop)], ToolFormat::Hermes, true);
+        let content: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(content, "a <tool");
+        assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "stop");
+        let cut = vec![delta("{\"name\": \"f\", \"parameters\": {\"a\": "), end(FinishReason::Length)];
+        let chunks = chat_chunks(cut, ToolFormat::Llama3Json, false);
+        assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "length");
+        let calls: Vec<&Value> =
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array()).flatten().collect();
+        assert_eq!(calls[0]["function"], serde_json::json!({"name": "f", "arguments": ""}));
+        let arguments: String = calls.iter().map(|c| c["function"]["arguments"].as_str().unwrap()).collect();
+        assert_eq!(arguments, "{\"a\": ");
     }
 }

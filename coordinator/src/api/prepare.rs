@@ -9,6 +9,7 @@ use super::error::ApiError;
 use super::run::ChoiceSpec;
 use super::validate::{self, Kind};
 use crate::app::AppState;
+use crate::text::RenderOptions;
 
 /// Reads a generating endpoint's body: its own `fields` besides the
 /// sampling ones, shapes checked (see `validate`).
@@ -135,11 +136,13 @@ pub fn n_choices(prompt_ids: &[u32], params: &SamplingParams, stops: &[String], 
 
 /// The prompt a conversation becomes: the model's chat template, then the
 /// tokenizer, without special tokens for chat (the template writes BOS where
-/// the model wants it). With `max_len`, a rendering too long to fit is
-/// refused before tokenizing.
+/// the model wants it). `tools` go to the template as transformers passes
+/// them. With `max_len`, a rendering too long to fit is refused before
+/// tokenizing.
 pub fn chat_prompt_ids(
     app: &AppState,
     messages: &[Value],
+    tools: Option<&[Value]>,
     add_generation_prompt: bool,
     add_special_tokens: bool,
     max_len: Option<usize>,
@@ -152,8 +155,8 @@ pub fn chat_prompt_ids(
             "This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions",
         )
     })?;
-    let text =
-        template.render(messages, add_generation_prompt).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let options = RenderOptions { add_generation_prompt, tools, extra: None };
+    let text = template.render_with(messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     if let Some(max_len) = max_len {
         check_text_fits(app, "messages", &text, max_len)?;
     }

@@ -217,12 +217,16 @@ impl UnservedFields {
     /// Refuses what would change the answer; an empty tool list and
     /// `best_of == n` are what every answer here already is.
     pub fn check(&self, n: usize) -> Result<(), ApiError> {
-        for (param, list) in [("tools", &self.tools), ("functions", &self.functions)] {
+        for (param, list, why) in [
+            ("tools", &self.tools, "tools (tool calling) are served on /v1/chat/completions only"),
+            (
+                "functions",
+                &self.functions,
+                "functions (OpenAI's deprecated function calling) are not supported; use tools",
+            ),
+        ] {
             if list.as_ref().is_some_and(|l| !l.is_empty()) {
-                return Err(ApiError::invalid(
-                    param,
-                    format!("{param} (tool calling) is not supported by this server"),
-                ));
+                return Err(ApiError::invalid(param, why));
             }
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
@@ -267,6 +271,10 @@ pub struct ChatRequest {
     pub messages: Vec<serde_json::Value>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    /// Tool calling (see `api::tools`); read here, so `unserved` never sees them.
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub unserved: UnservedFields,
     #[serde(flatten)]
@@ -334,6 +342,8 @@ pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
     pub messages: Option<Vec<serde_json::Value>>,
+    /// Chat tools, rendered by the template as chat completions renders them.
+    pub tools: Option<Vec<serde_json::Value>>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
     pub return_token_strs: Option<bool>,

@@ -39,6 +39,7 @@ fn tokenize_body(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
         ("model", Shape::String),
         ("prompt", Shape::String),
         ("messages", Shape::Messages),
+        ("tools", Shape::Array),
         ("add_special_tokens", Shape::Bool),
         ("add_generation_prompt", Shape::Bool),
         ("return_token_strs", Shape::Bool),
@@ -53,6 +54,7 @@ fn tokenize_body(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
         (None, Some(messages)) => chat_prompt_ids(
             app,
             messages,
+            req.tools.as_deref(),
             req.add_generation_prompt.unwrap_or(true),
             req.add_special_tokens.unwrap_or(false),
             None,

@@ -6,7 +6,8 @@
 //! and its `tojson`.
 //!
 //! OpenAI-style content lists (`[{"type": "text", "text": ...}]`) are joined
-//! into one string first, as vLLM does for text-only models.
+//! into one string first, as vLLM does for text-only models, and an
+//! assistant's tool-call arguments (JSON text) become objects.
 
 use minijinja::value::Value as JinjaValue;
 use minijinja::{Environment, Error, ErrorKind};
@@ -48,6 +49,7 @@ const NAME: &str = "chat_template";
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -82,9 +84,15 @@ impl ChatTemplate {
         env.add_template_owned(NAME, source.to_string()).map_err(|e| TemplateError::Syntax(describe(&e)))?;
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.unwrap_or_default().to_string(),
             eos_token: eos_token.unwrap_or_default().to_string(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The tokenizer's template; [`TemplateError::NoTemplate`] without one.
@@ -153,7 +161,27 @@ fn normalize_message(index: usize, message: &Value) -> Result<Value, TemplateErr
         }
         Some(_) => return Err(invalid("`content` must be a string, a list of parts, or null".into())),
     }
+    if let Some(Value::Array(calls)) = fields.get_mut("tool_calls") {
+        for (j, call) in calls.iter_mut().enumerate() {
+            arguments_as_object(call).map_err(|e| invalid(format!("tool_calls[{j}].function.arguments: {e}")))?;
+        }
+    }
     Ok(Value::Object(fields))
+}
+
+/// A history call's `arguments`, which OpenAI sends as JSON text, parsed
+/// into the object templates expect (`tool_call.arguments | tojson`), as
+/// vLLM does; missing or empty arguments are `{}`.
+fn arguments_as_object(call: &mut Value) -> Result<(), serde_json::Error> {
+    let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) else { return Ok(()) };
+    let parsed = match function.get("arguments") {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(Value::String(text)) if text.trim().is_empty() => Value::Object(Map::new()),
+        Some(Value::String(text)) => serde_json::from_str(text)?,
+        Some(_) => return Ok(()),
+    };
+    function.insert("arguments".into(), parsed);
+    Ok(())
 }
 
 /// The message of a `raise_exception` anywhere in the error's chain.
@@ -275,6 +303,27 @@ mod tests {
         ] {
             assert!(matches!(template.render(&[bad], false), Err(TemplateError::InvalidMessage(_))));
         }
+    }
+
+    #[test]
+    fn tool_call_arguments_reach_templates_as_objects() {
+        let template = ChatTemplate::new(
+            "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}|{% endfor %}{% endfor %}",
+            None,
+            None,
+        )
+        .expect("compile");
+        let call = |arguments: Value| json!({"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}});
+        let message = json!({"role": "assistant", "content": null, "tool_calls": [
+            call(json!("{\"city\": \"Zürich\"}")), call(json!("")), call(Value::Null), call(json!({"n": 1})),
+        ]});
+        assert_eq!(template.render(&[message], false).expect("render"), r#"{"city": "Zürich"}|{}|{}|{"n": 1}|"#);
+        let bad = json!({"role": "assistant", "tool_calls": [call(json!("{oops"))]});
+        let err = template.render(&[bad], false).expect_err("not JSON");
+        assert!(
+            matches!(&err, TemplateError::InvalidMessage(m) if m.contains("tool_calls[0].function.arguments")),
+            "{err}"
+        );
     }
 
     #[test]
