@@ -151,7 +151,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let limits = http_limits(&args);
     let grammar_compiler = grammar_compiler(&tokenizer_path, &files);
     if let Err(e) = &grammar_compiler {
-        eprintln!("{e}");
+        common::log!("{e}");
     }
     let mut app = AppState::new(
         cluster.clone(),
@@ -166,8 +166,8 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     .with_grammar_compiler(grammar_compiler);
     app.tool_format = args.tool_call_parser.or(app.tool_format);
     match app.tool_format {
-        Some(format) => eprintln!("coordinator: tool calls are read in the {format} format"),
-        None => eprintln!("coordinator: no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),
+        Some(format) => common::log!("tool calls are read in the {format} format"),
+        None => common::log!("no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),
     }
     let app = Arc::new(app);
     // One line tests and scripts can parse.
@@ -477,6 +477,15 @@ fn grammar_compiler(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--help` explains every flag (issue 32: a new user found some bare).
+    #[test]
+    fn every_flag_has_help_text() {
+        use clap::CommandFactory;
+        let bare: Vec<_> =
+            Args::command().get_arguments().filter(|a| a.get_help().is_none()).map(|a| a.get_id().clone()).collect();
+        assert!(bare.is_empty(), "flags without help text: {bare:?}");
+    }
 
     #[test]
     fn restart_backoff_doubles_and_resets_after_a_healthy_run() {

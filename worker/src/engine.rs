@@ -168,7 +168,9 @@ impl Engine {
             // A pipeline samples one row per request on its last stage, so a
             // pipelined first stage proposes nothing (a cut-off of 0 tokens).
             speculative: match config.layers {
-                Some(_) => SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..config.speculative.clone() },
+                Some(_) => {
+                    SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..config.speculative.clone() }
+                }
                 None => config.speculative.clone(),
             },
         });

@@ -175,7 +175,12 @@ pub fn build_engine_from(
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
     let stats = engine.stats();
-    common::log!("loaded {} ({dtype:?}), KV cache: {} blocks of {}", files.name, stats.kv_blocks_total, args.block_size);
+    common::log!(
+        "loaded {} ({dtype:?}), KV cache: {} blocks of {}",
+        files.name,
+        stats.kv_blocks_total,
+        args.block_size
+    );
     Ok((engine, files, description))
 }
 

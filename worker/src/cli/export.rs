@@ -15,6 +15,7 @@ pub struct ExportGgufArgs {
     /// A Hugging Face model directory or random:<preset>.
     #[arg(long)]
     model: String,
+    /// The .gguf file to write.
     #[arg(long)]
     out: std::path::PathBuf,
     /// Storage of the linear weights (norms stay f32, the embedding f16).
@@ -33,10 +34,13 @@ pub struct ExportRandomArgs {
     /// A model directory whose tokenizer (and vocabulary size, BOS/EOS) to use.
     #[arg(long)]
     tokenizer_from: std::path::PathBuf,
+    /// The directory to write (config.json, model.safetensors, tokenizer files).
     #[arg(long)]
     out: std::path::PathBuf,
+    /// Precision of the written weights.
     #[arg(long, value_enum, default_value = "f16")]
     dtype: DTypeArg,
+    /// Seed of the random weights (the same seed writes the same model).
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }

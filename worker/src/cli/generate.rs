@@ -21,17 +21,22 @@ pub struct GenerateArgs {
     /// Prompt as comma-separated token ids, e.g. 1,403,407.
     #[arg(long, value_delimiter = ',')]
     prompt_token_ids: Option<Vec<u32>>,
+    /// Most tokens to generate.
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
+    /// Sampling temperature; 0 is greedy (argmax).
     #[arg(long, default_value_t = 1.0)]
     temperature: f32,
+    /// Nucleus sampling: keep the likeliest tokens up to this much probability; 1 disables it.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
     /// 0 disables top-k.
     #[arg(long, default_value_t = 0)]
     top_k: u32,
+    /// Drop tokens less likely than this fraction of the top token's probability; 0 disables it.
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Penalize tokens already in the prompt or output (above 1 discourages repeats); 1 disables it.
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
     /// Seed of the sampler, for reproducible output at temperature > 0.

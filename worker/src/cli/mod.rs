@@ -53,3 +53,23 @@ impl Cli {
 fn weight_format(formats: &'static [Quantization]) -> impl TypedValueParser<Value = Quantization> {
     PossibleValuesParser::new(formats.iter().map(|q| q.name())).try_map(|name| name.parse::<Quantization>())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--help` explains every flag of every subcommand (issue 32: a new
+    /// user found some bare).
+    #[test]
+    fn every_flag_has_help_text() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let bare: Vec<String> = cli
+            .get_subcommands()
+            .flat_map(|sub| sub.get_arguments().map(move |a| (sub.get_name(), a)))
+            .filter(|(_, a)| a.get_help().is_none())
+            .map(|(sub, a)| format!("{sub} --{}", a.get_id()))
+            .collect();
+        assert!(bare.is_empty(), "flags without help text: {bare:?}");
+    }
+}

@@ -147,7 +147,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Structured outputs' vocabulary scan, now rather than at the first
     // constrained request; a model without one refuses such requests.
     if let Err(e) = engine.grammar_compiler() {
-        eprintln!("worker {}: {e}", config.name);
+        common::log!("{e}");
     }
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();

@@ -110,7 +110,7 @@ fn spawn_compiler() -> Option<(mpsc::Sender<Job>, mpsc::Receiver<Done>)> {
     match spawned {
         Ok(_) => Some((jobs_tx, done_rx)),
         Err(e) => {
-            eprintln!("cannot start the grammar compiler thread ({e}); compiling on the engine thread");
+            common::log!("cannot start the grammar compiler thread ({e}); compiling on the engine thread");
             None
         }
     }
