@@ -57,8 +57,9 @@ pub fn timestamp(time: SystemTime) -> String {
 }
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian
-/// calendar (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
+/// calendar (Howard Hinnant's `civil_from_days`); also the chat templates'
+/// `strftime_now`.
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let day_of_era = z.rem_euclid(146_097);

@@ -203,7 +203,8 @@ pub fn strftime(format: &str, unix_secs: u64) -> String {
     ];
     let days = (unix_secs / 86_400) as i64;
     let secs_of_day = unix_secs % 86_400;
-    let (year, month, day) = civil_from_days(days);
+    let (year, month, day) = common::log::civil_from_days(days);
+    let (month, day) = (i64::from(month), i64::from(day));
     let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
     let yday = days - days_from_civil(year, 1, 1) + 1;
     let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
@@ -248,19 +249,6 @@ pub fn strftime(format: &str, unix_secs: u64) -> String {
         out.push_str(&text);
     }
     out
-}
-
-/// Howard Hinnant's `civil_from_days`: days since 1970-01-01 -> (y, m, d).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
 fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
