@@ -349,3 +349,26 @@ pub fn rss_kib(pid: u32) -> u64 {
 pub fn signal(pid: u32, signal: &str) {
     let _ = Command::new("kill").args([signal, &pid.to_string()]).status();
 }
+
+/// Streams a `/v1/completions` request (`body` gets `"stream": true`) and
+/// returns its whole text; signals `started` once it has some text.
+pub fn stream_completion_text(url: &str, mut body: serde_json::Value, started: std::sync::mpsc::Sender<()>) -> String {
+    use std::io::BufRead;
+    body["stream"] = serde_json::json!(true);
+    let resp = ureq::post(url).send_json(body).expect("stream");
+    let (mut text, mut told) = (String::new(), false);
+    for line in std::io::BufReader::new(resp.into_reader()).lines() {
+        let line = line.expect("line");
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let event: serde_json::Value = serde_json::from_str(data).expect("json");
+        text += event["choices"][0]["text"].as_str().unwrap_or("");
+        if !told && text.len() > 10 {
+            let _ = started.send(());
+            told = true;
+        }
+    }
+    text
+}

@@ -5,7 +5,7 @@ use std::io::{BufRead, Read};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, TempDir, golden, post_json, post_sse, terminate};
+use tinyvllm_tests::{Coordinator, TempDir, golden, post_json, post_sse, stream_completion_text, terminate};
 
 fn cases() -> Vec<Value> {
     golden("stories260K.json")["cases"].as_array().expect("cases").clone()
@@ -97,29 +97,8 @@ fn killing_a_worker_mid_stream_loses_and_repeats_nothing() {
     let handles: Vec<_> = prompts
         .iter()
         .map(|p| {
-            let url = cluster.url("/v1/completions");
-            let tx = tx.clone();
-            let mut body = greedy(p, 300);
-            body["stream"] = json!(true);
-            std::thread::spawn(move || {
-                let resp = ureq::post(&url).send_json(body).expect("stream");
-                let mut text = String::new();
-                let mut told = false;
-                for line in std::io::BufReader::new(resp.into_reader()).lines() {
-                    let line = line.expect("line");
-                    let Some(data) = line.strip_prefix("data: ") else { continue };
-                    if data == "[DONE]" {
-                        break;
-                    }
-                    let event: Value = serde_json::from_str(data).expect("json");
-                    text += event["choices"][0]["text"].as_str().unwrap_or("");
-                    if !told && text.len() > 10 {
-                        tx.send(()).unwrap();
-                        told = true;
-                    }
-                }
-                text
-            })
+            let (url, tx, body) = (cluster.url("/v1/completions"), tx.clone(), greedy(p, 300));
+            std::thread::spawn(move || stream_completion_text(&url, body, tx))
         })
         .collect();
     for _ in 0..8 {

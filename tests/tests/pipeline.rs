@@ -5,12 +5,13 @@
 //! sampling equals one worker's; a stage lost mid-stream loses no token; a
 //! stage of another model is refused.
 
-use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, Log, TempDir, binary, golden, model_dir, post_json, signal, terminate};
+use tinyvllm_tests::{
+    Coordinator, Log, TempDir, binary, golden, model_dir, post_json, signal, stream_completion_text, terminate,
+};
 
 fn greedy(prompt: &str, max_tokens: u64) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
@@ -133,27 +134,8 @@ fn streams_across(cluster: &Coordinator, prompts: &[String], kill: impl FnOnce()
     let handles: Vec<_> = prompts
         .iter()
         .map(|p| {
-            let (url, tx) = (cluster.url("/v1/completions"), tx.clone());
-            let mut body = greedy(p, 200);
-            body["stream"] = json!(true);
-            std::thread::spawn(move || {
-                let resp = ureq::post(&url).send_json(body).expect("stream");
-                let (mut text, mut told) = (String::new(), false);
-                for line in std::io::BufReader::new(resp.into_reader()).lines() {
-                    let line = line.expect("line");
-                    let Some(data) = line.strip_prefix("data: ") else { continue };
-                    if data == "[DONE]" {
-                        break;
-                    }
-                    let event: Value = serde_json::from_str(data).expect("json");
-                    text += event["choices"][0]["text"].as_str().unwrap_or("");
-                    if !told && text.len() > 10 {
-                        tx.send(()).unwrap();
-                        told = true;
-                    }
-                }
-                text
-            })
+            let (url, tx, body) = (cluster.url("/v1/completions"), tx.clone(), greedy(p, 200));
+            std::thread::spawn(move || stream_completion_text(&url, body, tx))
         })
         .collect();
     for _ in 0..prompts.len() {
