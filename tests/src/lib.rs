@@ -372,3 +372,29 @@ pub fn stream_completion_text(url: &str, mut body: serde_json::Value, started: s
     }
     text
 }
+
+/// The python that `.ci/run` gives the client tests (`TINYVLLM_TEST_PYTHON`),
+/// or `None` outside CI when unset (the test then skips, saying it needs
+/// the packages `needs` names). In CI it must be set.
+pub fn test_python(needs: &str) -> Option<std::ffi::OsString> {
+    let python = std::env::var_os("TINYVLLM_TEST_PYTHON");
+    if python.is_none() {
+        assert!(std::env::var_os("CI").is_none(), "TINYVLLM_TEST_PYTHON is not set in CI (.ci/run sets it)");
+        eprintln!("skipping: set TINYVLLM_TEST_PYTHON to a python with {needs} installed (see .ci/run)");
+    }
+    python
+}
+
+/// Runs `tests/python/<script> <api_url> <model>` and checks that it
+/// succeeded and printed `ok_line`.
+pub fn run_python_client(python: &std::ffi::OsStr, script: &str, api_url: &str, model: &str, ok_line: &str) {
+    let out = Command::new(python)
+        .arg(repo_root().join("tests/python").join(script))
+        .args([api_url, model])
+        .output()
+        .expect("running python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains(ok_line), "{stdout}");
+}

@@ -9,10 +9,8 @@
 //! langchain's `with_structured_output`, `jsonschema` validation) are
 //! driven from `tests/python/structured_outputs.py`.
 
-use std::process::Command;
-
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, post_json, post_sse, repo_root};
+use tinyvllm_tests::{Coordinator, post_json, post_sse, run_python_client, test_python};
 
 const MODEL: &str = "tiny-qwen3";
 
@@ -194,22 +192,9 @@ fn constraints_the_compiler_rejects_get_a_400_naming_the_field() {
 /// langchain-openai's `with_structured_output`, validated with `jsonschema`.
 #[test]
 fn the_python_clients_get_validated_structured_output() {
-    let Some(python) = std::env::var_os("TINYVLLM_TEST_PYTHON") else {
-        assert!(std::env::var_os("CI").is_none(), "TINYVLLM_TEST_PYTHON is not set in CI (.ci/run sets it)");
-        eprintln!("skipping: set TINYVLLM_TEST_PYTHON to a python with openai, langchain-openai and jsonschema");
-        return;
-    };
+    let Some(python) = test_python("openai, langchain-openai and jsonschema") else { return };
     let cluster = Coordinator::start(MODEL, 1, &[]);
-    let out = Command::new(python)
-        .arg(repo_root().join("tests/python/structured_outputs.py"))
-        .arg(cluster.url("/v1"))
-        .arg(MODEL)
-        .output()
-        .expect("running python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "structured outputs from python failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("structured outputs: ok"), "{stdout}");
+    run_python_client(&python, "structured_outputs.py", &cluster.url("/v1"), MODEL, "structured outputs: ok");
 }
 
 /// `a` with `b`'s fields added.

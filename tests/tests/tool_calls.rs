@@ -8,10 +8,9 @@
 //! with the grammar the coordinator builds (its structured outputs).
 
 use std::path::Path;
-use std::process::Command;
 
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, TempDir, model_dir, post_json, post_sse, repo_root};
+use tinyvllm_tests::{Coordinator, TempDir, model_dir, post_json, post_sse, repo_root, run_python_client, test_python};
 
 /// A Llama 3.1-style template: tools in the first user turn, calls as
 /// `{"name": ..., "parameters": ...}`, results from the `ipython` role.
@@ -322,21 +321,8 @@ fn required_and_named_calls_are_forced_llama3_json() {
 /// tool) and langchain-openai (`bind_tools`, `with_structured_output`).
 #[test]
 fn openai_and_langchain_clients_call_tools() {
-    let Some(python) = std::env::var_os("TINYVLLM_TEST_PYTHON") else {
-        assert!(std::env::var_os("CI").is_none(), "TINYVLLM_TEST_PYTHON is not set in CI (.ci/run sets it)");
-        eprintln!("skipping: set TINYVLLM_TEST_PYTHON to a python with `openai` and `langchain-openai` (see .ci/run)");
-        return;
-    };
+    let Some(python) = test_python("`openai` and `langchain-openai`") else { return };
     let model = model_with_template("tools-python", &qwen25_template());
     let cluster = start(&model.0, &[]);
-    let out = Command::new(python)
-        .arg(repo_root().join("tests/python/tool_calls.py"))
-        .arg(cluster.url("/v1"))
-        .arg("tiny-tools")
-        .output()
-        .expect("running python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tool-calling clients failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("tool calls: ok"), "{stdout}");
+    run_python_client(&python, "tool_calls.py", &cluster.url("/v1"), "tiny-tools", "tool calls: ok");
 }
