@@ -67,6 +67,18 @@ pub enum Speculative {
     /// n-gram prompt lookup, with this many proposed tokens per step
     /// (`None`: the worker's `--num-speculative-tokens`, or 4).
     Ngram { num_speculative_tokens: Option<u8> },
+    /// The worker's draft model (`--draft-model`) proposes, greedily.
+    Draft { num_speculative_tokens: Option<u8> },
+}
+
+impl Speculative {
+    /// The request's own k, if it set one.
+    pub fn num_speculative_tokens(self) -> Option<u8> {
+        match self {
+            Self::Off => None,
+            Self::Ngram { num_speculative_tokens } | Self::Draft { num_speculative_tokens } => num_speculative_tokens,
+        }
+    }
 }
 
 /// What a structured output must match. The coordinator builds it from
@@ -167,7 +179,7 @@ impl SamplingParams {
         if !self.logit_bias.is_sorted_by(|a, b| a.0 < b.0) {
             return err("logit_bias", "token ids must be sorted and unique".to_string());
         }
-        if let Some(Speculative::Ngram { num_speculative_tokens: Some(k) }) = self.speculative
+        if let Some(k) = self.speculative.and_then(Speculative::num_speculative_tokens)
             && !(1..=MAX_SPECULATIVE_TOKENS).contains(&k)
         {
             return err("num_speculative_tokens", format!("must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"));

@@ -83,6 +83,28 @@ impl Drop for TempDir {
     }
 }
 
+/// A draft model for speculative decoding made from a test model: its first
+/// `layers` decoder layers with its embeddings, final norm and lm_head (a
+/// layer-skipping self-draft), as a directory of its own: a config.json with
+/// fewer layers beside links to the model's weights and tokenizer files
+/// (the loader reads only the tensors the config names).
+pub fn truncated_model(name: &str, layers: usize) -> TempDir {
+    let out = TempDir::new(&format!("draft-{name}"));
+    let dir = model_dir(name);
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config.json")).unwrap();
+    config["num_hidden_layers"] = layers.into();
+    std::fs::write(out.0.join("config.json"), config.to_string()).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().is_some_and(|f| f != "config.json") && path.is_file() {
+            let target = std::fs::canonicalize(&path).unwrap();
+            std::os::unix::fs::symlink(target, out.0.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    out
+}
+
 pub fn terminate(child: &mut std::process::Child) {
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     for _ in 0..100 {

@@ -18,13 +18,14 @@ use crate::pipeline::link::Downstream;
 use crate::pipeline::stage::stage_kv_config;
 use crate::profile::{self, Section};
 use crate::runner::device_sampler::{DeviceRow, LogprobValues};
+use crate::runner::draft::DraftRunner;
 use crate::runner::grammar::{Grammars, RequestGrammar, Vocabulary};
 use crate::runner::kv_cache::{self, KvBudget};
 use crate::runner::model_runner::{BatchInputs, ModelRunner};
 use crate::runner::sampler::{self, SeqSamplingInput};
 use engine_core::{
     Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
-    SchedulingPolicy, SpeculativeConfig, TokenLogprobs,
+    SchedulingPolicy, SpecMethod, SpeculativeConfig, TokenLogprobs,
 };
 
 /// Most logits a step keeps for prompt logprobs (128 MiB of f32): 1,000
@@ -54,8 +55,10 @@ pub struct EngineConfig {
     /// The decoder layers this engine holds: all (`None`), or the first
     /// stage of a pipeline (`start == 0`; see `attach_next_stage`).
     pub layers: Option<LayerRange>,
-    /// Speculative decoding (n-gram proposals verified in the step's pass).
+    /// Speculative decoding (proposals verified in the step's pass).
     pub speculative: SpeculativeConfig,
+    /// The draft model of `--speculative-method draft` (the target's vocabulary).
+    pub draft_model: Option<ModelFiles>,
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -86,6 +89,7 @@ impl Default for EngineConfig {
             device_sampling: None,
             layers: None,
             speculative: SpeculativeConfig::default(),
+            draft_model: None,
         }
     }
 }
@@ -104,6 +108,8 @@ pub struct Engine {
     next_stage: Option<Downstream>,
     /// Steps sent down the pipeline, to match their results.
     steps_sent: u64,
+    /// The draft model, when one proposes (`--speculative-method draft`).
+    draft: Option<DraftRunner>,
 }
 
 /// The requests one step computed, and how many tokens in all.
@@ -123,23 +129,7 @@ impl Engine {
             )));
         }
         let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, layers)?;
-        if let Some(q) = config.quantization {
-            if !q.is_block_format() {
-                return Err(WorkerError::Unsupported(format!("{q:?} is not a quantization to apply at load time")));
-            }
-            if !config.device.is_cpu() {
-                return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
-            }
-            let (quantized, total) = model.quantize(q)?;
-            common::log!(
-                "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple \
-                 of 32, or were quantized already)"
-            );
-        }
-        if config.device.is_cpu() {
-            model.pack_weights()?;
-            model.place_weights_in_huge_pages();
-        }
+        prepare_weights(&mut model, &config)?;
         let cfg = model.config().clone();
         let kv_dtype = model.activation_dtype();
         let max_model_len =
@@ -147,13 +137,41 @@ impl Engine {
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
         // The cache holds this stage's layers only.
         let kv_cfg = stage_kv_config(&cfg, layers);
+        let draft_model = match &config.draft_model {
+            Some(draft_files) => Some(load_draft(draft_files, &config, files, max_model_len)?),
+            None => None,
+        };
+        // A draft model's pools hold as many blocks as the target's: the
+        // budget is shared in proportion to their bytes per block.
+        let kv_budget = match &draft_model {
+            Some(draft) => {
+                let target = kv_cache::bytes_per_block(&kv_cfg, config.block_size, kv_dtype) as f64;
+                let theirs = kv_cache::bytes_per_block(draft.config(), config.block_size, draft.activation_dtype());
+                let share = target / (target + theirs as f64);
+                match config.kv_budget {
+                    KvBudget::Bytes(b) => KvBudget::Bytes((b as f64 * share) as u64),
+                    KvBudget::FractionOfAvailable(f) => KvBudget::FractionOfAvailable(f * share),
+                }
+            }
+            None => config.kv_budget,
+        };
         let num_blocks = match config.num_blocks {
             Some(n) => n,
-            None => {
-                kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?
-            }
+            None => kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, kv_budget, max_useful)?,
         };
         let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
+        let draft = match draft_model {
+            Some(model) => {
+                let dtype = model.activation_dtype();
+                let pools = kv_cache::allocate(model.config(), num_blocks, config.block_size, dtype, &config.device)?;
+                Some(DraftRunner::new(model, pools, config.block_size, config.device.clone()))
+            }
+            None => None,
+        };
+        let speculative = SpeculativeConfig { has_draft_model: draft.is_some(), ..config.speculative.clone() };
+        if speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft && draft.is_none() {
+            return Err(WorkerError::Unsupported("--speculative-method draft needs a --draft-model".into()));
+        }
         let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_dtype);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -168,10 +186,8 @@ impl Engine {
             // A pipeline samples one row per request on its last stage, so a
             // pipelined first stage proposes nothing (a cut-off of 0 tokens).
             speculative: match config.layers {
-                Some(_) => {
-                    SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..config.speculative.clone() }
-                }
-                None => config.speculative.clone(),
+                Some(_) => SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..speculative },
+                None => speculative,
             },
         });
         let vocabulary = match &files.tokenizer_json {
@@ -194,6 +210,7 @@ impl Engine {
             // Random, so a result relayed late to a restarted first stage
             // never matches one of its steps.
             steps_sent: random_seed(),
+            draft,
         })
     }
 
@@ -253,6 +270,10 @@ impl Engine {
             let message = "structured outputs are not served by pipelines yet (the last stage samples unmasked)";
             return Err(WorkerError::InvalidRequest { id, message: message.to_string() });
         }
+        if matches!(params.speculative, Some(common::Speculative::Draft { .. })) && self.draft.is_none() {
+            let message = "this worker has no draft model (it runs with --speculative-method draft --draft-model)";
+            return Err(WorkerError::InvalidRequest { id, message: message.to_string() });
+        }
         if output.len() >= params.max_tokens as usize {
             let message = format!("{} tokens already generated of max_tokens {}", output.len(), params.max_tokens);
             return Err(WorkerError::InvalidRequest { id, message });
@@ -287,6 +308,9 @@ impl Engine {
     /// Stops a request and frees its blocks now; `None` if it is unknown (or already finished).
     pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
         self.grammars.remove(id);
+        if let Some(draft) = &mut self.draft {
+            draft.forget(id);
+        }
         self.scheduler.abort(id)
     }
 
@@ -308,14 +332,16 @@ impl Engine {
         self.runner.model().workspace_rows()
     }
 
-    /// Bytes of weights this engine holds (its stage's share on a pipeline).
+    /// Bytes of weights this engine holds (its stage's share on a
+    /// pipeline), the draft model's included.
     pub fn resident_weight_bytes(&self) -> usize {
-        self.runner.model().resident_weight_bytes()
+        let draft = self.draft.as_ref().map_or(0, |d| d.model().resident_weight_bytes());
+        self.runner.model().resident_weight_bytes() + draft
     }
 
-    /// Bytes of its KV cache's block pools.
+    /// Bytes of its KV cache's block pools, the draft model's included.
     pub fn kv_cache_bytes(&self) -> u64 {
-        self.runner.kv_cache_bytes()
+        self.runner.kv_cache_bytes() + self.draft.as_ref().map_or(0, DraftRunner::kv_cache_bytes)
     }
 
     /// Bytes of weights a decode step streams (see `CausalLm`).
@@ -349,7 +375,17 @@ impl Engine {
     /// one forward pass and returns each sampling request's new token.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         let sched_timer = profile::scope(Section::Scheduler);
-        let step = self.scheduler.schedule();
+        let mut step = self.scheduler.schedule();
+        if let Some(draft) = &mut self.draft {
+            for &id in &step.preempted {
+                draft.forget(id); // its blocks are gone, the draft's KV with them
+            }
+            if step.scheduled.iter().any(|s| s.draft_pending) {
+                let _t = profile::scope(Section::Forward);
+                let scheduler = &self.scheduler;
+                draft.propose(&mut step, |id| scheduler.request(id).expect("scheduled request exists"))?;
+            }
+        }
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
         self.last_step.num_batched_tokens = step.num_batched_tokens;
@@ -421,6 +457,9 @@ impl Engine {
         let outputs = self.scheduler.update_from_output(step, sampled);
         for o in outputs.iter().filter(|o| o.finish_reason.is_some()) {
             self.grammars.remove(o.id);
+            if let Some(draft) = &mut self.draft {
+                draft.forget(o.id);
+            }
         }
         self.with_prompt_logprobs(outputs, prompt_logprobs)
     }
@@ -585,6 +624,65 @@ fn with_masks<T>(
             masker.join().map_err(|_| WorkerError::Unsupported("the structured-output masker panicked".into()))?;
         Ok((out?, masks))
     })
+}
+
+/// Quantizes (`--quantize`) and lays out a loaded model's weights for the
+/// device: packed for the CPU kernels, in huge pages.
+fn prepare_weights(model: &mut crate::models::CausalLm, config: &EngineConfig) -> Result<()> {
+    if let Some(q) = config.quantization {
+        if !q.is_block_format() {
+            return Err(WorkerError::Unsupported(format!("{q:?} is not a quantization to apply at load time")));
+        }
+        if !config.device.is_cpu() {
+            return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
+        }
+        let (quantized, total) = model.quantize(q)?;
+        common::log!(
+            "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple of \
+             32, or were quantized already)"
+        );
+    }
+    if config.device.is_cpu() {
+        model.pack_weights()?;
+        model.place_weights_in_huge_pages();
+    }
+    Ok(())
+}
+
+/// Loads the draft model, prepared as the target is, after checking that it
+/// can propose for `target`: the same vocabulary, and positions up to the
+/// target's context.
+fn load_draft(
+    draft: &ModelFiles,
+    config: &EngineConfig,
+    target: &ModelFiles,
+    max_model_len: usize,
+) -> Result<crate::models::CausalLm> {
+    if config.layers.is_some() {
+        return Err(WorkerError::Unsupported("a draft model runs on a single worker, not on a pipeline stage".into()));
+    }
+    let (ours, theirs) = (&target.config, &draft.config);
+    if ours.vocab_size != theirs.vocab_size {
+        return Err(WorkerError::Unsupported(format!(
+            "draft model {} has a vocabulary of {} tokens and {} one of {}: a draft needs the target's tokenizer",
+            draft.name, theirs.vocab_size, target.name, ours.vocab_size
+        )));
+    }
+    if theirs.max_position_embeddings < max_model_len {
+        return Err(WorkerError::Unsupported(format!(
+            "draft model {} reaches {} positions, under the context of {max_model_len}: lower --max-model-len",
+            draft.name, theirs.max_position_embeddings
+        )));
+    }
+    let mut model = crate::models::loader::load(draft, config.dtype, &config.device)?;
+    prepare_weights(&mut model, config)?;
+    common::log!(
+        "draft model {}: {} layers, {} bytes of weights",
+        draft.name,
+        theirs.num_layers,
+        model.resident_weight_bytes()
+    );
+    Ok(model)
 }
 
 /// A seed for requests that gave none: different per request and per run.

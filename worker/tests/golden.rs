@@ -2,14 +2,16 @@
 //! model in ../shared/golden must give the same 48 greedy tokens, and the
 //! same top-5 logits (1e-3) at the recorded steps; alone, all cases of a
 //! model in one batch, and with prompts prefilled in chunks of 32 tokens;
-//! and all of that again with n-gram speculative decoding, which must not
-//! change a token.
+//! and all of that again with n-gram and with draft-model speculative
+//! decoding, which must not change a token.
+
+mod support;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use common::{RequestId, SamplingParams};
-use engine_core::SpeculativeConfig;
+use engine_core::{SpecMethod, SpeculativeConfig};
 use serde::Deserialize;
 use worker::engine::LogprobsMode;
 use worker::models::{ModelFiles, ModelSource, Need};
@@ -59,13 +61,25 @@ fn speculative() -> SpeculativeConfig {
         prompt_lookup_min: 1,
         prompt_lookup_max: 3,
         max_batch_tokens: usize::MAX,
+        ..SpeculativeConfig::default()
     }
+}
+
+/// Draft-model speculation on every request. The draft is the model's own
+/// first layers (`support::truncated_model`): right often, not always.
+fn drafting() -> SpeculativeConfig {
+    SpeculativeConfig { default_method: SpecMethod::Draft, ..speculative() }
 }
 
 fn engine_with(model: &str, max_num_batched_tokens: usize, speculative: SpeculativeConfig) -> Engine {
     let dir = shared().join("models").join(model);
-    let files = ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
+    let draft_model = (speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft).then(|| {
+        let layers = files.config.num_layers.div_ceil(2) - 1;
+        ModelFiles::resolve(&ModelSource::Dir(draft_dir(&dir, layers)), Need::Weights).unwrap()
+    });
     let config = EngineConfig {
+        draft_model,
         num_blocks: Some(512),
         max_num_batched_tokens,
         logprobs_mode: LogprobsMode::RawLogits,
@@ -74,6 +88,18 @@ fn engine_with(model: &str, max_num_batched_tokens: usize, speculative: Speculat
         ..EngineConfig::default()
     };
     Engine::new(&files, config).unwrap()
+}
+
+/// One truncated copy per model and layer count for the whole test binary.
+fn draft_dir(dir: &Path, layers: usize) -> PathBuf {
+    static DRAFTS: std::sync::Mutex<Vec<(PathBuf, usize, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let mut drafts = DRAFTS.lock().unwrap();
+    if let Some((_, _, out)) = drafts.iter().find(|(d, l, _)| d == dir && *l == layers) {
+        return out.clone();
+    }
+    let out = support::truncated_model(dir, layers.max(1));
+    drafts.push((dir.to_path_buf(), layers, out.clone()));
+    out
 }
 
 /// Per request: generated ids and, per step, the top-20 (id, logit) pairs.
@@ -217,6 +243,32 @@ fn tiny_llama3_matches_transformers_with_ngram_speculation() {
 #[test]
 fn tiny_mistral_matches_transformers_with_ngram_speculation() {
     check_model_with("tiny-mistral.json", speculative());
+}
+
+#[test]
+fn stories260k_matches_transformers_with_draft_speculation() {
+    check_model_with("stories260K.json", drafting());
+}
+
+#[test]
+fn tiny_qwen3_matches_transformers_with_draft_speculation() {
+    check_model_with("tiny-qwen3.json", drafting());
+    check_model_with("tiny-qwen3-chat.json", drafting());
+}
+
+#[test]
+fn tiny_qwen2_matches_transformers_with_draft_speculation() {
+    check_model_with("tiny-qwen2.json", drafting());
+}
+
+#[test]
+fn tiny_llama3_matches_transformers_with_draft_speculation() {
+    check_model_with("tiny-llama3.json", drafting());
+}
+
+#[test]
+fn tiny_mistral_matches_transformers_with_draft_speculation() {
+    check_model_with("tiny-mistral.json", drafting());
 }
 
 /// Prompt logprobs (`prompt_logprobs`, raw logits here) against the same

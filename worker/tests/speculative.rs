@@ -1,20 +1,27 @@
-//! n-gram speculative decoding at the engine level, on stories260K: the
-//! sampled distribution is the target's (a chi-square test over 10,000
-//! samples per mode), and seeded sampling with penalties, logprobs, stop
-//! tokens and preemption gives exactly what plain decoding gives.
+//! Speculative decoding at the engine level, n-gram and draft-model, on
+//! stories260K: the sampled distribution is the target's (a chi-square test
+//! over 10,000 samples per mode), and seeded sampling with penalties,
+//! logprobs, stop tokens and preemption gives exactly what plain decoding
+//! gives.
+
+mod support;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use common::{RequestId, SamplingParams, Speculative};
-use engine_core::{SpecDecodingStats, SpeculativeConfig, TokenLogprobs};
+use engine_core::{SpecDecodingStats, SpecMethod, SpeculativeConfig, TokenLogprobs};
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 fn engine(speculative: SpeculativeConfig, num_blocks: usize) -> Engine {
     let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models/stories260K"));
-    let files = ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
+    // The draft: stories260K's first 2 of 5 layers.
+    let draft_model = (speculative.default_method == SpecMethod::Draft)
+        .then(|| ModelFiles::resolve(&ModelSource::Dir(support::truncated_model(&dir, 2)), Need::Weights).unwrap());
     let config = EngineConfig {
+        draft_model,
         num_blocks: Some(num_blocks),
         max_num_seqs: 256,
         max_num_batched_tokens: 4096,
@@ -32,7 +39,12 @@ fn ngram(k: usize) -> SpeculativeConfig {
         prompt_lookup_min: 1,
         prompt_lookup_max: 3,
         max_batch_tokens: usize::MAX,
+        ..SpeculativeConfig::default()
     }
+}
+
+fn draft(k: usize) -> SpeculativeConfig {
+    SpeculativeConfig { default_method: SpecMethod::Draft, ..ngram(k) }
 }
 
 /// A story and its greedy continuation twice over (stories260K's golden
@@ -125,21 +137,23 @@ fn speculative_sampling_keeps_the_target_distribution() {
     let prompt = repetitive_prompt();
     let mut plain = engine(SpeculativeConfig::default(), 4096);
     let base = run(&mut plain, &prompt, (0..N).map(|s| sampled(s, 4)));
-    let mut spec = engine(ngram(4), 4096);
-    let with = run(&mut spec, &prompt, (N..2 * N).map(|s| sampled(s, 4)));
-    assert_mixed_acceptance(&spec.stats().spec_decoding);
     let at = |outs: &[Output], i: usize| outs.iter().map(|o| o.tokens[i]).collect::<Vec<_>>();
     let pairs = |outs: &[Output], i: usize| outs.iter().map(|o| (o.tokens[i], o.tokens[i + 1])).collect::<Vec<_>>();
-    for (what, (stat, critical)) in [
-        ("first token", chi_square(&at(&base, 0), &at(&with, 0))),
-        ("second token", chi_square(&at(&base, 1), &at(&with, 1))),
-        ("second and third", chi_square(&pairs(&base, 1), &pairs(&with, 1))),
-        ("third and fourth", chi_square(&pairs(&base, 2), &pairs(&with, 2))),
-    ] {
-        eprintln!("{what}: chi-square {stat:.1}, critical {critical:.1}");
-        assert!(stat < critical, "{what}: chi-square {stat:.1} >= {critical:.1} (p = 0.001)");
+    for (method, config, seeds) in [("n-gram", ngram(4), N..2 * N), ("draft", draft(4), 2 * N..3 * N)] {
+        let mut spec = engine(config, 4096);
+        let with = run(&mut spec, &prompt, seeds.map(|s| sampled(s, 4)));
+        assert_mixed_acceptance(&spec.stats().spec_decoding);
+        for (what, (stat, critical)) in [
+            ("first token", chi_square(&at(&base, 0), &at(&with, 0))),
+            ("second token", chi_square(&at(&base, 1), &at(&with, 1))),
+            ("second and third", chi_square(&pairs(&base, 1), &pairs(&with, 1))),
+            ("third and fourth", chi_square(&pairs(&base, 2), &pairs(&with, 2))),
+        ] {
+            eprintln!("{method}, {what}: chi-square {stat:.1}, critical {critical:.1}");
+            assert!(stat < critical, "{method}, {what}: chi-square {stat:.1} >= {critical:.1} (p = 0.001)");
+        }
+        eprintln!("{method} proposals: {:?}", spec.stats().spec_decoding);
     }
-    eprintln!("proposals: {:?}", spec.stats().spec_decoding);
     // The test can tell distributions apart: a hotter target fails it.
     let mut hot = engine(SpeculativeConfig::default(), 4096);
     let hotter = run(&mut hot, &prompt, (N..2 * N).map(|s| SamplingParams { temperature: 1.3, ..sampled(s, 4) }));
@@ -167,8 +181,8 @@ fn seeded_sampling_is_exactly_plain_decoding() {
     };
     let mut plain = engine(SpeculativeConfig::default(), 4096);
     let reference = run(&mut plain, &prompt, (0..20).map(params));
-    for num_blocks in [4096, 24] {
-        let mut spec = engine(ngram(4), num_blocks);
+    for (config, num_blocks) in [(ngram(4), 4096), (ngram(4), 24), (draft(4), 4096), (draft(3), 24)] {
+        let mut spec = engine(config, num_blocks);
         let got = run(&mut spec, &prompt, (0..20).map(params));
         let stats = spec.stats();
         assert_mixed_acceptance(&stats.spec_decoding);

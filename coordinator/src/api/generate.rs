@@ -85,7 +85,6 @@ const FIELDS: &[(&str, Shape)] = &[
     ("prompt_token_ids", Shape::TokenIds),
     ("logprobs", Shape::Int),
     ("prompt_logprobs", Shape::Int),
-    ("speculative", Shape::Object),
 ];
 
 /// `POST /generate`. Parsing and tokenizing run on the blocking pool.
@@ -126,7 +125,6 @@ fn plan(app: &AppState, body: &[u8]) -> Result<(GenerateRequest, ChoiceSpec, Opt
     let mut params = req.sampling.to_params(16, logprobs)?;
     constrain(app, &req.sampling.structured, &mut params)?;
     params.prompt_logprobs = top_n("prompt_logprobs", req.prompt_logprobs)?;
-    params.speculative = req.speculative.as_ref().map(|s| s.to_param()).transpose()?;
     let params = fit_completion(app, max_len, "prompt", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
     let spec = ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()? };
     Ok((req, spec, logprobs))

@@ -39,6 +39,8 @@ pub struct SamplingFields {
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Speculative decoding for this request (the worker's setting if absent).
+    pub speculative: Option<SpeculativeField>,
     /// `response_format`, `structured_outputs` and `guided_*` (see `structured`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -158,8 +160,7 @@ impl SamplingFields {
             logit_bias,
             // Set by the endpoints from `response_format`, `guided_*` or `tool_choice`.
             structured_output: None,
-            // Set by `/generate` from its `speculative` field.
-            speculative: None,
+            speculative: self.speculative.as_ref().map(SpeculativeField::to_param).transpose()?,
         })
     }
 
@@ -289,14 +290,14 @@ pub struct GenerateRequest {
     pub logprobs: Option<i64>,
     /// vLLM's: each prompt token's logprob (after the first) plus this many top ones.
     pub prompt_logprobs: Option<i64>,
-    /// Speculative decoding for this request (the worker's setting if absent).
-    pub speculative: Option<SpeculativeField>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }
 
-/// `"speculative": {"method": "ngram" | "off", "num_speculative_tokens": k}`,
-/// in the words of vLLM's `speculative_config`.
+/// `"speculative": {"method": "ngram" | "draft" | "off",
+/// "num_speculative_tokens": k}`, in the words of vLLM's
+/// `speculative_config` (vLLM sets it per server; here any request may).
+/// `draft` needs a worker started with a draft model.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeField {
@@ -322,13 +323,14 @@ impl SpeculativeField {
         match self.method.as_deref() {
             Some("off") if k.is_some() => Err(ApiError::invalid(
                 "speculative.num_speculative_tokens",
-                "num_speculative_tokens needs method \"ngram\"",
+                "num_speculative_tokens needs method \"ngram\" or \"draft\"",
             )),
             Some("off") => Ok(common::Speculative::Off),
             Some("ngram") | None => Ok(common::Speculative::Ngram { num_speculative_tokens: k }),
+            Some("draft") => Ok(common::Speculative::Draft { num_speculative_tokens: k }),
             Some(other) => Err(ApiError::invalid(
                 "speculative.method",
-                format!("speculative method must be \"ngram\" or \"off\", got {other:?}"),
+                format!("speculative method must be \"ngram\", \"draft\" or \"off\", got {other:?}"),
             )),
         }
     }

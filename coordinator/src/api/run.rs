@@ -36,9 +36,11 @@ pub enum Update {
         logprobs: Vec<WireLogprobs>,
     },
     End(ChoiceEnd),
+    /// `rejected`: by the worker, as invalid (a 400, not a 503).
     Failed {
         index: usize,
         message: String,
+        rejected: bool,
     },
 }
 
@@ -189,15 +191,15 @@ async fn drive_choice(
                 let _ = tx.send(Update::End(end));
                 return;
             }
-            RequestEvent::Failed { message } => {
+            RequestEvent::Failed { message, rejected } => {
                 guard.armed = false;
-                let _ = tx.send(Update::Failed { index, message });
+                let _ = tx.send(Update::Failed { index, message, rejected });
                 return;
             }
         }
     }
     guard.armed = false;
-    let _ = tx.send(Update::Failed { index, message: "request ended without a result".into() });
+    let _ = tx.send(Update::Failed { index, message: "request ended without a result".into(), rejected: false });
 }
 
 /// Everything one choice produced, for non-streaming responses.
@@ -229,6 +231,7 @@ pub async fn collect(mut rx: mpsc::UnboundedReceiver<Update>, n: usize) -> Resul
                 choices[index].end = Some(end);
                 ended += 1;
             }
+            Some(Update::Failed { message, rejected: true, .. }) => return Err(ApiError::bad_request(message)),
             Some(Update::Failed { message, .. }) => return Err(ApiError::unavailable(message)),
             None => return Err(ApiError::internal("generation stopped unexpectedly")),
         }

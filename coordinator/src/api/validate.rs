@@ -57,6 +57,7 @@ pub const SAMPLING: &[(&str, Kind)] = &[
     ("n", Kind::Int),
     ("stream", Kind::Bool),
     ("stream_options", Kind::StreamOptions),
+    ("speculative", Kind::Object),
     // Structured outputs: shapes checked where they are read (`structured`).
     ("response_format", Kind::Any),
     ("structured_outputs", Kind::Any),

@@ -54,8 +54,11 @@ pub enum RequestEvent {
         cached_tokens: u32,
         worker: String,
     },
+    /// `rejected`: the worker refused the request itself (a client error,
+    /// such as a draft model asked of a worker without one).
     Failed {
         message: String,
+        rejected: bool,
     },
 }
 

@@ -192,7 +192,7 @@ impl Cluster {
         }
         if let Some(req) = state.requests.remove(&request_id) {
             state.router.on_finish(request_id);
-            let _ = req.events.send(RequestEvent::Failed { message });
+            let _ = req.events.send(RequestEvent::Failed { message, rejected: true });
             state.registry.release(worker);
         }
     }
@@ -243,6 +243,7 @@ impl Cluster {
                 if let Some(req) = state.requests.remove(&id) {
                     let _ = req.events.send(RequestEvent::Failed {
                         message: "the worker serving this request was lost and no other worker is available".into(),
+                        rejected: false,
                     });
                 }
             }

@@ -20,4 +20,4 @@ pub use kv_cache_manager::{KvCacheManager, PrefixCacheStats};
 pub use output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats, TokenLogprobs};
 pub use request::{Request, RequestStatus};
 pub use scheduler::Scheduler;
-pub use spec::{SpecDecodingStats, SpeculativeConfig};
+pub use spec::{DRAFT_PENDING, SpecDecodingStats, SpecMethod, SpeculativeConfig};

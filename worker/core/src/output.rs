@@ -33,6 +33,9 @@ pub struct ScheduledRequest {
     /// `num_new_tokens`. A request with proposals samples at each of them
     /// and at its last real token (vLLM's `scheduled_spec_decode_tokens`).
     pub spec_token_ids: Vec<u32>,
+    /// `spec_token_ids` are placeholders the draft model fills in before
+    /// the step runs (`spec::SpecMethod::Draft`).
+    pub draft_pending: bool,
 }
 
 impl ScheduledRequest {

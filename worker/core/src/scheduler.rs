@@ -26,7 +26,7 @@ use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutp
 use common::FinishReason;
 
 use crate::request::{Request, RequestStatus};
-use crate::spec::SpecDecodingStats;
+use crate::spec::{Proposal, SpecDecodingStats};
 
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -151,14 +151,14 @@ impl Scheduler {
             let spec = &self.config.speculative;
             let max_len = self.config.max_model_len;
             let mut proposal =
-                if speculate && remaining == 1 { spec.proposal(req, budget - 1, max_len) } else { vec![] };
-            num_new += proposal.len();
+                if speculate && remaining == 1 { spec.proposal(req, budget - 1, max_len) } else { Proposal::default() };
+            num_new += proposal.tokens.len();
             let mut preempted_self = false;
             while self.kv.allocate_slots(&self.requests[&id], num_new, &[]).is_none() {
                 // Short of blocks: drop the guesses before taking anyone's blocks.
-                if !proposal.is_empty() {
-                    num_new -= proposal.len();
-                    proposal.clear();
+                if !proposal.tokens.is_empty() {
+                    num_new -= proposal.tokens.len();
+                    proposal = Proposal::default();
                     continue;
                 }
                 // Out of blocks: the lowest-priority running request (the
@@ -209,16 +209,17 @@ impl Scheduler {
                 (other.priority, other.arrival) < key
             });
             self.running.insert(pos, id);
-            logprob_rows -= self.push_scheduled(&mut out, id, num_new, Vec::new());
+            logprob_rows -= self.push_scheduled(&mut out, id, num_new, Proposal::default());
             budget -= num_new;
         }
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
         out
     }
 
-    /// Records `num_new` tokens of `id` in this step, the last `spec.len()`
-    /// of them proposed; returns how many prompt-logprob rows they take.
-    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize, spec: Vec<u32>) -> usize {
+    /// Records `num_new` tokens of `id` in this step, the last
+    /// `spec.tokens.len()` of them proposed; returns how many prompt-logprob
+    /// rows they take.
+    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize, spec: Proposal) -> usize {
         let req = self.requests.get_mut(&id).expect("scheduled request exists");
         let start = req.num_computed_tokens;
         req.num_computed_tokens += num_new;
@@ -239,9 +240,10 @@ impl Scheduler {
             num_computed_tokens: start,
             num_new_tokens: num_new,
             block_ids: self.kv.block_table(id).to_vec(),
-            samples: req.num_computed_tokens == req.num_tokens() + spec.len(),
+            samples: req.num_computed_tokens == req.num_tokens() + spec.tokens.len(),
             prompt_logprob_positions: logprob_positions.clone(),
-            spec_token_ids: spec,
+            spec_token_ids: spec.tokens,
+            draft_pending: spec.draft_pending,
         });
         logprob_positions.len()
     }
@@ -313,7 +315,27 @@ mod tests {
     /// drawing at every verified position, as the sampler does: at
     /// proposal i, as if proposals 0..i were real.
     fn step_with(s: &mut Scheduler, model: impl Fn(&[u32]) -> u32) -> (SchedulerOutput, Vec<RequestOutput>) {
-        let out = s.schedule();
+        step_drafting(s, model, |_| unreachable!("no draft model"))
+    }
+
+    /// [`step_with`], where `draft` (greedy, given all tokens before) fills
+    /// in the draft model's proposals first, as the model runner does.
+    fn step_drafting(
+        s: &mut Scheduler,
+        model: impl Fn(&[u32]) -> u32,
+        draft: impl Fn(&[u32]) -> u32,
+    ) -> (SchedulerOutput, Vec<RequestOutput>) {
+        let mut out = s.schedule();
+        for r in out.scheduled.iter_mut() {
+            assert_eq!(r.draft_pending, r.spec_token_ids.contains(&crate::DRAFT_PENDING));
+            if r.draft_pending {
+                let mut seq = s.request(r.id).unwrap().token_ids.clone();
+                for slot in r.spec_token_ids.iter_mut() {
+                    *slot = draft(&seq);
+                    seq.push(*slot);
+                }
+            }
+        }
         let mut sampled = Vec::new();
         for r in out.scheduled.iter().filter(|r| r.samples) {
             let mut seq = s.request(r.id).unwrap().token_ids.clone();
@@ -558,6 +580,7 @@ mod tests {
             prompt_lookup_min: 1,
             prompt_lookup_max: 3,
             max_batch_tokens: 1 << 20,
+            ..SpeculativeConfig::default()
         };
     }
 
@@ -603,6 +626,44 @@ mod tests {
             if num_blocks == 30 {
                 assert!(stats.num_preemptions > 0);
             }
+            assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
+        }
+    }
+
+    /// Draft-model proposals (placeholders the runner fills in) keep every
+    /// output identical too, with a draft that is right about half the
+    /// time, under preemption and a small budget.
+    #[test]
+    fn draft_proposals_keep_every_output_identical() {
+        let prompts: Vec<Vec<u32>> =
+            (0..5).map(|i| (0..(7 + 4 * i)).map(|t| (t * (i + 3)) % 11 + 3).collect()).collect();
+        let add_all = |s: &mut Scheduler| {
+            for (i, p) in prompts.iter().enumerate() {
+                s.add_request(Request::new(RequestId(i as u64), p.clone(), params(25 + 6 * i as u32), 0, 0)).unwrap();
+            }
+        };
+        let mut plain = Scheduler::new(config(1000));
+        add_all(&mut plain);
+        let reference = run_with(&mut plain, loopy_model);
+        let draft = |tokens: &[u32]| if tokens.len().is_multiple_of(2) { loopy_model(tokens) } else { 1 };
+        for (num_blocks, budget) in [(1000, 2048), (30, 2048), (1000, 9)] {
+            let mut cfg = config(num_blocks);
+            cfg.block_size = 4;
+            cfg.max_num_batched_tokens = budget;
+            speculative(&mut cfg, 3);
+            cfg.speculative.default_method = crate::SpecMethod::Draft;
+            cfg.speculative.has_draft_model = true;
+            let mut s = Scheduler::new(cfg);
+            add_all(&mut s);
+            let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
+            while s.has_unfinished() {
+                for o in step_drafting(&mut s, loopy_model, draft).1 {
+                    tokens.entry(o.id).or_default().extend(o.new_token_ids);
+                }
+            }
+            assert_eq!(tokens, reference, "{num_blocks} blocks, budget {budget}");
+            let spec = s.stats().spec_decoding;
+            assert!(spec.num_accepted_tokens > 0 && spec.num_accepted_tokens < spec.num_draft_tokens, "{spec:?}");
             assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
         }
     }

@@ -19,11 +19,27 @@ use common::{SamplingParams, Speculative};
 
 use crate::request::Request;
 
+/// Where proposals come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SpecMethod {
+    /// Prompt lookup, here in the scheduler (`propose_ngram`).
+    #[default]
+    Ngram,
+    /// The worker's draft model: the scheduler reserves the k slots and
+    /// the model runner fills in the tokens before the step runs
+    /// (`ScheduledRequest::draft_pending`).
+    Draft,
+}
+
 /// Speculation the worker applies to requests that do not choose.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpeculativeConfig {
-    /// Whether requests speculate unless they turn it off (`--speculative-method ngram`).
+    /// Whether requests speculate unless they turn it off (`--speculative-method`).
     pub enabled_by_default: bool,
+    /// The method of requests that do not choose one.
+    pub default_method: SpecMethod,
+    /// Whether a draft model is loaded: requests may only choose `Draft` then.
+    pub has_draft_model: bool,
     /// Tokens proposed per step (vLLM's `num_speculative_tokens`).
     pub num_speculative_tokens: usize,
     /// Shortest and longest suffix matched against earlier tokens (vLLM's
@@ -41,6 +57,8 @@ impl Default for SpeculativeConfig {
     fn default() -> Self {
         Self {
             enabled_by_default: false,
+            default_method: SpecMethod::Ngram,
+            has_draft_model: false,
             num_speculative_tokens: 4,
             prompt_lookup_min: 2,
             prompt_lookup_max: 5,
@@ -67,33 +85,60 @@ impl SpeculativeConfig {
         any && tokens <= self.max_batch_tokens
     }
 
-    /// The n-gram proposal of a decoding request, at most `room` tokens,
-    /// and never more than it can use: the token after the last proposal
-    /// is always drawn, and no position may reach `max_model_len`.
-    pub fn proposal(&self, req: &Request, room: usize, max_model_len: usize) -> Vec<u32> {
+    /// The proposal of a decoding request, at most `room` tokens, and never
+    /// more than it can use: the token after the last proposal is always
+    /// drawn, and no position may reach `max_model_len`. A draft-model
+    /// proposal is `k` placeholders ([`DRAFT_PENDING`]) for the runner to
+    /// fill.
+    pub fn proposal(&self, req: &Request, room: usize, max_model_len: usize) -> Proposal {
+        let Some((method, k)) = self.plan_for(&req.params) else { return Proposal::default() };
         let left = (req.params.max_tokens as usize).saturating_sub(req.num_output_tokens() + 1);
-        let k =
-            self.tokens_for(&req.params).min(room).min(left).min(max_model_len.saturating_sub(req.num_tokens() + 1));
-        propose_ngram(&req.token_ids, self.prompt_lookup_min, self.prompt_lookup_max, k).to_vec()
+        let k = k.min(room).min(left).min(max_model_len.saturating_sub(req.num_tokens() + 1));
+        match method {
+            SpecMethod::Ngram => Proposal {
+                tokens: propose_ngram(&req.token_ids, self.prompt_lookup_min, self.prompt_lookup_max, k).to_vec(),
+                draft_pending: false,
+            },
+            SpecMethod::Draft => Proposal { tokens: vec![DRAFT_PENDING; k], draft_pending: k > 0 },
+        }
     }
 
     /// How many tokens a request with `params` proposes per step when
     /// speculation is on for the step (0: it does not speculate).
     pub fn tokens_for(&self, params: &SamplingParams) -> usize {
+        self.plan_for(params).map_or(0, |(_, k)| k)
+    }
+
+    /// The method and k of a request with `params`; `None`: it does not speculate.
+    pub fn plan_for(&self, params: &SamplingParams) -> Option<(SpecMethod, usize)> {
         // Grammar masks are computed per position from the accepted
         // tokens; a constrained request decodes one token at a time.
         if params.structured_output.is_some() {
-            return 0;
+            return None;
         }
-        match params.speculative {
-            Some(Speculative::Off) => 0,
-            Some(Speculative::Ngram { num_speculative_tokens }) => {
-                num_speculative_tokens.map_or(self.num_speculative_tokens, |k| k as usize)
-            }
-            None if self.enabled_by_default => self.num_speculative_tokens,
-            None => 0,
-        }
+        let k = |own: Option<u8>| own.map_or(self.num_speculative_tokens, usize::from);
+        let plan = match params.speculative {
+            Some(Speculative::Off) => return None,
+            Some(Speculative::Ngram { num_speculative_tokens }) => (SpecMethod::Ngram, k(num_speculative_tokens)),
+            Some(Speculative::Draft { num_speculative_tokens }) => (SpecMethod::Draft, k(num_speculative_tokens)),
+            None if self.enabled_by_default => (self.default_method, self.num_speculative_tokens),
+            None => return None,
+        };
+        // The engine refuses `Draft` requests on a worker without a draft model.
+        (plan.0 != SpecMethod::Draft || self.has_draft_model).then_some(plan)
     }
+}
+
+/// What `ScheduledRequest::spec_token_ids` holds until the draft model has
+/// proposed (never a real token id: vocabularies are far smaller).
+pub const DRAFT_PENDING: u32 = u32::MAX;
+
+/// A request's proposal for one step.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// The tokens are [`DRAFT_PENDING`] placeholders for the draft model.
+    pub draft_pending: bool,
 }
 
 /// vLLM's n-gram proposer: the longest suffix of `tokens` of length in
@@ -232,7 +277,14 @@ mod tests {
             ..plain.clone()
         };
         assert_eq!(off.tokens_for(&own_k), 7);
-        let grammar = SamplingParams { structured_output: Some(common::StructuredOutput::JsonObject), ..plain };
+        let grammar = SamplingParams { structured_output: Some(common::StructuredOutput::JsonObject), ..plain.clone() };
         assert_eq!(on.tokens_for(&grammar), 0);
+        // A draft request is planned only where a draft model is loaded.
+        let draft = SamplingParams { speculative: Some(Speculative::Draft { num_speculative_tokens: None }), ..plain };
+        assert_eq!(off.plan_for(&draft), None);
+        let with_draft = SpeculativeConfig { has_draft_model: true, ..SpeculativeConfig::default() };
+        assert_eq!(with_draft.plan_for(&draft), Some((SpecMethod::Draft, 4)));
+        let default_draft = SpeculativeConfig { default_method: SpecMethod::Draft, ..on };
+        assert_eq!(default_draft.plan_for(&SamplingParams::greedy(8)), None, "no draft model loaded");
     }
 }

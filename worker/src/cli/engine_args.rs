@@ -5,7 +5,7 @@ use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use common::pipeline::LayerRange;
-use engine_core::SpeculativeConfig;
+use engine_core::{SpecMethod, SpeculativeConfig};
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::pipeline::stage::StageConfig;
 use worker::runner::device::DeviceChoice;
@@ -76,6 +76,8 @@ pub enum SpeculativeMethod {
     Off,
     /// Prompt lookup: the tokens that followed the latest n-gram's earlier occurrence.
     Ngram,
+    /// A small model with the same tokenizer proposes (--draft-model).
+    Draft,
 }
 
 /// Speculative decoding, with vLLM's names.
@@ -85,6 +87,11 @@ pub struct SpeculativeArgs {
     /// may still turn it on or off for themselves).
     #[arg(long, value_enum, default_value = "off")]
     pub speculative_method: SpeculativeMethod,
+    /// The draft model of --speculative-method draft: a Hugging Face directory,
+    /// hub id or random:<preset> with the target's vocabulary (its KV cache
+    /// shares the target's budget). Requests may choose "draft" only where one is loaded.
+    #[arg(long)]
+    pub draft_model: Option<String>,
     /// Tokens proposed per step (1-16).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=common::MAX_SPECULATIVE_TOKENS as i64))]
     pub num_speculative_tokens: u32,
@@ -108,8 +115,17 @@ impl SpeculativeArgs {
             self.prompt_lookup_min,
             self.prompt_lookup_max
         );
+        anyhow::ensure!(
+            (self.speculative_method == SpeculativeMethod::Draft) <= self.draft_model.is_some(),
+            "--speculative-method draft needs --draft-model"
+        );
         Ok(SpeculativeConfig {
-            enabled_by_default: self.speculative_method == SpeculativeMethod::Ngram,
+            enabled_by_default: self.speculative_method != SpeculativeMethod::Off,
+            default_method: match self.speculative_method {
+                SpeculativeMethod::Draft => SpecMethod::Draft,
+                SpeculativeMethod::Off | SpeculativeMethod::Ngram => SpecMethod::Ngram,
+            },
+            has_draft_model: self.draft_model.is_some(),
             num_speculative_tokens: self.num_speculative_tokens as usize,
             prompt_lookup_min: self.prompt_lookup_min as usize,
             prompt_lookup_max: self.prompt_lookup_max as usize,
@@ -171,6 +187,13 @@ pub fn build_engine_from(
         quantization: args.quantize,
         layers,
         speculative: args.speculative.config()?,
+        draft_model: match &args.speculative.draft_model {
+            Some(spec) => Some(
+                ModelFiles::resolve(&ModelSource::parse(spec)?, Need::Weights)
+                    .with_context(|| format!("--draft-model {spec}"))?,
+            ),
+            None => None,
+        },
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;

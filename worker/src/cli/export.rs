@@ -43,6 +43,11 @@ pub struct ExportRandomArgs {
     /// Seed of the random weights (the same seed writes the same model).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Keep only the first N decoder layers. Weights are seeded per tensor in
+    /// order, so this is the full model's first N layers with its embeddings
+    /// and lm_head: a draft model for speculative decoding (--draft-model).
+    #[arg(long)]
+    num_layers: Option<usize>,
 }
 
 pub fn random(args: ExportRandomArgs) -> anyhow::Result<()> {
@@ -56,6 +61,11 @@ pub fn random(args: ExportRandomArgs) -> anyhow::Result<()> {
         if let Some(v) = source.get(key) {
             config[key] = v.clone();
         }
+    }
+    if let Some(n) = args.num_layers {
+        let full = config["num_hidden_layers"].as_u64().unwrap_or(0);
+        anyhow::ensure!((1..=full).contains(&(n as u64)), "--num-layers {n}: {} has {full} layers", args.preset);
+        config["num_hidden_layers"] = n.into();
     }
     let dtype = match args.dtype {
         DTypeArg::F32 => DType::F32,

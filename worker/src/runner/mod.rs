@@ -1,10 +1,11 @@
 //! What runs a step on the device: the model runner (a scheduler step in,
-//! one batched forward pass out), the KV cache's tensors, the samplers
+//! one batched forward pass out), the draft model's proposer, the KV cache's tensors, the samplers
 //! (on the host and on the device), the structured-output grammars that
 //! mask them, and the choice of device.
 
 pub mod device;
 pub mod device_sampler;
+pub mod draft;
 pub mod grammar;
 pub mod kv_cache;
 pub mod model_runner;
