@@ -44,6 +44,14 @@ pub enum Workload {
     /// continues the second P as it did the first copies C from its prompt.
     /// `input_len` is the length of P.
     Copy,
+    /// Each prompt is `P C`, where C is the model's own greedy continuation
+    /// of P, `n` tokens long (made before the timed run): the timed run
+    /// continues its own text, token for token as it would have gone on.
+    /// Long greedy outputs repeat themselves, so a long enough C makes the
+    /// output repeat spans of the prompt (a random-weights model falls into
+    /// loops after a few hundred tokens; a trained one repeats names, lines
+    /// and phrases). `input_len` is the length of P.
+    Continue(usize),
 }
 
 /// mean / p50 / p99 of a latency, in milliseconds.
@@ -197,8 +205,16 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let mut prompts: Vec<Vec<u32>> = (0..args.num_prompts)
         .map(|_| (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect())
         .collect();
-    if args.workload == Workload::Copy {
-        prompts = copy_prompts(engine, prompts, args.output_len)?;
+    match args.workload {
+        Workload::Random => {}
+        Workload::Copy => {
+            let continued = own_continuations(engine, &prompts, args.output_len)?;
+            prompts = prompts.into_iter().zip(continued).map(|(p, c)| [&p[..], &c, &p].concat()).collect();
+        }
+        Workload::Continue(n) => {
+            let continued = own_continuations(engine, &prompts, n)?;
+            prompts = prompts.into_iter().zip(continued).map(|(p, c)| [p, c].concat()).collect();
+        }
     }
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let spec_before = engine.stats().spec_decoding;
@@ -278,10 +294,15 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
 
 /// `P C P` for each random P, C being the model's greedy continuation of
 /// P (`output_len` tokens), all computed in one untimed batch.
-fn copy_prompts(engine: &mut Engine, prompts: Vec<Vec<u32>>, output_len: usize) -> Result<Vec<Vec<u32>>> {
+/// Each prompt's greedy continuation of `len` tokens (without speculation).
+fn own_continuations(engine: &mut Engine, prompts: &[Vec<u32>], len: usize) -> Result<Vec<Vec<u32>>> {
     let first = 1 << 40; // ids apart from the timed run's
     for (i, p) in prompts.iter().enumerate() {
-        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(output_len as u32) };
+        let params = SamplingParams {
+            ignore_eos: true,
+            speculative: Some(common::Speculative::Off),
+            ..SamplingParams::greedy(len as u32)
+        };
         engine.add_request(RequestId(first + i as u64), p.clone(), params, 0)?;
     }
     let mut continuations = vec![Vec::new(); prompts.len()];
@@ -290,7 +311,7 @@ fn copy_prompts(engine: &mut Engine, prompts: Vec<Vec<u32>>, output_len: usize) 
             continuations[(out.id.0 - first) as usize].extend(out.new_token_ids);
         }
     }
-    Ok(prompts.into_iter().zip(continuations).map(|(p, c)| [&p[..], &c, &p].concat()).collect())
+    Ok(continuations)
 }
 
 fn splitmix(state: &mut u64) -> u64 {

@@ -42,14 +42,22 @@ pub struct BenchArgs {
     /// random: random prompts; copy: prompts P C P where C is the model's
     /// own greedy continuation of a random P (input-len tokens), so the
     /// output repeats a span of the prompt (n-gram speculation's case).
+    ///
+    /// continue: prompts P C where C is the model's own greedy continuation
+    /// of P, --continue-len tokens long, so the timed output goes on with its
+    /// own text and repeats spans of it once it repeats itself.
     #[arg(long, value_enum, default_value = "random")]
     workload: WorkloadArg,
+    /// Tokens of the model's own text each prompt of --workload continue holds.
+    #[arg(long, default_value_t = 384)]
+    continue_len: usize,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum WorkloadArg {
     Random,
     Copy,
+    Continue,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -71,6 +79,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         workload: match args.workload {
             WorkloadArg::Random => worker::bench::Workload::Random,
             WorkloadArg::Copy => worker::bench::Workload::Copy,
+            WorkloadArg::Continue => worker::bench::Workload::Continue(args.continue_len),
         },
         structured_output,
     };
