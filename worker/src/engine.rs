@@ -4,6 +4,8 @@
 //! On the first stage of a pipeline a step's hidden states go down the
 //! pipeline instead (`pipelined`).
 
+mod loading;
+mod on_device;
 mod pipelined;
 
 use std::borrow::Cow;
@@ -17,11 +19,11 @@ use crate::models::{ModelFiles, Quantization};
 use crate::pipeline::link::Downstream;
 use crate::pipeline::stage::stage_kv_config;
 use crate::profile::{self, Section};
-use crate::runner::device_sampler::{DeviceRow, LogprobValues};
+
 use crate::runner::draft::DraftRunner;
 use crate::runner::grammar::{Grammars, RequestGrammar, Vocabulary};
 use crate::runner::kv_cache::{self, KvBudget};
-use crate::runner::model_runner::{BatchInputs, ModelRunner};
+use crate::runner::model_runner::ModelRunner;
 use crate::runner::sampler::{self, SeqSamplingInput};
 use engine_core::{
     Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
@@ -129,7 +131,7 @@ impl Engine {
             )));
         }
         let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, layers)?;
-        prepare_weights(&mut model, &config)?;
+        loading::prepare_weights(&mut model, &config)?;
         let cfg = model.config().clone();
         let kv_dtype = model.activation_dtype();
         let max_model_len =
@@ -138,21 +140,11 @@ impl Engine {
         // The cache holds this stage's layers only.
         let kv_cfg = stage_kv_config(&cfg, layers);
         let draft_model = match &config.draft_model {
-            Some(draft_files) => Some(load_draft(draft_files, &config, files, max_model_len)?),
+            Some(draft_files) => Some(loading::load_draft(draft_files, &config, files, max_model_len)?),
             None => None,
         };
-        // A draft model's pools hold as many blocks as the target's: the
-        // budget is shared in proportion to their bytes per block.
         let kv_budget = match &draft_model {
-            Some(draft) => {
-                let target = kv_cache::bytes_per_block(&kv_cfg, config.block_size, kv_dtype) as f64;
-                let theirs = kv_cache::bytes_per_block(draft.config(), config.block_size, draft.activation_dtype());
-                let share = target / (target + theirs as f64);
-                match config.kv_budget {
-                    KvBudget::Bytes(b) => KvBudget::Bytes((b as f64 * share) as u64),
-                    KvBudget::FractionOfAvailable(f) => KvBudget::FractionOfAvailable(f * share),
-                }
-            }
+            Some(draft) => loading::target_share(config.kv_budget, &kv_cfg, kv_dtype, draft, config.block_size),
             None => config.kv_budget,
         };
         let num_blocks = match config.num_blocks {
@@ -513,50 +505,6 @@ impl Engine {
     }
 }
 
-impl Engine {
-    /// A step whose tokens are drawn on the model's device: penalties,
-    /// `min_tokens` bans, the draw and the requested logprobs are computed
-    /// there, and only ids (plus those logprobs) come back. Each row's
-    /// draw uses its own request's uniform, so seeded output does not
-    /// depend on the batch.
-    fn step_sampling_on_device(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
-        let values = match self.logprobs_mode {
-            LogprobsMode::RawLogits => LogprobValues::RawLogits,
-            LogprobsMode::RawLogprobs => LogprobValues::Logprobs,
-        };
-        let forward_timer = profile::scope(Section::Forward);
-        let runner = &mut self.runner;
-        let (logits, masks) =
-            with_masks(&mut self.grammars, &self.scheduler, step, || runner.forward_on_device(batch))?;
-        let outputs = sampling_rows(&self.scheduler, step);
-        let rows: Vec<DeviceRow> = outputs
-            .iter()
-            .zip(&masks)
-            .map(|((req, output), mask)| {
-                let prompt = req.prompt_token_ids();
-                let row = DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids);
-                match mask {
-                    Some(mask) => row.with_allowed(mask.as_slice()),
-                    None => row,
-                }
-            })
-            .collect();
-        let (drawn, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, values)?;
-        drop(forward_timer);
-        let sampled: Vec<SampledToken> = drawn
-            .into_iter()
-            .zip(&rows)
-            .map(|(s, row)| SampledToken {
-                token_id: s.token_id,
-                logprobs: row.logprobs.map(|_| TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }),
-            })
-            .collect();
-        drop(rows);
-        drop(outputs);
-        Ok(self.finish_step(step, sampled, &prompt_logits))
-    }
-}
-
 /// `token`'s logprob and the top list as `mode` reports them; `raw` is the
 /// row of logits they were computed from.
 pub(crate) fn reported_logprobs(
@@ -624,65 +572,6 @@ fn with_masks<T>(
             masker.join().map_err(|_| WorkerError::Unsupported("the structured-output masker panicked".into()))?;
         Ok((out?, masks))
     })
-}
-
-/// Quantizes (`--quantize`) and lays out a loaded model's weights for the
-/// device: packed for the CPU kernels, in huge pages.
-fn prepare_weights(model: &mut crate::models::CausalLm, config: &EngineConfig) -> Result<()> {
-    if let Some(q) = config.quantization {
-        if !q.is_block_format() {
-            return Err(WorkerError::Unsupported(format!("{q:?} is not a quantization to apply at load time")));
-        }
-        if !config.device.is_cpu() {
-            return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
-        }
-        let (quantized, total) = model.quantize(q)?;
-        common::log!(
-            "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple of \
-             32, or were quantized already)"
-        );
-    }
-    if config.device.is_cpu() {
-        model.pack_weights()?;
-        model.place_weights_in_huge_pages();
-    }
-    Ok(())
-}
-
-/// Loads the draft model, prepared as the target is, after checking that it
-/// can propose for `target`: the same vocabulary, and positions up to the
-/// target's context.
-fn load_draft(
-    draft: &ModelFiles,
-    config: &EngineConfig,
-    target: &ModelFiles,
-    max_model_len: usize,
-) -> Result<crate::models::CausalLm> {
-    if config.layers.is_some() {
-        return Err(WorkerError::Unsupported("a draft model runs on a single worker, not on a pipeline stage".into()));
-    }
-    let (ours, theirs) = (&target.config, &draft.config);
-    if ours.vocab_size != theirs.vocab_size {
-        return Err(WorkerError::Unsupported(format!(
-            "draft model {} has a vocabulary of {} tokens and {} one of {}: a draft needs the target's tokenizer",
-            draft.name, theirs.vocab_size, target.name, ours.vocab_size
-        )));
-    }
-    if theirs.max_position_embeddings < max_model_len {
-        return Err(WorkerError::Unsupported(format!(
-            "draft model {} reaches {} positions, under the context of {max_model_len}: lower --max-model-len",
-            draft.name, theirs.max_position_embeddings
-        )));
-    }
-    let mut model = crate::models::loader::load(draft, config.dtype, &config.device)?;
-    prepare_weights(&mut model, config)?;
-    common::log!(
-        "draft model {}: {} layers, {} bytes of weights",
-        draft.name,
-        theirs.num_layers,
-        model.resident_weight_bytes()
-    );
-    Ok(model)
 }
 
 /// A seed for requests that gave none: different per request and per run.

@@ -1,0 +1,88 @@
+//! Loading what an engine runs: a model's weights prepared for the device
+//! (quantized, packed), and the draft model of speculative decoding, which
+//! must fit the target and shares its KV-cache budget.
+
+use candle_core::DType;
+
+use super::EngineConfig;
+use crate::error::{Result, WorkerError};
+use crate::models::{CausalLm, ModelConfig, ModelFiles};
+use crate::runner::kv_cache::{self, KvBudget};
+
+/// Quantizes (`--quantize`) and lays out a loaded model's weights for the
+/// device: packed for the CPU kernels, in huge pages.
+pub(super) fn prepare_weights(model: &mut CausalLm, config: &EngineConfig) -> Result<()> {
+    if let Some(q) = config.quantization {
+        if !q.is_block_format() {
+            return Err(WorkerError::Unsupported(format!("{q:?} is not a quantization to apply at load time")));
+        }
+        if !config.device.is_cpu() {
+            return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
+        }
+        let (quantized, total) = model.quantize(q)?;
+        common::log!(
+            "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple of \
+             32, or were quantized already)"
+        );
+    }
+    if config.device.is_cpu() {
+        model.pack_weights()?;
+        model.place_weights_in_huge_pages();
+    }
+    Ok(())
+}
+
+/// Loads the draft model, prepared as the target is, after checking that it
+/// can propose for `target`: the same vocabulary, and positions up to the
+/// target's context.
+pub(super) fn load_draft(
+    draft: &ModelFiles,
+    config: &EngineConfig,
+    target: &ModelFiles,
+    max_model_len: usize,
+) -> Result<CausalLm> {
+    if config.layers.is_some() {
+        return Err(WorkerError::Unsupported("a draft model runs on a single worker, not on a pipeline stage".into()));
+    }
+    let (ours, theirs) = (&target.config, &draft.config);
+    if ours.vocab_size != theirs.vocab_size {
+        return Err(WorkerError::Unsupported(format!(
+            "draft model {} has a vocabulary of {} tokens and {} one of {}: a draft needs the target's tokenizer",
+            draft.name, theirs.vocab_size, target.name, ours.vocab_size
+        )));
+    }
+    if theirs.max_position_embeddings < max_model_len {
+        return Err(WorkerError::Unsupported(format!(
+            "draft model {} reaches {} positions, under the context of {max_model_len}: lower --max-model-len",
+            draft.name, theirs.max_position_embeddings
+        )));
+    }
+    let mut model = crate::models::loader::load(draft, config.dtype, &config.device)?;
+    prepare_weights(&mut model, config)?;
+    common::log!(
+        "draft model {}: {} layers, {} bytes of weights",
+        draft.name,
+        theirs.num_layers,
+        model.resident_weight_bytes()
+    );
+    Ok(model)
+}
+
+/// The part of `budget` the target's pools get when a draft model's pools
+/// hold as many blocks beside them: shared in proportion to their bytes per
+/// block.
+pub(super) fn target_share(
+    budget: KvBudget,
+    target: &ModelConfig,
+    dtype: DType,
+    draft: &CausalLm,
+    block_size: usize,
+) -> KvBudget {
+    let ours = kv_cache::bytes_per_block(target, block_size, dtype) as f64;
+    let theirs = kv_cache::bytes_per_block(draft.config(), block_size, draft.activation_dtype()) as f64;
+    let share = ours / (ours + theirs);
+    match budget {
+        KvBudget::Bytes(b) => KvBudget::Bytes((b as f64 * share) as u64),
+        KvBudget::FractionOfAvailable(f) => KvBudget::FractionOfAvailable(f * share),
+    }
+}

@@ -1,0 +1,57 @@
+//! The step of an engine that samples on its model's device (GPUs): only
+//! token ids and the requested logprobs come back to the host.
+
+use super::{Engine, LogprobsMode, sampling_rows, with_masks};
+use crate::error::Result;
+use crate::profile::{self, Section};
+use crate::runner::device_sampler::{DeviceRow, LogprobValues};
+use crate::runner::model_runner::BatchInputs;
+use engine_core::{RequestOutput, SampledToken, SchedulerOutput, TokenLogprobs};
+
+impl Engine {
+    /// A step whose tokens are drawn on the model's device: penalties,
+    /// `min_tokens` bans, the draw and the requested logprobs are computed
+    /// there, and only ids (plus those logprobs) come back. Each row's
+    /// draw uses its own request's uniform, so seeded output does not
+    /// depend on the batch.
+    pub(super) fn step_sampling_on_device(
+        &mut self,
+        step: &SchedulerOutput,
+        batch: &BatchInputs,
+    ) -> Result<Vec<RequestOutput>> {
+        let values = match self.logprobs_mode {
+            LogprobsMode::RawLogits => LogprobValues::RawLogits,
+            LogprobsMode::RawLogprobs => LogprobValues::Logprobs,
+        };
+        let forward_timer = profile::scope(Section::Forward);
+        let runner = &mut self.runner;
+        let (logits, masks) =
+            with_masks(&mut self.grammars, &self.scheduler, step, || runner.forward_on_device(batch))?;
+        let outputs = sampling_rows(&self.scheduler, step);
+        let rows: Vec<DeviceRow> = outputs
+            .iter()
+            .zip(&masks)
+            .map(|((req, output), mask)| {
+                let prompt = req.prompt_token_ids();
+                let row = DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids);
+                match mask {
+                    Some(mask) => row.with_allowed(mask.as_slice()),
+                    None => row,
+                }
+            })
+            .collect();
+        let (drawn, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, values)?;
+        drop(forward_timer);
+        let sampled: Vec<SampledToken> = drawn
+            .into_iter()
+            .zip(&rows)
+            .map(|(s, row)| SampledToken {
+                token_id: s.token_id,
+                logprobs: row.logprobs.map(|_| TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }),
+            })
+            .collect();
+        drop(rows);
+        drop(outputs);
+        Ok(self.finish_step(step, sampled, &prompt_logits))
+    }
+}
