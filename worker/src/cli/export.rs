@@ -19,7 +19,7 @@ pub struct ExportGgufArgs {
     #[arg(long)]
     out: std::path::PathBuf,
     /// Storage of the linear weights (norms stay f32, the embedding f16).
-    #[arg(long, value_parser = super::weight_format(&Quantization::ALL), default_value = "f16")]
+    #[arg(long, value_parser = super::weight_format(&Quantization::EXPORT_TYPES), default_value = "f16")]
     r#type: Quantization,
     /// Seed of random:<preset> weights.
     #[arg(long, default_value_t = 0)]

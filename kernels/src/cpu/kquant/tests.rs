@@ -92,6 +92,14 @@ fn quantizers_round_trip_within_bounds() {
         assert!(err < bound, "{name}: relative RMS error {err}");
         assert!(err <= candle_err * 1.01, "{name}: ours {err}, candle's {candle_err}");
     }
+    // Uniform weights (what random:<preset> models hold): Q4_K against Q4_0.
+    let u: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let q40 = crate::cpu::quant::quantize_matrix::<crate::cpu::quant::BlockQ4_0>(&u, rows, k).unwrap();
+    let mut u40 = vec![0f32; u.len()];
+    crate::cpu::quant::dequantize_row(&q40, &mut u40);
+    let (e4k, e40) = (rel_rms(&round_trip::<BlockQ4K>(&u, rows, k), &u), rel_rms(&u40, &u));
+    eprintln!("uniform weights: q4_K relative RMS error {e4k}, q4_0 {e40}");
+    assert!(e4k < e40, "q4_K {e4k} vs q4_0 {e40}");
     // Constant and zero blocks survive exactly enough.
     for v in [0.0f32, 0.5, -2.0] {
         let src = [v; QK_K];
