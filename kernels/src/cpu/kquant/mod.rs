@@ -183,9 +183,9 @@ impl KBlock for BlockQ4K {
 
     fn factors(&self) -> ([i16; GROUPS], [i16; GROUPS], f32, f32) {
         let (mut sc, mut mn) = ([0i16; GROUPS], [0i16; GROUPS]);
-        for g in 0..GROUPS {
-            let (s, m) = self.scale_min(g / 2);
-            (sc[g], mn[g]) = (s as i16, m as i16);
+        for j in 0..8 {
+            let (s, m) = self.scale_min(j);
+            (sc[2 * j], sc[2 * j + 1], mn[2 * j], mn[2 * j + 1]) = (s as i16, s as i16, m as i16, m as i16);
         }
         (sc, mn, self.d.to_f32(), self.dmin.to_f32())
     }
@@ -354,7 +354,8 @@ pub fn matmul_kquant_with<B: KBlock>(
         let rows = CHUNK_ROWS.min(m - i0);
         let xs = &xq[i0 * kb..(i0 + rows) * kb];
         for_each_span(n, (16, 256), |j0, j1| {
-            let mut acc = vec![0f32; rows];
+            // 8 partial sums per activation row (the SIMD lanes).
+            let mut acc = vec![0f32; 8 * rows];
             for j in j0..j1 {
                 acc.fill(0.0);
                 let wrow = &w[j * kb..(j + 1) * kb];
@@ -367,9 +368,9 @@ pub fn matmul_kquant_with<B: KBlock>(
                     KBackend::Vnni => unsafe { x86::row_vnni(wrow, xs, kb, &mut acc) },
                     KBackend::Scalar => row_scalar(wrow, xs, kb, &mut acc),
                 }
-                for (i, v) in acc.iter().enumerate() {
+                for (i, v) in acc.chunks_exact(8).map(|l| l.iter().sum::<f32>()).enumerate() {
                     // SAFETY: (i0 + i) * n + j < m * n = y.len(); this task owns column j.
-                    unsafe { store(&out, (i0 + i) * n + j, *v) };
+                    unsafe { store(&out, (i0 + i) * n + j, v) };
                 }
             }
         });
@@ -384,12 +385,13 @@ unsafe fn store(out: &OutPtr, idx: usize, v: f32) {
     unsafe { *out.0.add(idx) = v };
 }
 
-/// One weight row against `acc.len()` activation rows of `kb` blocks.
+/// One weight row against `acc.len() / 8` activation rows of `kb` blocks
+/// (into the first of each row's 8 partial sums).
 fn row_scalar<B: KBlock>(wrow: &[B], xs: &[BlockQ8K], kb: usize, acc: &mut [f32]) {
     for (b, blk) in wrow.iter().enumerate() {
         let u = blk.unpack();
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a += u.dot(&xs[i * kb + b]);
+        for (i, a) in acc.chunks_exact_mut(8).enumerate() {
+            a[0] += u.dot(&xs[i * kb + b]);
         }
     }
 }

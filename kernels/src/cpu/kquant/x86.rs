@@ -85,14 +85,16 @@ pub(super) unsafe fn q6k_codes(blk: &BlockQ6K) -> [__m256i; 8] {
     }
 }
 
-/// One weight row against `acc.len()` activation rows of `kb` blocks.
+/// One weight row against `acc.len() / 8` activation rows of `kb` blocks,
+/// summed into 8 lanes per activation row (`acc[8i..8i + 8]`, added up by
+/// the caller once per row: no horizontal sum per block).
 ///
 /// # Safety
 /// AVX2 (and for `D = Vnni`, AVX-512 VNNI and VL) must be available;
-/// `wrow.len() == kb` and `xs.len() == acc.len() * kb`.
+/// `wrow.len() == kb` and `xs.len() * 8 == acc.len() * kb`.
 #[inline(always)]
 unsafe fn row<B: KBlock, D: ByteDot>(wrow: &[B], xs: &[BlockQ8K], kb: usize, acc: &mut [f32]) {
-    debug_assert!(wrow.len() == kb && xs.len() == acc.len() * kb);
+    debug_assert!(wrow.len() == kb && xs.len() * 8 == acc.len() * kb);
     // SAFETY: the features per the caller; every load reads inside a block
     // (qs 8 * 32 bytes, bsums and mn 16 i16).
     unsafe {
@@ -105,7 +107,7 @@ unsafe fn row<B: KBlock, D: ByteDot>(wrow: &[B], xs: &[BlockQ8K], kb: usize, acc
                 *s = _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1);
             }
             let mins = _mm256_loadu_si256(mn.as_ptr().cast());
-            for (i, a) in acc.iter_mut().enumerate() {
+            for (i, a) in acc.chunks_exact_mut(8).enumerate() {
                 let x = &xs[i * kb + b];
                 let mut isum = _mm256_setzero_si256();
                 for c in 0..8 {
@@ -113,22 +115,12 @@ unsafe fn row<B: KBlock, D: ByteDot>(wrow: &[B], xs: &[BlockQ8K], kb: usize, acc
                     isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(D::dot(codes[c], xv), scales[c]));
                 }
                 let msum = _mm256_madd_epi16(mins, _mm256_loadu_si256(x.bsums.as_ptr().cast()));
-                *a += x.d * (d * hsum_i32(isum) as f32 - dm * hsum_i32(msum) as f32);
+                let v = _mm256_loadu_ps(a.as_ptr());
+                let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x.d * d), v);
+                let v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(x.d * dm), v);
+                _mm256_storeu_ps(a.as_mut_ptr(), v);
             }
         }
-    }
-}
-
-/// # Safety
-/// AVX2 must be available.
-#[inline(always)]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
-    // SAFETY: AVX2 per the caller.
-    unsafe {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        _mm_cvtsi128_si32(s)
     }
 }
 
