@@ -11,6 +11,7 @@ mod elem;
 mod fused;
 mod huge_pages;
 pub mod isa;
+pub mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod load_avx2;
 pub mod matmul;

@@ -18,8 +18,9 @@ pub struct ExportGgufArgs {
     /// The .gguf file to write.
     #[arg(long)]
     out: std::path::PathBuf,
-    /// Storage of the linear weights (norms stay f32, the embedding f16).
-    #[arg(long, value_parser = super::weight_format(&Quantization::ALL), default_value = "f16")]
+    /// Storage of the linear weights (norms stay f32, the embedding f16;
+    /// q4_k_m is llama.cpp's Q4_K/Q6_K mix, the embedding included).
+    #[arg(long, value_parser = super::weight_format(&Quantization::EXPORT_TYPES), default_value = "f16")]
     r#type: Quantization,
     /// Seed of random:<preset> weights.
     #[arg(long, default_value_t = 0)]

@@ -7,9 +7,10 @@
 //! same `config.json` fields (and the same checks) as a Hugging Face
 //! directory. The tensors go through candle's GGUF parser; their names map
 //! to HF names.
-//! Q8_0 and Q4_0 linear weights stay in their blocks and run on the int8
-//! kernels (no dequantized copy); f32/f16/bf16 load as tensors; any other
-//! GGML type is dequantized at load time (correct, but not fast).
+//! Q8_0, Q4_0, Q4_K and Q6_K linear weights stay in their blocks and run
+//! on the int8 kernels (no dequantized copy); f32/f16/bf16 load as
+//! tensors; any other GGML type is dequantized at load time (correct, but
+//! not fast). `--type q4_k_m` writes llama.cpp's Q4_K_M mix ([`k_type`]).
 //!
 //! llama.cpp's HF converter permutes the rows of `attn_q`/`attn_k` for the
 //! `llama` architecture, because its RoPE rotates adjacent pairs (2i, 2i+1)
@@ -29,6 +30,7 @@ pub use common::model::gguf::{GgufInfo, read_info};
 use common::model::{Architecture, ModelConfig};
 use common::pipeline::LayerRange;
 use half::f16;
+use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KBlock, QK_K, quantize_matrix};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 use super::linear::Weight;
@@ -170,11 +172,38 @@ fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<Weight> {
             out,
             inp,
         ),
+        GgmlDType::Q4K => Weight::from_q4_k(
+            data.chunks_exact(144)
+                .map(|b| BlockQ4K {
+                    d: f16::from_le_bytes([b[0], b[1]]),
+                    dmin: f16::from_le_bytes([b[2], b[3]]),
+                    scales: std::array::from_fn(|i| b[4 + i]),
+                    qs: std::array::from_fn(|i| b[16 + i]),
+                })
+                .collect(),
+            out,
+            inp,
+        ),
+        GgmlDType::Q6K => Weight::from_q6_k(
+            data.chunks_exact(210)
+                .map(|b| BlockQ6K {
+                    ql: std::array::from_fn(|i| b[i]),
+                    qh: std::array::from_fn(|i| b[128 + i]),
+                    scales: std::array::from_fn(|i| b[192 + i] as i8),
+                    d: f16::from_le_bytes([b[208], b[209]]),
+                })
+                .collect(),
+            out,
+            inp,
+        ),
         other => candle_core::bail!("{name}: {other:?} is not a block format we run"),
     }
 }
 
-/// Loads the model of a GGUF file. Linear weights in Q8_0/Q4_0 stay
+/// The GGML types kept in their blocks on the CPU.
+const BLOCK_TYPES: [GgmlDType; 4] = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q6K];
+
+/// Loads the model of a GGUF file. Linear weights in a block format stay
 /// quantized (CPU only); everything else becomes `dtype` tensors.
 /// Only the tensors of the stage holding decoder layers `range` are read.
 pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Result<CausalLm> {
@@ -193,7 +222,7 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
         let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
         let perm = qk_heads(cfg, &hf).map(|heads| invert(&llama_qk_permutation(q.shape().dims()[0], heads)));
         let is_linear = hf.ends_with("_proj.weight") || hf == "lm_head.weight";
-        if is_linear && matches!(q.dtype(), GgmlDType::Q8_0 | GgmlDType::Q4_0) && device.is_cpu() {
+        if is_linear && BLOCK_TYPES.contains(&q.dtype()) && device.is_cpu() {
             let mut w = quant_weight(&q, gguf).map_err(|e| err(path, e.to_string()))?;
             if let Some(p) = &perm {
                 w.permute_rows(p).map_err(|e| err(path, format!("{gguf}: {e}")))?;
@@ -303,6 +332,10 @@ pub fn write(
                 Quantization::F16 => 1,
                 Quantization::Q4_0 => 2,
                 Quantization::Q8_0 => 7,
+                Quantization::Q4KM => 15,
+                // Not export types (EXPORT_TYPES): llama.cpp's pure Q4_K_S and Q6_K.
+                Quantization::Q4K => 14,
+                Quantization::Q6K => 18,
             }),
         ),
         ("tokenizer.ggml.model".into(), Value::String("llama".into())),
@@ -334,6 +367,11 @@ pub fn write(
         // Like llama.cpp: 1-D tensors (norms, biases) stay f32; the
         // embedding table stays f16 unless everything is f32.
         let is_matrix = t.rank() == 2;
+        if ty == Quantization::Q4KM && is_matrix {
+            let ggml = k_type(cfg, hf, t.dims()[1]);
+            qtensors.push((gguf, quantize_k(&t, ggml)?));
+            continue;
+        }
         let ggml = match ty {
             _ if !is_matrix => GgmlDType::F32,
             Quantization::F32 => GgmlDType::F32,
@@ -342,6 +380,9 @@ pub fn write(
             _ if t.dims()[1] % QK != 0 => GgmlDType::F16,
             Quantization::Q8_0 => GgmlDType::Q8_0,
             Quantization::Q4_0 => GgmlDType::Q4_0,
+            Quantization::Q4K | Quantization::Q6K | Quantization::Q4KM => {
+                return Err(err(path, format!("{} is not an export type", ty.name())));
+            }
         };
         qtensors.push((gguf, QTensor::quantize(&t, ggml)?));
     }
@@ -350,6 +391,48 @@ pub fn write(
     let mut out = BufWriter::new(File::create(path).map_err(|e| err(path, e.to_string()))?);
     gguf_file::write(&mut out, &md, &ts).map_err(|e| err(path, e.to_string()))?;
     Ok(())
+}
+
+/// The type llama.cpp's Q4_K_M gives a weight matrix (`llama_tensor_get_type`
+/// without its MoE and 70B cases): Q6_K for the output (or the embedding
+/// when it doubles as the output), and for attn_v and ffn_down in the first
+/// and last eighth of the layers and every third layer between; Q4_K for
+/// the rest. Rows whose length is not a multiple of 256 cannot be k-quants:
+/// llama.cpp falls back to Q5_0 (for Q4_K) and Q8_0 (for Q6_K); we have no
+/// Q5_0 kernel, so both fall back to Q8_0 (f16 where rows are not even
+/// whole Q8_0 blocks, as for the other types).
+pub fn k_type(cfg: &ModelConfig, hf: &str, in_features: usize) -> GgmlDType {
+    let more_bits = |i: usize, n: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+    let layer = || hf.strip_prefix("model.layers.")?.split_once('.')?.0.parse::<usize>().ok();
+    let is_output = hf == "lm_head.weight" || (hf == "model.embed_tokens.weight" && cfg.tie_word_embeddings);
+    let wide = (hf.ends_with("self_attn.v_proj.weight") || hf.ends_with("mlp.down_proj.weight"))
+        && layer().is_some_and(|i| more_bits(i, cfg.num_layers));
+    let ty = if is_output || wide { GgmlDType::Q6K } else { GgmlDType::Q4K };
+    if in_features.is_multiple_of(QK_K) {
+        ty
+    } else if in_features.is_multiple_of(QK) {
+        GgmlDType::Q8_0
+    } else {
+        GgmlDType::F16
+    }
+}
+
+/// Quantizes a 2-D f32 tensor to `ggml` with our quantizers for the
+/// k-quants (fitted per group), candle's for the others.
+fn quantize_k(t: &Tensor, ggml: GgmlDType) -> candle_core::Result<QTensor> {
+    fn blocks<B: KBlock>(t: &Tensor, ggml: GgmlDType) -> candle_core::Result<QTensor> {
+        let (rows, k) = t.dims2()?;
+        let q = quantize_matrix::<B>(&t.flatten_all()?.to_vec1::<f32>()?, rows, k)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        // SAFETY: the blocks are GGML's repr(C) layouts without padding.
+        let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr().cast::<u8>(), std::mem::size_of_val(q.as_slice())) };
+        candle_core::quantized::ggml_file::qtensor_from_ggml(ggml, bytes, vec![rows, k], &Device::Cpu)
+    }
+    match ggml {
+        GgmlDType::Q4K => blocks::<BlockQ4K>(t, ggml),
+        GgmlDType::Q6K => blocks::<BlockQ6K>(t, ggml),
+        _ => QTensor::quantize(t, ggml),
+    }
 }
 
 #[cfg(test)]
@@ -380,6 +463,29 @@ mod tests {
         assert_eq!(llama_qk_permutation(4, 1), vec![0, 2, 1, 3]);
         let p = llama_qk_permutation(16, 2);
         assert_eq!(invert(&invert(&p)), p);
+    }
+
+    /// llama.cpp's Q4_K_M mix on TinyLlama's shape: Q6_K for the output and
+    /// for v/down in layers 0-1, 19-21 and every third between (10 of 22).
+    #[test]
+    fn q4_k_m_mix_follows_llama_cpp() {
+        let cfg = common::model::random_preset("tinyllama-1.1b").unwrap();
+        let ty = |name: &str, inp: usize| k_type(&cfg, name, inp);
+        assert_eq!(ty("lm_head.weight", 2048), GgmlDType::Q6K);
+        assert_eq!(ty("model.embed_tokens.weight", 2048), GgmlDType::Q4K);
+        let wide: Vec<usize> = (0..22)
+            .filter(|l| ty(&format!("model.layers.{l}.self_attn.v_proj.weight"), 2048) == GgmlDType::Q6K)
+            .collect();
+        assert_eq!(wide, [0, 1, 4, 7, 10, 13, 16, 19, 20, 21]);
+        for l in 0..22 {
+            let down = ty(&format!("model.layers.{l}.mlp.down_proj.weight"), 5632);
+            assert_eq!(down == GgmlDType::Q6K, wide.contains(&l));
+            assert_eq!(ty(&format!("model.layers.{l}.self_attn.q_proj.weight"), 2048), GgmlDType::Q4K);
+            assert_eq!(ty(&format!("model.layers.{l}.mlp.gate_proj.weight"), 2048), GgmlDType::Q4K);
+        }
+        // Rows that are not whole super-blocks fall back to Q8_0.
+        assert_eq!(ty("model.layers.0.self_attn.q_proj.weight", 128), GgmlDType::Q8_0);
+        assert_eq!(ty("lm_head.weight", 64), GgmlDType::Q8_0);
     }
 
     /// `common::model::gguf` reads the metadata, candle the tensors: both

@@ -5,21 +5,24 @@
 //!
 //! Q8_0 is kept regrouped for the kernel: in 16-row panels for `vpdpbusd`
 //! where the CPU has AVX-512 VNNI ([`VnniQ8_0`]), else 4 rows' codes
-//! together, scales apart ([`PackedQ8_0`]); Q4_0 stays in GGML's row-major
-//! blocks.
+//! together, scales apart ([`PackedQ8_0`]); Q4_0 and the k-quants Q4_K and
+//! Q6_K (from GGUF files) stay in GGML's row-major blocks.
 
 use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Mutex;
 
+use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, QK_K};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, QuantError, quantize_matrix};
 use kernels::cpu::vnni::{VnniQ8_0, vnni_available};
 
 use super::linear::Weight;
 
 /// How weights are stored, in GGML's type names: dense f32 or f16, or a
-/// block format (integer codes with one f16 scale per 32 weights).
-/// `--quantize` takes the block formats, `export-gguf --type` all four.
+/// block format (integer codes with f16 scales), or llama.cpp's Q4_K_M
+/// mix of Q4_K and Q6_K. `--quantize` takes [`Self::BLOCK_FORMATS`],
+/// `export-gguf --type` [`Self::EXPORT_TYPES`]; Q4_K and Q6_K weights
+/// come from GGUF files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Quantization {
     F32,
@@ -28,10 +31,19 @@ pub enum Quantization {
     Q8_0,
     /// GGML's Q4_0: 4-bit weights with an f16 scale per 32 (4.5 bits per weight).
     Q4_0,
+    /// GGML's Q4_K: super-blocks of 256, 4-bit codes, 6-bit scales and mins per 32 (4.5 bits).
+    Q4K,
+    /// GGML's Q6_K: super-blocks of 256, 6-bit codes, an i8 scale per 16 (6.56 bits).
+    Q6K,
+    /// llama.cpp's Q4_K_M file type: Q4_K, with Q6_K for the output and
+    /// half of the attn_v and ffn_down weights (an export type).
+    Q4KM,
 }
 
 impl Quantization {
-    pub const ALL: [Self; 4] = [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0];
+    pub const ALL: [Self; 7] = [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K, Self::Q4KM];
+    /// The types `export-gguf --type` writes.
+    pub const EXPORT_TYPES: [Self; 5] = [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0, Self::Q4KM];
     /// The formats a loaded model can be quantized to (`--quantize`).
     pub const BLOCK_FORMATS: [Self; 2] = [Self::Q8_0, Self::Q4_0];
 
@@ -42,6 +54,9 @@ impl Quantization {
             Self::F16 => "f16",
             Self::Q8_0 => "q8_0",
             Self::Q4_0 => "q4_0",
+            Self::Q4K => "q4_k",
+            Self::Q6K => "q6_k",
+            Self::Q4KM => "q4_k_m",
         }
     }
 
@@ -77,6 +92,13 @@ fn check_blocks(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()
     Ok(())
 }
 
+fn check_k_blocks(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()> {
+    if !inp.is_multiple_of(QK_K) || blocks != out * (inp / QK_K) {
+        candle_core::bail!("{blocks} k-quant blocks do not make a [{out}, {inp}] weight");
+    }
+    Ok(())
+}
+
 impl Weight {
     /// Quantizes a row-major `[out, inp]` f32 matrix to a block format.
     pub fn quantize(format: Quantization, w: &[f32], out: usize, inp: usize) -> candle_core::Result<Self> {
@@ -85,7 +107,7 @@ impl Weight {
             Quantization::Q4_0 => {
                 Ok(Self::Q4_0 { blocks: quantize_matrix(w, out, inp).map_err(kernel_err)?, out, inp })
             }
-            Quantization::F32 | Quantization::F16 => candle_core::bail!("{} is not a block format", format.name()),
+            _ => candle_core::bail!("{} is not a format --quantize writes", format.name()),
         }
     }
 
@@ -101,11 +123,25 @@ impl Weight {
         Ok(Self::Q4_0 { blocks, out, inp })
     }
 
+    /// Q4_K blocks as stored in a file (GGUF), checked against the shape.
+    pub fn from_q4_k(blocks: Vec<BlockQ4K>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        check_k_blocks(blocks.len(), out, inp)?;
+        Ok(Self::Q4K { blocks, out, inp })
+    }
+
+    /// Q6_K blocks as stored in a file (GGUF), checked against the shape.
+    pub fn from_q6_k(blocks: Vec<BlockQ6K>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        check_k_blocks(blocks.len(), out, inp)?;
+        Ok(Self::Q6K { blocks, out, inp })
+    }
+
     /// The block format, for quantized weights.
     pub fn block_format(&self) -> Option<Quantization> {
         match self {
             Self::Q8_0(_) | Self::Q8_0Vnni(_) => Some(Quantization::Q8_0),
             Self::Q4_0 { .. } => Some(Quantization::Q4_0),
+            Self::Q4K { .. } => Some(Quantization::Q4K),
+            Self::Q6K { .. } => Some(Quantization::Q6K),
             Self::Dense(_) | Self::PackedF16(_) | Self::PackedBf16(_) => None,
         }
     }
@@ -130,8 +166,12 @@ impl Weight {
         if let Some(mut rows) = self.q8_0_rows() {
             apply(&mut rows, perm, kb);
             *self = pack_q8_0(&rows, out, inp)?;
-        } else if let Self::Q4_0 { blocks, .. } = self {
-            apply(blocks, perm, kb);
+        }
+        match self {
+            Self::Q4_0 { blocks, .. } => apply(blocks, perm, kb),
+            Self::Q4K { blocks, .. } => apply(blocks, perm, inp / QK_K),
+            Self::Q6K { blocks, .. } => apply(blocks, perm, inp / QK_K),
+            _ => {}
         }
         Ok(())
     }
@@ -149,12 +189,24 @@ impl Weight {
             }
             out += rows;
         }
-        if format == Quantization::Q4_0 {
-            let blocks = parts.iter().flat_map(|p| match p {
-                Self::Q4_0 { blocks, .. } => blocks.as_slice(),
-                _ => &[],
-            });
-            return Ok(Some(Self::Q4_0 { blocks: blocks.copied().collect(), out, inp }));
+        // Row-major blocks: the rows of one after the other's.
+        fn concat<B: Copy>(parts: &[&Weight], get: impl Fn(&Weight) -> Option<&[B]>) -> Vec<B> {
+            parts.iter().filter_map(|p| get(p)).flatten().copied().collect()
+        }
+        match format {
+            Quantization::Q4_0 => {
+                let blocks = concat(parts, |p| if let Self::Q4_0 { blocks, .. } = p { Some(blocks) } else { None });
+                return Ok(Some(Self::Q4_0 { blocks, out, inp }));
+            }
+            Quantization::Q4K => {
+                let blocks = concat(parts, |p| if let Self::Q4K { blocks, .. } = p { Some(blocks) } else { None });
+                return Ok(Some(Self::Q4K { blocks, out, inp }));
+            }
+            Quantization::Q6K => {
+                let blocks = concat(parts, |p| if let Self::Q6K { blocks, .. } = p { Some(blocks) } else { None });
+                return Ok(Some(Self::Q6K { blocks, out, inp }));
+            }
+            _ => {}
         }
         let rows: Vec<BlockQ8_0> = parts.iter().filter_map(|p| p.q8_0_rows()).flatten().collect();
         pack_q8_0(&rows, out, inp).map(Some)
@@ -192,6 +244,7 @@ mod tests {
         }
         assert!("q5_k".parse::<Quantization>().is_err());
         assert!(Quantization::BLOCK_FORMATS.iter().all(|q| q.is_block_format()));
+        assert_eq!("q4_k_m".parse::<Quantization>(), Ok(Quantization::Q4KM));
         assert!(!Quantization::F16.is_block_format());
     }
 }
