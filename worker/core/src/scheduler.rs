@@ -27,7 +27,7 @@ use common::RequestId;
 use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::error::AddRequestError;
 use crate::kv_cache_manager::KvCacheManager;
-use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats};
+use crate::output::{RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats};
 use common::FinishReason;
 
 use crate::request::{Request, RequestStatus};
@@ -287,6 +287,7 @@ mod tests {
     use common::SamplingParams;
 
     use super::*;
+    use crate::output::SampledToken;
     use crate::spec::SpeculativeConfig;
 
     fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<RequestOutput>) {
@@ -744,6 +745,7 @@ mod proptests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::output::SampledToken;
 
     #[derive(Clone, Debug)]
     enum Op {
