@@ -89,6 +89,10 @@ pub struct StageInfo {
     pub weight_bytes: u64,
     /// Bytes of its KV cache's block pools.
     pub kv_bytes: u64,
+    /// Its Prometheus endpoint, HOST:PORT, if it serves one (a later
+    /// stage's is listed at the coordinator's /v1/prometheus/targets through
+    /// the first stage, as it never talks to the coordinator).
+    pub metrics_address: Option<String>,
 }
 
 /// Splits `total` layers over stages in proportion to `memory` (bytes each

@@ -257,3 +257,59 @@ fn two_stages_stay_exact_under_preemption() {
     });
     assert!(preempted, "no preemption happened: {}", cluster.workers());
 }
+
+/// A metric's value in Prometheus text: the first sample of `name` with
+/// every label of `labels` (in any order: registry labels come unordered).
+fn sample(text: &str, name: &str, labels: &[&str]) -> f64 {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|label| l.contains(label)))
+        .unwrap_or_else(|| panic!("no {name} {labels:?} in\n{text}"));
+    line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
+
+#[test]
+fn each_stage_serves_its_step_bytes_wait_and_bubble_metrics() {
+    let cluster = Coordinator::start_pipelines("stories260K", 1, 2, &[]);
+    // Concurrent streams, so the first stage has two micro-batches in flight.
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let url = cluster.url("/generate");
+            std::thread::spawn(move || post_json(&url, &greedy(&format!("Once upon a time {i}"), 24)))
+        })
+        .collect();
+    for h in handles {
+        let (status, out) = h.join().expect("request thread");
+        assert_eq!(status, 200, "{out}");
+    }
+    // Both stages are scrape targets: the later one through the first's registration.
+    let targets: Value =
+        ureq::get(&cluster.url("/v1/prometheus/targets")).call().expect("targets").into_json().expect("json");
+    let targets = targets.as_array().expect("target groups");
+    let names: Vec<&str> = targets.iter().map(|t| t["labels"]["worker"].as_str().unwrap()).collect();
+    assert_eq!(names, ["local-0", "local-0-stage-1"], "{targets:?}");
+    let scrape = |t: &Value| {
+        let address = t["targets"][0].as_str().expect("address");
+        ureq::get(&format!("http://{address}/metrics")).call().expect("scrape").into_string().expect("text")
+    };
+    let (first, later) = (scrape(&targets[0]), scrape(&targets[1]));
+    for (text, layers, worker) in [(&first, "0-2", "local-0"), (&later, "3-4", "local-0-stage-1")] {
+        let (layers, worker) = (format!("layers=\"{layers}\""), format!("worker=\"{worker}\""));
+        let labels = [layers.as_str(), worker.as_str(), "model_name=\"stories260K\""];
+        assert!(sample(text, "tinyvllm:pipeline_step_seconds_count", &labels) > 0.0, "{text}");
+        assert!(sample(text, "tinyvllm:pipeline_step_sent_bytes_sum", &labels) > 0.0, "{text}");
+        assert!(sample(text, "tinyvllm:pipeline_step_received_bytes_sum", &labels) > 0.0, "{text}");
+        assert!(sample(text, "tinyvllm:pipeline_active_seconds_total", &labels) > 0.0, "{text}");
+        let bubble = sample(text, "tinyvllm:pipeline_bubble_fraction", &labels);
+        assert!((0.0..1.0).contains(&bubble), "{bubble}");
+        assert!(text.contains("# TYPE tinyvllm:pipeline_wait_seconds histogram"), "{text}");
+        assert!(sample(text, "process_resident_memory_bytes", &[]) > 0.0, "{text}");
+    }
+    // The first stage waits for results (and times the wire); the later one for the previous stage.
+    assert!(sample(&first, "tinyvllm:pipeline_transfer_seconds_count", &[]) > 0.0, "{first}");
+    assert!(first.contains("for=\"results\"") && later.contains("for=\"previous_stage\""));
+    assert!(
+        first.contains("\nvllm:num_requests_running") && !later.contains("\nvllm:"),
+        "only the first stage schedules"
+    );
+}

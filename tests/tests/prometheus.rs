@@ -2,7 +2,8 @@
 //! `prometheus` package, installed by `.ci/run`) scraping it with the
 //! shipped `deploy/prometheus/prometheus.yml` (workers found through the
 //! coordinator's http_sd endpoint), live traffic, then every PromQL
-//! expression of the shipped Grafana dashboard must return data.
+//! expression of the shipped Grafana dashboard must return data. Two
+//! replicas and a two-stage pipeline serve, so the pipeline row has data too.
 //!
 //! Outside CI the test is skipped when no `prometheus` binary is on PATH.
 
@@ -13,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, TempDir, post_json, repo_root, terminate};
+use tinyvllm_tests::{Coordinator, TempDir, binary, model_dir, post_json, repo_root, terminate};
 
 fn prometheus_binary() -> Option<String> {
     let found = Command::new("prometheus").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
@@ -85,6 +86,8 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     };
     let cluster = Coordinator::start("stories260K", 2, &[]);
     let dir = TempDir::new("prometheus");
+    let mut pipeline = start_pipeline(&cluster, &dir);
+    cluster.wait_for_workers(3);
     // The shipped config, pointed at this cluster and scraping every second.
     let shipped = std::fs::read_to_string(repo_root().join("deploy/prometheus/prometheus.yml")).expect("config");
     let config = shipped.replace("localhost:8080", &cluster.http).replace("scrape_interval: 5s", "scrape_interval: 1s");
@@ -112,7 +115,8 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             .ok()
             .and_then(|r| r.into_json::<Value>().ok())
             .and_then(|v| v["data"]["result"][0]["value"][1].as_str().map(str::to_string));
-        if up.as_deref() == Some("3") {
+        // The coordinator, two replicas, and the pipeline's two stages.
+        if up.as_deref() == Some("5") {
             break;
         }
         assert!(Instant::now() < deadline, "targets never came up: {up:?}");
@@ -138,8 +142,51 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     stop.store(true, Ordering::Relaxed);
     let _ = load.join();
     terminate(&mut server);
+    for stage in &mut pipeline {
+        terminate(stage);
+    }
     assert!(empty.is_empty(), "queries without data:\n{}", empty.join("\n"));
-    assert_eq!(workers.len(), 2, "{kv}");
+    assert_eq!(workers.len(), 3, "{kv}");
+}
+
+/// A two-stage pipeline of stories260K joining `cluster`, each stage with
+/// a metrics endpoint; the later stage first, then the first dialling it.
+fn start_pipeline(cluster: &Coordinator, dir: &TempDir) -> Vec<std::process::Child> {
+    let model = model_dir("stories260K");
+    let address_file = dir.0.join("stage-1.addr");
+    let stage = |layers: &str, name: &str| {
+        let mut command = Command::new(binary("tinyvllm-worker"));
+        command
+            .args(["serve", "--model", model.to_str().unwrap(), "--layers", layers, "--name", name])
+            .args(["--metrics", "127.0.0.1:0", "--kv-cache-memory", "4000000"])
+            .arg("--cluster-secret-file")
+            .arg(&cluster.secret_file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        command
+    };
+    let mut later = stage("3-4", "pipeline-stage-1")
+        .args(["--stage-listen", "127.0.0.1:0"])
+        .arg("--stage-address-file")
+        .arg(&address_file)
+        .spawn()
+        .expect("starting the later stage");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let address = loop {
+        if let Ok(address) = std::fs::read_to_string(&address_file) {
+            break address;
+        }
+        if Instant::now() > deadline {
+            terminate(&mut later);
+            panic!("the later stage never listened");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let first = stage("0-2", "pipeline")
+        .args(["--next-stage", &address, "--coordinator", &cluster.quic])
+        .spawn()
+        .expect("starting the first stage");
+    vec![first, later]
 }
 
 /// Every metric the observability issue lists, with its type and labels.

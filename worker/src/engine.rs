@@ -16,7 +16,6 @@ use common::{KvEventRecord, RequestId, SamplingParams};
 
 use crate::error::{Result, WorkerError};
 use crate::models::{ModelFiles, Quantization};
-use crate::pipeline::link::Downstream;
 use crate::pipeline::stage::stage_kv_config;
 use crate::profile::{self, Section};
 
@@ -106,10 +105,9 @@ pub struct Engine {
     /// Structured outputs: each constrained request's matcher.
     grammars: Grammars,
     last_step: StepInfo,
-    /// The link to the next stage, on the first stage of a pipeline.
-    next_stage: Option<Downstream>,
-    /// Steps sent down the pipeline, to match their results.
-    steps_sent: u64,
+    /// The link to the next stage and the steps in flight on it, on the
+    /// first stage of a pipeline.
+    pipeline: Option<pipelined::FirstStage>,
     /// The draft model, when one proposes (`--speculative-method draft`).
     draft: Option<DraftRunner>,
 }
@@ -181,6 +179,8 @@ impl Engine {
                 Some(_) => SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..speculative },
                 None => speculative,
             },
+            // One step in flight until a next stage is attached.
+            micro_batches: 1,
         });
         let vocabulary = match &files.tokenizer_json {
             Some(path) => Vocabulary::TokenizerJson(path.clone()),
@@ -198,10 +198,7 @@ impl Engine {
             device_sampling: config.device_sampling.unwrap_or(!config.device.is_cpu()),
             grammars: Grammars::new(vocabulary, &files.eos_token_ids, cfg.vocab_size),
             last_step: StepInfo::default(),
-            next_stage: None,
-            // Random, so a result relayed late to a restarted first stage
-            // never matches one of its steps.
-            steps_sent: random_seed(),
+            pipeline: None,
             draft,
         })
     }
@@ -258,7 +255,7 @@ impl Engine {
             let message = "a constrained request needs its grammar (and only it)".to_string();
             return Err(WorkerError::InvalidRequest { id, message });
         }
-        if grammar.is_some() && self.next_stage.is_some() {
+        if grammar.is_some() && self.pipeline.is_some() {
             let message = "structured outputs are not served by pipelines yet (the last stage samples unmasked)";
             return Err(WorkerError::InvalidRequest { id, message: message.to_string() });
         }
@@ -366,6 +363,9 @@ impl Engine {
     /// One step: computes the scheduled tokens of all running requests in
     /// one forward pass and returns each sampling request's new token.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        if self.pipeline.is_some() {
+            return self.step_pipelined();
+        }
         let sched_timer = profile::scope(Section::Scheduler);
         let mut step = self.scheduler.schedule();
         if let Some(draft) = &mut self.draft {
@@ -386,9 +386,6 @@ impl Engine {
         }
         let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
         drop(sched_timer);
-        if self.next_stage.is_some() {
-            return self.step_pipelined(&step, &batch);
-        }
         if self.device_sampling {
             return self.step_sampling_on_device(&step, &batch);
         }
@@ -471,9 +468,10 @@ impl Engine {
         let vocab = self.vocab_size;
         let mut rows = Vec::new(); // (next prompt token, top n)
         for s in step.scheduled.iter().filter(|s| !s.prompt_logprob_positions.is_empty()) {
-            let req = self.scheduler.request(s.id).expect("scheduled request exists");
-            let n = req.params.prompt_logprobs.unwrap_or(0) as usize;
-            rows.extend(s.prompt_logprob_positions.clone().map(|p| (req.token_ids[p + 1], n)));
+            // A request aborted while its step was in flight keeps its rows, unread.
+            let req = self.scheduler.request(s.id);
+            let n = req.map_or(0, |r| r.params.prompt_logprobs.unwrap_or(0) as usize);
+            rows.extend(s.prompt_logprob_positions.clone().map(|p| (req.map_or(0, |r| r.token_ids[p + 1]), n)));
         }
         let values = sampler::token_logprobs(logits, vocab, &rows);
         let mut reported = values

@@ -105,15 +105,20 @@ pub fn workers(app: &AppState) -> Reply {
 /// Prometheus `http_sd` format, so a scrape config needs no edit when
 /// workers come and go.
 pub fn prometheus_targets(app: &AppState) -> Reply {
+    // A pipeline's later stages serve metrics of their own (its first
+    // stage is the worker itself).
     let groups: Vec<TargetGroup<'_>> = app
         .cluster
         .workers()
         .into_iter()
-        .filter_map(|w| {
-            let target = w.metrics_address?;
+        .flat_map(|w| {
+            let later = w.stages.into_iter().skip(1).map(|s| (s.metrics_address, s.name));
+            std::iter::once((w.metrics_address, w.name)).chain(later)
+        })
+        .filter_map(|(target, worker)| {
             Some(TargetGroup {
-                targets: [target],
-                labels: TargetLabels { worker: w.name, model_name: &app.served_model_name },
+                targets: [target?],
+                labels: TargetLabels { worker, model_name: &app.served_model_name },
             })
         })
         .collect();

@@ -141,6 +141,7 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             layers: "0-27".into(),
             weight_bytes: 1 << 30,
             kv_bytes: 1 << 28,
+            metrics_address: Some("127.0.0.1:9100".into()),
         }],
         auth_tag: vec![0xab; 32],
     };

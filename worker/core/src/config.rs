@@ -28,6 +28,10 @@ pub struct SchedulerConfig {
     pub max_prompt_logprob_rows: usize,
     /// Speculative decoding (n-gram proposals); off unless enabled.
     pub speculative: SpeculativeConfig,
+    /// Steps a pipeline keeps in flight: each step takes at most
+    /// 1/`micro_batches` of the requests, so the rest can make the next one
+    /// (1 for a single worker: every step takes every request).
+    pub micro_batches: usize,
 }
 
 impl SchedulerConfig {
@@ -43,6 +47,7 @@ impl SchedulerConfig {
             eos_token_ids: Vec::new(),
             max_prompt_logprob_rows: 512,
             speculative: SpeculativeConfig::default(),
+            micro_batches: 1,
         }
     }
 }

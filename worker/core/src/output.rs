@@ -47,6 +47,8 @@ impl ScheduledRequest {
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SchedulerOutput {
+    /// This step's number, to match its result (`update_from_output`).
+    pub step_id: u64,
     pub scheduled: Vec<ScheduledRequest>,
     pub num_batched_tokens: usize,
     pub preempted: Vec<RequestId>,

@@ -43,6 +43,10 @@ pub struct Request {
     /// log-probability is still owed (1 at first: the first token has
     /// none). Position p's comes from the logits at p - 1.
     pub next_prompt_logprob: usize,
+    /// The step computing this request's last scheduled tokens while its
+    /// result is not back (a pipeline keeps several steps in flight): the
+    /// request is not scheduled again, nor preempted, until then.
+    pub in_flight_step: Option<u64>,
 }
 
 impl Request {
@@ -62,6 +66,7 @@ impl Request {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             next_prompt_logprob: 1,
+            in_flight_step: None,
         }
     }
 

@@ -12,8 +12,13 @@
 //! Speculative decoding (`spec`): a decode also computes its n-gram
 //! proposal, and the KV slots of rejected proposals are rolled back.
 //!
+//! A pipeline keeps several steps in flight (`in_flight`): a request is
+//! scheduled again only once its last step's result is back.
+//!
 //! No tensors and no I/O here: `schedule()` says what to compute, the model
 //! runner computes it, `update_from_output()` takes the sampled tokens.
+
+mod in_flight;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -22,7 +27,7 @@ use common::RequestId;
 use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::error::AddRequestError;
 use crate::kv_cache_manager::KvCacheManager;
-use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput, SchedulerStats};
+use crate::output::{RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats};
 use common::FinishReason;
 
 use crate::request::{Request, RequestStatus};
@@ -39,6 +44,7 @@ pub struct Scheduler {
     next_arrival: u64,
     num_preemptions: u64,
     spec_stats: SpecDecodingStats,
+    next_step_id: u64,
 }
 
 impl Scheduler {
@@ -56,6 +62,7 @@ impl Scheduler {
             next_arrival: 0,
             num_preemptions: 0,
             spec_stats: SpecDecodingStats::default(),
+            next_step_id: 0,
         }
     }
 
@@ -129,14 +136,16 @@ impl Scheduler {
 
     /// Decides what the next step computes.
     pub fn schedule(&mut self) -> SchedulerOutput {
-        let mut out = SchedulerOutput::default();
+        let mut out = SchedulerOutput { step_id: self.next_step_id, ..SchedulerOutput::default() };
+        self.next_step_id += 1;
+        let (max_seqs, mut stalled) = (self.step_seq_limit(), false);
         let mut budget = self.config.max_num_batched_tokens;
         let mut logprob_rows = self.config.max_prompt_logprob_rows;
         let speculate = self.config.speculative.speculates(self.running.iter().map(|id| &self.requests[id].params));
 
-        // 1. Running requests first, highest priority first.
+        // 1. Running requests first, highest priority first; those in flight wait.
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && budget > 0 && out.scheduled.len() < max_seqs {
             let id = self.running[i];
             let req = &self.requests[&id];
             let remaining = req.num_tokens() - req.num_computed_tokens;
@@ -144,7 +153,7 @@ impl Scheduler {
             if req.owes_prompt_logprobs() {
                 num_new = num_new.min(logprob_rows);
             }
-            if num_new == 0 {
+            if num_new == 0 || req.in_flight_step.is_some() {
                 i += 1;
                 continue;
             }
@@ -161,9 +170,11 @@ impl Scheduler {
                     proposal = Proposal::default();
                     continue;
                 }
-                // Out of blocks: the lowest-priority running request (the
-                // last, never yet scheduled this step) gives its blocks back.
-                let Some(victim) = self.running.pop() else { break };
+                // Out of blocks: a lower-priority request gives its blocks back.
+                let Some(victim) = self.take_victim(i) else {
+                    stalled = true;
+                    break;
+                };
                 self.preempt(victim);
                 out.preempted.push(victim);
                 if victim == id {
@@ -171,7 +182,7 @@ impl Scheduler {
                     break;
                 }
             }
-            if preempted_self {
+            if preempted_self || stalled {
                 break;
             }
             logprob_rows -= self.push_scheduled(&mut out, id, num_new, proposal);
@@ -180,7 +191,10 @@ impl Scheduler {
         }
 
         // 2. Admit waiting requests, unless this step already had to preempt.
-        while out.preempted.is_empty() && budget > 0 && self.running.len() < self.config.max_num_seqs {
+        while out.preempted.is_empty() && !stalled && budget > 0 && out.scheduled.len() < max_seqs {
+            if self.running.len() >= self.config.max_num_seqs {
+                break;
+            }
             let Some((&key, &id)) = self.waiting.iter().next() else { break };
             let req = &self.requests[&id];
             let (hits, num_hit_tokens) = self.kv.get_computed_blocks(req);
@@ -223,6 +237,7 @@ impl Scheduler {
         let req = self.requests.get_mut(&id).expect("scheduled request exists");
         let start = req.num_computed_tokens;
         req.num_computed_tokens += num_new;
+        req.in_flight_step = Some(out.step_id);
         // Logits at p give the log-probability of prompt token p + 1; rows
         // owed start at `next_prompt_logprob - 1` (later after a preemption
         // recomputes positions already reported).
@@ -258,33 +273,6 @@ impl Scheduler {
         self.waiting.insert((req.priority, req.arrival), id);
     }
 
-    /// Appends the sampled tokens (`num_sampled_rows` per scheduled
-    /// request, in order; see `Request::append_verified`), finishes requests
-    /// that hit a stop condition and frees their blocks, and the blocks of
-    /// rejected proposals.
-    pub fn update_from_output(&mut self, out: &SchedulerOutput, sampled: Vec<SampledToken>) -> Vec<RequestOutput> {
-        let mut outputs = Vec::with_capacity(out.scheduled.len());
-        debug_assert_eq!(out.scheduled.iter().map(ScheduledRequest::num_sampled_rows).sum::<usize>(), sampled.len());
-        let mut sampled = sampled.into_iter();
-        for sched in out.scheduled.iter().filter(|s| s.samples) {
-            let rows: Vec<SampledToken> = sampled.by_ref().take(sched.num_sampled_rows()).collect();
-            let Some(req) = self.requests.get_mut(&sched.id) else { continue };
-            let (output, accepted) = req.append_verified(&sched.spec_token_ids, rows, &self.config);
-            self.spec_stats.observe(sched.spec_token_ids.len(), accepted);
-            let id = req.id;
-            if let Some(reason) = output.finish_reason {
-                req.status = RequestStatus::Finished(reason);
-                self.requests.remove(&id);
-                self.running.retain(|&r| r != id);
-                self.kv.free(id);
-            } else if !sched.spec_token_ids.is_empty() {
-                self.kv.free_blocks_past(id, req.num_tokens());
-            }
-            outputs.push(output);
-        }
-        outputs
-    }
-
     /// Every block is free or cached with ref_cnt 0 once no request is alive;
     /// in general, ref counts match the live block tables.
     pub fn check_invariants(&self) {
@@ -301,6 +289,7 @@ mod tests {
     use common::SamplingParams;
 
     use super::*;
+    use crate::output::SampledToken;
     use crate::spec::SpeculativeConfig;
 
     fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<RequestOutput>) {
@@ -817,6 +806,7 @@ mod proptests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::output::SampledToken;
 
     #[derive(Clone, Debug)]
     enum Op {

@@ -8,6 +8,8 @@ use clap::Args;
 
 use common::pipeline::{LayerRange, StageInfo};
 
+use worker::pipeline::metrics::PipelineMetrics;
+
 use super::engine_args::{EngineArgs, build_engine_from, on_the_kernel_pool, resolve};
 use super::stage::StageArgs;
 
@@ -34,6 +36,11 @@ pub struct ServeArgs {
     /// Write the bound --stage-listen address to this file once listening.
     #[arg(long)]
     stage_address_file: Option<std::path::PathBuf>,
+    /// Steps the first stage of a pipeline keeps in flight, each with its
+    /// share of the running requests, so the stages compute at once
+    /// (default: the number of stages; 1 makes them take turns).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pipeline_micro_batches: Option<u16>,
     /// This worker's name in logs, metrics and /v1/workers (default: host name and pid).
     #[arg(long)]
     name: Option<String>,
@@ -99,17 +106,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let (Some(next), Some(l)) = (&args.next_stage, layers) {
         let downstream = runtime.block_on(super::stage::dial_next(&name, &secret, &files, &args.engine, l, next))?;
         later_stages = downstream.stages.clone();
-        engine.attach_next_stage(downstream)?;
-    }
-    let own = StageInfo {
-        name: name.clone(),
-        layers: layers.unwrap_or(LayerRange::full(num_layers)).to_string(),
-        weight_bytes: engine.resident_weight_bytes() as u64,
-        kv_bytes: engine.kv_cache_bytes(),
-    };
-    let stages: Vec<StageInfo> = std::iter::once(own).chain(later_stages).collect();
-    if stages.len() > 1 {
-        super::stage::log_pipeline(&stages);
+        engine.attach_next_stage(downstream, args.pipeline_micro_batches.map(usize::from))?;
     }
     let stats = engine.stats();
     let mut metrics = None;
@@ -123,6 +120,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.served_model_name.clone().unwrap_or_else(|| common::model::default_served_name(&args.engine.model));
         let engine_metrics = worker::serve::metrics::EngineMetrics::new(&model_name, &name);
         let registry = engine_metrics.registry().clone();
+        if let Some(l) = layers.filter(|_| engine.is_pipelined()) {
+            engine.set_pipeline_metrics(PipelineMetrics::new(&registry, &l.to_string(), true)?);
+        }
         runtime.spawn(worker::serve::metrics_server::serve_metrics(
             listener,
             std::sync::Arc::new(move || worker::serve::metrics::render(&registry)),
@@ -130,6 +130,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         common::log!("metrics on http://{bound}/metrics");
         metrics = Some(engine_metrics);
         metrics_address = Some(bound.to_string());
+    }
+    let own = StageInfo {
+        name: name.clone(),
+        layers: layers.unwrap_or(LayerRange::full(num_layers)).to_string(),
+        weight_bytes: engine.resident_weight_bytes() as u64,
+        kv_bytes: engine.kv_cache_bytes(),
+        metrics_address: metrics_address.clone(),
+    };
+    let stages: Vec<StageInfo> = std::iter::once(own).chain(later_stages).collect();
+    if stages.len() > 1 {
+        super::stage::log_pipeline(&stages);
     }
     let pipeline_lost = std::sync::Arc::new(std::sync::OnceLock::new());
     let config = ServeConfig {
@@ -179,6 +190,8 @@ fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {
         listen: args.stage_listen,
         address_file: args.stage_address_file.clone(),
         next_stage: args.next_stage.clone(),
+        metrics: args.metrics.clone(),
+        served_model_name: args.served_model_name.clone(),
     }
 }
 

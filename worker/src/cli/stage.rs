@@ -8,6 +8,7 @@ use common::pipeline::LayerRange;
 use worker::models::ModelFiles;
 use worker::pipeline::follower::{self, Compute, FollowerConfig};
 use worker::pipeline::link::{self, Downstream};
+use worker::pipeline::metrics::PipelineMetrics;
 use worker::pipeline::stage::StageRunner;
 use worker::pipeline::wire::{STAGE_PROTOCOL_VERSION, StageHello, StageInfo};
 
@@ -20,6 +21,9 @@ pub struct StageArgs {
     pub listen: Option<std::net::SocketAddr>,
     pub address_file: Option<std::path::PathBuf>,
     pub next_stage: Option<String>,
+    /// Where to serve this stage's Prometheus metrics (HOST:PORT).
+    pub metrics: Option<String>,
+    pub served_model_name: Option<String>,
 }
 
 /// Runs a later stage (one without layer 0) until SIGTERM or a fatal error.
@@ -35,7 +39,7 @@ pub fn run_later_stage(
     })?;
     let runner = StageRunner::new(&resolved.files, &stage_config(engine, &resolved, layers))
         .with_context(|| format!("loading layers {layers} of {}", resolved.files.name))?;
-    let info = runner.info(&args.name);
+    let mut info = runner.info(&args.name);
     common::log!(
         "stage {} (layers {layers} of {}): weights {:.1} MiB, KV cache {} blocks, {:.1} MiB",
         args.name,
@@ -44,7 +48,25 @@ pub fn run_later_stage(
         runner.num_blocks(),
         mib(info.kv_bytes)
     );
-    let compute = Compute::start(runner, &args.name, on_the_kernel_pool)?;
+    let mut metrics = None;
+    if let Some(addr) = &args.metrics {
+        let listener = runtime
+            .block_on(worker::serve::metrics_server::bind(addr))
+            .with_context(|| format!("binding the metrics endpoint on {addr}"))?;
+        let bound = listener.local_addr()?;
+        let model_name =
+            args.served_model_name.clone().unwrap_or_else(|| common::model::default_served_name(&engine.model));
+        // No engine series: this stage schedules nothing.
+        let registry = worker::serve::metrics::labelled_registry(&model_name, &args.name);
+        metrics = Some(PipelineMetrics::new(&registry, &layers.to_string(), false)?);
+        runtime.spawn(worker::serve::metrics_server::serve_metrics(
+            listener,
+            std::sync::Arc::new(move || worker::serve::metrics::render(&registry)),
+        ));
+        common::log!("metrics on http://{bound}/metrics");
+        info.metrics_address = Some(bound.to_string());
+    }
+    let compute = Compute::start(runner, info, metrics, on_the_kernel_pool)?;
     let config = FollowerConfig {
         name: args.name,
         secret: args.secret,

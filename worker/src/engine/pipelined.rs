@@ -1,24 +1,49 @@
 //! The first stage's step: schedule here, run the embeddings and this
 //! stage's layers, send the hidden states and the step's metadata down the
-//! pipeline, and wait for the last stage's sampled tokens before
-//! `update_from_output` (the next step of those sequences needs them). One
-//! step is in flight at a time.
+//! pipeline, and take the last stage's sampled tokens when they come back
+//! (`update_from_output`; the next step of those sequences needs them).
+//!
+//! Up to `micro_batches` steps are in flight (vLLM's virtual engines): the
+//! scheduler gives each step its share of the requests and skips those
+//! whose result is not back (`engine_core::scheduler::in_flight`), so while
+//! the later stages compute one micro-batch this stage computes the next.
+//! Every stage handles steps in order, so results come back in order.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use engine_core::{Request, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs};
 
 use super::{Engine, sampling_requests};
 use crate::error::{Result, WorkerError};
-use crate::pipeline::link::Downstream;
+use crate::pipeline::link::{Arrived, Downstream};
+use crate::pipeline::metrics::PipelineMetrics;
 use crate::pipeline::wire::{SamplingRow, StepHeader, StepResult, f32_from_bytes, hidden_to_bytes};
 use crate::profile::{self, Section};
-use crate::runner::model_runner::BatchInputs;
 use engine_core::RequestOutput;
+
+/// The first stage's side of its pipeline.
+pub(super) struct FirstStage {
+    next: Downstream,
+    /// Steps sent whose results are not back, oldest first: (wire step
+    /// number, when it was handed to the link, what was scheduled).
+    in_flight: VecDeque<(u64, Instant, SchedulerOutput)>,
+    micro_batches: usize,
+    /// Wire step numbers. Random at start, so a result relayed late to a
+    /// restarted first stage never matches one of its steps.
+    steps_sent: u64,
+    /// No request ran since the last step was sent (the next one starts a
+    /// busy period, so the later stages' wait for it is no bubble).
+    went_idle: bool,
+    metrics: Option<PipelineMetrics>,
+}
 
 impl Engine {
     /// Makes this engine the first stage of a pipeline whose next stage is
-    /// `next`. The pipeline has the least block count of its stages, so a
+    /// `next`, with up to `micro_batches` steps in flight (default: one per
+    /// stage). The pipeline has the least block count of its stages, so a
     /// larger cache here shrinks to it (before any request arrives).
-    pub fn attach_next_stage(&mut self, next: Downstream) -> Result<()> {
+    pub fn attach_next_stage(&mut self, next: Downstream, micro_batches: Option<usize>) -> Result<()> {
         if self.runner.model().layer_range().is_last() {
             return Err(WorkerError::Unsupported("this engine holds every layer: there is no next stage".into()));
         }
@@ -33,23 +58,86 @@ impl Engine {
             self.scheduler = Scheduler::new(SchedulerConfig { num_blocks: chain, ..self.scheduler.config().clone() });
             self.runner.reallocate_kv(chain)?;
         }
-        self.next_stage = Some(next);
+        let micro_batches = micro_batches.unwrap_or(next.stages.len() + 1).max(1);
+        self.scheduler.set_micro_batches(micro_batches);
+        self.pipeline = Some(FirstStage {
+            next,
+            in_flight: VecDeque::new(),
+            micro_batches,
+            steps_sent: super::random_seed(),
+            went_idle: true,
+            metrics: None,
+        });
         Ok(())
     }
 
     /// Whether this engine is the first stage of a pipeline.
     pub fn is_pipelined(&self) -> bool {
-        self.next_stage.is_some()
+        self.pipeline.is_some()
     }
 
-    pub(super) fn step_pipelined(&mut self, step: &SchedulerOutput, batch: &BatchInputs) -> Result<Vec<RequestOutput>> {
-        let header_and_hidden = {
+    /// Records this stage's pipeline metrics (on a pipeline's first stage).
+    pub fn set_pipeline_metrics(&mut self, metrics: PipelineMetrics) {
+        if let Some(p) = &mut self.pipeline {
+            p.metrics = Some(metrics);
+        }
+    }
+
+    /// Sends the next micro-batch if one may go, then takes the results
+    /// that are back: waiting for one when the pipeline is full or nothing
+    /// else could be sent.
+    pub(super) fn step_pipelined(&mut self) -> Result<Vec<RequestOutput>> {
+        let started = Instant::now();
+        let room = self.pipeline.as_ref().is_some_and(|p| p.in_flight.len() < p.micro_batches);
+        let sent = room && self.send_step()?;
+        if !sent {
+            self.last_step.scheduled.clear();
+            self.last_step.num_batched_tokens = 0;
+        }
+        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let mut results = Vec::new();
+        let mut waited = Duration::ZERO;
+        if !p.in_flight.is_empty() && (!sent || p.in_flight.len() >= p.micro_batches) {
+            let wait = Instant::now();
+            results.push(p.next.recv_blocking()?);
+            waited = wait.elapsed();
+        }
+        while let Some(result) = p.next.try_recv()? {
+            results.push(result);
+        }
+        let mut outputs = Vec::new();
+        for result in results {
+            outputs.extend(self.take_result(result)?);
+        }
+        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        p.went_idle |= !self.scheduler.has_unfinished();
+        if let Some(m) = &p.metrics {
+            m.busy_period(started.elapsed(), waited);
+        }
+        Ok(outputs)
+    }
+
+    /// Schedules a micro-batch and sends it; `false` if nothing could go.
+    fn send_step(&mut self) -> Result<bool> {
+        let sched_timer = profile::scope(Section::Scheduler);
+        let step = self.scheduler.schedule();
+        self.last_step.scheduled.clear();
+        self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
+        self.last_step.num_batched_tokens = step.num_batched_tokens;
+        if step.scheduled.is_empty() {
+            return Ok(false);
+        }
+        let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
+        drop(sched_timer);
+        let computing = Instant::now();
+        let (header, bytes) = {
             let _t = profile::scope(Section::Forward);
-            let hidden = self.runner.execute_first_stage(batch)?;
+            let hidden = self.runner.execute_first_stage(&batch)?;
             let (dtype, bytes) = hidden_to_bytes(&hidden)?;
-            self.steps_sent = self.steps_sent.wrapping_add(1);
+            let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+            p.steps_sent = p.steps_sent.wrapping_add(1);
             let header = StepHeader {
-                step: self.steps_sent,
+                step: p.steps_sent,
                 dtype,
                 hidden_bytes: bytes.len() as u64,
                 positions: batch.positions.clone(),
@@ -59,13 +147,39 @@ impl Engine {
                 block_tables: batch.meta.block_tables.clone(),
                 logits_indices: batch.logits_indices.clone(),
                 prompt_logprob_rows: batch.prompt_logprob_rows.clone(),
-                sampling: sampling_requests(&self.scheduler, step).map(sampling_row).collect(),
+                sampling: sampling_requests(&self.scheduler, &step).map(sampling_row).collect(),
+                continues: !std::mem::replace(&mut p.went_idle, false),
+                stage_micros: 0,
             };
             (header, bytes)
         };
-        let next = self.next_stage.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
-        let (result, raw) = next.round_trip(header_and_hidden)?;
-        match result {
+        let computed = computing.elapsed();
+        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let wire_bytes = p.next.send(&header, bytes)?;
+        if let Some(m) = &p.metrics {
+            m.computed(computed);
+            m.sent(wire_bytes);
+        }
+        p.in_flight.push_back((header.step, Instant::now(), step));
+        Ok(true)
+    }
+
+    /// Applies a result to the oldest step in flight (the one it answers;
+    /// a result for no step in flight is a stale one, dropped).
+    fn take_result(&mut self, result: Arrived<StepResult>) -> Result<Vec<RequestOutput>> {
+        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let step_no = result.frame.step();
+        if p.in_flight.front().is_none_or(|(expected, ..)| *expected != step_no) {
+            common::log!("pipeline: dropped the result of step {step_no}, which is not the oldest in flight");
+            return Ok(Vec::new());
+        }
+        let (_, sent_at, step) = p.in_flight.pop_front().expect("checked above");
+        if let Some(m) = &p.metrics {
+            m.received(result.bytes);
+            let held = Duration::from_micros(result.frame.stage_micros());
+            m.transfer(result.at.saturating_duration_since(sent_at).saturating_sub(held));
+        }
+        match result.frame {
             StepResult::Sampled { sampled, .. } => {
                 let sampled: Vec<SampledToken> = sampled
                     .into_iter()
@@ -74,7 +188,7 @@ impl Engine {
                         logprobs: s.logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
                     })
                     .collect();
-                Ok(self.finish_step(step, sampled, &f32_from_bytes(&raw)))
+                Ok(self.finish_step(&step, sampled, &f32_from_bytes(&result.raw)))
             }
             StepResult::Failed { message, .. } => Err(WorkerError::Unsupported(message)),
         }

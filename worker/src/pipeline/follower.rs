@@ -9,12 +9,14 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
 
 use common::pipeline::LayerRange;
 use common::protocol::ModelIdentity;
 use tokio::sync::mpsc;
 
-use super::link::{self, Downstream, Framed, LinkError, Upstream};
+use super::link::{self, Arrived, Downstream, LinkError, Upstream};
+use super::metrics::PipelineMetrics;
 use super::stage::{StageRunner, StageStep};
 use super::wire::{STAGE_PROTOCOL_VERSION, StageHello, StageInfo, StepHeader, StepResult};
 use crate::engine::LogprobsMode;
@@ -36,40 +38,57 @@ pub struct FollowerConfig {
 /// How long the stage before has to prove the secret once it connected.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// A step for the compute thread, tagged with the link it came on.
-type ComputeInput = (u64, LogprobsMode, StepHeader, Vec<u8>);
+/// A step for the compute thread, tagged with the link it came on and
+/// when it arrived.
+type ComputeInput = (u64, LogprobsMode, StepHeader, Vec<u8>, Instant);
 
 /// The compute thread's ends.
 pub struct Compute {
     inputs: std_mpsc::Sender<ComputeInput>,
-    outputs: mpsc::UnboundedReceiver<(u64, StageStep)>,
+    outputs: mpsc::UnboundedReceiver<(u64, StageStep, Instant)>,
     layers: LayerRange,
     num_blocks: u64,
     info: StageInfo,
+    metrics: Option<PipelineMetrics>,
 }
 
 impl Compute {
     /// Runs `runner` on a thread of its own; `on_pool` puts the loop on
-    /// the kernels' thread pool (as the engine's step loop).
+    /// the kernels' thread pool (as the engine's step loop). `info` is this
+    /// stage as the stages before see it; `metrics` records its steps.
     pub fn start(
         mut runner: StageRunner,
-        name: &str,
+        info: StageInfo,
+        metrics: Option<PipelineMetrics>,
         on_pool: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> std::io::Result<Self> {
         let (inputs, rx) = std_mpsc::channel::<ComputeInput>();
         let (tx, outputs) = mpsc::unbounded_channel();
-        let (layers, num_blocks, info) = (runner.layers(), runner.num_blocks() as u64, runner.info(name));
+        let (layers, num_blocks) = (runner.layers(), runner.num_blocks() as u64);
+        let recorder = metrics.clone();
         std::thread::Builder::new().name("stage".into()).spawn(move || {
             on_pool(Box::new(move || {
-                while let Ok((generation, mode, header, hidden)) = rx.recv() {
+                let mut last_end: Option<Instant> = None;
+                while let Ok((generation, mode, header, hidden, arrived)) = rx.recv() {
+                    let (start, continues) = (Instant::now(), header.continues);
                     runner.logprobs_mode = mode;
-                    if tx.send((generation, runner.run(header, hidden))).is_err() {
+                    let out = runner.run(header, hidden);
+                    let end = Instant::now();
+                    if let Some(m) = &recorder {
+                        // The wait since the last step is a bubble only
+                        // while the first stage had requests running.
+                        let idle = last_end.filter(|_| continues).map_or(Duration::ZERO, |e| start - e);
+                        m.computed(end - start);
+                        m.busy_period(end - start + idle, idle);
+                    }
+                    last_end = Some(end);
+                    if tx.send((generation, out, arrived)).is_err() {
                         return;
                     }
                 }
             }))
         })?;
-        Ok(Self { inputs, outputs, layers, num_blocks, info })
+        Ok(Self { inputs, outputs, layers, num_blocks, info, metrics })
     }
 }
 
@@ -193,7 +212,7 @@ async fn lost(downstream: &mut Option<Downstream>) {
     }
 }
 
-async fn next_result(downstream: &mut Option<Downstream>) -> Option<Framed<StepResult>> {
+async fn next_result(downstream: &mut Option<Downstream>) -> Option<Arrived<StepResult>> {
     match downstream {
         Some(d) => d.results.recv().await,
         None => std::future::pending().await,
@@ -222,8 +241,11 @@ async fn serve_link(
     let end = loop {
         tokio::select! {
             frame = frames.recv() => match frame {
-                Some(Ok(Some((header, hidden)))) => {
-                    if compute.inputs.send((generation, mode, header, hidden)).is_err() {
+                Some(Ok(Some(step))) => {
+                    if let Some(m) = &compute.metrics {
+                        m.received(step.bytes);
+                    }
+                    if compute.inputs.send((generation, mode, step.frame, step.raw, step.at)).is_err() {
                         break LinkEnd::ComputeStopped;
                     }
                 }
@@ -232,22 +254,26 @@ async fn serve_link(
             },
             out = compute.outputs.recv() => match out {
                 None => break LinkEnd::ComputeStopped,
-                Some((g, _)) if g != generation => {} // a step of a link already gone
-                Some((_, StageStep::Forward(header, hidden))) => {
+                Some((g, ..)) if g != generation => {} // a step of a link already gone
+                Some((_, StageStep::Forward(mut header, hidden), arrived)) => {
                     let Some(d) = downstream.as_ref() else { break LinkEnd::DownstreamGone };
-                    if d.steps.send((header, hidden)).is_err() {
-                        break LinkEnd::DownstreamGone;
+                    header.stage_micros += arrived.elapsed().as_micros() as u64;
+                    match d.send(&header, hidden) {
+                        Ok(bytes) => compute.metrics.iter().for_each(|m| m.sent(bytes)),
+                        Err(_) => break LinkEnd::DownstreamGone,
                     }
                 }
-                Some((_, StageStep::Result(result, raw))) => {
-                    if let Err(e) = link::write_framed(&mut send, &result, &raw).await {
-                        break LinkEnd::UpstreamGone(e.to_string());
+                Some((_, StageStep::Result(mut result, raw), arrived)) => {
+                    result.add_stage_micros(arrived.elapsed().as_micros() as u64);
+                    match link::write_framed(&mut send, &result, &raw).await {
+                        Ok(bytes) => compute.metrics.iter().for_each(|m| m.sent(bytes)),
+                        Err(e) => break LinkEnd::UpstreamGone(e.to_string()),
                     }
                 }
             },
             result = next_result(downstream) => match result {
-                Some((result, raw)) => {
-                    if let Err(e) = link::write_framed(&mut send, &result, &raw).await {
+                Some(result) => {
+                    if let Err(e) = link::write_framed(&mut send, &result.frame, &result.raw).await {
                         break LinkEnd::UpstreamGone(e.to_string());
                     }
                 }

@@ -8,6 +8,7 @@
 //! the rest of the worker talks to a link through channels.
 
 use std::net::SocketAddr;
+use std::time::Instant;
 
 use common::protocol::{MAX_FRAME_BYTES, MAX_HELLO_FRAME_BYTES};
 use common::transport::{self, Role, TransportError};
@@ -38,35 +39,55 @@ pub enum LinkError {
 /// A frame and the raw bytes that follow it.
 pub type Framed<T> = (T, Vec<u8>);
 
+/// A frame read off a link: its raw bytes, when it was read, and its size
+/// on the wire (frame and raw bytes).
+pub struct Arrived<T> {
+    pub frame: T,
+    pub raw: Vec<u8>,
+    pub at: Instant,
+    pub bytes: usize,
+}
+
 /// The link to the next stage, as the stage before holds it.
 pub struct Downstream {
     /// The least KV block count of every stage after this one.
     pub num_blocks: u64,
     /// Every stage after this one, in order.
     pub stages: Vec<StageInfo>,
-    /// Steps to send (header, hidden-state bytes).
-    pub steps: mpsc::UnboundedSender<Framed<StepHeader>>,
-    /// Results coming back (result, prompt-logit bytes); closed when the link is lost.
-    pub results: mpsc::UnboundedReceiver<Framed<StepResult>>,
+    /// Encoded step frames and their hidden-state bytes, for the writer task.
+    steps: mpsc::UnboundedSender<(Vec<u8>, Vec<u8>)>,
+    /// Results coming back; closed when the link is lost.
+    pub results: mpsc::UnboundedReceiver<Arrived<StepResult>>,
 }
 
 impl Downstream {
-    /// Sends one step and waits for its result, blocking (the first stage's
-    /// engine thread; never call it from async code).
-    /// Results of other steps (sent by an earlier first stage before it
-    /// was restarted, and relayed late) are dropped.
-    pub fn round_trip(&mut self, step: Framed<StepHeader>) -> Result<Framed<StepResult>, WorkerError> {
-        let lost = |why: &str| WorkerError::PipelineLost(why.to_string());
-        let expected = step.0.step;
-        self.steps.send(step).map_err(|_| lost("the link to the next stage is closed"))?;
-        loop {
-            let result = self.results.blocking_recv().ok_or_else(|| lost("the next stage went away"))?;
-            if result.0.step() == expected {
-                return Ok(result);
-            }
-            common::log!("pipeline: dropped the result of step {} (waiting for step {expected})", result.0.step());
+    /// Queues a step for the next stage (encoded here, written by the
+    /// link's task); returns its size on the wire.
+    pub fn send(&self, header: &StepHeader, hidden: Vec<u8>) -> Result<usize, WorkerError> {
+        let frame = common::protocol::encode_frame(header).map_err(|e| WorkerError::Unsupported(e.to_string()))?;
+        let bytes = frame.len() + hidden.len();
+        self.steps.send((frame, hidden)).map_err(|_| lost("the link to the next stage is closed"))?;
+        Ok(bytes)
+    }
+
+    /// Waits for the next result, blocking (the first stage's engine
+    /// thread; never call it from async code).
+    pub fn recv_blocking(&mut self) -> Result<Arrived<StepResult>, WorkerError> {
+        self.results.blocking_recv().ok_or_else(|| lost("the next stage went away"))
+    }
+
+    /// The next result if one is back already.
+    pub fn try_recv(&mut self) -> Result<Option<Arrived<StepResult>>, WorkerError> {
+        match self.results.try_recv() {
+            Ok(result) => Ok(Some(result)),
+            Err(mpsc::error::TryRecvError::Empty) => Ok(None),
+            Err(mpsc::error::TryRecvError::Disconnected) => Err(lost("the next stage went away")),
         }
     }
+}
+
+fn lost(why: &str) -> WorkerError {
+    WorkerError::PipelineLost(why.to_string())
 }
 
 /// [`dial`], again every `RETRY` while the next stage is not up yet (it
@@ -116,14 +137,14 @@ pub async fn dial(address: &str, secret: &str, mut hello: StageHello) -> Result<
         None => return Err(LinkError::Closed),
     };
     transport::trust_connection(&conn);
-    let (steps, mut outgoing) = mpsc::unbounded_channel::<Framed<StepHeader>>();
+    let (steps, mut outgoing) = mpsc::unbounded_channel::<(Vec<u8>, Vec<u8>)>();
     let (results_tx, results) = mpsc::unbounded_channel();
     let writer_conn = conn.clone();
     tokio::spawn(async move {
         // Owns the endpoint: the link lives as long as steps may come.
         let _endpoint = endpoint;
-        while let Some((header, hidden)) = outgoing.recv().await {
-            if write_framed(&mut send, &header, &hidden).await.is_err() {
+        while let Some((frame, hidden)) = outgoing.recv().await {
+            if send.write_all(&frame).await.is_err() || send.write_all(&hidden).await.is_err() {
                 break;
             }
         }
@@ -189,23 +210,24 @@ pub async fn accept(
     Ok(Upstream { conn, send, recv, hello })
 }
 
-/// Writes a frame, then its raw bytes.
+/// Writes a frame, then its raw bytes; returns their size on the wire.
 pub async fn write_framed<T: serde::Serialize>(
     send: &mut quinn::SendStream,
     frame: &T,
     raw: &[u8],
-) -> Result<(), TransportError> {
-    transport::write_frame(send, frame).await?;
+) -> Result<usize, TransportError> {
+    let encoded = common::protocol::encode_frame(frame)?;
+    send.write_all(&encoded).await?;
     send.write_all(raw).await?;
-    Ok(())
+    Ok(encoded.len() + raw.len())
 }
 
 /// Reads a frame and the `raw_len(frame)` raw bytes that follow it;
 /// `Ok(None)` when the peer finished the stream between frames.
-pub async fn read_framed<T: serde::de::DeserializeOwned>(
+pub async fn read_framed<T: serde::Serialize + serde::de::DeserializeOwned>(
     recv: &mut quinn::RecvStream,
     raw_len: impl Fn(&T) -> u64,
-) -> Result<Option<Framed<T>>, LinkError> {
+) -> Result<Option<Arrived<T>>, LinkError> {
     let Some(frame) = transport::read_frame_within::<T>(recv, MAX_FRAME_BYTES).await? else { return Ok(None) };
     let len = raw_len(&frame);
     if len > MAX_RAW_BYTES {
@@ -213,7 +235,9 @@ pub async fn read_framed<T: serde::de::DeserializeOwned>(
     }
     let mut raw = vec![0u8; len as usize];
     recv.read_exact(&mut raw).await.map_err(TransportError::from)?;
-    Ok(Some((frame, raw)))
+    // The frame's size as sent (bincode is deterministic): small beside the raw bytes.
+    let bytes = common::protocol::encode_frame(&frame).map_or(0, |f| f.len()) + raw.len();
+    Ok(Some(Arrived { frame, raw, at: Instant::now(), bytes }))
 }
 
 async fn resolve(host_port: &str) -> Result<SocketAddr, LinkError> {

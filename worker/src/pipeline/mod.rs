@@ -4,7 +4,8 @@
 //! - `wire`: the stage-to-stage messages (bincode headers, raw activations);
 //! - `link`: the authenticated QUIC link between two stages;
 //! - `stage`: a later stage's compute (its layers; sampling on the last);
-//! - `follower`: a later stage's service loop.
+//! - `follower`: a later stage's service loop;
+//! - `metrics`: each stage's step, transfer and bubble metrics.
 //!
 //! The first stage is an ordinary `Engine` with a next stage attached
 //! (`engine::pipelined`): it schedules, and its requests' tokens reach the
@@ -12,5 +13,6 @@
 
 pub mod follower;
 pub mod link;
+pub mod metrics;
 pub mod stage;
 pub mod wire;

@@ -104,6 +104,7 @@ impl StageRunner {
             layers: self.layers().to_string(),
             weight_bytes: self.model.resident_weight_bytes() as u64,
             kv_bytes: self.kv_bytes,
+            metrics_address: None,
         }
     }
 
@@ -141,15 +142,20 @@ impl StageRunner {
                 Ok(StageStep::Forward(header, bytes))
             }
             StageOutput::Logits(_) if none_wanted => {
-                let result = StepResult::Sampled { step: header.step, sampled: Vec::new(), prompt_logits_bytes: 0 };
+                let (step, stage_micros) = (header.step, header.stage_micros);
+                let result = StepResult::Sampled { step, sampled: Vec::new(), prompt_logits_bytes: 0, stage_micros };
                 Ok(StageStep::Result(result, Vec::new()))
             }
             StageOutput::Logits(logits) => {
                 let logits = logits.flatten_all()?.to_vec1::<f32>()?;
                 let (sampled, prompt_logits) = self.sample(&header, &logits);
                 let bytes = f32_to_bytes(prompt_logits);
-                let result =
-                    StepResult::Sampled { step: header.step, sampled, prompt_logits_bytes: bytes.len() as u64 };
+                let result = StepResult::Sampled {
+                    step: header.step,
+                    sampled,
+                    prompt_logits_bytes: bytes.len() as u64,
+                    stage_micros: header.stage_micros,
+                };
                 Ok(StageStep::Result(result, bytes))
             }
         }

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, WorkerError};
 
 /// Bumped on any incompatible change of the messages below.
-pub const STAGE_PROTOCOL_VERSION: u32 = 1;
+pub const STAGE_PROTOCOL_VERSION: u32 = 2;
 
 /// Largest raw payload after a frame (hidden states, prompt-logprob
 /// logits): 64k tokens of an 8192-wide f32 model. Frames themselves keep
@@ -96,6 +96,13 @@ pub struct StepHeader {
     pub prompt_logprob_rows: Vec<u32>,
     /// One per `logits_indices` row.
     pub sampling: Vec<SamplingRow>,
+    /// The first stage had requests running since it sent the step before:
+    /// a stage's wait for this step is a pipeline bubble, not idleness.
+    pub continues: bool,
+    /// Microseconds the stages after the first held the step so far, from
+    /// its arrival to handing it on (queue and compute), to tell the wire's
+    /// share of the round trip.
+    pub stage_micros: u64,
 }
 
 /// A sampled token and, if asked, its logprob and the top list.
@@ -114,6 +121,8 @@ pub enum StepResult {
         /// Bytes of the prompt-logprob rows' logits (row-major f32, little
         /// endian) that follow this frame.
         prompt_logits_bytes: u64,
+        /// `StepHeader::stage_micros` with the last stage's time added.
+        stage_micros: u64,
     },
     /// A stage could not compute the step (its requests fail, not the pipeline).
     Failed { step: u64, message: String },
@@ -131,6 +140,21 @@ impl StepResult {
     pub fn step(&self) -> u64 {
         match self {
             Self::Sampled { step, .. } | Self::Failed { step, .. } => *step,
+        }
+    }
+
+    /// Adds `micros`, the time the stage sending it held the step.
+    pub fn add_stage_micros(&mut self, micros: u64) {
+        if let Self::Sampled { stage_micros, .. } = self {
+            *stage_micros += micros;
+        }
+    }
+
+    /// Microseconds the later stages held the step (0 for a failed one).
+    pub fn stage_micros(&self) -> u64 {
+        match self {
+            Self::Sampled { stage_micros, .. } => *stage_micros,
+            Self::Failed { .. } => 0,
         }
     }
 }
@@ -258,6 +282,8 @@ mod tests {
             logits_indices: vec![1, 2],
             prompt_logprob_rows: vec![],
             sampling: vec![],
+            continues: false,
+            stage_micros: 0,
         }
     }
 

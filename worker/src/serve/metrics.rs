@@ -57,11 +57,7 @@ pub struct EngineMetrics {
 
 impl EngineMetrics {
     pub fn new(model_name: &str, worker: &str) -> Self {
-        let registry = Registry::new_custom(
-            None,
-            Some(HashMap::from([("model_name".to_string(), model_name.into()), ("worker".to_string(), worker.into())])),
-        )
-        .expect("valid labels");
+        let registry = labelled_registry(model_name, worker);
         let gauge = |name: &str, help: &str| prometheus::Gauge::new(name, help).expect("valid metric");
         let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
         let histogram = |name: &str, help: &str, buckets: &[f64]| {
@@ -161,10 +157,6 @@ impl EngineMetrics {
         for c in collectors {
             m.registry.register(c).expect("unique metric names");
         }
-        #[cfg(target_os = "linux")]
-        m.registry
-            .register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))
-            .expect("unique metric names");
         for reason in ["stop", "length", "abort"] {
             m.request_success.with_label_values(&[reason]);
         }
@@ -201,6 +193,18 @@ impl EngineMetrics {
     pub fn render(&self) -> String {
         render(&self.registry)
     }
+}
+
+/// A registry whose series all carry `model_name` and `worker`, with the
+/// process's own metrics (resident memory, CPU) on Linux.
+pub fn labelled_registry(model_name: &str, worker: &str) -> Registry {
+    let labels = HashMap::from([("model_name".to_string(), model_name.into()), ("worker".to_string(), worker.into())]);
+    let registry = Registry::new_custom(None, Some(labels)).expect("valid labels");
+    #[cfg(target_os = "linux")]
+    registry
+        .register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))
+        .expect("unique metric names");
+    registry
 }
 
 pub fn render(registry: &Registry) -> String {
