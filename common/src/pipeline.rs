@@ -89,6 +89,10 @@ pub struct StageInfo {
     pub weight_bytes: u64,
     /// Bytes of its KV cache's block pools.
     pub kv_bytes: u64,
+    /// How its KV cache stores values (`--kv-cache-dtype`): f32, f16, bf16, q8_0.
+    pub kv_cache_dtype: String,
+    /// Tokens its KV cache holds: blocks x block size.
+    pub kv_capacity_tokens: u64,
 }
 
 /// Splits `total` layers over stages in proportion to `memory` (bytes each

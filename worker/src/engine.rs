@@ -11,6 +11,7 @@ use std::borrow::Cow;
 use candle_core::{DType, Device};
 use common::pipeline::LayerRange;
 use common::{KvEventRecord, RequestId, SamplingParams};
+use kernels::KvCacheDtype;
 
 use crate::error::{Result, WorkerError};
 use crate::models::{ModelFiles, Quantization};
@@ -56,6 +57,8 @@ pub struct EngineConfig {
     pub layers: Option<LayerRange>,
     /// Speculative decoding (n-gram proposals verified in the step's pass).
     pub speculative: SpeculativeConfig,
+    /// How the KV cache stores values; `None` is auto (the activations' dtype).
+    pub kv_cache_dtype: Option<KvCacheDtype>,
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -86,6 +89,7 @@ impl Default for EngineConfig {
             device_sampling: None,
             layers: None,
             speculative: SpeculativeConfig::default(),
+            kv_cache_dtype: None,
         }
     }
 }
@@ -141,20 +145,17 @@ impl Engine {
             model.place_weights_in_huge_pages();
         }
         let cfg = model.config().clone();
-        let kv_dtype = model.activation_dtype();
+        let kv_format = kv_cache::resolve_format(config.kv_cache_dtype, model.activation_dtype(), &config.device)?;
         let max_model_len =
             config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
         // The cache holds this stage's layers only.
         let kv_cfg = stage_kv_config(&cfg, layers);
-        let num_blocks = match config.num_blocks {
-            Some(n) => n,
-            None => {
-                kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?
-            }
-        };
-        let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
-        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_dtype);
+        let budget =
+            || kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_format, config.kv_budget, max_useful);
+        let num_blocks = config.num_blocks.map_or_else(budget, Ok)?;
+        let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_format, &config.device)?;
+        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_format);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -316,6 +317,10 @@ impl Engine {
     /// Bytes of its KV cache's block pools.
     pub fn kv_cache_bytes(&self) -> u64 {
         self.runner.kv_cache_bytes()
+    }
+
+    pub fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.runner.kv_cache_dtype()
     }
 
     /// Bytes of weights a decode step streams (see `CausalLm`).

@@ -141,6 +141,8 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             layers: "0-27".into(),
             weight_bytes: 1 << 30,
             kv_bytes: 1 << 28,
+            kv_cache_dtype: "q8_0".into(),
+            kv_capacity_tokens: 65_536,
         }],
         auth_tag: vec![0xab; 32],
     };
