@@ -229,9 +229,13 @@ impl CacheWrite<'_> {
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     match a.q.device() {
         Device::Cpu => cpu::paged_attention(a),
-        // Head dims without a Metal kernel take the portable path.
+        // Head dims and cache formats without a Metal kernel (q8_0) take
+        // the portable path.
         #[cfg(target_os = "macos")]
-        Device::Metal(m) if metal::supports(m, a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) => {
+        Device::Metal(m)
+            if metal::plan::kernel_dtypes_name(a.q.dtype(), a.k_cache.dtype()).is_some()
+                && metal::supports(m, a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) =>
+        {
             metal::paged_attention(a)
         }
         _ => portable::paged_attention(a),
@@ -244,7 +248,12 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     match w.k.device() {
         Device::Cpu => cpu::reshape_and_cache(w),
         #[cfg(target_os = "macos")]
-        Device::Metal(m) if metal::supports_dtype(m, w.k.dtype()) => metal::reshape_and_cache(w),
+        Device::Metal(m)
+            if metal::plan::kernel_dtypes_name(w.k.dtype(), w.k_cache.dtype()).is_some()
+                && metal::supports_dtype(m, w.k.dtype()) =>
+        {
+            metal::reshape_and_cache(w)
+        }
         _ => portable::reshape_and_cache(w),
     }
 }
