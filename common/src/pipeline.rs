@@ -93,6 +93,10 @@ pub struct StageInfo {
     /// stage's is listed at the coordinator's /v1/prometheus/targets through
     /// the first stage, as it never talks to the coordinator).
     pub metrics_address: Option<String>,
+    /// How its KV cache stores values (`--kv-cache-dtype`): f32, f16, bf16, q8_0.
+    pub kv_cache_dtype: String,
+    /// Tokens its KV cache holds: blocks x block size.
+    pub kv_capacity_tokens: u64,
 }
 
 /// Splits `total` layers over stages in proportion to `memory` (bytes each

@@ -13,11 +13,14 @@
 //! `head_dim` vector (what a query is dotted with), one block is one
 //! contiguous chunk (what the CPU kernel streams), and the pool viewed as
 //! `[num_slots, num_kv_heads * head_dim]` is what the portable path gathers
-//! from and scatters into (slot = block * block_size + offset).
+//! from and scatters into (slot = block * block_size + offset). A cache may
+//! be stored narrower than the queries (f16, or q8_0 with the last dimension
+//! `head_dim + 4`: see [`kv_dtype`]); the write narrows and attention widens.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub mod cpu;
+pub mod kv_dtype;
 pub mod metal;
 pub mod portable;
 pub mod reference;
@@ -31,6 +34,8 @@ pub enum KernelError {
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
+
+pub use kv_dtype::KvCacheDtype;
 
 /// Where each sequence's queries, context and new slots are.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -111,11 +116,12 @@ impl Attention<'_> {
         if v_cache.dims() != k_cache.dims() {
             return bad(format!("v_cache {:?} differs from k_cache {:?}", v_cache.dims(), k_cache.dims()));
         }
-        if kd != head_dim {
-            return bad(format!("head_dim of q ({head_dim}) and cache ({kd}) differ"));
+        if v_cache.dtype() != k_cache.dtype() {
+            return bad(format!("k_cache is {:?}, v_cache {:?}", k_cache.dtype(), v_cache.dtype()));
         }
-        if q.dtype() != k_cache.dtype() || v_cache.dtype() != k_cache.dtype() {
-            return bad(format!("dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k_cache.dtype(), v_cache.dtype()));
+        let format = cache_format(q.dtype(), k_cache.dtype())?;
+        if kd != format.row_len(head_dim) {
+            return bad(format!("head_dim {head_dim} of q does not fit {format} cache rows of {kd}"));
         }
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return bad(format!("{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"));
@@ -156,6 +162,21 @@ impl Attention<'_> {
     }
 }
 
+/// The format of a cache of `cache` dtype read with (or written from)
+/// activations of `x` dtype: the cache's own float type, or a narrower one
+/// (f16, q8_0).
+fn cache_format(x: DType, cache: DType) -> Result<KvCacheDtype> {
+    match KvCacheDtype::of(cache) {
+        Some(f)
+            if KvCacheDtype::float(x).is_some()
+                && (cache == x || matches!(f, KvCacheDtype::F16 | KvCacheDtype::Q8_0)) =>
+        {
+            Ok(f)
+        }
+        _ => Err(KernelError::Invalid(format!("a {cache:?} KV cache with {x:?} activations"))),
+    }
+}
+
 /// The kernels index the pools as flat slices and write them in place, so
 /// both must be contiguous (a start offset is fine) and on `x`'s device.
 fn check_pool(x: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
@@ -180,11 +201,12 @@ impl CacheWrite<'_> {
         if v.dims() != k.dims() || v_cache.dims() != k_cache.dims() {
             return bad("k/v or k_cache/v_cache shapes differ".into());
         }
-        if (ckvh, cd) != (kvh, d) {
-            return bad(format!("new k/v [{t}, {kvh}, {d}] do not fit the cache [{nb}, {bs}, {ckvh}, {cd}]"));
+        if v.dtype() != k.dtype() || v_cache.dtype() != k_cache.dtype() {
+            return bad("k/v or k_cache/v_cache dtypes differ".into());
         }
-        if k.dtype() != k_cache.dtype() || v.dtype() != v_cache.dtype() {
-            return bad(format!("dtype {:?} written into a {:?} cache", k.dtype(), k_cache.dtype()));
+        let format = cache_format(k.dtype(), k_cache.dtype())?;
+        if (ckvh, cd) != (kvh, format.row_len(d)) {
+            return bad(format!("new k/v [{t}, {kvh}, {d}] do not fit the {format} cache [{nb}, {bs}, {ckvh}, {cd}]"));
         }
         check_pool(k, k_cache, v_cache)?;
         if slots.len() != t {
@@ -207,9 +229,13 @@ impl CacheWrite<'_> {
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     match a.q.device() {
         Device::Cpu => cpu::paged_attention(a),
-        // Head dims without a Metal kernel take the portable path.
+        // Head dims and cache formats without a Metal kernel (q8_0) take
+        // the portable path.
         #[cfg(target_os = "macos")]
-        Device::Metal(m) if metal::supports(m, a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) => {
+        Device::Metal(m)
+            if metal::plan::kernel_dtypes_name(a.q.dtype(), a.k_cache.dtype()).is_some()
+                && metal::supports(m, a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) =>
+        {
             metal::paged_attention(a)
         }
         _ => portable::paged_attention(a),
@@ -222,7 +248,12 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     match w.k.device() {
         Device::Cpu => cpu::reshape_and_cache(w),
         #[cfg(target_os = "macos")]
-        Device::Metal(m) if metal::supports_dtype(m, w.k.dtype()) => metal::reshape_and_cache(w),
+        Device::Metal(m)
+            if metal::plan::kernel_dtypes_name(w.k.dtype(), w.k_cache.dtype()).is_some()
+                && metal::supports_dtype(m, w.k.dtype()) =>
+        {
+            metal::reshape_and_cache(w)
+        }
         _ => portable::reshape_and_cache(w),
     }
 }

@@ -1,14 +1,17 @@
 //! Paged attention from candle ops only, so it runs on any candle device
 //! (Metal included): per sequence, gather its K/V rows through the block
 //! table, then masked softmax(q k^T) v with batched matmuls. Computes in f32.
+//! A float cache may be narrower than the queries (f16: widened as it is
+//! gathered, narrowed as it is written); q8_0 caches are CPU-only.
 
 use candle_core::{D, DType, Tensor};
 
-use crate::{Attention, CacheWrite, Result};
+use crate::{Attention, CacheWrite, KernelError, Result};
 
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let Attention { q, k_cache, v_cache, meta, scale } = *a;
     let d = a.check()?;
+    refuse_q8(k_cache)?;
     let device = q.device();
     let group = d.num_heads / d.num_kv_heads;
     let slots = d.num_blocks * d.block_size;
@@ -60,6 +63,7 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
 pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
     let num_slots = w.check()?;
+    refuse_q8(k_cache)?;
     let (t, kvh, hd) = k.dims3()?;
     if t == 0 {
         return Ok(());
@@ -70,7 +74,17 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
         // A reshape of the contiguous pool shares its storage, so the
         // scatter lands in the pool itself.
         let rows = cache.reshape((num_slots, width))?;
-        rows.scatter_set(&index, &new.reshape((t, width))?.contiguous()?, 0)?;
+        rows.scatter_set(&index, &new.reshape((t, width))?.to_dtype(cache.dtype())?.contiguous()?, 0)?;
+    }
+    Ok(())
+}
+
+fn refuse_q8(cache: &Tensor) -> Result<()> {
+    if cache.dtype() == DType::U8 {
+        return Err(KernelError::Invalid(format!(
+            "a q8_0 KV cache runs on the CPU only, not on {:?}",
+            cache.device().location()
+        )));
     }
     Ok(())
 }

@@ -1,17 +1,18 @@
 //! Naive paged attention and KV write: host loops in f64 with a two-pass
-//! softmax. Slow and obviously right; the other paths are tested against it.
+//! softmax, q8_0 rows (de)quantized one value at a time. Slow and
+//! obviously right; the other paths are tested against it.
 
 use candle_core::{DType, Tensor};
 
+use crate::kv_dtype::Q8_SCALE_BYTES;
 use crate::{Attention, CacheWrite, Result};
 
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let Attention { q, k_cache, v_cache, meta, scale } = *a;
     let d = a.check()?;
-    let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-    let (qv, kv, vv) = (host(q)?, host(k_cache)?, host(v_cache)?);
-    let group = d.num_heads / d.num_kv_heads;
     let hd = d.head_dim;
+    let (qv, kv, vv) = (host(q)?, cache_values(k_cache, hd)?, cache_values(v_cache, hd)?);
+    let group = d.num_heads / d.num_kv_heads;
     // Element offset of (slot, kv_head) in a cache.
     let at = |slot: usize, kvh: usize| (slot * d.num_kv_heads + kvh) * hd;
     let mut out = vec![0f32; d.num_tokens * d.num_heads * hd];
@@ -47,19 +48,64 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, (d.num_tokens, d.num_heads, hd), q.device())?.to_dtype(q.dtype())?)
 }
 
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// A cache's values on the host, `head_dim` per (slot, kv head): floats
+/// widened, q8_0 rows dequantized (int8 times the row's scale).
+pub fn cache_values(cache: &Tensor, head_dim: usize) -> Result<Vec<f32>> {
+    if cache.dtype() != DType::U8 {
+        return host(cache);
+    }
+    let bytes = cache.flatten_all()?.to_vec1::<u8>()?;
+    let row = head_dim + Q8_SCALE_BYTES;
+    Ok(bytes
+        .chunks_exact(row)
+        .flat_map(|r| {
+            let scale = f32::from_le_bytes([r[head_dim], r[head_dim + 1], r[head_dim + 2], r[head_dim + 3]]);
+            r[..head_dim].iter().map(move |&b| (b as i8 as f64 * scale as f64) as f32)
+        })
+        .collect())
+}
+
+/// One q8_0 row: scale = max |x| / 127, values x / scale rounded.
+pub fn quantize_q8_row(x: &[f32]) -> Vec<u8> {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    let mut row: Vec<u8> = x
+        .iter()
+        .map(|&v| if scale == 0.0 { 0 } else { (v / scale).round().clamp(-127.0, 127.0) as i8 as u8 })
+        .collect();
+    row.extend_from_slice(&scale.to_le_bytes());
+    row
+}
+
 /// Rebuilds each cache on the host with the new rows and writes it back in place.
 pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
     w.check()?;
+    let (_, kvh, hd) = k.dims3()?;
     for (new, cache) in [(k, k_cache), (v, v_cache)] {
         let dims = cache.dims().to_vec();
-        let row = dims[2] * dims[3];
-        let mut host = cache.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let rows = new.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        for (t, &slot) in slot_mapping.iter().enumerate() {
-            host[slot as usize * row..][..row].copy_from_slice(&rows[t * row..][..row]);
-        }
-        let updated = Tensor::from_vec(host, dims.as_slice(), cache.device())?.to_dtype(cache.dtype())?;
+        let rows = host(new)?;
+        let updated = if cache.dtype() == DType::U8 {
+            let row = kvh * (hd + Q8_SCALE_BYTES);
+            let mut bytes = cache.flatten_all()?.to_vec1::<u8>()?;
+            for (t, &slot) in slot_mapping.iter().enumerate() {
+                let quantized: Vec<u8> =
+                    rows[t * kvh * hd..][..kvh * hd].chunks_exact(hd).flat_map(quantize_q8_row).collect();
+                bytes[slot as usize * row..][..row].copy_from_slice(&quantized);
+            }
+            Tensor::from_vec(bytes, dims.as_slice(), cache.device())?
+        } else {
+            let row = kvh * hd;
+            let mut values = host(cache)?;
+            for (t, &slot) in slot_mapping.iter().enumerate() {
+                values[slot as usize * row..][..row].copy_from_slice(&rows[t * row..][..row]);
+            }
+            Tensor::from_vec(values, dims.as_slice(), cache.device())?.to_dtype(cache.dtype())?
+        };
         cache.slice_set(&updated, 0, 0)?;
     }
     Ok(())

@@ -1,7 +1,8 @@
 //! The Metal kernels against `reference`, on the cases of
 //! tests/attention.rs: scattered and shuffled block tables, ragged lengths,
 //! decode and chunked prefill on a cached prefix, GQA ratios 1 to 8, sliding
-//! windows, contexts crossing decode partitions, f32/f16/bf16, buffer
+//! windows, contexts crossing decode partitions, f32/f16/bf16 (and f16
+//! caches under f32 queries, `--kv-cache-dtype f16`), buffer
 //! offsets, NaN in unused cache slots, and bad inputs. Cases are built on
 //! the CPU and the reference runs there.
 //!
@@ -134,6 +135,40 @@ fn half_precisions_match_within_their_resolution() {
                 &format!("{dtype:?} heads {heads}/{kv_heads} hd {head_dim} bs {block_size}"),
             );
         }
+    }
+}
+
+/// `--kv-cache-dtype f16` under f32 activations: the kernels read (and the
+/// write rounds into) f16 caches, computing in f32, so they match the
+/// reference on the same stored values as closely as an f32 cache does.
+#[test]
+fn f16_caches_under_f32_queries_match_reference() {
+    let Some(gpu) = Gpu::get() else { return };
+    let mut rng = StdRng::seed_from_u64(61);
+    let long = PARTITION_SIZE + 37; // decode across partitions, then the reduce
+    for (heads, kv_heads, head_dim, block_size, window) in
+        [(8, 2, 64, 16, None), (8, 8, 32, 8, Some(10)), (32, 4, 128, 16, None), (4, 2, 96, 8, None)]
+    {
+        let g = Geometry { window, ..Geometry::new(heads, kv_heads, head_dim, block_size) };
+        let mut case = make_case(&mut rng, &[(1, 33), (9, 40), (16, 16), (1, long)], g);
+        case.k_cache = case.k_cache.to_dtype(DType::F16).unwrap();
+        case.v_cache = case.v_cache.to_dtype(DType::F16).unwrap();
+        compare(&gpu, &case, F32_TOL, &format!("f16 cache heads {heads}/{kv_heads} hd {head_dim} bs {block_size}"));
+
+        let t = case.meta.slot_mapping.len();
+        let new = || Tensor::randn(0f32, 1., (t, kv_heads, head_dim), &Device::Cpu).unwrap();
+        let (new_k, new_v) = (new(), new());
+        let (want_k, want_v) = reference_write(&case, &new_k, &new_v);
+        let write = CacheWrite {
+            k: &new_k,
+            v: &new_v,
+            k_cache: &case.k_cache,
+            v_cache: &case.v_cache,
+            slot_mapping: &case.meta.slot_mapping,
+        };
+        let (k, v) = gpu.write(&write).unwrap();
+        assert_eq!((k.dtype(), to_vec(&k)), (DType::F16, to_vec(&want_k)), "f16 cache write k");
+        assert_eq!(to_vec(&v), to_vec(&want_v), "f16 cache write v");
     }
 }
 

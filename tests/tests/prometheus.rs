@@ -220,6 +220,8 @@ fn worker_and_coordinator_metrics_have_the_documented_names_types_and_labels() {
         ("vllm:spec_decode_num_drafts_total", "counter"),
         ("vllm:spec_decode_num_draft_tokens_total", "counter"),
         ("vllm:spec_decode_num_accepted_tokens_total", "counter"),
+        ("vllm:cache_config_info", "gauge"),
+        ("tinyvllm_kv_cache_capacity_tokens", "gauge"),
         ("process_resident_memory_bytes", "gauge"),
         ("process_cpu_seconds_total", "counter"),
     ] {

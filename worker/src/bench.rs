@@ -92,6 +92,8 @@ pub struct BenchReport {
     pub tpot: Summary,
     pub peak_kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// How the KV cache stored values (`--kv-cache-dtype`).
+    pub kv_cache_dtype: kernels::KvCacheDtype,
     pub steps: usize,
     /// Proposals made and accepted during the timed run.
     pub spec_decoding: engine_core::SpecDecodingStats,
@@ -173,7 +175,11 @@ impl std::fmt::Display for BenchReport {
                 1.0 + spec.num_accepted_tokens as f64 / spec.num_drafts as f64
             )?;
         }
-        write!(f, "KV blocks: peak {} used of {}", self.peak_kv_blocks_used, self.kv_blocks_total)?;
+        write!(
+            f,
+            "KV blocks ({}): peak {} used of {}",
+            self.kv_cache_dtype, self.peak_kv_blocks_used, self.kv_blocks_total
+        )?;
         if let Some(b) = &self.bandwidth {
             let decode = 1e3 / self.tpot.mean_ms.max(1e-9);
             write!(
@@ -285,6 +291,7 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         tpot: Summary::of(tpot),
         peak_kv_blocks_used: peak,
         kv_blocks_total: engine.stats().kv_blocks_total,
+        kv_cache_dtype: engine.kv_cache_dtype(),
         steps,
         spec_decoding,
         profile: args.profile.then_some(profile),

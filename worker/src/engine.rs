@@ -13,6 +13,7 @@ use std::borrow::Cow;
 use candle_core::{DType, Device};
 use common::pipeline::LayerRange;
 use common::{KvEventRecord, RequestId, SamplingParams};
+use kernels::KvCacheDtype;
 
 use crate::error::{Result, WorkerError};
 use crate::models::{ModelFiles, Quantization};
@@ -60,6 +61,8 @@ pub struct EngineConfig {
     pub speculative: SpeculativeConfig,
     /// The draft model of `--speculative-method draft` (the target's vocabulary).
     pub draft_model: Option<ModelFiles>,
+    /// How the KV cache stores values; `None` is auto (the activations' dtype).
+    pub kv_cache_dtype: Option<KvCacheDtype>,
 }
 
 /// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
@@ -91,6 +94,7 @@ impl Default for EngineConfig {
             layers: None,
             speculative: SpeculativeConfig::default(),
             draft_model: None,
+            kv_cache_dtype: None,
         }
     }
 }
@@ -131,7 +135,7 @@ impl Engine {
         let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, layers)?;
         loading::prepare_weights(&mut model, &config)?;
         let cfg = model.config().clone();
-        let kv_dtype = model.activation_dtype();
+        let kv_format = kv_cache::resolve_format(config.kv_cache_dtype, model.activation_dtype(), &config.device)?;
         let max_model_len =
             config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
@@ -141,19 +145,18 @@ impl Engine {
             Some(draft_files) => Some(loading::load_draft(draft_files, &config, files, max_model_len)?),
             None => None,
         };
+        // The draft's pools use the target's cache format.
         let kv_budget = match &draft_model {
-            Some(draft) => loading::target_share(config.kv_budget, &kv_cfg, kv_dtype, draft, config.block_size),
+            Some(draft) => loading::target_share(config.kv_budget, &kv_cfg, kv_format, draft, config.block_size),
             None => config.kv_budget,
         };
-        let num_blocks = match config.num_blocks {
-            Some(n) => n,
-            None => kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, kv_budget, max_useful)?,
-        };
-        let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
+        let budget = || kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_format, kv_budget, max_useful);
+        let num_blocks = config.num_blocks.map_or_else(budget, Ok)?;
+        let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_format, &config.device)?;
         let draft = match draft_model {
             Some(model) => {
-                let dtype = model.activation_dtype();
-                let pools = kv_cache::allocate(model.config(), num_blocks, config.block_size, dtype, &config.device)?;
+                let pools =
+                    kv_cache::allocate(model.config(), num_blocks, config.block_size, kv_format, &config.device)?;
                 Some(DraftRunner::new(model, pools, config.block_size, config.device.clone()))
             }
             None => None,
@@ -162,7 +165,7 @@ impl Engine {
         if speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft && draft.is_none() {
             return Err(WorkerError::Unsupported("--speculative-method draft needs a --draft-model".into()));
         }
-        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_dtype);
+        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_format);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -331,6 +334,10 @@ impl Engine {
     /// Bytes of its KV cache's block pools, the draft model's included.
     pub fn kv_cache_bytes(&self) -> u64 {
         self.runner.kv_cache_bytes() + self.draft.as_ref().map_or(0, DraftRunner::kv_cache_bytes)
+    }
+
+    pub fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.runner.kv_cache_dtype()
     }
 
     /// Bytes of weights a decode step streams (see `CausalLm`).

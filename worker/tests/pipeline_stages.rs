@@ -38,7 +38,7 @@ fn logits_through(files: &ModelFiles, stages: &[LayerRange], ids: &[u32]) -> Vec
     for &range in stages {
         let model = load_stage(files, DType::F32, &Device::Cpu, range).unwrap();
         let cfg = stage_kv_config(model.config(), range);
-        let kv = kv_cache::allocate(&cfg, t.div_ceil(bs), bs, DType::F32, &Device::Cpu).unwrap();
+        let kv = kv_cache::allocate(&cfg, t.div_ceil(bs), bs, kernels::KvCacheDtype::F32, &Device::Cpu).unwrap();
         let input = match &hidden {
             None => StageInput::Tokens(&input_ids),
             Some(h) => StageInput::Hidden(h),

@@ -42,6 +42,10 @@ pub struct WorkerInfo {
     /// Its pipeline, first stage (this worker) first, with each stage's
     /// layers and resident bytes; one stage for a worker that is no pipeline.
     pub stages: Vec<StageInfo>,
+    /// How its KV cache stores values (f32, f16, bf16, q8_0), and the
+    /// tokens it holds (its pipeline's blocks x block size).
+    pub kv_cache_dtype: String,
+    pub kv_capacity_tokens: u64,
     pub state: WorkerState,
     /// Requests dispatched to it and not finished, counted at dispatch.
     pub in_flight_requests: usize,
@@ -70,6 +74,7 @@ pub(super) struct WorkerEntry {
     metrics_address: Option<String>,
     device: String,
     stages: Vec<StageInfo>,
+    block_size: u64,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
     state: WorkerState,
     stats: WorkerStats,
@@ -109,6 +114,7 @@ impl Registry {
                 metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
                 device: hello.device.clone(),
                 stages: hello.stages.clone(),
+                block_size: hello.block_size.into(),
                 tx,
                 state: WorkerState::Ready,
                 stats: WorkerStats { kv_blocks_total: hello.kv_capacity_blocks, ..WorkerStats::default() },
@@ -157,6 +163,8 @@ impl Registry {
                 metrics_address: w.metrics_address.clone(),
                 device: w.device.clone(),
                 stages: w.stages.clone(),
+                kv_cache_dtype: w.stages.first().map_or_else(String::new, |s| s.kv_cache_dtype.clone()),
+                kv_capacity_tokens: w.stats.kv_blocks_total * w.block_size,
                 state: w.state,
                 in_flight_requests: w.in_flight,
                 stats: w.stats.clone(),

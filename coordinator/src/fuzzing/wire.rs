@@ -142,6 +142,8 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             weight_bytes: 1 << 30,
             kv_bytes: 1 << 28,
             metrics_address: Some("127.0.0.1:9100".into()),
+            kv_cache_dtype: "q8_0".into(),
+            kv_capacity_tokens: 65_536,
         }],
         auth_tag: vec![0xab; 32],
     };

@@ -1,31 +1,64 @@
-//! The KV write on the CPU: copies each new token's K (or V) row straight
-//! into its slot of the pool, in place, one op per tensor per layer.
+//! The KV write on the CPU: each new token's K (or V) row goes straight
+//! into its slot of the pool, in place, one op per tensor per layer: copied
+//! into a cache of its own dtype, narrowed into an f16 one, or quantized
+//! per head vector into a q8_0 one (see [`crate::kv_dtype`]).
 
 use candle_core::{CpuStorage, InplaceOp2, Layout};
 
+use crate::kv_dtype::Q8_SCALE_BYTES;
 use crate::{CacheWrite, Result};
 
 struct WriteSlots<'a> {
     slots: &'a [u32],
-    /// Elements per slot: kv_heads * head_dim.
+    /// Values per slot: kv_heads * head_dim.
     row: usize,
+    head_dim: usize,
 }
 
-fn copy_rows<T: Copy>(
-    dst: &mut [T],
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("reshape_and_cache needs contiguous tensors"),
+    }
+}
+
+/// Writes row t of `src` (`op.row` values) into slot `slots[t]` of `dst`
+/// (`dst_row` units per slot) with `put`.
+fn write_rows<S, D>(
+    dst: &mut [D],
     dst_layout: &Layout,
-    src: &[T],
+    src: &[S],
     src_layout: &Layout,
     op: &WriteSlots,
+    dst_row: usize,
+    put: impl Fn(&[S], &mut [D]),
 ) -> candle_core::Result<()> {
-    let (Some((d0, d1)), Some((s0, s1))) = (dst_layout.contiguous_offsets(), src_layout.contiguous_offsets()) else {
+    let src = contiguous(src, src_layout)?;
+    let Some((d0, d1)) = dst_layout.contiguous_offsets() else {
         candle_core::bail!("reshape_and_cache needs contiguous tensors");
     };
-    let (dst, src) = (&mut dst[d0..d1], &src[s0..s1]);
+    let dst = &mut dst[d0..d1];
     for (t, &slot) in op.slots.iter().enumerate() {
-        dst[slot as usize * op.row..][..op.row].copy_from_slice(&src[t * op.row..][..op.row]);
+        put(&src[t * op.row..][..op.row], &mut dst[slot as usize * dst_row..][..dst_row]);
     }
     Ok(())
+}
+
+/// Quantizes one head vector into a q8_0 row (values, then the f32 scale).
+#[inline(always)]
+fn quantize_row(x: &[f32], out: &mut [u8]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    let inv = if scale == 0.0 { 0.0 } else { 1.0 / scale };
+    let (values, scale_bytes) = out.split_at_mut(x.len());
+    for (q, &v) in values.iter_mut().zip(x) {
+        *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8 as u8;
+    }
+    scale_bytes[..Q8_SCALE_BYTES].copy_from_slice(&scale.to_le_bytes());
+}
+
+fn copy<T: Copy>(s: &[T], d: &mut [T]) {
+    d.copy_from_slice(s);
 }
 
 impl InplaceOp2 for WriteSlots<'_> {
@@ -35,9 +68,22 @@ impl InplaceOp2 for WriteSlots<'_> {
 
     fn cpu_fwd(&self, dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
         match (dst, src) {
-            (CpuStorage::F32(d), CpuStorage::F32(s)) => copy_rows(d, dl, s, sl, self),
-            (CpuStorage::F16(d), CpuStorage::F16(s)) => copy_rows(d, dl, s, sl, self),
-            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => copy_rows(d, dl, s, sl, self),
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => write_rows(d, dl, s, sl, self, self.row, copy),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => write_rows(d, dl, s, sl, self, self.row, copy),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => write_rows(d, dl, s, sl, self, self.row, copy),
+            (CpuStorage::F16(d), CpuStorage::F32(s)) => write_rows(d, dl, s, sl, self, self.row, |s, d| {
+                use half::slice::HalfFloatSliceExt;
+                d.convert_from_f32_slice(s)
+            }),
+            (CpuStorage::U8(d), CpuStorage::F32(s)) => {
+                let (hd, q_row) = (self.head_dim, self.head_dim + Q8_SCALE_BYTES);
+                let dst_row = self.row / hd * q_row;
+                write_rows(d, dl, s, sl, self, dst_row, |s, d| {
+                    for (x, out) in s.chunks_exact(hd).zip(d.chunks_exact_mut(q_row)) {
+                        quantize_row(x, out);
+                    }
+                })
+            }
             _ => candle_core::bail!("reshape_and_cache: unsupported or mismatched dtypes"),
         }
     }
@@ -47,7 +93,7 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
     w.check()?;
     let (_, kvh, hd) = k.dims3()?;
-    let op = WriteSlots { slots: slot_mapping, row: kvh * hd };
+    let op = WriteSlots { slots: slot_mapping, row: kvh * hd, head_dim: hd };
     k_cache.inplace_op2(&k.contiguous()?, &op)?;
     v_cache.inplace_op2(&v.contiguous()?, &op)?;
     Ok(())

@@ -36,10 +36,6 @@ pub trait WeightElem: sealed::Sealed + Copy + Send + Sync + 'static {
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
-    /// The slice itself when it already is f32, so it can be read without a copy.
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
 }
 
 impl WeightElem for f32 {
@@ -55,9 +51,6 @@ impl WeightElem for f32 {
 }
 
 impl Elem for f32 {
-    fn as_f32(s: &[Self]) -> Option<&[f32]> {
-        Some(s)
-    }
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self

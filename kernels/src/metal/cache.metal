@@ -24,12 +24,14 @@ struct CacheWriteParams {
 
 // One threadgroup per new token. Its threads walk the row together, so
 // neighbouring lanes touch neighbouring elements (coalesced reads and writes).
-template <typename T>
+// T: the new rows' type; C: the caches' (T, or half under float: an f16
+// KV cache, each value rounded to nearest as it is written).
+template <typename T, typename C>
 [[kernel]] void reshape_and_cache(
     device const T* key [[buffer(0)]],              // [T, row]
     device const T* value [[buffer(1)]],            // [T, row]
-    device T* k_cache [[buffer(2)]],                // [num_slots, row]
-    device T* v_cache [[buffer(3)]],                // [num_slots, row]
+    device C* k_cache [[buffer(2)]],                // [num_slots, row]
+    device C* v_cache [[buffer(3)]],                // [num_slots, row]
     device const uint* slot_mapping [[buffer(4)]],  // [T]
     constant CacheWriteParams& p [[buffer(5)]],
     uint token [[threadgroup_position_in_grid]],
@@ -43,20 +45,21 @@ template <typename T>
   }
   device const T* k_src = key + token * p.row;
   device const T* v_src = value + token * p.row;
-  device T* k_dst = k_cache + slot * p.row;
-  device T* v_dst = v_cache + slot * p.row;
+  device C* k_dst = k_cache + slot * p.row;
+  device C* v_dst = v_cache + slot * p.row;
   for (uint i = tid; i < p.row; i += threads) {
-    k_dst[i] = k_src[i];
-    v_dst[i] = v_src[i];
+    k_dst[i] = static_cast<C>(k_src[i]);
+    v_dst[i] = static_cast<C>(v_src[i]);
   }
 }
 
-#define INSTANTIATE_CACHE_WRITE(T, NAME)                            \
+#define INSTANTIATE_CACHE_WRITE(T, C, NAME)                         \
   template TINYVLLM_KERNEL("reshape_and_cache_" #NAME)              \
-  decltype(reshape_and_cache<T>) reshape_and_cache<T>;
+  decltype(reshape_and_cache<T, C>) reshape_and_cache<T, C>;
 
-INSTANTIATE_CACHE_WRITE(float, f32)
-INSTANTIATE_CACHE_WRITE(half, f16)
+INSTANTIATE_CACHE_WRITE(float, float, f32)
+INSTANTIATE_CACHE_WRITE(half, half, f16)
+INSTANTIATE_CACHE_WRITE(float, half, f32_kvf16)
 #if defined(__HAVE_BFLOAT__)
-INSTANTIATE_CACHE_WRITE(bfloat, bf16)
+INSTANTIATE_CACHE_WRITE(bfloat, bfloat, bf16)
 #endif

@@ -230,7 +230,7 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
     let CacheWrite { k, v, k_cache, v_cache, slot_mapping } = *w;
     let num_slots = w.check()?;
     let (t, kv_heads, head_dim) = k.dims3()?;
-    let Some(plan) = CacheWritePlan::new(t, kv_heads, head_dim, num_slots, k.dtype())? else {
+    let Some(plan) = CacheWritePlan::new(t, kv_heads, head_dim, num_slots, (k.dtype(), k_cache.dtype()))? else {
         return Ok(());
     };
     let device = k.device().as_metal_device()?;
@@ -349,8 +349,9 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let Attention { q, k_cache, v_cache, meta, scale } = *a;
     let dims = a.check()?;
     let device = q.device().as_metal_device()?;
-    let (plan, upload, scratch) =
-        with_step_cache(device, |cache, alloc| cache.attention(alloc, meta, dims, q.dtype(), scale))?;
+    let (plan, upload, scratch) = with_step_cache(device, |cache, alloc| {
+        cache.attention(alloc, meta, dims, (q.dtype(), k_cache.dtype()), scale)
+    })?;
     if dims.num_tokens == 0 {
         return Ok(Tensor::zeros((0, dims.num_heads, dims.head_dim), q.dtype(), q.device())?);
     }

@@ -79,11 +79,13 @@ inline float decode_reduce_sum(float x, threadgroup float* scratch, uint lane, u
   return r;
 }
 
-template <typename T, uint HEAD_DIM>
+// T: the queries' and output's type; C: the caches' (T, or half under
+// float queries: an f16 KV cache widened as it is read).
+template <typename T, typename C, uint HEAD_DIM>
 [[kernel]] void paged_attention_decode(
     device const T* q [[buffer(0)]],                  // [num_tokens, num_heads, HEAD_DIM]
-    device const T* k_cache [[buffer(1)]],            // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
-    device const T* v_cache [[buffer(2)]],            // same
+    device const C* k_cache [[buffer(1)]],            // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    device const C* v_cache [[buffer(2)]],            // same
     device const uint* query_start_loc [[buffer(3)]], // [S + 1]
     device const uint* context_lens [[buffer(4)]],    // [S]
     device const uint* block_tables [[buffer(5)]],    // [S, max_blocks]
@@ -151,7 +153,7 @@ template <typename T, uint HEAD_DIM>
     const uint my_slot = has_key ? decode_slot(table, c0 + lane, p.block_size) : 0;
     float score = kNoScore;
     for (uint j = 0; j < n; ++j) {
-      device const T* k_row = k_cache + simd_shuffle(my_slot, ushort(j)) * slot_stride + head_offset;
+      device const C* k_row = k_cache + simd_shuffle(my_slot, ushort(j)) * slot_stride + head_offset;
       float d = 0.0f;
       for (uint i = 0; i < kPerLane; ++i) {
         d += qv[i] * float(k_row[i * kSimdWidth]);
@@ -172,7 +174,7 @@ template <typename T, uint HEAD_DIM>
     }
     for (uint j = 0; j < n; ++j) {
       const float w = simd_shuffle(weight, ushort(j));
-      device const T* v_row = v_cache + simd_shuffle(my_slot, ushort(j)) * slot_stride + head_offset;
+      device const C* v_row = v_cache + simd_shuffle(my_slot, ushort(j)) * slot_stride + head_offset;
       for (uint i = 0; i < kPerLane; ++i) {
         acc[i] += w * float(v_row[i * kSimdWidth]);
       }
@@ -290,23 +292,34 @@ template <typename T, uint HEAD_DIM>
   }
 }
 
-#define INSTANTIATE_DECODE(T, NAME, HD)                                              \
+#define INSTANTIATE_DECODE(T, C, NAME, HD)                                           \
   template TINYVLLM_KERNEL("paged_attention_decode_" #NAME "_hd" #HD)                \
-  decltype(paged_attention_decode<T, HD>) paged_attention_decode<T, HD>;             \
+  decltype(paged_attention_decode<T, C, HD>) paged_attention_decode<T, C, HD>;
+#define INSTANTIATE_REDUCE(T, NAME, HD)                                              \
   template TINYVLLM_KERNEL("paged_attention_reduce_" #NAME "_hd" #HD)                \
   decltype(paged_attention_reduce<T, HD>) paged_attention_reduce<T, HD>;
 
 // Head dims supported by the host (`HEAD_DIMS` in mod.rs): multiples of the
 // simd width, so every lane holds the same number of elements.
-#define INSTANTIATE_DECODE_HEAD_DIMS(T, NAME) \
-  INSTANTIATE_DECODE(T, NAME, 32)             \
-  INSTANTIATE_DECODE(T, NAME, 64)             \
-  INSTANTIATE_DECODE(T, NAME, 96)             \
-  INSTANTIATE_DECODE(T, NAME, 128)            \
-  INSTANTIATE_DECODE(T, NAME, 256)
+#define INSTANTIATE_DECODE_HEAD_DIMS(T, C, NAME) \
+  INSTANTIATE_DECODE(T, C, NAME, 32)             \
+  INSTANTIATE_DECODE(T, C, NAME, 64)             \
+  INSTANTIATE_DECODE(T, C, NAME, 96)             \
+  INSTANTIATE_DECODE(T, C, NAME, 128)            \
+  INSTANTIATE_DECODE(T, C, NAME, 256)
+#define INSTANTIATE_REDUCE_HEAD_DIMS(T, NAME) \
+  INSTANTIATE_REDUCE(T, NAME, 32)             \
+  INSTANTIATE_REDUCE(T, NAME, 64)             \
+  INSTANTIATE_REDUCE(T, NAME, 96)             \
+  INSTANTIATE_REDUCE(T, NAME, 128)            \
+  INSTANTIATE_REDUCE(T, NAME, 256)
 
-INSTANTIATE_DECODE_HEAD_DIMS(float, f32)
-INSTANTIATE_DECODE_HEAD_DIMS(half, f16)
+INSTANTIATE_DECODE_HEAD_DIMS(float, float, f32)
+INSTANTIATE_DECODE_HEAD_DIMS(half, half, f16)
+INSTANTIATE_DECODE_HEAD_DIMS(float, half, f32_kvf16)
+INSTANTIATE_REDUCE_HEAD_DIMS(float, f32)
+INSTANTIATE_REDUCE_HEAD_DIMS(half, f16)
 #if defined(__HAVE_BFLOAT__)
-INSTANTIATE_DECODE_HEAD_DIMS(bfloat, bf16)
+INSTANTIATE_DECODE_HEAD_DIMS(bfloat, bfloat, bf16)
+INSTANTIATE_REDUCE_HEAD_DIMS(bfloat, bf16)
 #endif

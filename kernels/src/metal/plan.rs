@@ -44,6 +44,17 @@ pub fn dtype_name(dtype: DType) -> Option<&'static str> {
     }
 }
 
+/// The kernels' name for activations of `x` dtype over a cache of `cache`
+/// dtype: the dtype's own name when they match; `f32_kvf16` for an f16
+/// cache under f32 activations; None for the others (q8_0 among them).
+pub fn kernel_dtypes_name(x: DType, cache: DType) -> Option<&'static str> {
+    match (x, cache) {
+        (DType::F32, DType::F16) => Some("f32_kvf16"),
+        _ if x == cache => dtype_name(x),
+        _ => None,
+    }
+}
+
 fn invalid<T>(message: String) -> Result<T> {
     Err(KernelError::Invalid(message))
 }
@@ -146,10 +157,13 @@ impl CacheWritePlan {
         kv_heads: usize,
         head_dim: usize,
         num_slots: usize,
-        dtype: DType,
+        (dtype, cache): (DType, DType),
     ) -> Result<Option<Self>> {
-        let Some(name) = dtype_name(dtype) else {
-            return invalid(format!("Metal reshape_and_cache takes f32, f16 or bf16, not {dtype:?}"));
+        let Some(name) = kernel_dtypes_name(dtype, cache) else {
+            return invalid(format!(
+                "Metal reshape_and_cache writes f32, f16 or bf16 into a cache of the same dtype or f32 into f16, not \
+                 {dtype:?} into {cache:?}"
+            ));
         };
         let row = kv_heads * head_dim;
         if tokens == 0 || row == 0 {
@@ -266,9 +280,12 @@ fn push_region(upload: &mut Vec<u8>, values: &[u32]) -> usize {
 
 impl AttentionPlan {
     /// Plans a checked call (`Attention::check`'s dims).
-    pub fn new(meta: &AttentionMetadata, dims: Dims, dtype: DType, scale: f32) -> Result<Self> {
-        let Some(name) = dtype_name(dtype) else {
-            return invalid(format!("Metal paged attention takes f32, f16 or bf16, not {dtype:?}"));
+    pub fn new(meta: &AttentionMetadata, dims: Dims, (dtype, cache): (DType, DType), scale: f32) -> Result<Self> {
+        let (Some(name), Some(kv_name)) = (dtype_name(dtype), kernel_dtypes_name(dtype, cache)) else {
+            return invalid(format!(
+                "Metal paged attention takes f32, f16 or bf16 over a cache of the same dtype, or f32 over f16, not \
+                 {dtype:?} over {cache:?}"
+            ));
         };
         let hd = dims.head_dim;
         if !HEAD_DIMS.contains(&hd) {
@@ -325,8 +342,13 @@ impl AttentionPlan {
         };
         let (heads, kv_heads) = (to_u32(dims.num_heads, "heads")?, to_u32(dims.num_kv_heads, "kv heads")?);
         let (block_size, max_blocks) = (to_u32(bs, "block size")?, to_u32(max_blocks, "blocks per sequence")?);
-        let kernel =
-            |source, k: &str| Kernel { source, name: format!("{k}_{name}_hd{hd}"), threads: ATTENTION_THREADS };
+        // The kernels that read the cache are named for both dtypes; the
+        // reduce of partitions sees only the output's.
+        let kernel = |source, k: &str, name: &str| Kernel {
+            source,
+            name: format!("{k}_{name}_hd{hd}"),
+            threads: ATTENTION_THREADS,
+        };
 
         let decode = if decode_seqs.is_empty() {
             None
@@ -350,8 +372,8 @@ impl AttentionPlan {
                 max_partitions,
                 scratch,
                 params,
-                decode: kernel(Source::Decode, "paged_attention_decode"),
-                reduce: (max_partitions > 0).then(|| kernel(Source::Decode, "paged_attention_reduce")),
+                decode: kernel(Source::Decode, "paged_attention_decode", kv_name),
+                reduce: (max_partitions > 0).then(|| kernel(Source::Decode, "paged_attention_reduce", name)),
             })
         };
         let prefill = if items.is_empty() {
@@ -362,7 +384,7 @@ impl AttentionPlan {
             Some(PrefillPlan {
                 items: items.len() / 2,
                 params,
-                prefill: kernel(Source::Prefill, "paged_attention_prefill"),
+                prefill: kernel(Source::Prefill, "paged_attention_prefill", kv_name),
             })
         };
         Ok(Self { dims, upload, layout, decode, prefill })
@@ -470,7 +492,8 @@ impl AttentionPlan {
 struct StepKey {
     meta: AttentionMetadata,
     dims: Dims,
-    dtype: DType,
+    /// The activations' and the cache's.
+    dtype: (DType, DType),
     scale_bits: u32,
 }
 
@@ -513,7 +536,7 @@ impl<B: Clone> StepCache<B> {
         alloc: &mut A,
         meta: &AttentionMetadata,
         dims: Dims,
-        dtype: DType,
+        dtype: (DType, DType),
         scale: f32,
     ) -> Result<(Arc<AttentionPlan>, B, Option<B>)> {
         let hit = self.attention.as_ref().filter(|(key, _, _)| {

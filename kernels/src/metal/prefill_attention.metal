@@ -48,11 +48,13 @@ inline uint prefill_first_visible(uint pos, uint window) {
   return (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
 }
 
-template <typename T, uint HEAD_DIM>
+// T: the queries' and output's type; C: the caches' (T, or half under
+// float queries), also the type of the staged tiles.
+template <typename T, typename C, uint HEAD_DIM>
 [[kernel]] void paged_attention_prefill(
     device const T* q [[buffer(0)]],                  // [num_tokens, num_heads, HEAD_DIM]
-    device const T* k_cache [[buffer(1)]],            // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
-    device const T* v_cache [[buffer(2)]],            // same
+    device const C* k_cache [[buffer(1)]],            // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    device const C* v_cache [[buffer(2)]],            // same
     device const uint* query_start_loc [[buffer(3)]], // [S + 1]
     device const uint* context_lens [[buffer(4)]],    // [S]
     device const uint* block_tables [[buffer(5)]],    // [S, max_blocks]
@@ -65,10 +67,10 @@ template <typename T, uint HEAD_DIM>
     uint sg [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kPerLane = HEAD_DIM / kSimdWidth;
   // At most one key per lane, so a tile's scores fit one per lane.
-  constexpr uint kFit = kTileBytes / (HEAD_DIM * sizeof(T));
+  constexpr uint kFit = kTileBytes / (HEAD_DIM * sizeof(C));
   constexpr uint kTileKeys = kFit < kSimdWidth ? kFit : kSimdWidth;
-  threadgroup T k_tile[kTileKeys * HEAD_DIM];
-  threadgroup T v_tile[kTileKeys * HEAD_DIM];
+  threadgroup C k_tile[kTileKeys * HEAD_DIM];
+  threadgroup C v_tile[kTileKeys * HEAD_DIM];
   threadgroup uint tile_slot[kTileKeys];
 
   const uint seq = items[2 * tg.x];
@@ -201,20 +203,21 @@ template <typename T, uint HEAD_DIM>
   }
 }
 
-#define INSTANTIATE_PREFILL(T, NAME, HD)                                           \
+#define INSTANTIATE_PREFILL(T, C, NAME, HD)                                        \
   template TINYVLLM_KERNEL("paged_attention_prefill_" #NAME "_hd" #HD)             \
-  decltype(paged_attention_prefill<T, HD>) paged_attention_prefill<T, HD>;
+  decltype(paged_attention_prefill<T, C, HD>) paged_attention_prefill<T, C, HD>;
 
 // The same head dims as paged_attention.metal (`HEAD_DIMS` in mod.rs).
-#define INSTANTIATE_PREFILL_HEAD_DIMS(T, NAME) \
-  INSTANTIATE_PREFILL(T, NAME, 32)             \
-  INSTANTIATE_PREFILL(T, NAME, 64)             \
-  INSTANTIATE_PREFILL(T, NAME, 96)             \
-  INSTANTIATE_PREFILL(T, NAME, 128)            \
-  INSTANTIATE_PREFILL(T, NAME, 256)
+#define INSTANTIATE_PREFILL_HEAD_DIMS(T, C, NAME) \
+  INSTANTIATE_PREFILL(T, C, NAME, 32)             \
+  INSTANTIATE_PREFILL(T, C, NAME, 64)             \
+  INSTANTIATE_PREFILL(T, C, NAME, 96)             \
+  INSTANTIATE_PREFILL(T, C, NAME, 128)            \
+  INSTANTIATE_PREFILL(T, C, NAME, 256)
 
-INSTANTIATE_PREFILL_HEAD_DIMS(float, f32)
-INSTANTIATE_PREFILL_HEAD_DIMS(half, f16)
+INSTANTIATE_PREFILL_HEAD_DIMS(float, float, f32)
+INSTANTIATE_PREFILL_HEAD_DIMS(half, half, f16)
+INSTANTIATE_PREFILL_HEAD_DIMS(float, half, f32_kvf16)
 #if defined(__HAVE_BFLOAT__)
-INSTANTIATE_PREFILL_HEAD_DIMS(bfloat, bf16)
+INSTANTIATE_PREFILL_HEAD_DIMS(bfloat, bfloat, bf16)
 #endif

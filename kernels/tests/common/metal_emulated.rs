@@ -195,7 +195,8 @@ impl Gpu {
         let dims = a.check()?;
         let dtype = a.q.dtype();
         let mut alloc = CountingAllocator(&self.allocations);
-        let (plan, meta, scratch) = self.steps.borrow_mut().attention(&mut alloc, a.meta, dims, dtype, a.scale)?;
+        let dtypes = (dtype, a.k_cache.dtype());
+        let (plan, meta, scratch) = self.steps.borrow_mut().attention(&mut alloc, a.meta, dims, dtypes, a.scale)?;
         if dims.num_tokens == 0 {
             return Ok(Tensor::zeros((0, dims.num_heads, dims.head_dim), dtype, &Device::Cpu)?);
         }
@@ -226,8 +227,8 @@ impl Gpu {
     pub fn write(&self, w: &CacheWrite) -> kernels::Result<(Tensor, Tensor)> {
         let num_slots = w.check()?;
         let (t, kv_heads, head_dim) = w.k.dims3()?;
-        let dtype = w.k.dtype();
-        let Some(plan) = CacheWritePlan::new(t, kv_heads, head_dim, num_slots, dtype)? else {
+        let dtype = w.k_cache.dtype();
+        let Some(plan) = CacheWritePlan::new(t, kv_heads, head_dim, num_slots, (w.k.dtype(), dtype))? else {
             return Ok((w.k_cache.copy()?, w.v_cache.copy()?));
         };
         let mut alloc = CountingAllocator(&self.allocations);

@@ -94,6 +94,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "ttft_ms": {"mean": report.ttft.mean_ms, "p50": report.ttft.p50_ms, "p99": report.ttft.p99_ms},
                 "tpot_ms": {"mean": report.tpot.mean_ms, "p50": report.tpot.p50_ms, "p99": report.tpot.p99_ms},
                 "peak_kv_blocks_used": report.peak_kv_blocks_used, "kv_blocks_total": report.kv_blocks_total,
+                "kv_cache_dtype": report.kv_cache_dtype.name(),
                 "spec_decode": {
                     "num_drafts": report.spec_decoding.num_drafts,
                     "num_draft_tokens": report.spec_decoding.num_draft_tokens,

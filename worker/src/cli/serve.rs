@@ -104,7 +104,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
     let mut later_stages = Vec::new();
     if let (Some(next), Some(l)) = (&args.next_stage, layers) {
-        let downstream = runtime.block_on(super::stage::dial_next(&name, &secret, &files, &args.engine, l, next))?;
+        let downstream = runtime.block_on(super::stage::dial_next(
+            &name,
+            &secret,
+            &files,
+            &args.engine,
+            l,
+            engine.kv_cache_dtype(),
+            next,
+        ))?;
         later_stages = downstream.stages.clone();
         engine.attach_next_stage(downstream, args.pipeline_micro_batches.map(usize::from))?;
     }
@@ -119,6 +127,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let model_name =
             args.served_model_name.clone().unwrap_or_else(|| common::model::default_served_name(&args.engine.model));
         let engine_metrics = worker::serve::metrics::EngineMetrics::new(&model_name, &name);
+        let cache_dtype = engine.kv_cache_dtype().to_string();
+        engine_metrics.record_cache_config(&cache_dtype, args.engine.block_size, stats.kv_blocks_total);
         let registry = engine_metrics.registry().clone();
         if let Some(l) = layers.filter(|_| engine.is_pipelined()) {
             engine.set_pipeline_metrics(PipelineMetrics::new(&registry, &l.to_string(), true)?);
@@ -137,6 +147,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         weight_bytes: engine.resident_weight_bytes() as u64,
         kv_bytes: engine.kv_cache_bytes(),
         metrics_address: metrics_address.clone(),
+        kv_cache_dtype: engine.kv_cache_dtype().to_string(),
+        kv_capacity_tokens: (stats.kv_blocks_total * args.engine.block_size) as u64,
     };
     let stages: Vec<StageInfo> = std::iter::once(own).chain(later_stages).collect();
     if stages.len() > 1 {

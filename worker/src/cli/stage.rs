@@ -5,6 +5,7 @@
 
 use anyhow::Context;
 use common::pipeline::LayerRange;
+use kernels::KvCacheDtype;
 use worker::models::ModelFiles;
 use worker::pipeline::follower::{self, Compute, FollowerConfig};
 use worker::pipeline::link::{self, Downstream};
@@ -41,11 +42,13 @@ pub fn run_later_stage(
         .with_context(|| format!("loading layers {layers} of {}", resolved.files.name))?;
     let mut info = runner.info(&args.name);
     common::log!(
-        "stage {} (layers {layers} of {}): weights {:.1} MiB, KV cache {} blocks, {:.1} MiB",
+        "stage {} (layers {layers} of {}): weights {:.1} MiB, KV cache {} blocks ({} tokens), {}, {:.1} MiB",
         args.name,
         resolved.files.name,
         mib(info.weight_bytes),
         runner.num_blocks(),
+        info.kv_capacity_tokens,
+        info.kv_cache_dtype,
         mib(info.kv_bytes)
     );
     let mut metrics = None;
@@ -91,6 +94,7 @@ pub async fn dial_next(
     files: &ModelFiles,
     engine: &EngineArgs,
     layers: LayerRange,
+    kv_cache_dtype: KvCacheDtype,
     address: &str,
 ) -> anyhow::Result<Downstream> {
     let hello = StageHello {
@@ -98,6 +102,7 @@ pub async fn dial_next(
         name: name.to_string(),
         model: files.identity(),
         block_size: engine.block_size as u32,
+        kv_cache_dtype: kv_cache_dtype.to_string(),
         next_layer: layers.end as u32,
         raw_logits: false,
         auth_tag: Vec::new(),
@@ -109,12 +114,14 @@ pub async fn dial_next(
 pub fn log_pipeline(stages: &[StageInfo]) {
     for (i, s) in stages.iter().enumerate() {
         common::log!(
-            "pipeline stage {i} of {}: {} (layers {}): weights {:.1} MiB, KV cache {:.1} MiB",
+            "pipeline stage {i} of {}: {} (layers {}): weights {:.1} MiB, KV cache {:.1} MiB ({}, {} tokens)",
             stages.len(),
             s.name,
             s.layers,
             mib(s.weight_bytes),
-            mib(s.kv_bytes)
+            mib(s.kv_bytes),
+            s.kv_cache_dtype,
+            s.kv_capacity_tokens
         );
     }
 }

@@ -2,7 +2,7 @@
 //! (quantized, packed), and the draft model of speculative decoding, which
 //! must fit the target and shares its KV-cache budget.
 
-use candle_core::DType;
+use kernels::KvCacheDtype;
 
 use super::EngineConfig;
 use crate::error::{Result, WorkerError};
@@ -74,12 +74,12 @@ pub(super) fn load_draft(
 pub(super) fn target_share(
     budget: KvBudget,
     target: &ModelConfig,
-    dtype: DType,
+    format: KvCacheDtype,
     draft: &CausalLm,
     block_size: usize,
 ) -> KvBudget {
-    let ours = kv_cache::bytes_per_block(target, block_size, dtype) as f64;
-    let theirs = kv_cache::bytes_per_block(draft.config(), block_size, draft.activation_dtype()) as f64;
+    let ours = kv_cache::bytes_per_block(target, block_size, format) as f64;
+    let theirs = kv_cache::bytes_per_block(draft.config(), block_size, format) as f64;
     let share = ours / (ours + theirs);
     match budget {
         KvBudget::Bytes(b) => KvBudget::Bytes((b as f64 * share) as u64),

@@ -114,6 +114,7 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
                     name: config.name.clone(),
                     model: config.model.clone(),
                     block_size: config.block_size as u32,
+                    kv_cache_dtype: compute.info.kv_cache_dtype.clone(),
                     next_layer: compute.layers.end as u32,
                     raw_logits: false,
                     auth_tag: Vec::new(),
@@ -132,7 +133,7 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
             None => (compute.num_blocks, vec![compute.info.clone()]),
         };
         loop {
-            let check = |hello: &StageHello| check_hello(hello, &config, compute.layers);
+            let check = |hello: &StageHello| check_hello(hello, &config, &compute.info, compute.layers);
             let incoming = tokio::select! {
                 incoming = endpoint.accept() => incoming,
                 () = lost(&mut downstream) => break,
@@ -169,7 +170,7 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
 }
 
 /// Why the stage before may not connect, in words naming both sides.
-fn check_hello(hello: &StageHello, config: &FollowerConfig, layers: LayerRange) -> Result<(), String> {
+fn check_hello(hello: &StageHello, config: &FollowerConfig, own: &StageInfo, layers: LayerRange) -> Result<(), String> {
     if hello.version != STAGE_PROTOCOL_VERSION {
         return Err(format!("stage protocol {} there, {STAGE_PROTOCOL_VERSION} here", hello.version));
     }
@@ -187,6 +188,12 @@ fn check_hello(hello: &StageHello, config: &FollowerConfig, layers: LayerRange) 
     }
     if hello.block_size as usize != config.block_size {
         return Err(format!("block size {} there, {} here", hello.block_size, config.block_size));
+    }
+    if hello.kv_cache_dtype != own.kv_cache_dtype {
+        return Err(format!(
+            "KV cache dtype {} there, {} here: every stage needs the same --kv-cache-dtype",
+            hello.kv_cache_dtype, own.kv_cache_dtype
+        ));
     }
     if hello.next_layer as usize != layers.start {
         return Err(format!(
@@ -284,4 +291,49 @@ async fn serve_link(
     reader.abort();
     conn.close(0u32.into(), b"stage link closed");
     end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Stages share the first stage's block ids and budget: one whose KV
+    /// cache stores values otherwise is refused, naming both dtypes.
+    #[test]
+    fn a_stage_with_another_kv_cache_dtype_is_refused() {
+        let model = ModelIdentity { name: "m".into(), config_hash: 1 };
+        let config = FollowerConfig {
+            name: "stage-1".into(),
+            secret: String::new(),
+            model: model.clone(),
+            block_size: 16,
+            listen: "127.0.0.1:0".parse().expect("an address"),
+            address_file: None,
+            next_stage: None,
+        };
+        let own = StageInfo {
+            name: "stage-1".into(),
+            layers: "4-7".into(),
+            weight_bytes: 1,
+            kv_bytes: 1,
+            metrics_address: None,
+            kv_cache_dtype: "q8_0".into(),
+            kv_capacity_tokens: 16,
+        };
+        let layers = LayerRange { start: 4, end: 8, total: 8 };
+        let mut hello = StageHello {
+            version: STAGE_PROTOCOL_VERSION,
+            name: "stage-0".into(),
+            model,
+            block_size: 16,
+            kv_cache_dtype: "q8_0".into(),
+            next_layer: 4,
+            raw_logits: false,
+            auth_tag: Vec::new(),
+        };
+        assert_eq!(check_hello(&hello, &config, &own, layers), Ok(()));
+        hello.kv_cache_dtype = "f32".into();
+        let refusal = check_hello(&hello, &config, &own, layers).expect_err("refused");
+        assert!(refusal.contains("f32 there, q8_0 here"), "{refusal}");
+    }
 }

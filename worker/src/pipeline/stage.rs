@@ -5,6 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use common::pipeline::LayerRange;
+use kernels::KvCacheDtype;
 
 use super::wire::{StageInfo, StepHeader, StepResult, WireSampled, f32_to_bytes, hidden_from_bytes, hidden_to_bytes};
 use crate::engine::{LogprobsMode, reported_logprobs};
@@ -34,6 +35,8 @@ pub struct StageConfig {
     pub max_model_len: Option<usize>,
     /// Quantize linear weights at load time to a block format (CPU only).
     pub quantization: Option<Quantization>,
+    /// `--kv-cache-dtype` (`None`: auto); every stage of a pipeline runs the same.
+    pub kv_cache_dtype: Option<KvCacheDtype>,
 }
 
 pub struct StageRunner {
@@ -44,6 +47,7 @@ pub struct StageRunner {
     device: Device,
     eos_token_ids: Vec<u32>,
     kv_bytes: u64,
+    kv_format: KvCacheDtype,
     /// How logprobs are reported, as the first stage asked.
     pub logprobs_mode: LogprobsMode,
 }
@@ -68,11 +72,11 @@ impl StageRunner {
         let max_model_len =
             config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
-        let kv_dtype = model.activation_dtype();
+        let kv_format = kv_cache::resolve_format(config.kv_cache_dtype, model.activation_dtype(), &config.device)?;
         let num_blocks =
-            kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_dtype, config.kv_budget, max_useful)?;
-        let kv_caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_dtype, &config.device)?;
-        let kv_bytes = kv_cache::bytes_per_block(&kv_cfg, config.block_size, kv_dtype) * num_blocks as u64;
+            kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_format, config.kv_budget, max_useful)?;
+        let kv_caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_format, &config.device)?;
+        let kv_bytes = kv_cache::bytes_per_block(&kv_cfg, config.block_size, kv_format) * num_blocks as u64;
         Ok(Self {
             model,
             kv_caches,
@@ -81,6 +85,7 @@ impl StageRunner {
             device: config.device.clone(),
             eos_token_ids: files.eos_token_ids.clone(),
             kv_bytes,
+            kv_format,
             logprobs_mode: LogprobsMode::RawLogprobs,
         })
     }
@@ -105,6 +110,8 @@ impl StageRunner {
             weight_bytes: self.model.resident_weight_bytes() as u64,
             kv_bytes: self.kv_bytes,
             metrics_address: None,
+            kv_cache_dtype: self.kv_format.to_string(),
+            kv_capacity_tokens: (self.num_blocks * self.block_size) as u64,
         }
     }
 

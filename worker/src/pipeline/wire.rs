@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, WorkerError};
 
 /// Bumped on any incompatible change of the messages below.
-pub const STAGE_PROTOCOL_VERSION: u32 = 2;
+pub const STAGE_PROTOCOL_VERSION: u32 = 3;
 
 /// Largest raw payload after a frame (hidden states, prompt-logprob
 /// logits): 64k tokens of an 8192-wide f32 model. Frames themselves keep
@@ -32,6 +32,9 @@ pub struct StageHello {
     pub name: String,
     pub model: ModelIdentity,
     pub block_size: u32,
+    /// How the upstream stage's KV cache stores values: every stage must
+    /// match, as they share the first stage's block ids and its budget.
+    pub kv_cache_dtype: String,
     /// The first layer the stage dialled must hold: where upstream's end.
     pub next_layer: u32,
     /// Logprobs as the raw logits (`LogprobsMode::RawLogits`).

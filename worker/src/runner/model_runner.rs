@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use common::RequestId;
-use kernels::AttentionMetadata;
+use kernels::{AttentionMetadata, KvCacheDtype};
 
 use crate::error::{Result, WorkerError};
 use crate::models::CausalLm;
@@ -23,7 +23,7 @@ pub struct ModelRunner {
     kv_caches: Vec<LayerKvCache>,
     block_size: usize,
     device: Device,
-    dtype: DType,
+    kv_format: KvCacheDtype,
 }
 
 /// The flattened inputs of one step, on the host.
@@ -41,16 +41,23 @@ pub struct BatchInputs {
 }
 
 impl ModelRunner {
-    pub fn new(model: CausalLm, kv_caches: Vec<LayerKvCache>, block_size: usize, device: Device, dtype: DType) -> Self {
-        Self { model, kv_caches, block_size, device, dtype }
+    pub fn new(
+        model: CausalLm,
+        kv_caches: Vec<LayerKvCache>,
+        block_size: usize,
+        device: Device,
+        kv_format: KvCacheDtype,
+    ) -> Self {
+        Self { model, kv_caches, block_size, device, kv_format }
     }
 
     pub fn model(&self) -> &CausalLm {
         &self.model
     }
 
-    pub fn dtype(&self) -> DType {
-        self.dtype
+    /// How the KV cache stores its values.
+    pub fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.kv_format
     }
 
     pub fn device(&self) -> &Device {
@@ -159,7 +166,7 @@ impl ModelRunner {
     pub fn reallocate_kv(&mut self, num_blocks: usize) -> Result<()> {
         let cfg = stage_kv_config(self.model.config(), self.model.layer_range());
         self.kv_caches.clear(); // before allocating the new ones
-        self.kv_caches = kv_cache::allocate(&cfg, num_blocks, self.block_size, self.dtype, &self.device)?;
+        self.kv_caches = kv_cache::allocate(&cfg, num_blocks, self.block_size, self.kv_format, &self.device)?;
         Ok(())
     }
 

@@ -167,6 +167,28 @@ impl EngineMetrics {
         &self.registry
     }
 
+    /// The KV cache's configuration, once at start: vLLM's
+    /// `vllm:cache_config_info` (1, with the config as labels) and the
+    /// tokens the cache holds, which its dtype multiplies.
+    pub fn record_cache_config(&self, cache_dtype: &str, block_size: usize, num_blocks: usize) {
+        let info = prometheus::GaugeVec::new(
+            Opts::new("vllm:cache_config_info", "Information of the LLMEngine CacheConfig."),
+            &["cache_dtype", "block_size", "num_gpu_blocks"],
+        )
+        .expect("valid metric");
+        info.with_label_values(&[cache_dtype, &block_size.to_string(), &num_blocks.to_string()]).set(1.0);
+        let tokens = prometheus::Gauge::new(
+            "tinyvllm_kv_cache_capacity_tokens",
+            "Tokens the KV cache holds: blocks x block size.",
+        )
+        .expect("valid metric");
+        tokens.set((block_size * num_blocks) as f64);
+        for c in [Box::new(info) as Box<dyn Collector>, Box::new(tokens)] {
+            // Called once; a second call keeps the first values.
+            let _ = self.registry.register(c);
+        }
+    }
+
     /// The scheduler's gauges, and its cumulative counters as increments.
     pub fn observe_stats(&mut self, s: &SchedulerStats) {
         self.num_requests_running.set(s.num_running as f64);

@@ -3,9 +3,11 @@
 //! pool through the block table (no gathered copy of the context); scores
 //! of a block go through an online softmax (running max and sum), so memory
 //! stays O(tile). All query heads of a GQA group share each loaded K/V row.
-//! Work items run on rayon's pool.
+//! Work items run on rayon's pool. The cache may be narrower than the
+//! queries (f16, q8_0): each block's rows are widened once for the group
+//! ([`rows`]).
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::buffers::{read_f32, write_f32};
@@ -15,6 +17,9 @@ use super::{Elem, OutPtr, exp_poly};
 mod avx2;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod rows;
+use rows::KvRows;
+
 use crate::{Attention, AttentionMetadata, Dims, KernelError, Result};
 
 /// Queries per work item: bounds the per-item state while amortising each
@@ -41,7 +46,7 @@ struct Scratch {
     acc: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
-    /// Widened K/V rows of a block (f16/bf16 caches).
+    /// Widened K/V rows of a block (f16, bf16, q8_0 caches).
     kb: Vec<f32>,
     vb: Vec<f32>,
     scores: Vec<f32>,
@@ -100,7 +105,7 @@ impl PagedAttention<'_> {
     /// with AVX2 and FMA by [`Self::run_item_lanes`], with NEON or portable
     /// loops by [`Self::run_item_with`]. The paths differ in rounding (FMA,
     /// summation order), all within the tests' tolerance of the reference.
-    fn run_item<T: Elem>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
+    fn run_item<T: Elem, C: KvRows>(&self, item: Item, q: &[T], k: &[C], v: &[C], s: &mut Scratch) {
         #[cfg(target_arch = "x86_64")]
         if super::isa::has_avx2_fma() && self.dims.head_dim.is_multiple_of(8) {
             // SAFETY: the CPU has AVX2 and FMA; head_dim is whole 8-lane chunks.
@@ -109,9 +114,9 @@ impl PagedAttention<'_> {
         // NEON is part of the aarch64 baseline.
         #[cfg(target_arch = "aarch64")]
         if self.dims.head_dim.is_multiple_of(8) {
-            return self.run_item_with::<T, true>(item, q, k, v, s);
+            return self.run_item_with::<T, C, true>(item, q, k, v, s);
         }
-        self.run_item_with::<T, false>(item, q, k, v, s)
+        self.run_item_with::<T, C, false>(item, q, k, v, s)
     }
 
     /// [`Self::run_item_with`] with AVX2, the item's (query row, head) pairs
@@ -128,7 +133,7 @@ impl PagedAttention<'_> {
     /// AVX2 and FMA must be available and head_dim a multiple of 8.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_item_lanes<T: Elem>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
+    unsafe fn run_item_lanes<T: Elem, C: KvRows>(&self, item: Item, q: &[T], k: &[C], v: &[C], s: &mut Scratch) {
         let d = self.dims;
         let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
         let n = item.rows * group; // pairs, lane r = i * group + j
@@ -155,22 +160,23 @@ impl PagedAttention<'_> {
         let last_pos = item.pos0 + item.rows - 1;
         let table = &self.meta.block_tables[item.seq];
         let visible = |r: usize, start: usize, len: usize| self.visible_keys(item.pos0 + r / group, start, len);
-        let row_stride = d.num_kv_heads * hd;
+        let rl = C::row_len(hd);
+        let row_stride = d.num_kv_heads * rl;
         let last_block = last_pos / bs;
         for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(self.window_start(item.pos0) / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
-            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
+            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
             // The pool's blocks lie anywhere and a block's rows for one kv
             // head are `row_stride` apart, which the hardware prefetchers do
             // not follow: ask for the next block's rows while this one computes.
             if let Some(&next) = table.get(b + 1).filter(|_| b < last_block) {
-                let next_base = (next as usize * bs * d.num_kv_heads + item.kv_head) * hd;
+                let next_base = (next as usize * bs * d.num_kv_heads + item.kv_head) * rl;
                 for cache in [k, v] {
                     let end = cache.as_ptr_range().end.cast::<u8>();
                     for t in 0..bs {
                         let row = cache.as_ptr().wrapping_add(next_base + t * row_stride).cast::<u8>();
-                        super::prefetch_within(row, hd * size_of::<T>(), end);
+                        super::prefetch_within(row, rl * size_of::<C>(), end);
                     }
                 }
             }
@@ -205,7 +211,14 @@ impl PagedAttention<'_> {
     /// (the caller has checked the CPU and head_dim); without, as portable
     /// loops the compiler vectorises for the baseline.
     #[inline(always)]
-    fn run_item_with<T: Elem, const SIMD: bool>(&self, item: Item, q: &[T], k: &[T], v: &[T], s: &mut Scratch) {
+    fn run_item_with<T: Elem, C: KvRows, const SIMD: bool>(
+        &self,
+        item: Item,
+        q: &[T],
+        k: &[C],
+        v: &[C],
+        s: &mut Scratch,
+    ) {
         let d = self.dims;
         let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
         let n = item.rows * group; // (query, head) pairs, index r = i * group + j
@@ -234,8 +247,9 @@ impl PagedAttention<'_> {
         for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(first_key / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
-            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * hd;
-            let (kr, vr, stride) = block_rows((k, v), base, d.num_kv_heads * hd, hd, len, (kb, vb));
+            let rl = C::row_len(hd);
+            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
+            let (kr, vr, stride) = block_rows((k, v), base, d.num_kv_heads * rl, hd, len, (kb, vb));
             for r in 0..n {
                 let (t0, t1) = self.visible_keys(item.pos0 + r / group, start, len);
                 if t0 >= t1 {
@@ -285,7 +299,7 @@ impl PagedAttention<'_> {
         }
     }
 
-    fn run<T: Elem>(&self, q: &[T], k: &[T], v: &[T]) -> Vec<T> {
+    fn run<T: Elem, C: KvRows>(&self, q: &[T], k: &[C], v: &[C]) -> Vec<T> {
         let d = self.dims;
         let mut out = vec![T::from_f32(0.0); d.num_tokens * d.num_heads * d.head_dim];
         self.run_into(q, k, v, &mut out);
@@ -293,7 +307,7 @@ impl PagedAttention<'_> {
     }
 
     /// Attention of every query row into `out: [T, heads, head_dim]`.
-    fn run_into<T: Elem>(&self, q: &[T], k: &[T], v: &[T], out: &mut [T]) {
+    fn run_into<T: Elem, C: KvRows>(&self, q: &[T], k: &[C], v: &[C], out: &mut [T]) {
         let d = self.dims;
         let group = d.num_heads / d.num_kv_heads;
         let items = self.items();
@@ -358,29 +372,23 @@ fn exp_shifted_in_place(v: &mut [f32], shift: f32) -> f32 {
 /// are read in place, others widened once into `bufs` for all the group's
 /// query heads (rows `hd` apart).
 #[inline(always)]
-fn block_rows<'a, T: Elem>(
-    (k, v): (&'a [T], &'a [T]),
+fn block_rows<'a, C: KvRows>(
+    (k, v): (&'a [C], &'a [C]),
     base: usize,
     row_stride: usize,
     hd: usize,
     len: usize,
     (kb, vb): (&'a mut [f32], &'a mut [f32]),
 ) -> (&'a [f32], &'a [f32], usize) {
-    if let (Some(kr), Some(vr)) = (T::as_f32(&k[base..]), T::as_f32(&v[base..])) {
+    if let (Some(kr), Some(vr)) = (C::as_f32(&k[base..]), C::as_f32(&v[base..])) {
         return (kr, vr, row_stride);
     }
+    let rl = C::row_len(hd);
     for t in 0..len {
-        widen(&k[base + t * row_stride..][..hd], &mut kb[t * hd..][..hd]);
-        widen(&v[base + t * row_stride..][..hd], &mut vb[t * hd..][..hd]);
+        C::widen_row(&k[base + t * row_stride..][..rl], &mut kb[t * hd..][..hd]);
+        C::widen_row(&v[base + t * row_stride..][..rl], &mut vb[t * hd..][..hd]);
     }
     (kb, vb, hd)
-}
-
-#[inline(always)]
-fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = x.to_f32();
-    }
 }
 
 #[inline(always)]
@@ -419,8 +427,17 @@ impl CustomOp3 for PagedAttention<'_> {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let shape = Shape::from((self.dims.num_tokens, self.dims.num_heads, self.dims.head_dim));
-        let storage = match (s1, s2, s3) {
+        let (q, k, v) = (s1, s2, s3);
+        // f32 queries (the CPU's activations) read any cache format; f16 and
+        // bf16 queries their own.
+        let storage = match (q, k, v) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                CpuStorage::F32(self.run(slice(q, l1, "q")?, slice(k, l2, "k_cache")?, slice(v, l3, "v_cache")?))
+            }
+            (CpuStorage::F32(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                CpuStorage::F32(self.run(slice(q, l1, "q")?, slice(k, l2, "k_cache")?, slice(v, l3, "v_cache")?))
+            }
+            (CpuStorage::F32(q), CpuStorage::U8(k), CpuStorage::U8(v)) => {
                 CpuStorage::F32(self.run(slice(q, l1, "q")?, slice(k, l2, "k_cache")?, slice(v, l3, "v_cache")?))
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
@@ -444,8 +461,8 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
 }
 
 /// [`paged_attention`] into `out` (the shape of `q`), for contiguous f32
-/// CPU tensors that do not share storage with `out`: nothing is allocated
-/// for the output.
+/// CPU queries and output over an f32, f16 or q8_0 cache, none sharing
+/// storage with `out`: nothing is allocated for the output.
 pub fn paged_attention_into(a: &Attention, out: &Tensor) -> Result<()> {
     let Attention { q, k_cache, v_cache, meta, scale } = *a;
     let dims = a.check()?;
@@ -453,17 +470,26 @@ pub fn paged_attention_into(a: &Attention, out: &Tensor) -> Result<()> {
         return Err(KernelError::Invalid(format!("paged attention: q is {:?}, out {:?}", q.dims(), out.dims())));
     }
     let op = PagedAttention { meta, dims, scale };
+    let (ks, kl) = k_cache.storage_and_layout();
+    let (vs, vl) = v_cache.storage_and_layout();
     read_f32(q, |q| {
-        read_f32(k_cache, |k| {
-            read_f32(v_cache, |v| {
-                write_f32(out, &|o| {
-                    // Every query row belongs to a sequence, but a reused
-                    // buffer must not leak stale rows if one did not.
-                    o.fill(0.0);
-                    op.run_into(q, k, v, o);
-                    Ok(())
-                })
-            })
+        write_f32(out, &|o| {
+            // Every query row belongs to a sequence, but a reused buffer
+            // must not leak stale rows if one did not.
+            o.fill(0.0);
+            match (&*ks, &*vs) {
+                (Storage::Cpu(CpuStorage::F32(k)), Storage::Cpu(CpuStorage::F32(v))) => {
+                    op.run_into(q, slice(k, kl, "k_cache")?, slice(v, vl, "v_cache")?, o)
+                }
+                (Storage::Cpu(CpuStorage::F16(k)), Storage::Cpu(CpuStorage::F16(v))) => {
+                    op.run_into(q, slice(k, kl, "k_cache")?, slice(v, vl, "v_cache")?, o)
+                }
+                (Storage::Cpu(CpuStorage::U8(k)), Storage::Cpu(CpuStorage::U8(v))) => {
+                    op.run_into(q, slice(k, kl, "k_cache")?, slice(v, vl, "v_cache")?, o)
+                }
+                _ => candle_core::bail!("paged attention into f32: an f32, f16 or q8_0 CPU cache"),
+            }
+            Ok(())
         })
     })?;
     Ok(())

@@ -1,0 +1,101 @@
+//! The KV cache formats CPU attention reads (f32, f16, bf16, q8_0; see
+//! [`crate::kv_dtype`]) and how one (slot, kv head) row of each becomes
+//! f32 for the score and value loops: f32 rows are read in place, the
+//! others widened (f16 with F16C, int8 sign-extended and scaled with AVX2
+//! where the CPU has them) into a block-sized buffer that stays in L1 while
+//! every query head of the group reads it.
+
+use half::{bf16, f16};
+
+use crate::kv_dtype::{Q8_SCALE_BYTES, q8_scale};
+
+/// A cache's storage unit: `f32`, `f16`, `bf16`, or `u8` (q8_0 rows).
+pub(super) trait KvRows: Copy + Send + Sync + 'static {
+    /// Units per row of `hd` values.
+    fn row_len(hd: usize) -> usize {
+        hd
+    }
+    /// The rows themselves, when they are f32 already.
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// Widens one row (`row_len(dst.len())` units) into `dst`.
+    fn widen_row(src: &[Self], dst: &mut [f32]);
+}
+
+impl KvRows for f32 {
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn widen_row(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(&src[..dst.len()]);
+    }
+}
+
+macro_rules! half_rows {
+    ($t:ty) => {
+        impl KvRows for $t {
+            #[inline(always)]
+            fn widen_row(src: &[Self], dst: &mut [f32]) {
+                // half converts with F16C (x86-64) or NEON when the CPU has it.
+                use half::slice::HalfFloatSliceExt;
+                src[..dst.len()].convert_to_f32_slice(dst);
+            }
+        }
+    };
+}
+half_rows!(f16);
+half_rows!(bf16);
+
+impl KvRows for u8 {
+    fn row_len(hd: usize) -> usize {
+        hd + Q8_SCALE_BYTES
+    }
+    #[inline(always)]
+    fn widen_row(src: &[Self], dst: &mut [f32]) {
+        let hd = dst.len();
+        let scale = q8_scale(src, hd);
+        #[cfg(target_arch = "x86_64")]
+        if super::super::isa::has_avx2_fma() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { dequantize_avx2(&src[..hd], scale, dst) };
+        }
+        dequantize(&src[..hd], scale, dst);
+    }
+}
+
+/// `dst[i] = src[i] as i8 * scale`: a loop the compiler vectorises for
+/// whatever instruction set the caller enables.
+#[inline(always)]
+fn dequantize(src: &[u8], scale: f32, dst: &mut [f32]) {
+    for (d, &b) in dst.iter_mut().zip(src) {
+        *d = b as i8 as f32 * scale;
+    }
+}
+
+/// [`dequantize`] with AVX2: 8 values per sign-extend, convert and multiply.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dequantize_avx2(src: &[u8], scale: f32, dst: &mut [f32]) {
+    dequantize(src, scale, dst);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_rows_dequantize_to_int8_times_scale() {
+        let hd = 40; // not a multiple of the vector widths
+        let mut row: Vec<u8> = (0..hd).map(|i| (i as i8 - 20) as u8).collect();
+        row.extend_from_slice(&0.5f32.to_le_bytes());
+        assert_eq!(<u8 as KvRows>::row_len(hd), row.len());
+        let mut out = vec![0f32; hd];
+        u8::widen_row(&row, &mut out);
+        let want: Vec<f32> = (0..hd).map(|i| (i as f32 - 20.0) * 0.5).collect();
+        assert_eq!(out, want);
+    }
+}
