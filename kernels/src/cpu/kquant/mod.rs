@@ -25,6 +25,7 @@
 
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
 use super::isa::{self, Simd};
 use super::quant::QuantError;
 use super::{OutPtr, for_each_span};
@@ -293,6 +294,7 @@ pub fn best_backend() -> KBackend {
 }
 
 /// Every path this CPU can run, for tests that compare them.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
 pub fn available_backends() -> Vec<KBackend> {
     let mut all = vec![KBackend::Scalar];
     #[cfg(target_arch = "x86_64")]
