@@ -44,23 +44,33 @@ fn stream_case(cluster: &Coordinator, prompt: &Value, max_tokens: usize, extra: 
     (tokens, multi, logprobs)
 }
 
-#[test]
-fn a_speculating_worker_streams_the_golden_tokens() {
-    let cluster = Coordinator::start("stories260K", 1, &["--worker-arg=--speculative-method=ngram"]);
+/// Streams every stories260K golden case with the worker's own setting,
+/// then again with `also` in the request: both must give the golden tokens,
+/// the first with one logprob per token. Returns how many events of each
+/// pass carried more than one token.
+fn stream_golden_cases(cluster: &Coordinator, also: Value) -> (usize, usize) {
     let golden = golden("stories260K.json");
-    let mut multi_token_events = 0;
+    let (mut multi_token_events, mut also_multi) = (0, 0);
     for case in golden["cases"].as_array().unwrap() {
         let want: Vec<u32> =
             case["generated_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-        let (got, multi, logprobs) = stream_case(&cluster, &case["prompt_ids"], want.len(), json!({}));
+        let (got, multi, logprobs) = stream_case(cluster, &case["prompt_ids"], want.len(), json!({}));
         assert_eq!(got, want, "case {}", case["id"]);
         assert_eq!(logprobs, want.len(), "one logprob per token, case {}", case["id"]);
         multi_token_events += multi;
-        // The same case with speculation off for this request alone.
-        let off = json!({"speculative": {"method": "off"}});
-        let (plain, multi, _) = stream_case(&cluster, &case["prompt_ids"], want.len(), off);
-        assert_eq!((plain, multi), (want, 0), "case {}", case["id"]);
+        let (again, multi, _) = stream_case(cluster, &case["prompt_ids"], want.len(), also.clone());
+        assert_eq!(again, want, "case {} with {also}", case["id"]);
+        also_multi += multi;
     }
+    (multi_token_events, also_multi)
+}
+
+#[test]
+fn a_speculating_worker_streams_the_golden_tokens() {
+    let cluster = Coordinator::start("stories260K", 1, &["--worker-arg=--speculative-method=ngram"]);
+    // The same cases with speculation off for the request alone.
+    let (multi_token_events, multi_when_off) = stream_golden_cases(&cluster, json!({"speculative": {"method": "off"}}));
+    assert_eq!(multi_when_off, 0, "a request that turned speculation off got several tokens in one event");
     assert!(multi_token_events > 0, "no step accepted a proposal");
     let metrics = worker_metrics(&cluster);
     let drafts = counter(&metrics, "vllm:spec_decode_num_drafts_total");
@@ -81,20 +91,9 @@ fn a_worker_with_a_draft_model_streams_the_golden_tokens() {
     let draft = truncated_model("stories260K", 2);
     let draft_arg = format!("--worker-arg=--draft-model={}", draft.0.display());
     let cluster = Coordinator::start("stories260K", 1, &["--worker-arg=--speculative-method=draft", &draft_arg]);
-    let golden = golden("stories260K.json");
-    let mut multi_token_events = 0;
-    for case in golden["cases"].as_array().unwrap() {
-        let want: Vec<u32> =
-            case["generated_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-        let (got, multi, logprobs) = stream_case(&cluster, &case["prompt_ids"], want.len(), json!({}));
-        assert_eq!(got, want, "case {}", case["id"]);
-        assert_eq!(logprobs, want.len(), "one logprob per token, case {}", case["id"]);
-        multi_token_events += multi;
-        // The same worker proposes by n-gram for a request that asks.
-        let ngram = json!({"speculative": {"method": "ngram", "num_speculative_tokens": 2}});
-        let (by_ngram, _, _) = stream_case(&cluster, &case["prompt_ids"], want.len(), ngram);
-        assert_eq!(by_ngram, want, "case {}", case["id"]);
-    }
+    // The same worker proposes by n-gram for a request that asks.
+    let ngram = json!({"speculative": {"method": "ngram", "num_speculative_tokens": 2}});
+    let (multi_token_events, _) = stream_golden_cases(&cluster, ngram);
     assert!(multi_token_events > 0, "no step accepted a proposal");
     let metrics = worker_metrics(&cluster);
     let proposed = counter(&metrics, "vllm:spec_decode_num_draft_tokens_total");
