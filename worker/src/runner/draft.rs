@@ -58,16 +58,29 @@ struct DraftProgress {
 }
 
 /// One request's part of a draft pass.
-struct Job {
+struct Job<'a> {
     /// Index in the step's `scheduled`.
     sched: usize,
     id: RequestId,
-    /// The request's tokens, then the guesses made this round.
-    tokens: Vec<u32>,
-    /// The first position this round computes.
+    /// The request's tokens (borrowed: no copy per step).
+    known: &'a [u32],
+    /// The guesses made this round, at the positions after `known`.
+    guesses: Vec<u32>,
+    /// The first position this round's next pass computes.
     start: usize,
     /// Proposals wanted.
     k: usize,
+}
+
+impl Job<'_> {
+    /// Tokens in the draft's context after this round's guesses so far.
+    fn len(&self) -> usize {
+        self.known.len() + self.guesses.len()
+    }
+
+    fn token(&self, pos: usize) -> u32 {
+        self.known.get(pos).copied().unwrap_or_else(|| self.guesses[pos - self.known.len()])
+    }
 }
 
 impl DraftRunner {
@@ -118,7 +131,8 @@ impl DraftRunner {
             jobs.push(Job {
                 sched: i,
                 id: sched.id,
-                tokens: req.token_ids.clone(),
+                known: &req.token_ids,
+                guesses: Vec::with_capacity(sched.spec_token_ids.len()),
                 start,
                 k: sched.spec_token_ids.len(),
             });
@@ -126,7 +140,6 @@ impl DraftRunner {
         if jobs.is_empty() {
             return Ok(());
         }
-        let known: Vec<usize> = jobs.iter().map(|j| j.tokens.len()).collect();
         let rounds = jobs.iter().map(|j| j.k).max().unwrap_or(0);
         for round in 0..rounds {
             let active: Vec<usize> = (0..jobs.len()).filter(|&j| jobs[j].k > round).collect();
@@ -134,21 +147,21 @@ impl DraftRunner {
                 let guesses = self.pass(step, &jobs, &pass)?;
                 for (&j, guess) in pass.iter().zip(guesses) {
                     let job = &mut jobs[j];
-                    job.tokens.push(guess);
+                    job.guesses.push(guess);
                     // The next pass computes only the new guess.
-                    job.start = job.tokens.len() - 1;
+                    job.start = job.len() - 1;
                 }
             }
         }
-        for (job, known) in jobs.into_iter().zip(known) {
-            let guesses = &job.tokens[known..];
+        for job in jobs {
+            let guesses = &job.guesses;
             let sched = &mut step.scheduled[job.sched];
             sched.spec_token_ids.copy_from_slice(guesses);
             sched.draft_pending = false;
             debug_assert!(!sched.spec_token_ids.contains(&DRAFT_PENDING));
             // KV now holds the real tokens and every guess but the last.
             let progress = self.progress.entry(job.id).or_default();
-            progress.computed = known;
+            progress.computed = job.known.len();
             progress.guessed = guesses[..guesses.len() - 1].to_vec();
         }
         Ok(())
@@ -163,7 +176,7 @@ impl DraftRunner {
             let job = &jobs[j];
             let blocks = &step.scheduled[job.sched].block_ids;
             let slots: Vec<u32> =
-                (job.start..job.tokens.len()).map(|pos| blocks[pos / bs].0 * bs as u32 + (pos % bs) as u32).collect();
+                (job.start..job.len()).map(|pos| blocks[pos / bs].0 * bs as u32 + (pos % bs) as u32).collect();
             match passes.iter_mut().find(|(taken, _)| slots.iter().all(|s| !taken.contains(s))) {
                 Some((taken, members)) => {
                     taken.extend(slots);
@@ -189,13 +202,13 @@ impl DraftRunner {
         for &j in active {
             let job = &jobs[j];
             let blocks = &step.scheduled[job.sched].block_ids;
-            for pos in job.start..job.tokens.len() {
-                input_ids.push(job.tokens[pos]);
+            for pos in job.start..job.len() {
+                input_ids.push(job.token(pos));
                 positions.push(pos as u32);
                 meta.slot_mapping.push(blocks[pos / bs].0 * bs as u32 + (pos % bs) as u32);
             }
             meta.query_start_loc.push(input_ids.len() as u32);
-            meta.context_lens.push(job.tokens.len() as u32);
+            meta.context_lens.push(job.len() as u32);
             meta.block_tables.push(blocks.iter().map(|b| b.0).collect());
             last_rows.push(input_ids.len() as u32 - 1);
         }
