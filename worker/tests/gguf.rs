@@ -5,30 +5,16 @@
 //! config and the undoing of llama.cpp's q/k row permutation. Quantized
 //! files must behave exactly like `--quantize` on the same weights.
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use common::{RequestId, SamplingParams};
+use support::{greedy, shared};
 use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
-
-fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
-}
-
-fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
-    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n as u32) };
-    engine.add_request(RequestId(0), prompt.to_vec(), params, 0).unwrap();
-    let mut ids = Vec::new();
-    while engine.has_unfinished() {
-        for out in engine.step().unwrap() {
-            ids.extend(&out.new_token_ids);
-        }
-    }
-    ids
-}
 
 /// Exports stories260K; `via_f16` rounds the weights to f16 first (what
 /// `--dtype f16 --quantize` quantizes from).

@@ -14,31 +14,17 @@
 //! the f32 model's greedy continuation both see the same context, and we
 //! compare the next greedy token.
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use common::model::ModelConfig;
-use common::{RequestId, SamplingParams};
+use support::{greedy, shared};
 use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
-
-fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
-}
-
-fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
-    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n as u32) };
-    engine.add_request(RequestId(0), prompt.to_vec(), params, 0).unwrap();
-    let mut ids = Vec::new();
-    while engine.has_unfinished() {
-        for out in engine.step().unwrap() {
-            ids.extend(&out.new_token_ids);
-        }
-    }
-    ids
-}
 
 fn engine(source: &str) -> Engine {
     let files = ModelFiles::resolve(&ModelSource::parse(source).unwrap(), Need::Weights).unwrap();

@@ -13,13 +13,10 @@ use std::path::{Path, PathBuf};
 use common::{RequestId, SamplingParams};
 use engine_core::{SpecMethod, SpeculativeConfig};
 use serde::Deserialize;
+use support::shared;
 use worker::engine::LogprobsMode;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
-
-fn shared() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"))
-}
 
 #[derive(Deserialize)]
 struct Golden {

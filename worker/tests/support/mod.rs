@@ -1,7 +1,30 @@
-//! Helpers shared by the worker's integration tests.
+//! Helpers shared by the worker's integration tests. Each test binary
+//! compiles this module and uses part of it, hence `allow(dead_code)`.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{RequestId, SamplingParams};
+use worker::Engine;
+
+/// `../shared`: the test models and golden outputs.
+pub fn shared() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+}
+
+/// `n` greedy tokens after `prompt` (EOS ignored), as request 0.
+pub fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n as u32) };
+    engine.add_request(RequestId(0), prompt.to_vec(), params, 0).unwrap();
+    let mut ids = Vec::new();
+    while engine.has_unfinished() {
+        for out in engine.step().unwrap() {
+            ids.extend(&out.new_token_ids);
+        }
+    }
+    ids
+}
 
 /// A draft model for speculative decoding made from a real one: its first
 /// `layers` decoder layers, with its embeddings, final norm and lm_head (a
