@@ -166,3 +166,103 @@ fn requests_choose_speculation_and_bad_options_are_refused() {
     let (status, err) = post_json(&cluster.url("/generate"), &body(json!("ngram")));
     assert_eq!((status, err["error"]["param"].as_str()), (400, Some("speculative")), "{err}");
 }
+
+/// The speculation counters of a worker (a pipeline's first stage):
+/// (proposals made, tokens proposed, tokens accepted).
+fn spec_counters(cluster: &Coordinator) -> (f64, f64, f64) {
+    let metrics = worker_metrics(cluster);
+    let value = |name| counter(&metrics, name);
+    (
+        value("vllm:spec_decode_num_drafts_total"),
+        value("vllm:spec_decode_num_draft_tokens_total"),
+        value("vllm:spec_decode_num_accepted_tokens_total"),
+    )
+}
+
+/// Speculating pipelines: the first stage proposes, the last verifies, and
+/// the accepted runs come back along the chain.
+const PIPELINE_SPECULATES: [&str; 2] =
+    ["--worker-arg=--speculative-method=ngram", "--worker-arg=--speculative-max-batch-tokens=1000"];
+
+#[test]
+fn speculating_pipelines_of_2_and_3_stages_stream_the_golden_tokens() {
+    let golden = golden("stories260K.json");
+    let cases = golden["cases"].as_array().unwrap();
+    for stages in [2, 3] {
+        let cluster = Coordinator::start_pipelines("stories260K", 1, stages, &PIPELINE_SPECULATES);
+        // One at a time, streamed (several tokens an event), and with speculation off.
+        let (multi_token_events, multi_when_off) =
+            stream_golden_cases(&cluster, json!({"speculative": {"method": "off"}}));
+        assert!(multi_token_events > 0, "{stages} stages: no step accepted a proposal");
+        assert_eq!(multi_when_off, 0, "{stages} stages: a request that turned speculation off");
+        // All at once: micro-batches in flight, each verifying its proposals.
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|case| {
+                let body = json!({"prompt_token_ids": case["prompt_ids"], "max_tokens": 48, "temperature": 0,
+                                  "ignore_eos": true, "logprobs": 1});
+                let url = cluster.url("/generate");
+                std::thread::spawn(move || post_json(&url, &body))
+            })
+            .collect();
+        for (case, h) in cases.iter().zip(handles) {
+            let (status, out) = h.join().unwrap();
+            assert_eq!(status, 200, "{out}");
+            assert_eq!(out["token_ids"], case["generated_ids"], "{stages} stages, case {}", case["id"]);
+            assert_eq!(out["logprobs"].as_array().map(Vec::len), Some(48), "one logprob per token");
+        }
+        let (drafts, proposed, accepted) = spec_counters(&cluster);
+        assert!(drafts > 0.0 && accepted > 0.0 && accepted < proposed, "{drafts} {proposed} {accepted}");
+        // A draft model does not run on a pipeline: a clear 400.
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 4, "speculative": {"method": "draft"}});
+        let (status, err) = post_json(&cluster.url("/generate"), &body);
+        assert_eq!(status, 400, "{err}");
+        assert!(err["error"]["message"].as_str().unwrap().contains("not supported on a pipeline"), "{err}");
+    }
+}
+
+#[test]
+fn seeded_sampling_on_a_speculating_pipeline_is_a_single_workers() {
+    // Repeated text, so proposals are made and many accepted; penalties,
+    // min_tokens and logprobs ride along; all requests at once, so steps
+    // in flight hold several of them.
+    let story = "Once upon a time, there was a little girl. She liked to play.";
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            let mut body = json!({"prompt": format!("{story} {story} {i} {story}"), "max_tokens": 32,
+                                  "temperature": 0.8, "seed": 11 + i, "logprobs": 2, "min_tokens": 8});
+            if i % 2 == 1 {
+                body["repetition_penalty"] = json!(1.2);
+                body["frequency_penalty"] = json!(0.3);
+            }
+            body
+        })
+        .collect();
+    let answers = |cluster: &Coordinator, spec: Value| -> Vec<Value> {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| {
+                let (url, mut body) = (cluster.url("/generate"), body.clone());
+                body["speculative"] = spec.clone();
+                std::thread::spawn(move || post_json(&url, &body))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (status, out) = h.join().unwrap();
+                assert_eq!(status, 200, "{out}");
+                json!([out["token_ids"], out["text"], out["logprobs"]])
+            })
+            .collect()
+    };
+    let extra = [PIPELINE_SPECULATES[0], PIPELINE_SPECULATES[1], "--worker-arg=--prompt-lookup-min=1"];
+    let pipeline = Coordinator::start_pipelines("stories260K", 1, 2, &extra);
+    let (speculated, plain) = (answers(&pipeline, Value::Null), answers(&pipeline, json!({"method": "off"})));
+    let (_, proposed, accepted) = spec_counters(&pipeline);
+    assert!(accepted > 0.0 && accepted < proposed, "{proposed} {accepted}");
+    drop(pipeline);
+    let single = Coordinator::start("stories260K", 1, &extra);
+    assert_eq!(speculated, answers(&single, Value::Null), "a speculating single worker");
+    assert_eq!(plain, speculated, "the pipeline without speculation");
+}

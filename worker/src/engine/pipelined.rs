@@ -12,13 +12,17 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use engine_core::{Request, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs};
+use engine_core::{
+    Request, SampledToken, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs, spec,
+};
 
-use super::{Engine, sampling_requests};
+use super::Engine;
 use crate::error::{Result, WorkerError};
 use crate::pipeline::link::{Arrived, Downstream};
 use crate::pipeline::metrics::PipelineMetrics;
-use crate::pipeline::wire::{SamplingRow, StepHeader, StepResult, f32_from_bytes, hidden_to_bytes};
+use crate::pipeline::wire::{
+    SamplingRow, StepHeader, StepResult, WireSampled, f32_from_bytes, hidden_to_bytes, penalties_read_output,
+};
 use crate::profile::{self, Section};
 use engine_core::RequestOutput;
 
@@ -147,7 +151,12 @@ impl Engine {
                 block_tables: batch.meta.block_tables.clone(),
                 logits_indices: batch.logits_indices.clone(),
                 prompt_logprob_rows: batch.prompt_logprob_rows.clone(),
-                sampling: sampling_requests(&self.scheduler, &step).map(sampling_row).collect(),
+                sampling: step
+                    .scheduled
+                    .iter()
+                    .filter(|s| s.samples)
+                    .map(|s| sampling_row(self.scheduler.request(s.id).expect("scheduled request exists"), s))
+                    .collect(),
                 continues: !std::mem::replace(&mut p.went_idle, false),
                 stage_micros: 0,
             };
@@ -181,11 +190,16 @@ impl Engine {
         }
         match result.frame {
             StepResult::Sampled { sampled, .. } => {
-                let sampled: Vec<SampledToken> = sampled
+                check_verified(&step, &sampled, step_no)?;
+                let sampled: Vec<Vec<SampledToken>> = sampled
                     .into_iter()
-                    .map(|s| SampledToken {
-                        token_id: s.token_id,
-                        logprobs: s.logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
+                    .map(|kept| {
+                        kept.into_iter()
+                            .map(|s| SampledToken {
+                                token_id: s.token_id,
+                                logprobs: s.logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
+                            })
+                            .collect()
                     })
                     .collect();
                 Ok(self.finish_step(&step, sampled, &f32_from_bytes(&result.raw)))
@@ -195,17 +209,34 @@ impl Engine {
     }
 }
 
-/// What the last stage needs to sample `req`'s next token: the token
-/// history only when a penalty reads it.
-fn sampling_row(req: &Request) -> SamplingRow {
+/// What the last stage needs to sample `req`'s next token, or to verify
+/// its proposals: the token history only when a penalty reads it.
+fn sampling_row(req: &Request, scheduled: &ScheduledRequest) -> SamplingRow {
     let p = &req.params;
-    let repetition = p.repetition_penalty != 1.0;
-    let output_read = repetition || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+    let (output_read, repetition) = penalties_read_output(p);
     SamplingRow {
         params: p.clone(),
         seed: req.sampling_seed,
         num_output_tokens: req.output_token_ids().len() as u32,
         prompt_token_ids: if repetition { req.prompt_token_ids().to_vec() } else { Vec::new() },
         output_token_ids: if output_read { req.output_token_ids().to_vec() } else { Vec::new() },
+        proposed: scheduled.spec_token_ids.clone(),
+    }
+}
+
+/// Checks that a result answers `step`: per sampling request, in order, a
+/// verified run of its proposals (`spec::is_verified_run`). Anything else
+/// would leave a request with no token to go on from.
+fn check_verified(step: &SchedulerOutput, sampled: &[Vec<WireSampled>], step_no: u64) -> Result<()> {
+    let sampling: Vec<_> = step.scheduled.iter().filter(|s| s.samples).collect();
+    let fits = sampling.len() == sampled.len()
+        && sampling.iter().zip(sampled).all(|(s, kept)| {
+            let tokens: Vec<u32> = kept.iter().map(|t| t.token_id).collect();
+            spec::is_verified_run(&s.spec_token_ids, &tokens)
+        });
+    if fits {
+        Ok(())
+    } else {
+        Err(WorkerError::Unsupported(format!("the last stage's result of step {step_no} does not answer it")))
     }
 }
