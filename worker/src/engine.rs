@@ -259,11 +259,7 @@ impl Engine {
             return Err(WorkerError::InvalidRequest { id, message: message.to_string() });
         }
         if matches!(params.speculative, Some(common::Speculative::Draft { .. })) && self.draft.is_none() {
-            let message = if self.pipeline.is_some() {
-                "draft-model speculation is not supported on a pipeline (n-gram is: \"method\": \"ngram\")"
-            } else {
-                "this worker has no draft model (it runs with --speculative-method draft --draft-model)"
-            };
+            let message = "this worker has no draft model (it runs with --speculative-method draft --draft-model)";
             return Err(WorkerError::InvalidRequest { id, message: message.to_string() });
         }
         if output.len() >= params.max_tokens as usize {
@@ -375,16 +371,7 @@ impl Engine {
         }
         let sched_timer = profile::scope(Section::Scheduler);
         let mut step = self.scheduler.schedule();
-        if let Some(draft) = &mut self.draft {
-            for &id in &step.preempted {
-                draft.forget(id); // its blocks are gone, the draft's KV with them
-            }
-            if step.scheduled.iter().any(|s| s.draft_pending) {
-                let _t = profile::scope(Section::Forward);
-                let scheduler = &self.scheduler;
-                draft.propose(&mut step, |id| scheduler.request(id).expect("scheduled request exists"))?;
-            }
-        }
+        self.propose_drafts(&mut step)?;
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
         self.last_step.num_batched_tokens = step.num_batched_tokens;
@@ -434,6 +421,21 @@ impl Engine {
         drop(rows);
         drop(sampling_timer);
         Ok(self.finish_step(&step, per_request(&step, sampled), prompt_logits))
+    }
+
+    /// Has the draft model fill in `step`'s pending proposals, after
+    /// forgetting the draft KV of the requests it preempted.
+    fn propose_drafts(&mut self, step: &mut SchedulerOutput) -> Result<()> {
+        let Some(draft) = &mut self.draft else { return Ok(()) };
+        for &id in &step.preempted {
+            draft.forget(id); // its blocks are gone, the draft's KV with them
+        }
+        if step.scheduled.iter().any(|s| s.draft_pending) {
+            let _t = profile::scope(Section::Forward);
+            let scheduler = &self.scheduler;
+            draft.propose(step, |id| scheduler.request(id).expect("scheduled request exists"))?;
+        }
+        Ok(())
     }
 
     /// The end of every step: the prompt logprobs from their rows of

@@ -61,6 +61,9 @@ impl Engine {
             }
             self.scheduler = Scheduler::new(SchedulerConfig { num_blocks: chain, ..self.scheduler.config().clone() });
             self.runner.reallocate_kv(chain)?;
+            if let Some(draft) = &mut self.draft {
+                draft.reallocate_kv(chain, self.runner.kv_cache_dtype())?;
+            }
         }
         let micro_batches = micro_batches.unwrap_or(next.stages.len() + 1).max(1);
         self.scheduler.set_micro_batches(micro_batches);
@@ -124,7 +127,8 @@ impl Engine {
     /// Schedules a micro-batch and sends it; `false` if nothing could go.
     fn send_step(&mut self) -> Result<bool> {
         let sched_timer = profile::scope(Section::Scheduler);
-        let step = self.scheduler.schedule();
+        let mut step = self.scheduler.schedule();
+        self.propose_drafts(&mut step)?;
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
         self.last_step.num_batched_tokens = step.num_batched_tokens;
