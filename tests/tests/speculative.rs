@@ -240,6 +240,18 @@ fn a_pipeline_with_a_draft_model_streams_the_golden_tokens() {
     golden_cases_at_once(&cluster, "draft on 2 stages");
     let (drafts, proposed, accepted) = spec_counters(&cluster);
     assert!(drafts > 0.0 && accepted > 0.0 && accepted < proposed, "{drafts} {proposed} {accepted}");
+    // Seeded sampling: the same text with the draft, n-gram or neither.
+    let prompt = "Once upon a time, there was a little girl named Lily.";
+    let texts: Vec<Value> = [json!({"method": "off"}), json!({"method": "ngram"}), Value::Null]
+        .into_iter()
+        .map(|spec| {
+            let body = json!({"prompt": prompt, "max_tokens": 40, "temperature": 0.8, "seed": 7, "speculative": spec});
+            let (status, reply) = post_json(&cluster.url("/v1/completions"), &body);
+            assert_eq!(status, 200, "{reply}");
+            reply["choices"][0]["text"].clone()
+        })
+        .collect();
+    assert!(texts.iter().all(|t| t == &texts[0]), "{texts:?}");
 }
 
 #[test]
