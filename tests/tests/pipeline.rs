@@ -1,9 +1,10 @@
 //! Pipeline parallelism end to end (issue 30): a model's layers split over
 //! 2 or 3 real worker processes linked over QUIC on loopback, behind a real
 //! coordinator. Greedy output must equal transformers' golden tokens
-//! exactly, with chunked prefill, prefix-cache hits and preemption; seeded
-//! sampling equals one worker's; a stage lost mid-stream loses no token; a
-//! stage of another model is refused.
+//! exactly, with chunked prefill, prefix-cache hits, preemption and n-gram
+//! speculation (the last stage verifies); seeded sampling equals one
+//! worker's; a stage lost mid-stream loses no token; a stage of another
+//! model is refused.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -52,6 +53,37 @@ fn two_stages_reproduce_every_models_goldens_with_chunked_prefill_and_cache_hits
         assert_eq!(names, ["local-0", "local-0-stage-1"], "{model}");
         assert!(stages.iter().all(|s| s["weight_bytes"].as_u64() > Some(0) && s["kv_bytes"].as_u64() > Some(0)));
     }
+}
+
+/// n-gram speculation on every running request (eager: 1-token matches).
+const SPECULATE: [&str; 3] = [
+    "--worker-arg=--speculative-method=ngram",
+    "--worker-arg=--prompt-lookup-min=1",
+    "--worker-arg=--speculative-max-batch-tokens=1000",
+];
+
+#[test]
+fn two_speculating_stages_reproduce_every_models_goldens() {
+    // Stage 0 proposes, the last stage verifies: the output is plain decoding's.
+    for model in ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"] {
+        let mut extra = vec!["--block-size", "4"];
+        extra.extend(SPECULATE);
+        let cluster = Coordinator::start_pipelines(model, 1, 2, &extra);
+        check_goldens(&cluster, model);
+        let stats = &cluster.workers()["data"][0]["stats"];
+        let metrics = worker_metrics_text(&cluster);
+        let proposed = sample(&metrics, "vllm:spec_decode_num_draft_tokens_total", &[]);
+        let accepted = sample(&metrics, "vllm:spec_decode_num_accepted_tokens_total", &[]);
+        assert!(proposed > 0.0 && accepted < proposed, "{model}: {proposed} proposed, {accepted} accepted; {stats}");
+    }
+}
+
+/// The first stage's Prometheus text.
+fn worker_metrics_text(cluster: &Coordinator) -> String {
+    let targets: Value =
+        ureq::get(&cluster.url("/v1/prometheus/targets")).call().expect("targets").into_json().expect("json");
+    let address = targets[0]["targets"][0].as_str().expect("the first stage's address").to_string();
+    ureq::get(&format!("http://{address}/metrics")).call().expect("scrape").into_string().expect("text")
 }
 
 #[test]
@@ -229,9 +261,20 @@ fn seeded_sampling_penalties_and_logprobs_match_a_single_worker() {
 
 #[test]
 fn two_stages_stay_exact_under_preemption() {
+    two_stages_under_preemption(&[]);
+}
+
+#[test]
+fn two_speculating_stages_stay_exact_under_preemption() {
+    two_stages_under_preemption(&SPECULATE);
+}
+
+fn two_stages_under_preemption(extra: &[&str]) {
     // About 9 blocks of 16 tokens for the whole pipeline: 4 requests of 56
     // tokens at once do not fit, so some are preempted and recomputed.
-    let cluster = Coordinator::start_pipelines("stories260K", 1, 2, &["--worker-arg=--kv-cache-memory=120000"]);
+    let mut args = vec!["--worker-arg=--kv-cache-memory=120000"];
+    args.extend_from_slice(extra);
+    let cluster = Coordinator::start_pipelines("stories260K", 1, 2, &args);
     let cases: Vec<Value> = golden("stories260K.json")["cases"].as_array().unwrap().iter().take(4).cloned().collect();
     let handles: Vec<_> = cases
         .iter()
@@ -256,6 +299,11 @@ fn two_stages_stay_exact_under_preemption() {
         }
     });
     assert!(preempted, "no preemption happened: {}", cluster.workers());
+    if !extra.is_empty() {
+        let metrics = worker_metrics_text(&cluster);
+        let accepted = sample(&metrics, "vllm:spec_decode_num_accepted_tokens_total", &[]);
+        assert!(accepted > 0.0, "no proposal was accepted");
+    }
 }
 
 /// A metric's value in Prometheus text: the first sample of `name` with

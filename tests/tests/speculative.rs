@@ -166,3 +166,153 @@ fn requests_choose_speculation_and_bad_options_are_refused() {
     let (status, err) = post_json(&cluster.url("/generate"), &body(json!("ngram")));
     assert_eq!((status, err["error"]["param"].as_str()), (400, Some("speculative")), "{err}");
 }
+
+/// The speculation counters of a worker (a pipeline's first stage):
+/// (proposals made, tokens proposed, tokens accepted).
+fn spec_counters(cluster: &Coordinator) -> (f64, f64, f64) {
+    let metrics = worker_metrics(cluster);
+    let value = |name| counter(&metrics, name);
+    (
+        value("vllm:spec_decode_num_drafts_total"),
+        value("vllm:spec_decode_num_draft_tokens_total"),
+        value("vllm:spec_decode_num_accepted_tokens_total"),
+    )
+}
+
+/// Speculating pipelines: the first stage proposes, the last verifies, and
+/// the accepted runs come back along the chain.
+const PIPELINE_SPECULATES: [&str; 2] =
+    ["--worker-arg=--speculative-method=ngram", "--worker-arg=--speculative-max-batch-tokens=1000"];
+
+/// Every stories260K golden case at once (on a pipeline: micro-batches in
+/// flight, each verifying its proposals), greedy with logprobs.
+fn golden_cases_at_once(cluster: &Coordinator, what: &str) {
+    let golden = golden("stories260K.json");
+    let cases = golden["cases"].as_array().unwrap();
+    let handles: Vec<_> = cases
+        .iter()
+        .map(|case| {
+            let body = json!({"prompt_token_ids": case["prompt_ids"], "max_tokens": 48, "temperature": 0,
+                              "ignore_eos": true, "logprobs": 1});
+            let url = cluster.url("/generate");
+            std::thread::spawn(move || post_json(&url, &body))
+        })
+        .collect();
+    for (case, h) in cases.iter().zip(handles) {
+        let (status, out) = h.join().unwrap();
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["token_ids"], case["generated_ids"], "{what}, case {}", case["id"]);
+        assert_eq!(out["logprobs"].as_array().map(Vec::len), Some(48), "one logprob per token");
+    }
+}
+
+#[test]
+fn speculating_pipelines_of_2_and_3_stages_stream_the_golden_tokens() {
+    for stages in [2, 3] {
+        let cluster = Coordinator::start_pipelines("stories260K", 1, stages, &PIPELINE_SPECULATES);
+        // One at a time, streamed (several tokens an event), and with speculation off.
+        let (multi_token_events, multi_when_off) =
+            stream_golden_cases(&cluster, json!({"speculative": {"method": "off"}}));
+        assert!(multi_token_events > 0, "{stages} stages: no step accepted a proposal");
+        assert_eq!(multi_when_off, 0, "{stages} stages: a request that turned speculation off");
+        golden_cases_at_once(&cluster, &format!("{stages} stages"));
+        let (drafts, proposed, accepted) = spec_counters(&cluster);
+        assert!(drafts > 0.0 && accepted > 0.0 && accepted < proposed, "{drafts} {proposed} {accepted}");
+        // This pipeline has no draft model: a clear 400.
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 4, "speculative": {"method": "draft"}});
+        let (status, err) = post_json(&cluster.url("/generate"), &body);
+        assert_eq!(status, 400, "{err}");
+        assert!(err["error"]["message"].as_str().unwrap().contains("no draft model"), "{err}");
+    }
+}
+
+#[test]
+fn a_pipeline_with_a_draft_model_streams_the_golden_tokens() {
+    // The draft (stories260K's own first 2 of 5 layers) runs whole on the
+    // first stage; the last stage verifies its proposals.
+    let draft = truncated_model("stories260K", 2);
+    let draft_arg = format!("--worker-arg=--draft-model={}", draft.0.display());
+    let extra = ["--worker-arg=--speculative-method=draft", &draft_arg, PIPELINE_SPECULATES[1]];
+    let cluster = Coordinator::start_pipelines("stories260K", 1, 2, &extra);
+    let ngram = json!({"speculative": {"method": "ngram", "num_speculative_tokens": 2}});
+    let (multi_token_events, _) = stream_golden_cases(&cluster, ngram);
+    assert!(multi_token_events > 0, "no step accepted a proposal");
+    golden_cases_at_once(&cluster, "draft on 2 stages");
+    let (drafts, proposed, accepted) = spec_counters(&cluster);
+    assert!(drafts > 0.0 && accepted > 0.0 && accepted < proposed, "{drafts} {proposed} {accepted}");
+    // Seeded sampling: the same text with the draft, n-gram or neither.
+    let prompt = "Once upon a time, there was a little girl named Lily.";
+    let texts: Vec<Value> = [json!({"method": "off"}), json!({"method": "ngram"}), Value::Null]
+        .into_iter()
+        .map(|spec| {
+            let body = json!({"prompt": prompt, "max_tokens": 40, "temperature": 0.8, "seed": 7, "speculative": spec});
+            let (status, reply) = post_json(&cluster.url("/v1/completions"), &body);
+            assert_eq!(status, 200, "{reply}");
+            reply["choices"][0]["text"].clone()
+        })
+        .collect();
+    assert!(texts.iter().all(|t| t == &texts[0]), "{texts:?}");
+}
+
+#[test]
+fn seeded_sampling_on_a_speculating_pipeline_is_a_single_workers() {
+    // Repeated text, so proposals are made and many accepted; penalties,
+    // min_tokens and logprobs ride along; all requests at once, so steps
+    // in flight hold several of them.
+    let story = "Once upon a time, there was a little girl. She liked to play.";
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            let mut body = json!({"prompt": format!("{story} {story} {i} {story}"), "max_tokens": 32,
+                                  "temperature": 0.8, "seed": 11 + i, "logprobs": 2, "min_tokens": 8});
+            if i % 2 == 1 {
+                body["repetition_penalty"] = json!(1.2);
+                body["frequency_penalty"] = json!(0.3);
+            }
+            body
+        })
+        .collect();
+    let answers = |cluster: &Coordinator, spec: Value| -> Vec<Value> {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| {
+                let (url, mut body) = (cluster.url("/generate"), body.clone());
+                body["speculative"] = spec.clone();
+                std::thread::spawn(move || post_json(&url, &body))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (status, out) = h.join().unwrap();
+                assert_eq!(status, 200, "{out}");
+                out
+            })
+            .collect()
+    };
+    // Tokens and text exactly; logprobs to rounding (batches of other
+    // shapes take other paths through the matrix kernels).
+    let same = |a: &[Value], b: &[Value], what: &str| {
+        for (a, b) in a.iter().zip(b) {
+            assert_eq!((&a["token_ids"], &a["text"]), (&b["token_ids"], &b["text"]), "{what}");
+            let logprobs = |v: &Value| -> Vec<(u64, f64)> {
+                let entries = v["logprobs"].as_array().expect("logprobs");
+                let top = entries.iter().flat_map(|e| e["top_logprobs"].as_array().expect("top").iter().chain([e]));
+                top.map(|t| (t["token_id"].as_u64().unwrap(), t["logprob"].as_f64().unwrap())).collect()
+            };
+            let (la, lb) = (logprobs(a), logprobs(b));
+            assert_eq!(la.len(), lb.len(), "{what}");
+            for ((ta, xa), (tb, xb)) in la.iter().zip(&lb) {
+                assert!(ta == tb && (xa - xb).abs() < 1e-4, "{what}: {ta} {xa} against {tb} {xb}");
+            }
+        }
+    };
+    let extra = [PIPELINE_SPECULATES[0], PIPELINE_SPECULATES[1], "--worker-arg=--prompt-lookup-min=1"];
+    let pipeline = Coordinator::start_pipelines("stories260K", 1, 2, &extra);
+    let (speculated, plain) = (answers(&pipeline, Value::Null), answers(&pipeline, json!({"method": "off"})));
+    let (_, proposed, accepted) = spec_counters(&pipeline);
+    assert!(accepted > 0.0 && accepted < proposed, "{proposed} {accepted}");
+    drop(pipeline);
+    let single = Coordinator::start("stories260K", 1, &extra);
+    same(&speculated, &answers(&single, Value::Null), "a speculating single worker");
+    same(&plain, &speculated, "the pipeline without speculation");
+}

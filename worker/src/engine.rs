@@ -176,12 +176,8 @@ impl Engine {
             policy: config.policy,
             eos_token_ids: files.eos_token_ids.clone(),
             max_prompt_logprob_rows: (MAX_PROMPT_LOGPROB_LOGITS / cfg.vocab_size.max(1)).max(1),
-            // A pipeline samples one row per request on its last stage, so a
-            // pipelined first stage proposes nothing (a cut-off of 0 tokens).
-            speculative: match config.layers {
-                Some(_) => SpeculativeConfig { enabled_by_default: false, max_batch_tokens: 0, ..speculative },
-                None => speculative,
-            },
+            // On a pipeline too: its last stage verifies (`pipelined`).
+            speculative,
             // One step in flight until a next stage is attached.
             micro_batches: 1,
         });
@@ -375,16 +371,7 @@ impl Engine {
         }
         let sched_timer = profile::scope(Section::Scheduler);
         let mut step = self.scheduler.schedule();
-        if let Some(draft) = &mut self.draft {
-            for &id in &step.preempted {
-                draft.forget(id); // its blocks are gone, the draft's KV with them
-            }
-            if step.scheduled.iter().any(|s| s.draft_pending) {
-                let _t = profile::scope(Section::Forward);
-                let scheduler = &self.scheduler;
-                draft.propose(&mut step, |id| scheduler.request(id).expect("scheduled request exists"))?;
-            }
-        }
+        self.propose_drafts(&mut step)?;
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
         self.last_step.num_batched_tokens = step.num_batched_tokens;
@@ -433,16 +420,32 @@ impl Engine {
         drop(inputs);
         drop(rows);
         drop(sampling_timer);
-        Ok(self.finish_step(&step, sampled, prompt_logits))
+        Ok(self.finish_step(&step, per_request(&step, sampled), prompt_logits))
+    }
+
+    /// Has the draft model fill in `step`'s pending proposals, after
+    /// forgetting the draft KV of the requests it preempted.
+    fn propose_drafts(&mut self, step: &mut SchedulerOutput) -> Result<()> {
+        let Some(draft) = &mut self.draft else { return Ok(()) };
+        for &id in &step.preempted {
+            draft.forget(id); // its blocks are gone, the draft's KV with them
+        }
+        if step.scheduled.iter().any(|s| s.draft_pending) {
+            let _t = profile::scope(Section::Forward);
+            let scheduler = &self.scheduler;
+            draft.propose(step, |id| scheduler.request(id).expect("scheduled request exists"))?;
+        }
+        Ok(())
     }
 
     /// The end of every step: the prompt logprobs from their rows of
-    /// logits, then the scheduler takes the sampled tokens and finishes the
-    /// requests that stop.
+    /// logits, then the scheduler takes the sampled tokens (each sampling
+    /// request's apart: all its rows, or those its verifier kept) and
+    /// finishes the requests that stop.
     fn finish_step(
         &mut self,
         step: &SchedulerOutput,
-        sampled: Vec<SampledToken>,
+        sampled: Vec<Vec<SampledToken>>,
         prompt_logits: &[f32],
     ) -> Vec<RequestOutput> {
         let prompt_logprobs = {
@@ -450,7 +453,7 @@ impl Engine {
             self.prompt_logprobs(step, prompt_logits)
         };
         let _t = profile::scope(Section::Scheduler);
-        let outputs = self.scheduler.update_from_output(step, sampled);
+        let outputs = self.scheduler.update_from_verified(step, sampled);
         for o in outputs.iter().filter(|o| o.finish_reason.is_some()) {
             self.grammars.remove(o.id);
             if let Some(draft) = &mut self.draft {
@@ -529,11 +532,11 @@ pub(crate) fn reported_logprobs(
     }
 }
 
-/// The requests of `step` that sample a token, in the step's order: the
-/// order of its rows of sampling logits.
-fn sampling_requests<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> impl Iterator<Item = &'a Request> {
-    let request = |id| scheduler.request(id).expect("scheduled request exists");
-    step.scheduled.iter().filter(|s| s.samples).map(move |s| request(s.id))
+/// `sampled` (one token per row of sampling logits) split per sampling
+/// request, in the step's order.
+fn per_request(step: &SchedulerOutput, sampled: Vec<SampledToken>) -> Vec<Vec<SampledToken>> {
+    let mut sampled = sampled.into_iter();
+    step.scheduled.iter().filter(|s| s.samples).map(|s| sampled.by_ref().take(s.num_sampled_rows()).collect()).collect()
 }
 
 /// One entry per row of sampling logits, in the step's order: the request
@@ -545,10 +548,7 @@ fn sampling_rows<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> Vec
     let mut rows = Vec::with_capacity(step.scheduled.len());
     for s in step.scheduled.iter().filter(|s| s.samples) {
         let req = scheduler.request(s.id).expect("scheduled request exists");
-        rows.push((req, Cow::Borrowed(req.output_token_ids())));
-        for i in 1..=s.spec_token_ids.len() {
-            rows.push((req, Cow::Owned([req.output_token_ids(), &s.spec_token_ids[..i]].concat())));
-        }
+        rows.extend(sampler::verified_outputs(req.output_token_ids(), &s.spec_token_ids).map(|o| (req, o)));
     }
     rows
 }

@@ -148,12 +148,18 @@ impl Scheduler {
         while i < self.running.len() && budget > 0 && out.scheduled.len() < max_seqs {
             let id = self.running[i];
             let req = &self.requests[&id];
+            // In flight, a speculating request counts its proposals as
+            // computed (more than its tokens) until the result comes.
+            if req.in_flight_step.is_some() {
+                i += 1;
+                continue;
+            }
             let remaining = req.num_tokens() - req.num_computed_tokens;
             let mut num_new = remaining.min(budget);
             if req.owes_prompt_logprobs() {
                 num_new = num_new.min(logprob_rows);
             }
-            if num_new == 0 || req.in_flight_step.is_some() {
+            if num_new == 0 {
                 i += 1;
                 continue;
             }

@@ -168,6 +168,15 @@ pub fn num_accepted(proposed: &[u32], drawn: &[u32]) -> usize {
     proposed.iter().zip(drawn).take_while(|(p, d)| p == d).count()
 }
 
+/// Whether `kept` is what a verifier keeps of its draws for `proposed`:
+/// the draws that equal their proposals, then the one after them (the
+/// bonus token, or the target's own choice where it disagreed). A
+/// pipeline's first stage checks its last stage's answer with it.
+pub fn is_verified_run(proposed: &[u32], kept: &[u32]) -> bool {
+    let Some((_, confirmed)) = kept.split_last() else { return false };
+    confirmed.len() <= proposed.len() && num_accepted(proposed, kept) == confirmed.len()
+}
+
 /// Cumulative counters, as vLLM's `SpecDecodingStats`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SpecDecodingStats {

@@ -41,9 +41,8 @@ pub(super) fn load_draft(
     target: &ModelFiles,
     max_model_len: usize,
 ) -> Result<CausalLm> {
-    if config.layers.is_some() {
-        return Err(WorkerError::Unsupported("a draft model runs on a single worker, not on a pipeline stage".into()));
-    }
+    // On a pipeline the draft runs whole on the first stage, which
+    // schedules (a later stage never gets here: `Engine::new` is stage 0's).
     let (ours, theirs) = (&target.config, &draft.config);
     if ours.vocab_size != theirs.vocab_size {
         return Err(WorkerError::Unsupported(format!(

@@ -1,7 +1,7 @@
 //! The step of an engine that samples on its model's device (GPUs): only
 //! token ids and the requested logprobs come back to the host.
 
-use super::{Engine, LogprobsMode, sampling_rows, with_masks};
+use super::{Engine, LogprobsMode, per_request, sampling_rows, with_masks};
 use crate::error::Result;
 use crate::profile::{self, Section};
 use crate::runner::device_sampler::{DeviceRow, LogprobValues};
@@ -52,6 +52,6 @@ impl Engine {
             .collect();
         drop(rows);
         drop(outputs);
-        Ok(self.finish_step(step, sampled, &prompt_logits))
+        Ok(self.finish_step(step, per_request(step, sampled), &prompt_logits))
     }
 }

@@ -12,13 +12,17 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use engine_core::{Request, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs};
+use engine_core::{
+    Request, SampledToken, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs, spec,
+};
 
-use super::{Engine, sampling_requests};
+use super::Engine;
 use crate::error::{Result, WorkerError};
 use crate::pipeline::link::{Arrived, Downstream};
 use crate::pipeline::metrics::PipelineMetrics;
-use crate::pipeline::wire::{SamplingRow, StepHeader, StepResult, f32_from_bytes, hidden_to_bytes};
+use crate::pipeline::wire::{
+    SamplingRow, StepHeader, StepResult, WireSampled, f32_from_bytes, hidden_to_bytes, penalties_read_output,
+};
 use crate::profile::{self, Section};
 use engine_core::RequestOutput;
 
@@ -57,6 +61,9 @@ impl Engine {
             }
             self.scheduler = Scheduler::new(SchedulerConfig { num_blocks: chain, ..self.scheduler.config().clone() });
             self.runner.reallocate_kv(chain)?;
+            if let Some(draft) = &mut self.draft {
+                draft.reallocate_kv(chain, self.runner.kv_cache_dtype())?;
+            }
         }
         let micro_batches = micro_batches.unwrap_or(next.stages.len() + 1).max(1);
         self.scheduler.set_micro_batches(micro_batches);
@@ -120,7 +127,8 @@ impl Engine {
     /// Schedules a micro-batch and sends it; `false` if nothing could go.
     fn send_step(&mut self) -> Result<bool> {
         let sched_timer = profile::scope(Section::Scheduler);
-        let step = self.scheduler.schedule();
+        let mut step = self.scheduler.schedule();
+        self.propose_drafts(&mut step)?;
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
         self.last_step.num_batched_tokens = step.num_batched_tokens;
@@ -147,7 +155,12 @@ impl Engine {
                 block_tables: batch.meta.block_tables.clone(),
                 logits_indices: batch.logits_indices.clone(),
                 prompt_logprob_rows: batch.prompt_logprob_rows.clone(),
-                sampling: sampling_requests(&self.scheduler, &step).map(sampling_row).collect(),
+                sampling: step
+                    .scheduled
+                    .iter()
+                    .filter(|s| s.samples)
+                    .map(|s| sampling_row(self.scheduler.request(s.id).expect("scheduled request exists"), s))
+                    .collect(),
                 continues: !std::mem::replace(&mut p.went_idle, false),
                 stage_micros: 0,
             };
@@ -181,11 +194,16 @@ impl Engine {
         }
         match result.frame {
             StepResult::Sampled { sampled, .. } => {
-                let sampled: Vec<SampledToken> = sampled
+                check_verified(&step, &sampled, step_no)?;
+                let sampled: Vec<Vec<SampledToken>> = sampled
                     .into_iter()
-                    .map(|s| SampledToken {
-                        token_id: s.token_id,
-                        logprobs: s.logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
+                    .map(|kept| {
+                        kept.into_iter()
+                            .map(|s| SampledToken {
+                                token_id: s.token_id,
+                                logprobs: s.logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
+                            })
+                            .collect()
                     })
                     .collect();
                 Ok(self.finish_step(&step, sampled, &f32_from_bytes(&result.raw)))
@@ -195,17 +213,34 @@ impl Engine {
     }
 }
 
-/// What the last stage needs to sample `req`'s next token: the token
-/// history only when a penalty reads it.
-fn sampling_row(req: &Request) -> SamplingRow {
+/// What the last stage needs to sample `req`'s next token, or to verify
+/// its proposals: the token history only when a penalty reads it.
+fn sampling_row(req: &Request, scheduled: &ScheduledRequest) -> SamplingRow {
     let p = &req.params;
-    let repetition = p.repetition_penalty != 1.0;
-    let output_read = repetition || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+    let (output_read, repetition) = penalties_read_output(p);
     SamplingRow {
         params: p.clone(),
         seed: req.sampling_seed,
         num_output_tokens: req.output_token_ids().len() as u32,
         prompt_token_ids: if repetition { req.prompt_token_ids().to_vec() } else { Vec::new() },
         output_token_ids: if output_read { req.output_token_ids().to_vec() } else { Vec::new() },
+        proposed: scheduled.spec_token_ids.clone(),
+    }
+}
+
+/// Checks that a result answers `step`: per sampling request, in order, a
+/// verified run of its proposals (`spec::is_verified_run`). Anything else
+/// would leave a request with no token to go on from.
+fn check_verified(step: &SchedulerOutput, sampled: &[Vec<WireSampled>], step_no: u64) -> Result<()> {
+    let sampling: Vec<_> = step.scheduled.iter().filter(|s| s.samples).collect();
+    let fits = sampling.len() == sampled.len()
+        && sampling.iter().zip(sampled).all(|(s, kept)| {
+            let tokens: Vec<u32> = kept.iter().map(|t| t.token_id).collect();
+            spec::is_verified_run(&s.spec_token_ids, &tokens)
+        });
+    if fits {
+        Ok(())
+    } else {
+        Err(WorkerError::Unsupported(format!("the last stage's result of step {step_no} does not answer it")))
     }
 }

@@ -3,11 +3,17 @@
 //! last stage, the logits and the sampled tokens. It keeps no per-request
 //! state: everything comes in the step's header. Synchronous, no I/O.
 
+use std::borrow::Cow;
+
 use candle_core::{DType, Device, Tensor};
 use common::pipeline::LayerRange;
+use engine_core::spec;
 use kernels::KvCacheDtype;
 
-use super::wire::{StageInfo, StepHeader, StepResult, WireSampled, f32_to_bytes, hidden_from_bytes, hidden_to_bytes};
+use super::wire::{
+    StageInfo, StepHeader, StepResult, WireSampled, f32_to_bytes, hidden_from_bytes, hidden_to_bytes,
+    penalties_read_output,
+};
 use crate::engine::{LogprobsMode, reported_logprobs};
 use crate::error::{Result, WorkerError};
 use crate::models::llama::{StageInput, StageOutput};
@@ -168,36 +174,58 @@ impl StageRunner {
         }
     }
 
-    /// Samples the header's rows from `logits` (`[S + P, vocab]`); returns
-    /// the tokens and the prompt-logprob rows' logits.
-    fn sample<'l>(&self, header: &StepHeader, logits: &'l [f32]) -> (Vec<WireSampled>, &'l [f32]) {
+    /// Samples the header's rows from `logits` (`[S + P, vocab]`) as a
+    /// single worker does, and verifies each sequence's proposals: it
+    /// keeps the draws that equal their proposals and the one after them
+    /// (`engine_core::spec`). Returns the kept tokens per sequence and the
+    /// prompt-logprob rows' logits.
+    fn sample<'l>(&self, header: &StepHeader, logits: &'l [f32]) -> (Vec<Vec<WireSampled>>, &'l [f32]) {
         let vocab = self.model.config().vocab_size;
-        let inputs: Vec<SeqSamplingInput> = header
+        // Each row's output as the sampler sees it (only a penalty reads it).
+        let outputs: Vec<Cow<[u32]>> = header
             .sampling
             .iter()
-            .map(|row| SeqSamplingInput {
-                params: &row.params,
-                prompt_token_ids: &row.prompt_token_ids,
-                output_token_ids: &row.output_token_ids,
-                num_output_tokens: row.num_output_tokens as usize,
-                seed: row.seed,
-                eos_token_ids: &self.eos_token_ids,
-                // Pipelines refuse structured outputs (`Engine::add_request`).
-                allowed: None,
+            .flat_map(|seq| match penalties_read_output(&seq.params).0 {
+                true => sampler::verified_outputs(&seq.output_token_ids, &seq.proposed).collect(),
+                false => vec![Cow::Borrowed(&[][..]); seq.num_rows()],
             })
             .collect();
+        let mut outputs = outputs.iter();
+        let mut inputs = Vec::with_capacity(outputs.len());
+        for seq in &header.sampling {
+            for (i, output) in outputs.by_ref().take(seq.num_rows()).enumerate() {
+                inputs.push(SeqSamplingInput {
+                    params: &seq.params,
+                    prompt_token_ids: &seq.prompt_token_ids,
+                    output_token_ids: output,
+                    num_output_tokens: seq.num_output_tokens as usize + i,
+                    seed: seq.seed,
+                    eos_token_ids: &self.eos_token_ids,
+                    // Pipelines refuse structured outputs (`Engine::add_request`).
+                    allowed: None,
+                });
+            }
+        }
         let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * vocab);
-        let sampled = sampler::sample_batch(sampling_logits, vocab, &inputs)
-            .into_iter()
-            .zip(&inputs)
-            .enumerate()
-            .map(|(row, (s, input))| WireSampled {
-                token_id: s.token_id,
-                logprobs: input.params.logprobs.map(|_| {
-                    let raw = &sampling_logits[row * vocab..][..vocab];
-                    let l = reported_logprobs(self.logprobs_mode, raw, s.token_id, s.logprob, s.top_logprobs);
-                    (l.logprob, l.top)
-                }),
+        let mut drawn = sampler::sample_batch(sampling_logits, vocab, &inputs).into_iter().enumerate();
+        let sampled = header
+            .sampling
+            .iter()
+            .map(|seq| {
+                let rows: Vec<_> = drawn.by_ref().take(seq.num_rows()).collect();
+                let tokens: Vec<u32> = rows.iter().map(|(_, s)| s.token_id).collect();
+                let kept = spec::num_accepted(&seq.proposed, &tokens) + 1;
+                rows.into_iter()
+                    .take(kept)
+                    .map(|(row, s)| WireSampled {
+                        token_id: s.token_id,
+                        logprobs: seq.params.logprobs.map(|_| {
+                            let raw = &sampling_logits[row * vocab..][..vocab];
+                            let l = reported_logprobs(self.logprobs_mode, raw, s.token_id, s.logprob, s.top_logprobs);
+                            (l.logprob, l.top)
+                        }),
+                    })
+                    .collect()
             })
             .collect();
         (sampled, prompt_logits)

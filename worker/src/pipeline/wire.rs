@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, WorkerError};
 
 /// Bumped on any incompatible change of the messages below.
-pub const STAGE_PROTOCOL_VERSION: u32 = 3;
+pub const STAGE_PROTOCOL_VERSION: u32 = 4;
 
 /// Largest raw payload after a frame (hidden states, prompt-logprob
 /// logits): 64k tokens of an 8192-wide f32 model. Frames themselves keep
@@ -68,7 +68,8 @@ pub enum WireDType {
     Bf16,
 }
 
-/// What the last stage needs to sample one row.
+/// What the last stage needs to sample one sequence's rows: one, or
+/// `1 + proposed.len()` when it verifies proposals.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingRow {
     pub params: SamplingParams,
@@ -79,6 +80,22 @@ pub struct SamplingRow {
     /// (repetition: both; frequency and presence: the output).
     pub prompt_token_ids: Vec<u32>,
     pub output_token_ids: Vec<u32>,
+    /// The speculative proposals this step verifies (the inputs after the
+    /// sequence's last token), each with its row of logits.
+    pub proposed: Vec<u32>,
+}
+
+impl SamplingRow {
+    /// Rows of logits this sequence samples from.
+    pub fn num_rows(&self) -> usize {
+        1 + self.proposed.len()
+    }
+}
+
+/// Whether a penalty reads the output tokens (the prompt's too, for repetition).
+pub fn penalties_read_output(p: &SamplingParams) -> (bool, bool) {
+    let repetition = p.repetition_penalty != 1.0;
+    (repetition || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0, repetition)
 }
 
 /// One step, as the stage before computed it; `hidden_bytes` bytes of
@@ -97,7 +114,8 @@ pub struct StepHeader {
     /// Rows that sample, then rows whose logits give prompt logprobs.
     pub logits_indices: Vec<u32>,
     pub prompt_logprob_rows: Vec<u32>,
-    /// One per `logits_indices` row.
+    /// One per sampling sequence, in order; their rows (`num_rows`) are
+    /// the first rows of `logits_indices`.
     pub sampling: Vec<SamplingRow>,
     /// The first stage had requests running since it sent the step before:
     /// a stage's wait for this step is a pipeline bubble, not idleness.
@@ -120,7 +138,9 @@ pub struct WireSampled {
 pub enum StepResult {
     Sampled {
         step: u64,
-        sampled: Vec<WireSampled>,
+        /// Per sampling sequence, in order: its token, or where it verified
+        /// proposals the draws that confirmed them and the one after.
+        sampled: Vec<Vec<WireSampled>>,
         /// Bytes of the prompt-logprob rows' logits (row-major f32, little
         /// endian) that follow this frame.
         prompt_logits_bytes: u64,
@@ -213,7 +233,8 @@ impl StepHeader {
         if self.logits_indices.iter().chain(&self.prompt_logprob_rows).any(|&r| r as usize >= t) {
             return fail("a logits row outside the step");
         }
-        if last_stage && self.sampling.len() != self.logits_indices.len() {
+        let sampled_rows = self.sampling.iter().map(SamplingRow::num_rows).sum::<usize>();
+        if last_stage && sampled_rows != self.logits_indices.len() {
             return fail("not one sampling row per sampled row");
         }
         let width = match self.dtype {
@@ -314,6 +335,19 @@ mod tests {
         assert!(h.check(2, 16, 4, false).is_err(), "block 2 of a pool of 2");
         assert!(h.check(3, 16, 8, false).is_err(), "hidden bytes for another width");
         assert!(h.check(3, 16, 4, true).is_err(), "the last stage needs a sampling row per sampled row");
+        // One sequence verifying one proposal samples from both rows.
+        let mut verifying = header();
+        verifying.sampling = vec![SamplingRow {
+            params: SamplingParams::greedy(8),
+            seed: 0,
+            num_output_tokens: 1,
+            prompt_token_ids: Vec::new(),
+            output_token_ids: Vec::new(),
+            proposed: vec![9],
+        }];
+        verifying.check(3, 16, 4, true).unwrap();
+        verifying.sampling[0].proposed.push(10);
+        assert!(verifying.check(3, 16, 4, true).is_err(), "3 rows to sample, 2 of logits");
         let mut bad = header();
         bad.query_start_loc = vec![0, 3, 2];
         assert!(bad.check(3, 16, 4, false).is_err());

@@ -98,6 +98,17 @@ impl DraftRunner {
         self.kv_caches.iter().map(|c| bytes(&c.k) + bytes(&c.v)).sum()
     }
 
+    /// Allocates the draft's pools anew with `num_blocks` blocks, as the
+    /// target's were (a pipeline runs with its stages' least count); only
+    /// while no request runs.
+    pub fn reallocate_kv(&mut self, num_blocks: usize, format: kernels::KvCacheDtype) -> Result<()> {
+        self.progress.clear();
+        self.kv_caches.clear(); // before allocating the new ones
+        self.kv_caches =
+            crate::runner::kv_cache::allocate(self.model.config(), num_blocks, self.block_size, format, &self.device)?;
+        Ok(())
+    }
+
     /// Drops what is known of `id`'s draft KV: it finished, or lost its
     /// blocks (preemption), so its next round starts from position 0.
     pub fn forget(&mut self, id: RequestId) {

@@ -19,6 +19,7 @@
 //! `exp` per token. Only top-p sorts, and only the tokens that can be in the
 //! nucleus.
 
+use std::borrow::Cow;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
@@ -57,6 +58,15 @@ pub struct SampledToken {
     /// The `params.logprobs` most likely tokens by raw log-probability, most
     /// likely first, lower id first on a tie.
     pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// The output the sampler sees at each of the `1 + proposed.len()` rows
+/// of a sequence verifying `proposed` after `output`: row i takes the
+/// first i proposals as generated, so its penalties (and, with the output
+/// count, `min_tokens` and the seeded draw) are plain decoding's there.
+pub fn verified_outputs<'a>(output: &'a [u32], proposed: &'a [u32]) -> impl Iterator<Item = Cow<'a, [u32]>> {
+    let guessed = (1..=proposed.len()).map(move |i| Cow::Owned([output, &proposed[..i]].concat()));
+    std::iter::once(Cow::Borrowed(output)).chain(guessed)
 }
 
 /// Samples one token per sequence. `logits` is row-major

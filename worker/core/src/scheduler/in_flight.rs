@@ -56,11 +56,27 @@ impl Scheduler {
     /// condition and frees their blocks, and the blocks of rejected
     /// proposals. The step's requests may be scheduled again.
     pub fn update_from_output(&mut self, out: &SchedulerOutput, sampled: Vec<SampledToken>) -> Vec<RequestOutput> {
-        let mut outputs = Vec::with_capacity(out.scheduled.len());
         debug_assert_eq!(out.scheduled.iter().map(ScheduledRequest::num_sampled_rows).sum::<usize>(), sampled.len());
         let mut sampled = sampled.into_iter();
+        let rows = out
+            .scheduled
+            .iter()
+            .filter(|s| s.samples)
+            .map(|s| sampled.by_ref().take(s.num_sampled_rows()).collect())
+            .collect();
+        self.update_from_verified(out, rows)
+    }
+
+    /// [`update_from_output`](Self::update_from_output) with each sampling
+    /// request's rows apart, in the step's order: every row it sampled, or
+    /// only those a verifier kept (the draws that equal their proposals and
+    /// the one after them; a pipeline's last stage sends back no more).
+    /// Either way the same tokens are appended.
+    pub fn update_from_verified(&mut self, out: &SchedulerOutput, rows: Vec<Vec<SampledToken>>) -> Vec<RequestOutput> {
+        let mut outputs = Vec::with_capacity(out.scheduled.len());
+        let mut rows = rows.into_iter();
         for sched in &out.scheduled {
-            let rows: Vec<SampledToken> = sampled.by_ref().take(sched.num_sampled_rows()).collect();
+            let rows: Vec<SampledToken> = if sched.samples { rows.next().unwrap_or_default() } else { Vec::new() };
             let Some(req) = self.requests.get_mut(&sched.id) else { continue };
             if req.in_flight_step != Some(out.step_id) {
                 continue; // aborted and queued again since: not this step's request
@@ -122,9 +138,18 @@ mod tests {
     /// results coming back in order; checks that steps in flight never
     /// share a request and that the pool stays consistent.
     fn run(s: &mut Scheduler, depth: usize) -> HashMap<RequestId, Vec<u32>> {
+        run_verifying(s, depth, |s, out| sample(s, out).into_iter().map(|t| vec![t]).collect())
+    }
+
+    /// [`run`] with `verify` giving each step's result, per sampling request.
+    fn run_verifying(
+        s: &mut Scheduler,
+        depth: usize,
+        verify: impl Fn(&Scheduler, &SchedulerOutput) -> Vec<Vec<SampledToken>>,
+    ) -> HashMap<RequestId, Vec<u32>> {
         s.set_micro_batches(depth);
         let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
-        let mut in_flight: VecDeque<(SchedulerOutput, Vec<SampledToken>)> = VecDeque::new();
+        let mut in_flight: VecDeque<(SchedulerOutput, Vec<Vec<SampledToken>>)> = VecDeque::new();
         for _ in 0..100_000 {
             if !s.has_unfinished() {
                 assert!(in_flight.is_empty());
@@ -139,12 +164,12 @@ mod tests {
                     ids.extend(o.scheduled.iter().map(|r| r.id));
                 }
                 assert!(out.scheduled.iter().all(|r| !ids.contains(&r.id)), "a request in two steps in flight");
-                let sampled = sample(s, &out);
+                let sampled = verify(s, &out);
                 in_flight.push_back((out, sampled));
             }
             if in_flight.len() >= depth || (!sent && !in_flight.is_empty()) {
                 let (out, sampled) = in_flight.pop_front().expect("a step in flight");
-                for o in s.update_from_output(&out, sampled) {
+                for o in s.update_from_verified(&out, sampled) {
                     tokens.entry(o.id).or_default().extend(o.new_token_ids);
                 }
                 s.check_invariants();
@@ -179,6 +204,69 @@ mod tests {
             assert_eq!(tokens, reference, "{num_blocks} blocks, budget {budget}, {depth} in flight");
             let stats = s.stats();
             assert!(stats.prefix_cache.hits > 0);
+            if num_blocks == 40 {
+                assert!(stats.num_preemptions > 0, "the pool is small enough to preempt");
+            }
+            assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
+        }
+    }
+
+    /// Mostly a short cycle (n-gram proposals are often right), broken now
+    /// and then (some are rejected).
+    fn loopy(tokens: &[u32]) -> u32 {
+        let last = *tokens.last().expect("a token");
+        match tokens.len() % 11 {
+            0 => (last * 7 + tokens.len() as u32) % 40 + 3,
+            _ => (last * 13 + 5) % 9 + 3,
+        }
+    }
+
+    /// What a pipeline's last stage sends back: per sampling request, the
+    /// model's draw at each verified position (row i given the first i
+    /// proposals), cut after the first that differs from its proposal.
+    fn verify_loopy(s: &Scheduler, out: &SchedulerOutput) -> Vec<Vec<SampledToken>> {
+        let verify = |r: &ScheduledRequest| {
+            let mut tokens = s.request(r.id).expect("scheduled request exists").token_ids.clone();
+            let mut drawn = vec![loopy(&tokens)];
+            for &p in &r.spec_token_ids {
+                tokens.push(p);
+                drawn.push(loopy(&tokens));
+            }
+            let kept = crate::spec::num_accepted(&r.spec_token_ids, &drawn) + 1;
+            assert!(crate::spec::is_verified_run(&r.spec_token_ids, &drawn[..kept]));
+            drawn[..kept].iter().map(|&token_id| SampledToken { token_id, logprobs: None }).collect()
+        };
+        out.scheduled.iter().filter(|r| r.samples).map(verify).collect()
+    }
+
+    /// Speculation with steps in flight, results cut to the kept draws as
+    /// a last stage sends them: one token at a time's output, under
+    /// chunking, cache hits and preemption.
+    #[test]
+    fn speculating_steps_in_flight_give_the_tokens_of_plain_decoding() {
+        let reference = {
+            let mut s = Scheduler::new(SchedulerConfig::new(4096, 4, 1000));
+            add_all(&mut s);
+            run_verifying(&mut s, 1, verify_loopy)
+        };
+        for (num_blocks, budget, depth) in [(1000, 2048, 2), (1000, 16, 3), (40, 2048, 2), (40, 24, 3)] {
+            let mut cfg = SchedulerConfig::new(4096, 4, num_blocks);
+            cfg.max_num_batched_tokens = budget;
+            cfg.speculative = crate::SpeculativeConfig {
+                enabled_by_default: true,
+                num_speculative_tokens: 4,
+                prompt_lookup_min: 1,
+                prompt_lookup_max: 3,
+                max_batch_tokens: 1 << 20,
+                ..crate::SpeculativeConfig::default()
+            };
+            let mut s = Scheduler::new(cfg);
+            add_all(&mut s);
+            let tokens = run_verifying(&mut s, depth, verify_loopy);
+            assert_eq!(tokens, reference, "{num_blocks} blocks, budget {budget}, {depth} in flight");
+            let stats = s.stats();
+            let spec = &stats.spec_decoding;
+            assert!(spec.num_accepted_tokens > 0 && spec.num_accepted_tokens < spec.num_draft_tokens, "{spec:?}");
             if num_blocks == 40 {
                 assert!(stats.num_preemptions > 0, "the pool is small enough to preempt");
             }
