@@ -328,7 +328,10 @@ mod tests {
                 .map(|p| std::fs::metadata(p).unwrap().len())
                 .sum();
             let tensors = 4 * cfg.parameter_count();
-            assert!(tensors <= file && file - tensors < 64 << 10, "{model}: {tensors} bytes of tensors, {file} on disk");
+            assert!(
+                tensors <= file && file - tensors < 64 << 10,
+                "{model}: {tensors} bytes of tensors, {file} on disk"
+            );
         }
     }
 

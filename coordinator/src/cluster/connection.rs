@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use common::WorkerId;
 use common::protocol::{
-    CoordinatorMessage, Handshake, HandshakeReply, MAX_HELLO_FRAME_BYTES, ModelIdentity, OfferReply,
-    PROTOCOL_VERSION, StageOffer, WorkerHello, WorkerMessage,
+    CoordinatorMessage, Handshake, HandshakeReply, MAX_HELLO_FRAME_BYTES, ModelIdentity, OfferReply, PROTOCOL_VERSION,
+    StageOffer, WorkerHello, WorkerMessage,
 };
 use common::transport::{self, Role};
 use tokio::sync::{Semaphore, mpsc};
@@ -116,18 +116,24 @@ impl Cluster {
             })?
             .ok_or("closed before the handshake")?;
         let (name, credentials) = match &hello {
-            WorkerHello::Register(h) => (&h.worker_name, Credentials {
-                protocol_version: h.protocol_version,
-                auth_tag: &h.auth_tag,
-                block_size: h.block_size,
-                model: &h.model,
-            }),
-            WorkerHello::Offer(o) => (&o.worker_name, Credentials {
-                protocol_version: o.protocol_version,
-                auth_tag: &o.auth_tag,
-                block_size: o.block_size,
-                model: &o.model,
-            }),
+            WorkerHello::Register(h) => (
+                &h.worker_name,
+                Credentials {
+                    protocol_version: h.protocol_version,
+                    auth_tag: &h.auth_tag,
+                    block_size: h.block_size,
+                    model: &h.model,
+                },
+            ),
+            WorkerHello::Offer(o) => (
+                &o.worker_name,
+                Credentials {
+                    protocol_version: o.protocol_version,
+                    auth_tag: &o.auth_tag,
+                    block_size: o.block_size,
+                    model: &o.model,
+                },
+            ),
         };
         if let Some(reason) = self.refusal(&credentials, &binding) {
             common::log!("refusing worker {name:?} at {address}: {reason}");

@@ -95,9 +95,8 @@ impl Cluster {
         mut send: quinn::SendStream,
     ) -> Result<(), String> {
         let binding = transport::channel_binding(&conn).map_err(|e| e.to_string())?;
-        let accepted = OfferReply::Accepted {
-            auth_tag: transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding),
-        };
+        let accepted =
+            OfferReply::Accepted { auth_tag: transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding) };
         transport::write_frame(&mut send, &accepted).await.map_err(|e| e.to_string())?;
         let mut stage_address = offer.stage_listen;
         if stage_address.ip().is_unspecified() {

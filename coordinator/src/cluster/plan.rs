@@ -46,11 +46,22 @@ pub enum Plan {
 pub enum Shortfall {
     NoOffers,
     /// `--pipeline-parallel-size` asks for more workers than offered.
-    Workers { needed: usize, offered: usize },
+    Workers {
+        needed: usize,
+        offered: usize,
+    },
     /// The offers' memory together does not hold the weights.
-    Memory { weight_bytes: u64, needed: u64, offered: u64, offers: usize },
+    Memory {
+        weight_bytes: u64,
+        needed: u64,
+        offered: u64,
+        offers: usize,
+    },
     /// More stages would be needed than the model has layers.
-    Layers { layers: usize, stages: usize },
+    Layers {
+        layers: usize,
+        stages: usize,
+    },
 }
 
 impl std::fmt::Display for Shortfall {
@@ -213,7 +224,10 @@ mod tests {
         assert!(why.to_string().contains("needs 2.9 GB of memory (2.2 GB of weights"), "{why}");
         assert!(why.to_string().ends_with("1 worker offers 1.4 GB in total"), "{why}");
         // With a pipeline size, only the offers it would take count.
-        assert!(matches!(plan(&offers(&[200, 100, 50]), 22, Some(2)), Plan::Wait(Shortfall::Memory { offered: 300, .. })));
+        assert!(matches!(
+            plan(&offers(&[200, 100, 50]), 22, Some(2)),
+            Plan::Wait(Shortfall::Memory { offered: 300, .. })
+        ));
         assert_eq!(plan(&[], 22, None), Plan::Wait(Shortfall::NoOffers));
     }
 

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::protocol::{
     CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireLogprobs, WorkerHello,
-    WorkerMessage,
-    WorkerStats,
+    WorkerMessage, WorkerStats,
 };
 use common::transport::{self, Role};
 use common::{RequestId, SamplingParams};
