@@ -4,7 +4,8 @@
 //! which splits the model's layers in proportion to the memory offered.
 //! Until the offers hold the model together, `/health` and a request's
 //! 503 say what is missing; once they do, the pipeline serves the golden
-//! tokens exactly.
+//! tokens exactly, as it does when `--pipeline-parallel-size` asks for
+//! stages of workers that each hold the model.
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -157,4 +158,18 @@ fn a_worker_that_holds_the_model_alone_is_a_replica() {
     assert_eq!(stages(&cluster), [("whole".to_string(), "0-4".to_string())]);
     let (status, out) = post_json(&cluster.url("/generate"), &json!({"prompt": "Once upon a time", "max_tokens": 4}));
     assert_eq!(status, 200, "{out}");
+}
+
+#[test]
+fn pipeline_parallel_size_splits_even_workers_that_each_hold_the_model() {
+    let cluster = Coordinator::start(MODEL, 0, &["--pipeline-parallel-size", "2"]);
+    let first = AutoWorker::start(&cluster, "first", weight_bytes() * 10);
+    let (_, body) = wait_for_offers(&cluster, 1, &[&first]);
+    let problem = body["pipeline_formation"]["problem"].as_str().expect("a problem");
+    assert!(problem.contains("--pipeline-parallel-size 2 needs 2 workers; 1 has offered"), "{problem}");
+    let _second = AutoWorker::start(&cluster, "second", weight_bytes() * 10);
+    cluster.wait_for_workers(1);
+    let expected = [("first".to_string(), "0-2".to_string()), ("second".to_string(), "3-4".to_string())];
+    assert_eq!(stages(&cluster), expected, "equal memory: 5 layers as 3 + 2");
+    serves_the_goldens(&cluster);
 }
