@@ -173,3 +173,25 @@ fn pipeline_parallel_size_splits_even_workers_that_each_hold_the_model() {
     assert_eq!(stages(&cluster), expected, "equal memory: 5 layers as 3 + 2");
     serves_the_goldens(&cluster);
 }
+
+#[test]
+fn a_formed_pipeline_that_loses_a_stage_is_formed_again_from_new_offers() {
+    let cluster = Coordinator::start(MODEL, 0, &[]);
+    let weights = weight_bytes();
+    let mut big = AutoWorker::start(&cluster, "big", weights);
+    wait_for_offers(&cluster, 1, &[&big]);
+    let small = AutoWorker::start(&cluster, "small", weights * 6 / 10);
+    cluster.wait_for_workers(1);
+    // The first stage dies: the last stage leaves its broken pipeline and
+    // offers itself again; with a new worker's offer they form a new one,
+    // the earlier offer first.
+    big.child.kill().unwrap(); // SIGKILL
+    big.child.wait().unwrap();
+    wait_for_offers(&cluster, 1, &[&small]);
+    assert!(small.log.text().contains("offering this worker again"), "{}", small.log.text());
+    let _replacement = AutoWorker::start(&cluster, "replacement", weights);
+    cluster.wait_for_workers(1);
+    let expected = [("small".to_string(), "0-1".to_string()), ("replacement".to_string(), "2-4".to_string())];
+    assert_eq!(stages(&cluster), expected);
+    serves_the_goldens(&cluster);
+}

@@ -74,7 +74,6 @@ pub struct ServeArgs {
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
-    use worker::serve::service::{self, ServeConfig};
     let name = args.name.clone().unwrap_or_else(|| {
         let host =
             std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
@@ -91,21 +90,48 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     if args.exit_with_parent {
         watch_parent();
     }
-    let resolved = resolve(&args.engine)?;
-    let num_layers = resolved.files.config.num_layers;
     if let Some(limit) = args.memory_limit {
         args.engine.memory_limit(limit);
     }
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let mut layers = None;
     if args.layers.as_deref() == Some("auto") {
-        let Some(assigned) = runtime.block_on(offer_and_wait(&mut args, &name, &secret, &resolved))? else {
-            return Ok(());
-        };
-        layers = Some(assigned);
-    } else if let Some(l) = args.layers.as_deref() {
-        layers = Some(LayerRange::parse(l, num_layers)?);
+        // Offer, serve what is assigned, and offer again if the pipeline
+        // breaks (a stage before or after it was lost).
+        loop {
+            let resolved = resolve(&args.engine)?;
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let Some(layers) = runtime.block_on(offer_and_wait(&mut args, &name, &secret, &resolved))? else {
+                return Ok(());
+            };
+            drop(runtime);
+            match serve_layers(&args, name.clone(), secret.clone(), resolved, Some(layers)) {
+                Err(e) if pipeline_lost(&e) => common::log!("{e}; offering this worker again"),
+                other => return other,
+            }
+            args.next_stage = None;
+        }
     }
+    let resolved = resolve(&args.engine)?;
+    let layers = args.layers.as_deref().map(|l| LayerRange::parse(l, resolved.files.config.num_layers)).transpose()?;
+    serve_layers(&args, name, secret, resolved, layers)
+}
+
+/// Whether serving ended because a stage of this worker's pipeline was lost.
+fn pipeline_lost(e: &anyhow::Error) -> bool {
+    matches!(e.downcast_ref(), Some(worker::serve::service::ServiceError::PipelineLost(_)))
+        || matches!(e.downcast_ref(), Some(worker::pipeline::link::LinkError::Unlinked(_)))
+}
+
+/// Serves `layers` (every layer if `None`) until SIGTERM or a fatal error.
+fn serve_layers(
+    args: &ServeArgs,
+    name: String,
+    secret: String,
+    resolved: super::engine_args::Resolved,
+    layers: Option<LayerRange>,
+) -> anyhow::Result<()> {
+    use worker::serve::service::{self, ServeConfig};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let num_layers = resolved.files.config.num_layers;
     let layers = layers.filter(|l| !l.is_full());
     if let Some(l) = layers.filter(|l| !l.is_last()) {
         anyhow::ensure!(args.next_stage.is_some(), "--layers {l} end before the model's last layer: give --next-stage");
@@ -120,7 +146,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
                 "note: layers {l} are a later pipeline stage, which talks to the stage before it, not to --coordinator"
             );
         }
-        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(&args, name, secret), runtime);
+        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(args, name, secret), runtime);
     }
     let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
@@ -274,6 +300,7 @@ fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {
         next_stage: args.next_stage.clone(),
         metrics: args.metrics.clone(),
         served_model_name: args.served_model_name.clone(),
+        formed: args.layers.as_deref() == Some("auto"),
     }
 }
 
