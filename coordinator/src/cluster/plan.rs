@@ -2,7 +2,8 @@
 //! and which layers each holds (issue 30). Pure planning on plain
 //! integers; `offers` runs it whenever an offer comes or goes.
 //!
-//! The rule, in the spirit of vLLM's and exo's memory-weighted splits:
+//! The rule (exo likewise weights each device's share of the layers by its
+//! memory; vLLM splits evenly unless told a partition):
 //!
 //! * a stage's weights may take at most [`WEIGHT_SHARE`] of the memory it
 //!   offers; the rest is for its KV cache (a worker's default KV budget is
