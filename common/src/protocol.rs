@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -76,6 +76,70 @@ pub enum HandshakeReply {
     Refused {
         reason: String,
     },
+}
+
+/// The first frame a worker sends on its control stream: a registration,
+/// or (`--layers auto`) an offer to hold whatever layers the coordinator
+/// assigns it, made before it loads any weights.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum WorkerHello {
+    Register(Handshake),
+    Offer(StageOffer),
+}
+
+/// A worker's offer to be a replica or a pipeline stage (issue 30): what
+/// the coordinator needs to split the model's layers by memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageOffer {
+    pub protocol_version: u32,
+    pub worker_name: String,
+    pub model: ModelIdentity,
+    pub block_size: u32,
+    /// Bytes this worker can give the model: its weights and KV cache
+    /// (`--memory-limit`, else the memory available at start).
+    pub memory_bytes: u64,
+    /// Bytes the whole model's weights take at this worker's dtype.
+    pub model_weight_bytes: u64,
+    /// Where it will listen for the stage before it if it becomes a later
+    /// stage; an unspecified host (0.0.0.0, ::) stands for the address the
+    /// coordinator sees the offer come from.
+    pub stage_listen: std::net::SocketAddr,
+    /// What the engine will run on, in words (as in `Handshake::device`).
+    pub device: String,
+    /// As `Handshake::auth_tag`.
+    pub auth_tag: Vec<u8>,
+}
+
+/// Coordinator -> an offering worker. The first reply is `Accepted` or
+/// `Refused`; an accepted offer then hears `Waiting` while no pipeline can
+/// be formed with it, and finally `Assigned`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum OfferReply {
+    /// The offer is held; `auth_tag` proves the coordinator knows the secret.
+    Accepted {
+        auth_tag: Vec<u8>,
+    },
+    /// Why no pipeline can be formed yet (sent when that changes).
+    Waiting {
+        why: String,
+    },
+    Assigned(StageAssignment),
+    Refused {
+        reason: String,
+    },
+}
+
+/// The layers an offering worker is to hold, and whom it links to. Stage 0
+/// then registers with a `Handshake` as a pinned first stage does.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageAssignment {
+    /// The pipeline's name (its first stage's worker name).
+    pub pipeline: String,
+    pub stage: u32,
+    pub stages: u32,
+    pub layers: crate::pipeline::LayerRange,
+    /// The next stage's address, HOST:PORT (none on the last stage).
+    pub next_stage: Option<String>,
 }
 
 /// Coordinator -> worker.
@@ -303,6 +367,26 @@ mod tests {
             params: SamplingParams::greedy(4),
         };
         assert_eq!(decode_frame::<CoordinatorMessage>(&encode_frame(&generate).unwrap()).unwrap(), generate);
+        let offer = WorkerHello::Offer(StageOffer {
+            protocol_version: PROTOCOL_VERSION,
+            worker_name: "mac-2".into(),
+            model: ModelIdentity { name: "m".into(), config_hash: 9 },
+            block_size: 16,
+            memory_bytes: 8 << 30,
+            model_weight_bytes: 3 << 30,
+            stage_listen: "0.0.0.0:7071".parse().unwrap(),
+            device: "metal".into(),
+            auth_tag: vec![1; 32],
+        });
+        assert_eq!(decode_frame::<WorkerHello>(&encode_frame(&offer).unwrap()).unwrap(), offer);
+        let assigned = OfferReply::Assigned(StageAssignment {
+            pipeline: "mac-1".into(),
+            stage: 1,
+            stages: 2,
+            layers: crate::pipeline::LayerRange { start: 11, end: 22, total: 22 },
+            next_stage: None,
+        });
+        assert_eq!(decode_frame::<OfferReply>(&encode_frame(&assigned).unwrap()).unwrap(), assigned);
     }
 
     #[test]
@@ -342,6 +426,8 @@ mod tests {
             let _ = decode_frame::<WorkerMessage>(&bytes);
             let _ = decode_frame::<CoordinatorMessage>(&bytes);
             let _ = decode_payload::<Handshake>(&bytes);
+            let _ = decode_small_payload::<WorkerHello>(&bytes);
+            let _ = decode_payload::<OfferReply>(&bytes);
         }
 
         /// Fuzz: every corruption of a valid frame is an error or a valid message, never a panic.

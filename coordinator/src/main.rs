@@ -30,8 +30,9 @@ struct Args {
     /// Start and supervise this many workers on this host.
     #[arg(long, default_value_t = 0)]
     local_workers: usize,
-    /// Run the model as pipelines of this many local workers each, its
-    /// layers split over them (--local-workers must be a multiple).
+    /// Run the model as pipelines of this many workers each, its layers
+    /// split over them: local ones (--local-workers a multiple), or remote
+    /// ones started with --layers auto (split by the memory they offer).
     #[arg(long, default_value_t = 1)]
     pipeline_parallel_size: usize,
     /// Extra argument for local workers (repeatable), e.g. --worker-arg=--kv-cache-memory=1000000000
@@ -125,7 +126,8 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let stages = pipeline_stages(&args, files.config.num_layers)?;
 
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
-    let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests, args.policy, args.block_size);
+    let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests, args.policy, args.block_size)
+        .with_formation(files.config.num_layers, args.pipeline_parallel_size);
     let (cert, key) = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
         _ => common::transport::self_signed_cert()?,
@@ -275,22 +277,25 @@ fn raise_fd_limit() -> Option<u64> {
     None
 }
 
-/// With `--pipeline-parallel-size` over 1, each stage's layers: split
-/// evenly, since one host's memory is shared by its stages. A split that
-/// cannot be made is an error at start.
+/// With `--pipeline-parallel-size` over 1 and local workers, each stage's
+/// layers: split evenly, since one host's memory is shared by its stages.
+/// A split that cannot be made is an error at start.
 fn pipeline_stages(args: &Args, num_layers: usize) -> anyhow::Result<Option<Vec<common::pipeline::LayerRange>>> {
     let p = args.pipeline_parallel_size;
     anyhow::ensure!(p > 0, "--pipeline-parallel-size must be at least 1");
     if p == 1 {
         return Ok(None);
     }
-    anyhow::ensure!(
-        args.local_workers > 0 && args.local_workers.is_multiple_of(p),
-        "--pipeline-parallel-size {p} needs --local-workers a multiple of {p} (remote stages are pinned with --layers \
-         on each worker)"
-    );
     let stages = common::pipeline::split_layers(num_layers, &vec![1; p])
         .with_context(|| format!("pipelines of {p} stages for {}", args.model))?;
+    if args.local_workers == 0 {
+        // Remote pipelines are formed from the workers' offers (`--layers auto`).
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        args.local_workers.is_multiple_of(p),
+        "--pipeline-parallel-size {p} needs --local-workers a multiple of {p}"
+    );
     Ok(Some(stages))
 }
 

@@ -201,6 +201,23 @@ impl ModelConfig {
         })
     }
 
+    /// Parameters of the whole model: embeddings, every decoder layer
+    /// (projections, biases, norms) and the final norm and lm_head (none of
+    /// its own when tied). Times the bytes per weight, it is what a worker
+    /// holding every layer loads, before it has read a tensor (used to plan
+    /// pipelines, issue 30).
+    pub fn parameter_count(&self) -> u64 {
+        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
+        let bias = |on: bool, n: u64| if on { n } else { 0 };
+        let attention = h * (q + 2 * kv) + bias(self.qkv_bias, q + 2 * kv) + q * h + bias(self.o_bias, h);
+        let mlp = 3 * h * i + bias(self.mlp_bias, 2 * i + h);
+        let norms = 2 * h + bias(self.qk_norm, 2 * self.head_dim as u64);
+        let embed = (self.vocab_size as u64) * h;
+        let lm_head = if self.tie_word_embeddings { 0 } else { embed };
+        embed + self.num_layers as u64 * (attention + mlp + norms) + h + lm_head
+    }
+
     /// Bytes of K and V for one token across all layers, at `dtype_size` bytes per element.
     pub fn kv_bytes_per_token(&self, dtype_size: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
@@ -294,6 +311,28 @@ mod tests {
         assert_eq!((mistral.num_kv_heads, mistral.sliding_window), (1, None));
         let stories = ModelConfig::from_json(&shared("stories260K/config.json")).unwrap();
         assert_eq!((stories.hidden_size, stories.head_dim, stories.num_layers), (64, 8, 5));
+    }
+
+    #[test]
+    fn parameter_counts_match_the_checkpoints() {
+        // TinyLlama-1.1B's published count.
+        assert_eq!(random_preset("tinyllama-1.1b").unwrap().parameter_count(), 1_100_048_384);
+        // Each shared model's safetensors file is its f32 tensors plus a small header.
+        for model in ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"] {
+            let cfg = ModelConfig::from_json(&shared(&format!("{model}/config.json"))).unwrap();
+            let dir = format!("{}/../../shared/models/{model}", env!("CARGO_MANIFEST_DIR"));
+            let file: u64 = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .map(|p| std::fs::metadata(p).unwrap().len())
+                .sum();
+            let tensors = 4 * cfg.parameter_count();
+            assert!(
+                tensors <= file && file - tensors < 64 << 10,
+                "{model}: {tensors} bytes of tensors, {file} on disk"
+            );
+        }
     }
 
     #[test]

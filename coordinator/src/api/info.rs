@@ -30,6 +30,10 @@ struct ModelCard<'a> {
 struct Health {
     status: &'static str,
     workers: usize,
+    /// Workers offering themselves as stages (`--layers auto`) that no
+    /// pipeline can be formed from yet, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pipeline_formation: Option<crate::cluster::FormationStatus>,
 }
 
 #[derive(Serialize)]
@@ -84,11 +88,13 @@ pub fn model(app: &AppState, id: &str) -> Result<Reply, ApiError> {
 /// the server drains for shutdown (load balancers stop sending then).
 pub fn health(app: &AppState) -> Reply {
     let workers = app.cluster.workers().len();
+    let pipeline_formation = app.cluster.formation_status();
     if app.shutting_down() {
-        return Reply::json_status(StatusCode::SERVICE_UNAVAILABLE, &Health { status: "draining", workers });
+        let body = Health { status: "draining", workers, pipeline_formation };
+        return Reply::json_status(StatusCode::SERVICE_UNAVAILABLE, &body);
     }
     let ready = app.cluster.is_ready();
-    let body = Health { status: if ready { "ok" } else { "no ready worker" }, workers };
+    let body = Health { status: if ready { "ok" } else { "no ready worker" }, workers, pipeline_formation };
     if ready { Reply::json(&body) } else { Reply::json_status(StatusCode::SERVICE_UNAVAILABLE, &body) }
 }
 

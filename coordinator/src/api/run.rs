@@ -89,7 +89,11 @@ pub fn launch(
                 }
                 return Err(match e {
                     SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
-                    SubmitError::NoWorker => ApiError::unavailable(e.to_string()),
+                    SubmitError::NoWorker => ApiError::unavailable(match app.cluster.formation_status() {
+                        // Workers wait to be formed into a pipeline: say what they lack.
+                        Some(status) => format!("{e}: {}", status.problem),
+                        None => e.to_string(),
+                    }),
                 });
             }
         }

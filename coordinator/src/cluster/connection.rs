@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use common::WorkerId;
 use common::protocol::{
-    CoordinatorMessage, Handshake, HandshakeReply, MAX_HELLO_FRAME_BYTES, PROTOCOL_VERSION, WorkerMessage,
+    CoordinatorMessage, Handshake, HandshakeReply, MAX_HELLO_FRAME_BYTES, ModelIdentity, OfferReply, PROTOCOL_VERSION,
+    StageOffer, WorkerHello, WorkerMessage,
 };
 use common::transport::{self, Role};
 use tokio::sync::{Semaphore, mpsc};
@@ -34,6 +35,23 @@ enum Ended {
     Unauthenticated(String),
     /// A registered worker's connection ended.
     Worker(WorkerId, String),
+    /// An offer (`--layers auto`) was assigned layers, or withdrawn.
+    Offer(Result<(), String>),
+}
+
+/// A connection that proved the secret: a worker registering, or one
+/// offering itself as a stage (`--layers auto`).
+enum Authenticated {
+    Worker(quinn::Connection, Handshake, quinn::SendStream, quinn::RecvStream),
+    Offer(quinn::Connection, StageOffer, quinn::SendStream),
+}
+
+/// What a refusal check reads of a handshake or an offer.
+struct Credentials<'a> {
+    protocol_version: u32,
+    auth_tag: &'a [u8],
+    block_size: u32,
+    model: &'a ModelIdentity,
 }
 
 impl Cluster {
@@ -61,48 +79,82 @@ impl Cluster {
                 let address = incoming.remote_address();
                 let authenticated = tokio::time::timeout(AUTH_TIMEOUT, cluster.authenticate(incoming)).await;
                 let result = match authenticated {
-                    Ok(Ok((conn, hello, send, recv))) => {
+                    Ok(Ok(Authenticated::Worker(conn, hello, send, recv))) => {
                         drop(permit);
                         cluster.serve_worker(conn, &hello, send, recv).await
+                    }
+                    Ok(Ok(Authenticated::Offer(conn, offer, send))) => {
+                        drop(permit);
+                        Ended::Offer(cluster.serve_offer(conn, offer, send).await)
                     }
                     Ok(Err(why)) => Ended::Unauthenticated(why),
                     Err(_) => Ended::Unauthenticated(format!("no accepted handshake within {AUTH_TIMEOUT:?}")),
                 };
                 match result {
-                    Ended::Unauthenticated(why) => common::log!("connection from {address}: {why}"),
+                    Ended::Unauthenticated(why) | Ended::Offer(Err(why)) => {
+                        common::log!("connection from {address}: {why}")
+                    }
+                    Ended::Offer(Ok(())) => {}
                     Ended::Worker(id, why) => cluster.remove_worker(id, &why),
                 }
             });
         }
     }
 
-    /// From the first packet to an accepted handshake. The caller bounds it
-    /// in time; dropping the connection on the error path closes it.
-    async fn authenticate(
-        &self,
-        incoming: quinn::Incoming,
-    ) -> Result<(quinn::Connection, Handshake, quinn::SendStream, quinn::RecvStream), String> {
+    /// From the first packet to an accepted handshake or offer. The caller
+    /// bounds it in time; dropping the connection on the error path closes it.
+    async fn authenticate(&self, incoming: quinn::Incoming) -> Result<Authenticated, String> {
         let conn = incoming.await.map_err(|e| format!("QUIC handshake failed: {e}"))?;
         let address = conn.remote_address();
         let binding = transport::channel_binding(&conn).map_err(|e| e.to_string())?;
         let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
-        let hello: Handshake = transport::read_frame_within(&mut recv, MAX_HELLO_FRAME_BYTES)
+        let hello: WorkerHello = transport::read_frame_within(&mut recv, MAX_HELLO_FRAME_BYTES)
             .await
             .map_err(|e| {
                 conn.close(1u32.into(), b"bad handshake");
-                format!("bad handshake: {e}")
+                format!("bad handshake (a worker of another version? this coordinator speaks {PROTOCOL_VERSION}): {e}")
             })?
             .ok_or("closed before the handshake")?;
-        if let Some(reason) = self.refusal(&hello, &binding) {
-            common::log!("refusing worker {:?} at {address}: {reason}", hello.worker_name);
-            let _ = transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await;
+        let (name, credentials) = match &hello {
+            WorkerHello::Register(h) => (
+                &h.worker_name,
+                Credentials {
+                    protocol_version: h.protocol_version,
+                    auth_tag: &h.auth_tag,
+                    block_size: h.block_size,
+                    model: &h.model,
+                },
+            ),
+            WorkerHello::Offer(o) => (
+                &o.worker_name,
+                Credentials {
+                    protocol_version: o.protocol_version,
+                    auth_tag: &o.auth_tag,
+                    block_size: o.block_size,
+                    model: &o.model,
+                },
+            ),
+        };
+        if let Some(reason) = self.refusal(&credentials, &binding) {
+            common::log!("refusing worker {name:?} at {address}: {reason}");
+            let _ = match hello {
+                WorkerHello::Register(_) => {
+                    transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await
+                }
+                WorkerHello::Offer(_) => {
+                    transport::write_frame(&mut send, &OfferReply::Refused { reason: reason.clone() }).await
+                }
+            };
             let _ = send.finish();
             // Give the refusal time to arrive before the connection drops.
             tokio::time::sleep(Duration::from_millis(200)).await;
             return Err(reason);
         }
         transport::trust_connection(&conn);
-        Ok((conn, hello, send, recv))
+        Ok(match hello {
+            WorkerHello::Register(hello) => Authenticated::Worker(conn, hello, send, recv),
+            WorkerHello::Offer(offer) => Authenticated::Offer(conn, offer, send),
+        })
     }
 
     /// Registers an authenticated worker and runs its frame loop until the
@@ -148,15 +200,15 @@ impl Cluster {
         Ended::Worker(worker_id, why)
     }
 
-    /// Why a worker's handshake is refused, if it is.
-    fn refusal(&self, hello: &Handshake, binding: &[u8; 32]) -> Option<String> {
+    /// Why a worker's handshake or offer is refused, if it is.
+    fn refusal(&self, hello: &Credentials<'_>, binding: &[u8; 32]) -> Option<String> {
         if hello.protocol_version != PROTOCOL_VERSION {
             return Some(format!(
                 "protocol version {} (this coordinator speaks {PROTOCOL_VERSION})",
                 hello.protocol_version
             ));
         }
-        if !transport::verify_auth_tag(self.secret.as_bytes(), Role::Worker, binding, &hello.auth_tag) {
+        if !transport::verify_auth_tag(self.secret.as_bytes(), Role::Worker, binding, hello.auth_tag) {
             return Some("wrong cluster secret".into());
         }
         // The wire carries the block size as u32; the coordinator counts in usize.

@@ -16,6 +16,8 @@
 //! token and finish, and asks it for a worker under the same lock.
 
 mod connection;
+mod offers;
+mod plan;
 mod registry;
 mod requests;
 
@@ -28,6 +30,7 @@ use prometheus::{IntCounter, IntCounterVec, Opts};
 use tokio::sync::mpsc;
 
 pub use connection::{AUTH_TIMEOUT, MAX_UNAUTHENTICATED};
+pub use offers::{FormationStatus, OfferInfo};
 pub use registry::{WorkerInfo, WorkerLoadInfo, WorkerState};
 
 use crate::router::{Policy, Router};
@@ -141,6 +144,8 @@ pub struct Cluster {
     max_in_flight: usize,
     block_size: usize,
     metrics: RoutingMetrics,
+    /// Offers of `--layers auto` workers not yet formed into pipelines.
+    formation: Arc<Mutex<offers::Formation>>,
 }
 
 impl Cluster {
@@ -161,6 +166,7 @@ impl Cluster {
             max_in_flight,
             block_size,
             metrics: RoutingMetrics::new(),
+            formation: Arc::default(),
         }
     }
 

@@ -10,7 +10,7 @@
 
 use common::protocol::{
     self, CoordinatorMessage, FRAME_HEADER_BYTES, FinishReason, Handshake, HandshakeReply, MAX_FRAME_BYTES,
-    ModelIdentity, WireLogprobs, WorkerMessage, WorkerStats,
+    ModelIdentity, OfferReply, WireLogprobs, WorkerHello, WorkerMessage, WorkerStats,
 };
 use common::{BlockHash, KvEvent, KvEventRecord, RequestId, SamplingParams, WorkerId};
 use serde::Serialize;
@@ -21,7 +21,9 @@ pub fn wire_frame(data: &[u8]) {
     whole_frame::<WorkerMessage>(data);
     whole_frame::<CoordinatorMessage>(data);
     whole_frame::<Handshake>(data);
+    whole_frame::<WorkerHello>(data);
     whole_frame::<HandshakeReply>(data);
+    whole_frame::<OfferReply>(data);
     // The worker reads the coordinator's frames and vice versa, one after another.
     frame_stream::<WorkerMessage>(data);
     frame_stream::<CoordinatorMessage>(data);
@@ -156,6 +158,7 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
     coordinator.iter().for_each(|m| add(protocol::encode_frame(m)));
     worker.iter().for_each(|m| add(protocol::encode_frame(m)));
     add(protocol::encode_frame(&handshake));
+    add(protocol::encode_frame(&WorkerHello::Register(handshake.clone())));
     replies.iter().for_each(|m| add(protocol::encode_frame(m)));
     // Several frames back to back, as a stream carries them.
     let stream: Vec<u8> = worker.iter().filter_map(|m| protocol::encode_frame(m).ok()).flatten().collect();

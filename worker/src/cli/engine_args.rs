@@ -259,6 +259,18 @@ fn kv_budget(args: &EngineArgs) -> KvBudget {
     args.kv_cache_memory.map_or(KvBudget::FractionOfAvailable(0.25), KvBudget::Bytes)
 }
 
+impl EngineArgs {
+    /// `serve --memory-limit`: without `--kv-cache-memory` the KV cache
+    /// takes a quarter of `bytes`, as it would of the available memory.
+    pub fn memory_limit(&mut self, bytes: u64) {
+        self.kv_cache_memory.get_or_insert(bytes / 4);
+    }
+
+    pub fn quantization(&self) -> Option<Quantization> {
+        self.quantize
+    }
+}
+
 /// `auto` keeps the checkpoint's precision, except that bf16 runs as f32 on
 /// a CPU without our packed kernels (x86-64 has them: bf16 is then widened
 /// in registers, exactly, at f16's speed and half f32's memory; elsewhere

@@ -5,6 +5,7 @@ mod bench;
 mod engine_args;
 mod export;
 mod generate;
+mod offer;
 mod serve;
 mod stage;
 

@@ -11,6 +11,7 @@ use common::pipeline::{LayerRange, StageInfo};
 use worker::pipeline::metrics::PipelineMetrics;
 
 use super::engine_args::{EngineArgs, build_engine_from, on_the_kernel_pool, resolve};
+use super::offer::Offer;
 use super::stage::StageArgs;
 
 #[derive(Args)]
@@ -23,14 +24,24 @@ pub struct ServeArgs {
     coordinator: Option<String>,
     /// Hold only decoder layers FIRST-LAST (inclusive, e.g. 0-11): one stage
     /// of a pipeline. The stage with layer 0 joins the coordinator and
-    /// schedules; the others serve the stage before them.
+    /// schedules; the others serve the stage before them. `auto`: offer this
+    /// worker's memory to the coordinator first, which assigns the layers
+    /// (every layer when the model fits) and the next stage.
     #[arg(long)]
     layers: Option<String>,
+    /// Bytes of memory this worker may give the model, weights and KV cache
+    /// (default: the memory available at start). With --layers auto it is
+    /// what is offered; without --kv-cache-memory the KV cache takes a
+    /// quarter of it.
+    #[arg(long)]
+    memory_limit: Option<u64>,
     /// The next pipeline stage's address, HOST:PORT (every stage but the last).
     #[arg(long)]
     next_stage: Option<String>,
     /// Where a later pipeline stage listens for the stage before it,
-    /// HOST:PORT (port 0 picks one; it is logged).
+    /// HOST:PORT (port 0 picks one; it is logged). With --layers auto the
+    /// default is 0.0.0.0:0, and an unspecified host is advertised as the
+    /// address the coordinator sees this worker at.
     #[arg(long)]
     stage_listen: Option<std::net::SocketAddr>,
     /// Write the bound --stage-listen address to this file once listening.
@@ -62,8 +73,7 @@ pub struct ServeArgs {
     exit_with_parent: bool,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    use worker::serve::service::{self, ServeConfig};
+pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     let name = args.name.clone().unwrap_or_else(|| {
         let host =
             std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
@@ -80,9 +90,48 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.exit_with_parent {
         watch_parent();
     }
+    if let Some(limit) = args.memory_limit {
+        args.engine.memory_limit(limit);
+    }
+    if args.layers.as_deref() == Some("auto") {
+        // Offer, serve what is assigned, and offer again if the pipeline
+        // breaks (a stage before or after it was lost).
+        loop {
+            let resolved = resolve(&args.engine)?;
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let Some(layers) = runtime.block_on(offer_and_wait(&mut args, &name, &secret, &resolved))? else {
+                return Ok(());
+            };
+            drop(runtime);
+            match serve_layers(&args, name.clone(), secret.clone(), resolved, Some(layers)) {
+                Err(e) if pipeline_lost(&e) => common::log!("{e}; offering this worker again"),
+                other => return other,
+            }
+            args.next_stage = None;
+        }
+    }
     let resolved = resolve(&args.engine)?;
+    let layers = args.layers.as_deref().map(|l| LayerRange::parse(l, resolved.files.config.num_layers)).transpose()?;
+    serve_layers(&args, name, secret, resolved, layers)
+}
+
+/// Whether serving ended because a stage of this worker's pipeline was lost.
+fn pipeline_lost(e: &anyhow::Error) -> bool {
+    matches!(e.downcast_ref(), Some(worker::serve::service::ServiceError::PipelineLost(_)))
+        || matches!(e.downcast_ref(), Some(worker::pipeline::link::LinkError::Unlinked(_)))
+}
+
+/// Serves `layers` (every layer if `None`) until SIGTERM or a fatal error.
+fn serve_layers(
+    args: &ServeArgs,
+    name: String,
+    secret: String,
+    resolved: super::engine_args::Resolved,
+    layers: Option<LayerRange>,
+) -> anyhow::Result<()> {
+    use worker::serve::service::{self, ServeConfig};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let num_layers = resolved.files.config.num_layers;
-    let layers = args.layers.as_deref().map(|l| LayerRange::parse(l, num_layers)).transpose()?;
     let layers = layers.filter(|l| !l.is_full());
     if let Some(l) = layers.filter(|l| !l.is_last()) {
         anyhow::ensure!(args.next_stage.is_some(), "--layers {l} end before the model's last layer: give --next-stage");
@@ -91,14 +140,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.next_stage.is_none() || layers.is_some(),
         "--next-stage needs --layers: this worker holds every layer"
     );
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     if let Some(l) = layers.filter(|l| !l.is_first()) {
-        if args.coordinator.is_some() {
+        if args.coordinator.is_some() && args.layers.as_deref() != Some("auto") {
             common::log!(
                 "note: layers {l} are a later pipeline stage, which talks to the stage before it, not to --coordinator"
             );
         }
-        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(&args, name, secret), runtime);
+        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(args, name, secret), runtime);
     }
     let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
@@ -195,6 +243,54 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(result?)
 }
 
+/// `--layers auto`: offers this worker to the coordinator and takes the
+/// layers, next stage and listen address it is assigned; `None` on SIGTERM.
+async fn offer_and_wait(
+    args: &mut ServeArgs,
+    name: &str,
+    secret: &str,
+    resolved: &super::engine_args::Resolved,
+) -> anyhow::Result<Option<LayerRange>> {
+    let coordinator = args.coordinator.clone().context("--layers auto needs --coordinator HOST:PORT")?;
+    anyhow::ensure!(
+        args.next_stage.is_none(),
+        "--layers auto: the coordinator assigns the next stage, not --next-stage"
+    );
+    let listen = args.stage_listen.unwrap_or_else(|| "0.0.0.0:0".parse().expect("literal address"));
+    let offer = Offer {
+        memory_bytes: match args.memory_limit {
+            Some(limit) => limit,
+            None => worker::runner::kv_cache::available_memory_bytes()
+                .context("cannot measure this machine's memory: give --memory-limit BYTES")?,
+        },
+        model_weight_bytes: super::offer::model_weight_bytes(resolved, args.engine.quantization()),
+        stage_listen: super::offer::concrete_listen_address(listen)?,
+        block_size: args.engine.block_size,
+    };
+    args.stage_listen = Some(offer.stage_listen);
+    let Some(assignment) = super::offer::await_assignment(&coordinator, name, secret, resolved, offer).await? else {
+        return Ok(None);
+    };
+    let layers = assignment.layers;
+    anyhow::ensure!(
+        layers.total == resolved.files.config.num_layers && !layers.is_empty() && layers.end <= layers.total,
+        "the coordinator assigned layers {layers} of {}; {} has {}",
+        layers.total,
+        resolved.files.name,
+        resolved.files.config.num_layers
+    );
+    common::log!(
+        "assigned layers {layers} of {}: stage {} of {} of pipeline {:?}{}",
+        layers.total,
+        assignment.stage,
+        assignment.stages,
+        assignment.pipeline,
+        assignment.next_stage.as_deref().map(|n| format!(", next stage at {n}")).unwrap_or_default()
+    );
+    args.next_stage = assignment.next_stage;
+    Ok(Some(layers))
+}
+
 fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {
     StageArgs {
         name,
@@ -204,6 +300,7 @@ fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {
         next_stage: args.next_stage.clone(),
         metrics: args.metrics.clone(),
         served_model_name: args.served_model_name.clone(),
+        formed: args.layers.as_deref() == Some("auto"),
     }
 }
 

@@ -25,6 +25,8 @@ pub struct StageArgs {
     /// Where to serve this stage's Prometheus metrics (HOST:PORT).
     pub metrics: Option<String>,
     pub served_model_name: Option<String>,
+    /// Formed by the coordinator (`--layers auto`): leave when unlinked.
+    pub formed: bool,
 }
 
 /// Runs a later stage (one without layer 0) until SIGTERM or a fatal error.
@@ -78,6 +80,7 @@ pub fn run_later_stage(
         listen,
         address_file: args.address_file,
         next_stage: args.next_stage,
+        leave_when_unlinked: args.formed,
     };
     runtime.block_on(async move {
         tokio::select! {

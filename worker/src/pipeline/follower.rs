@@ -33,6 +33,10 @@ pub struct FollowerConfig {
     pub address_file: Option<PathBuf>,
     /// The stage after this one (none on the last stage).
     pub next_stage: Option<String>,
+    /// Return `LinkError::Unlinked` when a connected stage before or after
+    /// goes away, instead of waiting for it (a stage the coordinator formed
+    /// offers itself again; a pinned one keeps its place).
+    pub leave_when_unlinked: bool,
 }
 
 /// How long the stage before has to prove the secret once it connected.
@@ -136,7 +140,12 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
             let check = |hello: &StageHello| check_hello(hello, &config, &compute.info, compute.layers);
             let incoming = tokio::select! {
                 incoming = endpoint.accept() => incoming,
-                () = lost(&mut downstream) => break,
+                () = lost(&mut downstream) => {
+                    if config.leave_when_unlinked {
+                        return Err(LinkError::Unlinked("lost the next stage".into()));
+                    }
+                    break;
+                }
             };
             let Some(incoming) = incoming else { return Err(LinkError::Closed) };
             // A peer that stalls in the handshake does not hold the port.
@@ -155,6 +164,12 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
             generation += 1;
             common::log!("stage: the stage before ({}) connected", up.hello.name);
             match serve_link(up, &mut downstream, &mut compute, generation).await {
+                LinkEnd::UpstreamGone(why) if config.leave_when_unlinked => {
+                    return Err(LinkError::Unlinked(format!("the stage before left ({why})")));
+                }
+                LinkEnd::DownstreamGone if config.leave_when_unlinked => {
+                    return Err(LinkError::Unlinked("lost the next stage".into()));
+                }
                 LinkEnd::UpstreamGone(why) => common::log!("stage: the stage before left ({why})"),
                 LinkEnd::DownstreamGone => {
                     common::log!(
@@ -310,6 +325,7 @@ mod tests {
             listen: "127.0.0.1:0".parse().expect("an address"),
             address_file: None,
             next_stage: None,
+            leave_when_unlinked: false,
         };
         let own = StageInfo {
             name: "stage-1".into(),

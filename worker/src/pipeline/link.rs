@@ -34,6 +34,10 @@ pub enum LinkError {
     Closed,
     #[error("a raw payload of {0} bytes is over the limit")]
     TooLarge(u64),
+    /// A stage formed by the coordinator (`--layers auto`) lost the stage
+    /// before or after it: its pipeline is gone, and it offers itself again.
+    #[error("pipeline lost: {0}")]
+    Unlinked(String),
 }
 
 /// A frame and the raw bytes that follow it.

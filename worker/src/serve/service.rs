@@ -11,8 +11,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::protocol::{
-    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireLogprobs, WorkerMessage,
-    WorkerStats,
+    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireLogprobs, WorkerHello,
+    WorkerMessage, WorkerStats,
 };
 use common::transport::{self, Role};
 use common::{RequestId, SamplingParams};
@@ -353,7 +353,7 @@ async fn session(
         stages: config.stages.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
-    transport::write_frame(&mut send, &hello).await?;
+    transport::write_frame(&mut send, &WorkerHello::Register(hello)).await?;
     match transport::read_frame::<HandshakeReply>(&mut recv).await? {
         Some(HandshakeReply::Accepted { worker_id, auth_tag }) => {
             if !transport::verify_auth_tag(config.secret.as_bytes(), Role::Coordinator, &binding, &auth_tag) {
