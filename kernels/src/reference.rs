@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::kv_dtype::Q8_SCALE_BYTES;
+use crate::kv_dtype::{Q8_PARAM_BYTES, q8_step_and_min};
 use crate::{Attention, CacheWrite, Result};
 
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
@@ -53,31 +53,37 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// A cache's values on the host, `head_dim` per (slot, kv head): floats
-/// widened, q8_0 rows dequantized (int8 times the row's scale).
+/// widened, q8_0 rows dequantized (code times the row's step plus its
+/// minimum).
 pub fn cache_values(cache: &Tensor, head_dim: usize) -> Result<Vec<f32>> {
     if cache.dtype() != DType::U8 {
         return host(cache);
     }
     let bytes = cache.flatten_all()?.to_vec1::<u8>()?;
-    let row = head_dim + Q8_SCALE_BYTES;
+    let row = head_dim + Q8_PARAM_BYTES;
     Ok(bytes
         .chunks_exact(row)
         .flat_map(|r| {
-            let scale = f32::from_le_bytes([r[head_dim], r[head_dim + 1], r[head_dim + 2], r[head_dim + 3]]);
-            r[..head_dim].iter().map(move |&b| (b as i8 as f64 * scale as f64) as f32)
+            let bf16 = |at: usize| half::bf16::from_le_bytes([r[at], r[at + 1]]).to_f64();
+            let (step, min) = (bf16(head_dim), bf16(head_dim + 2));
+            r[..head_dim].iter().map(move |&b| (b as f64 * step + min) as f32)
         })
         .collect())
 }
 
-/// One q8_0 row: scale = max |x| / 127, values x / scale rounded.
+/// One q8_0 row: the step and minimum of the format (bf16 roundings of
+/// `(max - min) / 255` and the row's minimum), values `(x - min) / step`
+/// rounded.
 pub fn quantize_q8_row(x: &[f32]) -> Vec<u8> {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let scale = amax / 127.0;
+    let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let (step, min) = q8_step_and_min(lo, hi);
     let mut row: Vec<u8> = x
         .iter()
-        .map(|&v| if scale == 0.0 { 0 } else { (v / scale).round().clamp(-127.0, 127.0) as i8 as u8 })
+        .map(|&v| if step == 0.0 { 0 } else { ((v as f64 - min as f64) / step as f64).round().clamp(0.0, 255.0) as u8 })
         .collect();
-    row.extend_from_slice(&scale.to_le_bytes());
+    row.extend_from_slice(&half::bf16::from_f32(step).to_le_bytes());
+    row.extend_from_slice(&half::bf16::from_f32(min).to_le_bytes());
     row
 }
 
@@ -90,7 +96,7 @@ pub fn reshape_and_cache(w: &CacheWrite) -> Result<()> {
         let dims = cache.dims().to_vec();
         let rows = host(new)?;
         let updated = if cache.dtype() == DType::U8 {
-            let row = kvh * (hd + Q8_SCALE_BYTES);
+            let row = kvh * (hd + Q8_PARAM_BYTES);
             let mut bytes = cache.flatten_all()?.to_vec1::<u8>()?;
             for (t, &slot) in slot_mapping.iter().enumerate() {
                 let quantized: Vec<u8> =

@@ -6,7 +6,7 @@
 //! values in f64, so the kernels must agree with it as closely as on f32.
 
 use candle_core::{DType, Device, Tensor};
-use kernels::kv_dtype::Q8_SCALE_BYTES;
+use kernels::kv_dtype::Q8_PARAM_BYTES;
 use kernels::{Attention, CacheWrite, KvCacheDtype, cpu, portable, reference};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -20,7 +20,7 @@ fn narrowed(cache: &Tensor, format: KvCacheDtype) -> Tensor {
         KvCacheDtype::Q8_0 => {
             let (nb, bs, kvh, hd) = cache.dims4().unwrap();
             let bytes: Vec<u8> = to_vec(cache).chunks_exact(hd).flat_map(reference::quantize_q8_row).collect();
-            Tensor::from_vec(bytes, (nb, bs, kvh, hd + Q8_SCALE_BYTES), &Device::Cpu).unwrap()
+            Tensor::from_vec(bytes, (nb, bs, kvh, hd + Q8_PARAM_BYTES), &Device::Cpu).unwrap()
         }
         f => cache.to_dtype(f.storage_dtype()).unwrap(),
     }
@@ -78,7 +78,7 @@ fn attention_over_f16_and_q8_caches_matches_reference() {
     }
 }
 
-/// Quantizing is lossy, but only by half a step of each row's scale:
+/// Quantizing is lossy, but only by half a step of each row:
 /// attention over a q8_0 cache stays close to attention over f32.
 #[test]
 fn q8_cache_attention_is_close_to_f32() {
@@ -100,7 +100,7 @@ fn writes_narrow_or_quantize_into_their_slots_only() {
     let (kvh, hd) = (2, 40);
     let case = make_case(&mut rng, &[(3, 20), (1, 7), (16, 16)], Geometry::new(4, kvh, hd, 8));
     let t = case.meta.slot_mapping.len();
-    // Rows with a zero vector (scale 0) and one large outlier.
+    // Rows with a zero vector (step 0) and one large outlier.
     let mut values: Vec<f32> = (0..t * kvh * hd).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03).collect();
     values[..hd].iter_mut().for_each(|x| *x = 0.0);
     values[hd + 3] = 900.0;
@@ -140,17 +140,17 @@ fn writes_narrow_or_quantize_into_their_slots_only() {
     assert!(portable::reshape_and_cache(&write).is_err(), "q8_0 is CPU-only");
 }
 
-/// Equal scales; values within one step (the kernels round x * (1 / scale)
-/// half to even, the reference x / scale half away from zero); slots not
-/// written untouched.
+/// Equal steps and minima; codes within one (the kernels round
+/// (x - min) * (1 / step) in f32 half to even, the reference (x - min) /
+/// step in f64 half away from zero); slots not written untouched.
 fn assert_q8_equal(got: &Tensor, want: &Tensor, before: &Tensor, hd: usize, name: &str) {
     let bytes = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
     let (got, want, before) = (bytes(got), bytes(want), bytes(before));
-    let row = hd + Q8_SCALE_BYTES;
+    let row = hd + Q8_PARAM_BYTES;
     for (r, ((g, w), b)) in got.chunks(row).zip(want.chunks(row)).zip(before.chunks(row)).enumerate() {
-        assert_eq!(g[hd..], w[hd..], "{name}: scale of row {r}");
+        assert_eq!(g[hd..], w[hd..], "{name}: step and minimum of row {r}");
         for (i, (&x, &y)) in g[..hd].iter().zip(&w[..hd]).enumerate() {
-            assert!((x as i8 as i32 - y as i8 as i32).abs() <= 1, "{name}: row {r} value {i}: {x} vs {y}");
+            assert!((x as i32 - y as i32).abs() <= 1, "{name}: row {r} value {i}: {x} vs {y}");
         }
         if w == b {
             assert_eq!(g, b, "{name}: row {r} was not to be written");

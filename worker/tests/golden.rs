@@ -351,15 +351,18 @@ fn top1_agreement(format: kernels::KvCacheDtype) -> (usize, usize) {
                 prompt_logprobs.entry(out.id.0).or_default().extend(out.prompt_logprobs);
             }
         }
+        let (mut file_agree, mut file_total) = (0, 0);
         for (i, case) in golden.cases.iter().enumerate() {
             let lps = &prompt_logprobs[&(i as u64)];
             // Entry p - 1 holds the distribution that predicts prompt position p.
             let first = case.prompt_ids.len() - 1;
             for (entry, &want) in lps[first..].iter().zip(&case.generated_ids) {
-                agree += usize::from(entry.top.first().map(|&(id, _)| id) == Some(want));
-                total += 1;
+                file_agree += usize::from(entry.top.first().map(|&(id, _)| id) == Some(want));
+                file_total += 1;
             }
         }
+        println!("{format} KV cache, {file}: {file_agree}/{file_total}");
+        (agree, total) = (agree + file_agree, total + file_total);
     }
     (agree, total)
 }
@@ -373,13 +376,14 @@ const GOLDEN_FILES: [&str; 6] = [
     "tiny-mistral.json",
 ];
 
-/// f16 keeps 99.9% of the f32 cache's greedy tokens. q8_0 keeps 98.8%:
-/// every token it flips is a near-tie of these tiny models' flat
-/// distributions (the two tokens' logprobs within 0.05, most within 0.02;
-/// see docs/kv-cache-dtype.md), so its bar is 98.5%, below the 99%.
+/// Both keep the 99% of the f32 cache's greedy tokens: f16 99.96%,
+/// q8_0 99.5% (its asymmetric rows; the symmetric max |x| / 127 ones kept
+/// 98.8%). Every token they flip is a near-tie of these tiny models' flat
+/// distributions (see docs/kv-cache-dtype.md).
 #[test]
 fn f16_and_q8_kv_caches_agree_with_f32_on_greedy_tokens() {
-    for (format, bar) in [(kernels::KvCacheDtype::F16, 0.99), (kernels::KvCacheDtype::Q8_0, 0.985)] {
+    for format in [kernels::KvCacheDtype::F16, kernels::KvCacheDtype::Q8_0] {
+        let bar = 0.99;
         let (agree, total) = top1_agreement(format);
         let share = agree as f64 / total as f64;
         println!("{format} KV cache: greedy top-1 agreement with f32 {agree}/{total} = {:.2}%", 100.0 * share);

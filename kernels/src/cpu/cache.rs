@@ -1,11 +1,11 @@
 //! The KV write on the CPU: each new token's K (or V) row goes straight
 //! into its slot of the pool, in place, one op per tensor per layer: copied
 //! into a cache of its own dtype, narrowed into an f16 one, or quantized
-//! per head vector into a q8_0 one (see [`crate::kv_dtype`]).
+//! per head vector into a q8_0 one ([`crate::kv_dtype::quantize_q8_row`]).
 
 use candle_core::{CpuStorage, InplaceOp2, Layout};
 
-use crate::kv_dtype::Q8_SCALE_BYTES;
+use crate::kv_dtype::{Q8_PARAM_BYTES, quantize_q8_row};
 use crate::{CacheWrite, Result};
 
 struct WriteSlots<'a> {
@@ -44,19 +44,6 @@ fn write_rows<S, D>(
     Ok(())
 }
 
-/// Quantizes one head vector into a q8_0 row (values, then the f32 scale).
-#[inline(always)]
-fn quantize_row(x: &[f32], out: &mut [u8]) {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let scale = amax / 127.0;
-    let inv = if scale == 0.0 { 0.0 } else { 1.0 / scale };
-    let (values, scale_bytes) = out.split_at_mut(x.len());
-    for (q, &v) in values.iter_mut().zip(x) {
-        *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8 as u8;
-    }
-    scale_bytes[..Q8_SCALE_BYTES].copy_from_slice(&scale.to_le_bytes());
-}
-
 fn copy<T: Copy>(s: &[T], d: &mut [T]) {
     d.copy_from_slice(s);
 }
@@ -76,11 +63,11 @@ impl InplaceOp2 for WriteSlots<'_> {
                 d.convert_from_f32_slice(s)
             }),
             (CpuStorage::U8(d), CpuStorage::F32(s)) => {
-                let (hd, q_row) = (self.head_dim, self.head_dim + Q8_SCALE_BYTES);
+                let (hd, q_row) = (self.head_dim, self.head_dim + Q8_PARAM_BYTES);
                 let dst_row = self.row / hd * q_row;
                 write_rows(d, dl, s, sl, self, dst_row, |s, d| {
                     for (x, out) in s.chunks_exact(hd).zip(d.chunks_exact_mut(q_row)) {
-                        quantize_row(x, out);
+                        quantize_q8_row(x, out);
                     }
                 })
             }

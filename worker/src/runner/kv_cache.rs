@@ -157,7 +157,7 @@ mod tests {
             KvCacheDtype::Q8_0,
             &cpu,
         )?;
-        assert_eq!(caches[0].k.dims(), [2, 16, 3, 64 + kernels::kv_dtype::Q8_SCALE_BYTES]);
+        assert_eq!(caches[0].k.dims(), [2, 16, 3, 64 + kernels::kv_dtype::Q8_PARAM_BYTES]);
         Ok(())
     }
 }

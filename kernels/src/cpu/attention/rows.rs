@@ -1,13 +1,14 @@
 //! The KV cache formats CPU attention reads (f32, f16, bf16, q8_0; see
 //! [`crate::kv_dtype`]) and how one (slot, kv head) row of each becomes
 //! f32 for the score and value loops: f32 rows are read in place, the
-//! others widened (f16 with F16C, int8 sign-extended and scaled with AVX2
+//! others widened (f16 with F16C, q8_0 codes zero-extended, scaled and
+//! offset with AVX2
 //! where the CPU has them) into a block-sized buffer that stays in L1 while
 //! every query head of the group reads it.
 
 use half::{bf16, f16};
 
-use crate::kv_dtype::{Q8_SCALE_BYTES, q8_scale};
+use crate::kv_dtype::{Q8_PARAM_BYTES, q8_params};
 
 /// A cache's storage unit: `f32`, `f16`, `bf16`, or `u8` (q8_0 rows).
 pub(super) trait KvRows: Copy + Send + Sync + 'static {
@@ -49,38 +50,40 @@ half_rows!(bf16);
 
 impl KvRows for u8 {
     fn row_len(hd: usize) -> usize {
-        hd + Q8_SCALE_BYTES
+        hd + Q8_PARAM_BYTES
     }
     #[inline(always)]
     fn widen_row(src: &[Self], dst: &mut [f32]) {
         let hd = dst.len();
-        let scale = q8_scale(src, hd);
+        let (step, min) = q8_params(src, hd);
         #[cfg(target_arch = "x86_64")]
         if super::super::isa::has_avx2_fma() {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { dequantize_avx2(&src[..hd], scale, dst) };
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { dequantize_avx2(&src[..hd], step, min, dst) };
         }
-        dequantize(&src[..hd], scale, dst);
+        dequantize(&src[..hd], step, min, dst);
     }
 }
 
-/// `dst[i] = src[i] as i8 * scale`: a loop the compiler vectorises for
-/// whatever instruction set the caller enables.
+/// `dst[i] = src[i] * step + min`: a loop the compiler vectorises. (A
+/// `mul_add` here would call libm's software fma on CPUs without FMA.)
 #[inline(always)]
-fn dequantize(src: &[u8], scale: f32, dst: &mut [f32]) {
+fn dequantize(src: &[u8], step: f32, min: f32, dst: &mut [f32]) {
     for (d, &b) in dst.iter_mut().zip(src) {
-        *d = b as i8 as f32 * scale;
+        *d = b as f32 * step + min;
     }
 }
 
-/// [`dequantize`] with AVX2: 8 values per sign-extend, convert and multiply.
+/// [`dequantize`] with AVX2: 8 values per zero-extend, convert and FMA.
 ///
 /// # Safety
-/// AVX2 must be available.
+/// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dequantize_avx2(src: &[u8], scale: f32, dst: &mut [f32]) {
-    dequantize(src, scale, dst);
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dequantize_avx2(src: &[u8], step: f32, min: f32, dst: &mut [f32]) {
+    for (d, &b) in dst.iter_mut().zip(src) {
+        *d = (b as f32).mul_add(step, min);
+    }
 }
 
 #[cfg(test)]
@@ -88,14 +91,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn q8_rows_dequantize_to_int8_times_scale() {
+    fn q8_rows_dequantize_to_code_times_step_plus_min() {
         let hd = 40; // not a multiple of the vector widths
-        let mut row: Vec<u8> = (0..hd).map(|i| (i as i8 - 20) as u8).collect();
-        row.extend_from_slice(&0.5f32.to_le_bytes());
+        let mut row: Vec<u8> = (0..hd).map(|i| (i * 6) as u8).collect();
+        row.extend_from_slice(&half::bf16::from_f32(0.5).to_le_bytes());
+        row.extend_from_slice(&half::bf16::from_f32(-20.0).to_le_bytes());
         assert_eq!(<u8 as KvRows>::row_len(hd), row.len());
         let mut out = vec![0f32; hd];
         u8::widen_row(&row, &mut out);
-        let want: Vec<f32> = (0..hd).map(|i| (i as f32 - 20.0) * 0.5).collect();
+        let want: Vec<f32> = (0..hd).map(|i| (i * 6) as f32 * 0.5 - 20.0).collect();
         assert_eq!(out, want);
     }
 }
