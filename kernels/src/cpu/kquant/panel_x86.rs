@@ -353,6 +353,8 @@ impl Tile<'_> {
 ///
 /// # Safety
 /// `L`'s features; rows `i0..i0 + R` and every block of the panel in x.
+// `r` indexes several per-row arrays in step.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn q4k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q4KPanel], out: &mut [[f32; PANEL]; 4]) {
     // SAFETY: every pointer below is inside the panel block or the x rows
@@ -416,6 +418,8 @@ unsafe fn q4k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q4KPanel], 
 ///
 /// # Safety
 /// As [`q4k_tile`].
+// `r` indexes several per-row arrays in step.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn q6k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q6KPanel], out: &mut [[f32; PANEL]; 4]) {
     // SAFETY: as in q4k_tile.
