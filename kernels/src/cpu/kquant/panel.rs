@@ -75,6 +75,16 @@ pub trait KPanel: KBlock {
     fn as_q4k(panels: &[Self::Panel]) -> Option<&[Q4KPanel]>;
     /// The panels as Q6_K's.
     fn as_q6k(panels: &[Self::Panel]) -> Option<&[Q6KPanel]>;
+    /// [`matmul_kpanels_with`] for this format: a method, so the kernels
+    /// are compiled here with this crate's optimisation level, not in the
+    /// caller's (dev builds compile the worker at a lower one).
+    fn matmul_panels(
+        backend: PanelBackend,
+        x: &[f32],
+        m: usize,
+        w: &KPanels<Self>,
+        y: &mut [f32],
+    ) -> Result<(), QuantError>;
 }
 
 fn put_quads(dst: &mut [Lanes], r: usize, src: &[u8]) {
@@ -117,6 +127,17 @@ impl KPanel for BlockQ4K {
         None
     }
 
+    #[inline(never)]
+    fn matmul_panels(
+        backend: PanelBackend,
+        x: &[f32],
+        m: usize,
+        w: &KPanels<Self>,
+        y: &mut [f32],
+    ) -> Result<(), QuantError> {
+        matmul_any(backend, x, m, w, y)
+    }
+
     /// Back to GGML's block (its 12 scale bytes packed again).
     fn get(p: &Q4KPanel, r: usize) -> Self {
         let mut blk = Self { d: p.d[r], dmin: p.dmin[r], ..Self::ZERO };
@@ -155,6 +176,17 @@ impl KPanel for BlockQ6K {
 
     fn as_q6k(panels: &[Q6KPanel]) -> Option<&[Q6KPanel]> {
         Some(panels)
+    }
+
+    #[inline(never)]
+    fn matmul_panels(
+        backend: PanelBackend,
+        x: &[f32],
+        m: usize,
+        w: &KPanels<Self>,
+        y: &mut [f32],
+    ) -> Result<(), QuantError> {
+        matmul_any(backend, x, m, w, y)
     }
 
     fn get(p: &Q6KPanel, r: usize) -> Self {
@@ -312,6 +344,16 @@ pub fn matmul_kpanels<B: KPanel>(x: &[f32], m: usize, w: &KPanels<B>, y: &mut [f
 
 /// [`matmul_kpanels`] on a chosen path (tests and benchmarks).
 pub fn matmul_kpanels_with<B: KPanel>(
+    backend: PanelBackend,
+    x: &[f32],
+    m: usize,
+    w: &KPanels<B>,
+    y: &mut [f32],
+) -> Result<(), QuantError> {
+    B::matmul_panels(backend, x, m, w, y)
+}
+
+fn matmul_any<B: KPanel>(
     backend: PanelBackend,
     x: &[f32],
     m: usize,
