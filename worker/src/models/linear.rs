@@ -13,7 +13,7 @@
 
 use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
-use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, matmul_kquant};
+use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanels, QK_K, matmul_kpanels};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
 use kernels::cpu::packed::{PackError, PackedWeight, matmul_packed};
 use kernels::cpu::quant::{BlockQ4_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant};
@@ -42,10 +42,10 @@ pub enum Weight {
     Q8_0Vnni(VnniQ8_0),
     /// GGML's Q4_0 in its row-major blocks: `out` rows of `inp / 32`.
     Q4_0 { blocks: Vec<BlockQ4_0>, out: usize, inp: usize },
-    /// GGML's Q4_K in its row-major super-blocks: `out` rows of `inp / 256`.
-    Q4K { blocks: Vec<BlockQ4K>, out: usize, inp: usize },
-    /// GGML's Q6_K in its row-major super-blocks: `out` rows of `inp / 256`.
-    Q6K { blocks: Vec<BlockQ6K>, out: usize, inp: usize },
+    /// GGML's Q4_K super-blocks in 16-row panels for the int8 kernels.
+    Q4K(KPanels<BlockQ4K>),
+    /// GGML's Q6_K super-blocks in 16-row panels.
+    Q6K(KPanels<BlockQ6K>),
 }
 
 impl Weight {
@@ -57,7 +57,9 @@ impl Weight {
             Self::PackedBf16(w) => w.dims(),
             Self::Q8_0(w) => (w.dims().0, w.dims().1 * QK),
             Self::Q8_0Vnni(w) => (w.dims().0, w.dims().1 * QK),
-            Self::Q4_0 { out, inp, .. } | Self::Q4K { out, inp, .. } | Self::Q6K { out, inp, .. } => (*out, *inp),
+            Self::Q4_0 { out, inp, .. } => (*out, *inp),
+            Self::Q4K(w) => (w.dims().0, w.dims().1 * QK_K),
+            Self::Q6K(w) => (w.dims().0, w.dims().1 * QK_K),
         })
     }
 
@@ -70,8 +72,8 @@ impl Weight {
             Self::Q8_0(w) => w.size_in_bytes(),
             Self::Q8_0Vnni(w) => w.size_in_bytes(),
             Self::Q4_0 { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
-            Self::Q4K { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
-            Self::Q6K { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
+            Self::Q4K(w) => w.size_in_bytes(),
+            Self::Q6K(w) => w.size_in_bytes(),
         }
     }
 
@@ -99,8 +101,8 @@ impl Weight {
             Self::Q8_0(w) => matmul_packed_q8_0(x, m, w, y).map(|()| w.dims().0),
             Self::Q8_0Vnni(w) => matmul_vnni_q8_0(x, m, w, y).map(|()| w.dims().0),
             Self::Q4_0 { blocks, out, inp } => matmul_quant(x, m, *inp, blocks, *out, y).map(|()| *out),
-            Self::Q4K { blocks, out, inp } => matmul_kquant(x, m, *inp, blocks, *out, y).map(|()| *out),
-            Self::Q6K { blocks, out, inp } => matmul_kquant(x, m, *inp, blocks, *out, y).map(|()| *out),
+            Self::Q4K(w) => matmul_kpanels(x, m, w, y).map(|()| w.dims().0),
+            Self::Q6K(w) => matmul_kpanels(x, m, w, y).map(|()| w.dims().0),
         }
         .map_err(quant_err)?;
         // The block kernels take no bias.
@@ -138,8 +140,8 @@ impl Weight {
                 back_with_huge_pages(scales);
             }
             Self::Q4_0 { blocks, .. } => back_with_huge_pages(blocks),
-            Self::Q4K { blocks, .. } => back_with_huge_pages(blocks),
-            Self::Q6K { blocks, .. } => back_with_huge_pages(blocks),
+            Self::Q4K(w) => back_with_huge_pages(w.allocation()),
+            Self::Q6K(w) => back_with_huge_pages(w.allocation()),
         }
     }
 }

@@ -5,14 +5,15 @@
 //!
 //! Q8_0 is kept regrouped for the kernel: in 16-row panels for `vpdpbusd`
 //! where the CPU has AVX-512 VNNI ([`VnniQ8_0`]), else 4 rows' codes
-//! together, scales apart ([`PackedQ8_0`]); Q4_0 and the k-quants Q4_K and
-//! Q6_K (from GGUF files) stay in GGML's row-major blocks.
+//! together, scales apart ([`PackedQ8_0`]); the k-quants Q4_K and Q6_K
+//! (from GGUF files) in 16-row panels ([`KPanels`]); Q4_0 stays in GGML's
+//! row-major blocks.
 
 use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Mutex;
 
-use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, QK_K};
+use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanel, KPanels, QK_K};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, QuantError, quantize_matrix};
 use kernels::cpu::vnni::{VnniQ8_0, vnni_available};
 
@@ -92,11 +93,12 @@ fn check_blocks(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()
     Ok(())
 }
 
-fn check_k_blocks(blocks: usize, out: usize, inp: usize) -> candle_core::Result<()> {
-    if !inp.is_multiple_of(QK_K) || blocks != out * (inp / QK_K) {
-        candle_core::bail!("{blocks} k-quant blocks do not make a [{out}, {inp}] weight");
+/// Row-major k-quant blocks in panels, checked against the shape.
+fn k_panels<B: KPanel>(blocks: &[B], out: usize, inp: usize) -> candle_core::Result<KPanels<B>> {
+    if !inp.is_multiple_of(QK_K) || blocks.len() != out * (inp / QK_K) {
+        candle_core::bail!("{} k-quant blocks do not make a [{out}, {inp}] weight", blocks.len());
     }
-    Ok(())
+    KPanels::pack(blocks, out, inp / QK_K).map_err(kernel_err)
 }
 
 impl Weight {
@@ -123,16 +125,16 @@ impl Weight {
         Ok(Self::Q4_0 { blocks, out, inp })
     }
 
-    /// Q4_K blocks as stored in a file (GGUF), checked against the shape.
+    /// Q4_K blocks as stored in a file (GGUF), checked against the shape
+    /// and repacked in panels.
     pub fn from_q4_k(blocks: Vec<BlockQ4K>, out: usize, inp: usize) -> candle_core::Result<Self> {
-        check_k_blocks(blocks.len(), out, inp)?;
-        Ok(Self::Q4K { blocks, out, inp })
+        Ok(Self::Q4K(k_panels(&blocks, out, inp)?))
     }
 
-    /// Q6_K blocks as stored in a file (GGUF), checked against the shape.
+    /// Q6_K blocks as stored in a file (GGUF), checked against the shape
+    /// and repacked in panels.
     pub fn from_q6_k(blocks: Vec<BlockQ6K>, out: usize, inp: usize) -> candle_core::Result<Self> {
-        check_k_blocks(blocks.len(), out, inp)?;
-        Ok(Self::Q6K { blocks, out, inp })
+        Ok(Self::Q6K(k_panels(&blocks, out, inp)?))
     }
 
     /// The block format, for quantized weights.
@@ -140,8 +142,8 @@ impl Weight {
         match self {
             Self::Q8_0(_) | Self::Q8_0Vnni(_) => Some(Quantization::Q8_0),
             Self::Q4_0 { .. } => Some(Quantization::Q4_0),
-            Self::Q4K { .. } => Some(Quantization::Q4K),
-            Self::Q6K { .. } => Some(Quantization::Q6K),
+            Self::Q4K(_) => Some(Quantization::Q4K),
+            Self::Q6K(_) => Some(Quantization::Q6K),
             Self::Dense(_) | Self::PackedF16(_) | Self::PackedBf16(_) => None,
         }
     }
@@ -169,8 +171,16 @@ impl Weight {
         }
         match self {
             Self::Q4_0 { blocks, .. } => apply(blocks, perm, kb),
-            Self::Q4K { blocks, .. } => apply(blocks, perm, inp / QK_K),
-            Self::Q6K { blocks, .. } => apply(blocks, perm, inp / QK_K),
+            Self::Q4K(w) => {
+                let mut rows = w.unpack();
+                apply(&mut rows, perm, inp / QK_K);
+                *w = k_panels(&rows, out, inp)?;
+            }
+            Self::Q6K(w) => {
+                let mut rows = w.unpack();
+                apply(&mut rows, perm, inp / QK_K);
+                *w = k_panels(&rows, out, inp)?;
+            }
             _ => {}
         }
         Ok(())
@@ -199,12 +209,20 @@ impl Weight {
                 return Ok(Some(Self::Q4_0 { blocks, out, inp }));
             }
             Quantization::Q4K => {
-                let blocks = concat(parts, |p| if let Self::Q4K { blocks, .. } = p { Some(blocks) } else { None });
-                return Ok(Some(Self::Q4K { blocks, out, inp }));
+                let rows: Vec<BlockQ4K> = parts
+                    .iter()
+                    .filter_map(|p| if let Self::Q4K(w) = p { Some(w.unpack()) } else { None })
+                    .flatten()
+                    .collect();
+                return Ok(Some(Self::Q4K(k_panels(&rows, out, inp)?)));
             }
             Quantization::Q6K => {
-                let blocks = concat(parts, |p| if let Self::Q6K { blocks, .. } = p { Some(blocks) } else { None });
-                return Ok(Some(Self::Q6K { blocks, out, inp }));
+                let rows: Vec<BlockQ6K> = parts
+                    .iter()
+                    .filter_map(|p| if let Self::Q6K(w) = p { Some(w.unpack()) } else { None })
+                    .flatten()
+                    .collect();
+                return Ok(Some(Self::Q6K(k_panels(&rows, out, inp)?)));
             }
             _ => {}
         }

@@ -30,9 +30,17 @@ use super::isa::{self, Simd};
 use super::quant::QuantError;
 use super::{OutPtr, for_each_span};
 
+mod panel;
+#[cfg(target_arch = "x86_64")]
+mod panel_x86;
 mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use panel::{
+    KPanel, KPanels, PANEL, PanelBackend, Q4KPanel, Q6KPanel, best_panel_backend, matmul_kpanels, matmul_kpanels_with,
+    panel_backends,
+};
 
 /// Weights per k-quant super-block.
 pub const QK_K: usize = 256;
