@@ -256,8 +256,10 @@ impl<B: KPanel> KPanels<B> {
 
 /// An activation block with the sums the panel kernels fold the offsets
 /// through: Q4_K's mins take the sums of each 32 as i16 pairs, Q6_K's `-32`
-/// starts each group's i32 sum at `-32 * sum`.
+/// starts each group's i32 sum at `-32 * sum`. Only the x86 kernels read
+/// the sums; the scalar loop (all that aarch64 has yet) reads `q8`.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct XBlock {
     pub q8: BlockQ8K,
     /// Sums of sub-blocks 2p and 2p + 1, as the i16 pair `lo | hi << 16`.
