@@ -370,11 +370,7 @@ impl Engine {
             return self.step_pipelined();
         }
         let sched_timer = profile::scope(Section::Scheduler);
-        let mut step = self.scheduler.schedule();
-        self.propose_drafts(&mut step)?;
-        self.last_step.scheduled.clear();
-        self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
-        self.last_step.num_batched_tokens = step.num_batched_tokens;
+        let step = self.schedule_step()?;
         if step.scheduled.is_empty() {
             return Ok(Vec::new());
         }
@@ -421,6 +417,17 @@ impl Engine {
         drop(rows);
         drop(sampling_timer);
         Ok(self.finish_step(&step, per_request(&step, sampled), prompt_logits))
+    }
+
+    /// The scheduler's next step with the draft's proposals filled in,
+    /// recorded as the last step (single worker and first stage alike).
+    fn schedule_step(&mut self) -> Result<SchedulerOutput> {
+        let mut step = self.scheduler.schedule();
+        self.propose_drafts(&mut step)?;
+        self.last_step.scheduled.clear();
+        self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
+        self.last_step.num_batched_tokens = step.num_batched_tokens;
+        Ok(step)
     }
 
     /// Has the draft model fill in `step`'s pending proposals, after

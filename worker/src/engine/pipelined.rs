@@ -127,11 +127,7 @@ impl Engine {
     /// Schedules a micro-batch and sends it; `false` if nothing could go.
     fn send_step(&mut self) -> Result<bool> {
         let sched_timer = profile::scope(Section::Scheduler);
-        let mut step = self.scheduler.schedule();
-        self.propose_drafts(&mut step)?;
-        self.last_step.scheduled.clear();
-        self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
-        self.last_step.num_batched_tokens = step.num_batched_tokens;
+        let step = self.schedule_step()?;
         if step.scheduled.is_empty() {
             return Ok(false);
         }

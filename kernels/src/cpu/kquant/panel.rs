@@ -431,7 +431,6 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::cpu::kquant::dequantize_row;
 
     /// Random bytes: every scale, min and code GGML can store, Q6_K's
     /// scale -128 and 6-bit code 63 included.
@@ -468,16 +467,7 @@ mod tests {
             let packed = KPanels::pack(&w, n, kb).expect("consistent shape");
             assert_eq!(packed.unpack(), w, "unpack(pack(w)) for [{n}, {kb}] {}", B::NAME);
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-            let mut wf = vec![0f32; n * k];
-            dequantize_row(&w, &mut wf);
-            let xf: Vec<f32> = quantize_activations(&x).iter().flat_map(|b| b.qs.map(|q| b.d * q as f32)).collect();
-            let exact: Vec<(f32, f32)> = (0..m * n)
-                .map(|o| {
-                    let (i, j) = (o / n, o % n);
-                    let pairs = xf[i * k..(i + 1) * k].iter().zip(&wf[j * k..(j + 1) * k]);
-                    pairs.fold((0.0, 0.0), |(s, a), (x, w)| (s + x * w, a + (x * w).abs()))
-                })
-                .collect();
+            let exact = super::super::tests::reference_products(&x, m, k, &w, n);
             let mut row_major = vec![0f32; m * n];
             super::super::matmul_kquant(&x, m, k, &w, n, &mut row_major).expect("shapes");
             for backend in panel_backends() {

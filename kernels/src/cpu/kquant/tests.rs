@@ -118,6 +118,22 @@ fn round_trip<B: KBlock>(w: &[f32], rows: usize, k: usize) -> Vec<f32> {
     out
 }
 
+/// The f32 products of the Q8_K-rounded activations `x` ([m, k]) with the
+/// dequantized weights `w` ([n, k]), each with its sum of |products| (the
+/// scale of float-order error).
+pub(super) fn reference_products<B: KBlock>(x: &[f32], m: usize, k: usize, w: &[B], n: usize) -> Vec<(f32, f32)> {
+    let mut wf = vec![0f32; n * k];
+    dequantize_row(w, &mut wf);
+    let xf: Vec<f32> = quantize_activations(x).iter().flat_map(|b| b.qs.map(|q| b.d * q as f32)).collect();
+    (0..m * n)
+        .map(|o| {
+            let (i, j) = (o / n, o % n);
+            let pairs = xf[i * k..(i + 1) * k].iter().zip(&wf[j * k..(j + 1) * k]);
+            pairs.fold((0.0, 0.0), |(s, a), (x, w)| (s + x * w, a + (x * w).abs()))
+        })
+        .collect()
+}
+
 /// Every path on random shapes (n not a multiple of anything, m across
 /// the 64-row chunks) against the f32 product of the dequantized weights
 /// and the dequantized Q8_K activations, up to float order.
@@ -127,17 +143,7 @@ fn matmul_matches_reference<B: KBlock>() {
         let k = kb * QK_K;
         let w = quantize_matrix::<B>(&random(&mut rng, n * k), n, k).unwrap();
         let x = random(&mut rng, m * k);
-        let mut wf = vec![0f32; n * k];
-        dequantize_row(&w, &mut wf);
-        let xf: Vec<f32> = quantize_activations(&x).iter().flat_map(|b| b.qs.map(|q| b.d * q as f32)).collect();
-        // (product, sum of |products|: the scale of float-order error)
-        let exact: Vec<(f32, f32)> = (0..m * n)
-            .map(|o| {
-                let (i, j) = (o / n, o % n);
-                let pairs = xf[i * k..(i + 1) * k].iter().zip(&wf[j * k..(j + 1) * k]);
-                pairs.fold((0.0, 0.0), |(s, a), (x, w)| (s + x * w, a + (x * w).abs()))
-            })
-            .collect();
+        let exact = reference_products(&x, m, k, &w, n);
         for backend in available_backends() {
             let mut y = vec![f32::NAN; m * n];
             matmul_kquant_with(backend, &x, m, k, &w, n, &mut y).unwrap();
