@@ -18,6 +18,8 @@ pub struct CpuFeatures {
     pub avx512bw: bool,
     pub avx512vnni: bool,
     pub neon: bool,
+    /// An AMD CPU ("AuthenticAMD"): decides [`StreamPrefetch`].
+    pub amd: bool,
 }
 
 impl CpuFeatures {
@@ -32,6 +34,10 @@ impl CpuFeatures {
             f.avx512f = is_x86_feature_detected!("avx512f");
             f.avx512bw = is_x86_feature_detected!("avx512bw");
             f.avx512vnni = is_x86_feature_detected!("avx512vnni");
+            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+            #[allow(unused_unsafe)]
+            let id = unsafe { std::arch::x86_64::__cpuid(0) };
+            f.amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
         }
         #[cfg(target_arch = "aarch64")]
         {
@@ -74,6 +80,23 @@ pub enum Isa {
     Scalar,
 }
 
+/// Where the decode GEMVs (one x row: every weight streamed from DRAM
+/// once) prefetch their weights, 4 KiB ahead of their loads.
+///
+/// Measured side by side (`decode_step` bench, docs/kernel-notes.md): on
+/// the 2-vCPU Xeon, L2 beat L1; on a 2-vCPU AMD EPYC with AVX-512, L2
+/// capped f16 and Q8_0 at ~34 GB/s while the probe read 60-67 GB/s, and
+/// non-temporal prefetches read 55-57 GB/s there (and 98-102% of the
+/// probe in its slow phases, against 83-91% for L2).
+/// `TINYVLLM_DECODE_PREFETCH=l2|nta` overrides the choice by vendor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamPrefetch {
+    /// `prefetcht1`: Intel's choice.
+    L2,
+    /// `prefetchnta`: AMD's choice.
+    NonTemporal,
+}
+
 /// Everything decided at the first question.
 struct Choice {
     features: CpuFeatures,
@@ -83,13 +106,20 @@ struct Choice {
     /// The best of `packed_isas` under `TINYVLLM_CPU_ISA`.
     packed: Isa,
     vnni: bool,
+    stream_prefetch: StreamPrefetch,
 }
 
 fn choice() -> &'static Choice {
     static CHOICE: OnceLock<Choice> = OnceLock::new();
     CHOICE.get_or_init(|| {
         let cap = std::env::var("TINYVLLM_CPU_ISA").unwrap_or_default();
-        Choice::new(CpuFeatures::detect(), &cap)
+        let mut choice = Choice::new(CpuFeatures::detect(), &cap);
+        match std::env::var("TINYVLLM_DECODE_PREFETCH").unwrap_or_default().to_ascii_lowercase().as_str() {
+            "l2" => choice.stream_prefetch = StreamPrefetch::L2,
+            "nta" => choice.stream_prefetch = StreamPrefetch::NonTemporal,
+            _ => {}
+        }
+        choice
     })
 }
 
@@ -132,7 +162,8 @@ impl Choice {
         let vnni = packed == Isa::Avx512 && f.avx512bw && f.avx512vnni && f.avx2_fma_f16c();
         #[cfg(not(target_arch = "x86_64"))]
         let vnni = false;
-        Self { features, simd, packed_isas, packed, vnni }
+        let stream_prefetch = if f.amd { StreamPrefetch::NonTemporal } else { StreamPrefetch::L2 };
+        Self { features, simd, packed_isas, packed, vnni, stream_prefetch }
     }
 }
 
@@ -150,6 +181,11 @@ pub(crate) fn has_avx2_fma() -> bool {
 /// The row-major matmuls' SIMD family.
 pub(crate) fn simd() -> Simd {
     choice().simd
+}
+
+/// Where the decode GEMVs prefetch (see [`StreamPrefetch`]).
+pub fn stream_prefetch() -> StreamPrefetch {
+    choice().stream_prefetch
 }
 
 /// Every instruction set this machine runs the packed kernels on, best
@@ -170,10 +206,21 @@ pub fn vnni() -> bool {
     choice().vnni
 }
 
+fn packed_isa_is_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return packed_isa() == Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The SIMD the CPU kernels use, in words, for logs.
 pub fn describe() -> &'static str {
     if cfg!(target_arch = "aarch64") {
         "neon"
+    } else if vnni() {
+        "avx512+vnni"
+    } else if packed_isa_is_avx512() {
+        "avx512"
     } else if features().avx2_fma() {
         "avx2+fma"
     } else {
@@ -203,6 +250,7 @@ mod tests {
             avx512bw: true,
             avx512vnni: true,
             neon: false,
+            amd: false,
         };
         let best = Choice::new(all, "");
         assert_eq!((best.simd, best.packed, best.vnni), (Simd::Avx2, Isa::Avx512, true));
@@ -213,5 +261,7 @@ mod tests {
         assert_eq!((scalar.simd, scalar.packed, scalar.vnni), (Simd::Avx2, Isa::Scalar, false));
         let no_f16c = Choice::new(CpuFeatures { f16c: false, ..all }, "");
         assert_eq!((no_f16c.simd, no_f16c.packed, no_f16c.vnni), (Simd::Scalar, Isa::Scalar, false));
+        assert_eq!(best.stream_prefetch, StreamPrefetch::L2);
+        assert_eq!(Choice::new(CpuFeatures { amd: true, ..all }, "").stream_prefetch, StreamPrefetch::NonTemporal);
     }
 }

@@ -240,10 +240,12 @@ mod avx512 {
         /// Into L1, for the first row group of several (prefill, batches),
         /// where L2 left the tiles waiting.
         L1,
-        /// Into L2, for decode (one x row): the loads right behind find the
-        /// lines in L2 and the line-fill buffers stay free for them; 4 or
-        /// 8 KiB ahead read the same.
+        /// Into L2, for decode (one x row) on Intel: the loads right behind
+        /// find the lines in L2 and the line-fill buffers stay free for
+        /// them; 4 or 8 KiB ahead read the same.
         L2,
+        /// Non-temporal, for decode on AMD ([`crate::cpu::isa::StreamPrefetch`]).
+        NonTemporal,
     }
 
     /// Prefetches the line at `at` as `how` says, unless it lies past `end`.
@@ -259,6 +261,8 @@ mod avx512 {
             Prefetch::L1 => unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) },
             // SAFETY: as above.
             Prefetch::L2 => unsafe { _mm_prefetch::<_MM_HINT_T1>(at.cast()) },
+            // SAFETY: as above.
+            Prefetch::NonTemporal => unsafe { _mm_prefetch::<_MM_HINT_NTA>(at.cast()) },
         }
     }
 
@@ -271,6 +275,10 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn panels(ops: &Operands<'_>, p0: usize, p1: usize) {
         let m = ops.m;
+        let decode = match crate::cpu::isa::stream_prefetch() {
+            crate::cpu::isa::StreamPrefetch::L2 => Prefetch::L2,
+            crate::cpu::isa::StreamPrefetch::NonTemporal => Prefetch::NonTemporal,
+        };
         // Groups of equal height: 16 rows run as 8 + 8, not 12 + 4.
         let groups = m.div_ceil(TILE_ROWS);
         let height = m.div_ceil(groups);
@@ -279,7 +287,7 @@ mod avx512 {
                 let i0 = g * height;
                 let rows = (m - i0).min(height);
                 let how = match (g, m) {
-                    (0, 1) => Prefetch::L2,
+                    (0, 1) => decode,
                     (0, _) => Prefetch::L1,
                     _ => Prefetch::No,
                 };

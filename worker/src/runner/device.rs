@@ -17,7 +17,7 @@ pub enum DeviceChoice {
     Metal,
 }
 
-/// The device and its description ("cpu (avx2+fma+f16c, 2 threads)", "metal
+/// The device and its description ("cpu (avx512+vnni, 2 threads)", "metal
 /// (Apple GPU 0)", "cpu (metal unavailable: ...)").
 #[derive(Clone, Debug)]
 pub struct SelectedDevice {

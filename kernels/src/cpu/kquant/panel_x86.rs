@@ -277,7 +277,7 @@ impl Lanes for Avx2 {
 }
 
 /// How far ahead of its loads the first row group prefetches a panel's
-/// blocks (decode: into L2, as the Q8_0 VNNI kernel).
+/// blocks (decode: the vendor's `StreamPrefetch`, as the Q8_0 VNNI kernel).
 const PF_BYTES: usize = 4 << 10;
 
 /// Prefetches the lines of a block `PF_BYTES` ahead one at a time, spread
@@ -306,6 +306,8 @@ impl Prefetcher {
         unsafe {
             if hint == _MM_HINT_T1 {
                 _mm_prefetch::<_MM_HINT_T1>(self.at.cast());
+            } else if hint == _MM_HINT_NTA {
+                _mm_prefetch::<_MM_HINT_NTA>(self.at.cast());
             } else {
                 _mm_prefetch::<_MM_HINT_T0>(self.at.cast());
             }
@@ -488,13 +490,17 @@ unsafe fn panels<L: Lanes, B: KPanel>(ops: &Operands<'_, B>, p0: usize, p1: usiz
     let height = m.div_ceil(groups);
     let all = ops.w.panel(0).as_ptr_range().start;
     let end = all.cast::<u8>().wrapping_add(ops.w.size_in_bytes());
+    let decode = match crate::cpu::isa::stream_prefetch() {
+        crate::cpu::isa::StreamPrefetch::L2 => _MM_HINT_T1,
+        crate::cpu::isa::StreamPrefetch::NonTemporal => _MM_HINT_NTA,
+    };
     for p in p0..p1 {
         let w = ops.w.panel(p);
         for g in 0..groups {
             let i0 = g * height;
             let rows = (m - i0).min(height);
             let hint = match (g, m) {
-                (0, 1) => Some(_MM_HINT_T1),
+                (0, 1) => Some(decode),
                 (0, _) => Some(_MM_HINT_T0),
                 _ => None,
             };

@@ -6,11 +6,12 @@ use half::{bf16, f16};
 use std::arch::x86_64::*;
 
 /// For the GEMV (decode): prefetches the `size_of::<T>()` cache lines
-/// that 4 k's of a panel span, 4 KiB past `at`, into L2: from DRAM, more
-/// bandwidth than 1 KiB into L1.
+/// that 4 k's of a panel span, 4 KiB past `at`, with hint `HINT` (the
+/// vendor's [`crate::cpu::isa::StreamPrefetch`]): from DRAM, more bandwidth
+/// than 1 KiB into L1.
 #[inline(always)]
-fn prefetch_4k_l2<T>(at: *const T) {
-    super::prefetch_lines::<T, _MM_HINT_T1>(at, super::PREFETCH_BYTES);
+fn prefetch_4k_ahead<T, const HINT: i32>(at: *const T) {
+    super::prefetch_lines::<T, HINT>(at, super::PREFETCH_BYTES);
 }
 
 /// For the tiles (prefill, batches): the same lines 1 KiB ahead into
@@ -81,9 +82,13 @@ pub(super) unsafe fn panels<T: Load16>(ops: &Operands<'_, T>, p0: usize, p1: usi
     let (m, k) = (ops.m, ops.w.k);
     let real = ops.w.n.div_ceil(PANEL);
     if m == 1 {
+        let nta = crate::cpu::isa::stream_prefetch() == crate::cpu::isa::StreamPrefetch::NonTemporal;
         for p in p0..p1.min(real) {
             // SAFETY: panel p holds k * PANEL weights; x holds k values.
-            let sums = unsafe { gemv(ops.x.as_ptr(), ops.w.data.as_ptr().add(p * k * PANEL), k) };
+            let sums = unsafe {
+                let (x, w) = (ops.x.as_ptr(), ops.w.data.as_ptr().add(p * k * PANEL));
+                if nta { gemv::<T, _MM_HINT_NTA>(x, w, k) } else { gemv::<T, _MM_HINT_T1>(x, w, k) }
+            };
             store(ops, p, 0, &[sums]);
         }
         return;
@@ -154,7 +159,7 @@ pub(super) unsafe fn panels<T: Load16>(ops: &Operands<'_, T>, p0: usize, p1: usi
 /// AVX-512F must be available; `x` must hold k values and `w` a panel of
 /// k * PANEL weights.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn gemv<T: Load16>(x: *const f32, w: *const T, k: usize) -> [f32; PANEL] {
+unsafe fn gemv<T: Load16, const HINT: i32>(x: *const f32, w: *const T, k: usize) -> [f32; PANEL] {
     const STEP: usize = 8;
     let mut acc = [_mm512_setzero_ps(); STEP];
     let mut i = 0;
@@ -162,8 +167,8 @@ unsafe fn gemv<T: Load16>(x: *const f32, w: *const T, k: usize) -> [f32; PANEL] 
     // row of PANEL weights at (i + s) * PANEL are in bounds.
     unsafe {
         while i + STEP <= k {
-            prefetch_4k_l2(w.add(i * PANEL));
-            prefetch_4k_l2(w.add((i + 4) * PANEL));
+            prefetch_4k_ahead::<T, HINT>(w.add(i * PANEL));
+            prefetch_4k_ahead::<T, HINT>(w.add((i + 4) * PANEL));
             for (s, acc) in acc.iter_mut().enumerate() {
                 let xv = _mm512_set1_ps(*x.add(i + s));
                 *acc = _mm512_fmadd_ps(xv, T::load16(w.add((i + s) * PANEL)), *acc);
