@@ -31,9 +31,12 @@ cp ../shared/models/tiny-qwen3/tokenizer.json ../shared/models/tiny-qwen3/tokeni
 export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
-bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|  )"; }
+bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|paired|  )"; }
+# f16 and Q8_0, and Q4_K_M where GGUF_DIR holds it (`export-gguf --type
+# q4_k_m` takes minutes, so it is not written here).
+types() { echo f16 q8_0; [ ! -f "$GGUF/tinyllama-1.1b-random-q4_k_m.gguf" ] || echo q4_k_m; }
 if [ "${PARTS:-all}" = all ]; then
-for t in f16 q8_0; do
+for t in $(types); do
   m="$GGUF/tinyllama-1.1b-random-$t.gguf"
   echo "== ours $t: batch-1 decode (prompt 16, 64 generated)"; bench --model "$m" --num-prompts 1 --input-len 16 --output-len 64 --profile
   echo "== ours $t: prefill 512 (TTFT of one 512-token prompt)"; bench --model "$m" --num-prompts 1 --input-len 512 --output-len 1
@@ -80,16 +83,16 @@ server() {
 
 # Batch-1 decode and prefill of one 512-token prompt, in f16 and Q8_0.
 decode() {
-  for t in f16 q8_0; do
+  for t in $(types); do
     local f="$GGUF/tinyllama-1.1b-random-$t.gguf"
-    echo "== ours $t: batch-1 decode"; bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth)"
+    echo "== ours $t: batch-1 decode"; bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth|paired)"
     if [ -n "$LLAMA" ]; then
       echo "== llama.cpp $t: tg64"; "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -p 0 -n 64 -r 3 2>/dev/null | grep -E "tg64"
     fi
   done
 }
 prefill() {
-  for t in f16 q8_0; do
+  for t in $(types); do
     local f="$GGUF/tinyllama-1.1b-random-$t.gguf"
     echo "== ours $t: prefill 512"; bench --model "$f" --num-prompts 1 --input-len 512 --output-len 1 | grep -E "^TTFT"
     if [ -n "$LLAMA" ]; then

@@ -102,6 +102,36 @@ pub struct BenchReport {
     /// Set with `BenchArgs::profile` on the CPU: how close batch-1 decode
     /// comes to what memory bandwidth allows.
     pub bandwidth: Option<BandwidthLimit>,
+    /// Set with `BenchArgs::profile` on the CPU: batch-1 decode steps, each
+    /// beside probe passes taken right before and after it.
+    pub paired: Option<PairedShares>,
+}
+
+/// Batch-1 decode steps each compared with probe passes taken right before
+/// and right after it (after the timed run, one request of the same
+/// lengths): a shared host's bandwidth moves with its neighbours within
+/// seconds, so a probe before and after the whole run can miss the phase a
+/// step ran in, in either direction.
+#[derive(Clone, Debug, Default)]
+pub struct PairedShares {
+    /// Per pure decode step: the step's weight bytes per second over the
+    /// better of its two passes, and that pass in GB/s.
+    pub steps: Vec<(f64, f64)>,
+}
+
+/// What one paired pass reads: several times the last-level cache, and
+/// short (a few ms) next to a step.
+const PAIRED_PROBE_BYTES: usize = 512 << 20;
+
+impl PairedShares {
+    /// The median share among steps whose pass reached at least `floor` of
+    /// the best pass, and how many such steps there were.
+    pub fn median_share_above(&self, floor: f64) -> (f64, usize) {
+        let best = self.steps.iter().map(|s| s.1).fold(0.0, f64::max);
+        let mut shares: Vec<f64> = self.steps.iter().filter(|s| s.1 >= floor * best).map(|s| s.0).collect();
+        shares.sort_by(f64::total_cmp);
+        (shares.get(shares.len() / 2).copied().unwrap_or(0.0), shares.len())
+    }
 }
 
 /// Batch-1 decode reads every weight once per token, so the machine's read
@@ -195,6 +225,20 @@ impl std::fmt::Display for BenchReport {
                 decode / b.tok_per_s() * 100.0
             )?;
         }
+        if let Some(p) = self.paired.as_ref().filter(|p| !p.steps.is_empty()) {
+            let (lo, hi) = p.steps.iter().fold((f64::MAX, 0f64), |(lo, hi), s| (lo.min(s.1), hi.max(s.1)));
+            let (all, n) = p.median_share_above(0.0);
+            let (fast, nf) = p.median_share_above(0.8);
+            write!(
+                f,
+                "\npaired probe: {n} batch-1 decode steps, each beside {} MiB passes read right before and after \
+                 it ({lo:.1}-{hi:.1} GB/s): median {:.1}% of the better pass; {:.1}% over the {nf} steps whose \
+                 pass reached 80% of the best",
+                PAIRED_PROBE_BYTES >> 20,
+                all * 100.0,
+                fast * 100.0
+            )?;
+        }
         if let Some(p) = &self.profile {
             write!(f, "\n{p}")?;
         }
@@ -270,6 +314,10 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         after: kernels::cpu::measure_read_bandwidth(),
         weight_bytes: engine.weight_bytes_per_token(),
     });
+    let paired = match &bandwidth {
+        Some(b) => Some(paired_shares(engine, args, b.weight_bytes)?),
+        None => None,
+    };
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();
     let tpot: Vec<Duration> = (0..args.num_prompts)
         .filter(|&i| made[i] > 1)
@@ -296,7 +344,36 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         spec_decoding,
         profile: args.profile.then_some(profile),
         bandwidth,
+        paired,
     })
+}
+
+/// One request of the run's lengths, untimed but for its pure decode
+/// steps, each between two probe passes.
+fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> Result<PairedShares> {
+    use kernels::cpu::bandwidth::{ProbeBuffer, ReadProbe};
+    let probe = ProbeBuffer::new(PAIRED_PROBE_BYTES);
+    let vocab = engine.model_config().vocab_size as u64;
+    let mut state = args.seed ^ 0x5eed;
+    let prompt: Vec<u32> = (0..args.input_len.max(1)).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len as u32) };
+    engine.add_request(RequestId(1 << 41), prompt, params, 0)?;
+    let mut paired = PairedShares::default();
+    let mut pass_before = probe.pass(ReadProbe::Wide);
+    while engine.has_unfinished() {
+        let t0 = Instant::now();
+        engine.step()?;
+        let secs = t0.elapsed().as_secs_f64();
+        let info = engine.last_step();
+        let decode = info.scheduled.len() == 1 && info.num_batched_tokens == 1;
+        let pass_after = probe.pass(ReadProbe::Wide);
+        if decode {
+            let pass = pass_before.max(pass_after);
+            paired.steps.push((weight_bytes as f64 / secs / 1e9 / pass, pass));
+        }
+        pass_before = pass_after;
+    }
+    Ok(paired)
 }
 
 /// `P C P` for each random P, C being the model's greedy continuation of
@@ -327,4 +404,18 @@ fn splitmix(state: &mut u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PairedShares;
+
+    #[test]
+    fn paired_shares_pick_the_steps_of_fast_passes() {
+        let p = PairedShares { steps: vec![(0.95, 30.0), (0.80, 60.0), (0.90, 58.0), (0.70, 50.0)] };
+        assert_eq!(p.median_share_above(0.0), (0.90, 4));
+        // 80% of the best pass (60) is 48: the last three steps.
+        assert_eq!(p.median_share_above(0.8), (0.80, 3));
+        assert_eq!(PairedShares::default().median_share_above(0.8), (0.0, 0));
+    }
 }
