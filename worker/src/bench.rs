@@ -355,7 +355,8 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
     let probe = ProbeBuffer::new(PAIRED_PROBE_BYTES);
     let vocab = engine.model_config().vocab_size as u64;
     let mut state = args.seed ^ 0x5eed;
-    let prompt: Vec<u32> = (0..args.input_len.max(1)).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
+    let prompt: Vec<u32> =
+        (0..args.input_len.max(1)).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len as u32) };
     engine.add_request(RequestId(1 << 41), prompt, params, 0)?;
     let mut paired = PairedShares::default();
