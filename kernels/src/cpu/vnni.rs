@@ -13,9 +13,14 @@
 //! anywhere, so a block of 16 rows is 8 instructions, against ~4 per row
 //! and block for AVX2's `vpmaddubsw`/`vpmaddwd`/`vphaddd` with the sign
 //! moved onto w. `vpdpbusd` takes unsigned times signed bytes, so the
-//! activation codes go in offset by 128 (`q + 128` in 0..=254) and
-//! `128 * sum(w)`, one more `vpdpbusd` per 4 k's shared by all the x rows
-//! of a tile, comes off before the block's i32 sums are scaled: exact.
+//! weight codes are stored offset by 128 (`w + 128` in 0..=255, the bits
+//! of w with the top one flipped) and the activations go in signed;
+//! `128 * sum(x)` over the block, one integer per x row and block computed
+//! with the activations, comes off before the block's i32 sums are
+//! scaled: exact. (Offsetting the activations instead would put the
+//! correction on the weights: one more `vpdpbusd` per weight vector, which
+//! at m = 1 is half the kernel's instructions, and left decode
+//! compute-bound where memory reads 60 GB/s.)
 //!
 //! Tiles: up to 12 x rows at once (12 i32 and 12 f32 accumulators), so
 //! each weight vector loaded serves 12 rows; m = 1 (decode) streams each
@@ -39,12 +44,20 @@ pub const PANEL: usize = 16;
 const CHUNK_ROWS: usize = 256;
 
 /// One panel's codes at one block index: `[k / 4][row][4]`, 512 bytes, each
-/// group of 4 k's one aligned vector.
+/// group of 4 k's one aligned vector; each code is `w ^ 0x80`, i.e. `w + 128`
+/// read as an unsigned byte.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PanelBlock(pub [[[i8; 4]; PANEL]; QK / 4]);
 
-const ZERO_BLOCK: PanelBlock = PanelBlock([[[0; 4]; PANEL]; QK / 4]);
+/// Zero weights (padding rows), offset by 128.
+const ZERO_BLOCK: PanelBlock = PanelBlock([[[i8::MIN; 4]; PANEL]; QK / 4]);
+
+/// A code as stored: `w + 128` as an unsigned byte, in an i8's bits; its
+/// own inverse.
+fn offset(q: i8) -> i8 {
+    q ^ i8::MIN
+}
 
 /// Q8_0 weights `[n, kb blocks]` in panels of 16 rows for `vpdpbusd`.
 #[derive(Clone, Debug, PartialEq)]
@@ -78,7 +91,7 @@ impl VnniQ8_0 {
             for (b, blk) in blocks.iter().enumerate() {
                 let dst = &mut codes[p * kb + b].0;
                 for (t, quad) in blk.qs.chunks_exact(4).enumerate() {
-                    dst[t][r].copy_from_slice(quad);
+                    dst[t][r] = std::array::from_fn(|j| offset(quad[j]));
                 }
                 scales[p * kb + b][r] = blk.d;
             }
@@ -97,7 +110,7 @@ impl VnniQ8_0 {
         let src = &self.codes[p * self.kb + b].0;
         let mut qs = [0i8; QK];
         for (t, quad) in qs.chunks_exact_mut(4).enumerate() {
-            quad.copy_from_slice(&src[t][r]);
+            quad.iter_mut().zip(&src[t][r]).for_each(|(q, &c)| *q = offset(c));
         }
         BlockQ8_0 { d: self.scales[p * self.kb + b][r], qs }
     }
@@ -135,12 +148,12 @@ pub fn matmul_vnni_q8_0_scalar(x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32])
     matmul_with(false, x, m, w, y)
 }
 
-/// One chunk's operands: activations quantized, their codes' bits flipped
-/// to `q + 128` as unsigned bytes (as `vpdpbusd` takes them), and their
-/// scales; the weights; y.
+/// One chunk's operands: activations quantized, their scales, and `128 *
+/// sum(q)` of each block (the weights' offset times them); the weights; y.
 struct Operands<'a> {
-    xu: &'a [BlockQ8_0],
+    xq: &'a [BlockQ8_0],
     xd: &'a [f32],
+    xcorr: &'a [i32],
     w: &'a VnniQ8_0,
     m: usize,
     y: OutPtr,
@@ -158,11 +171,9 @@ fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> 
     }
     for (xc, yc) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
         let rows = xc.len() / k;
-        let (mut xu, xd) = quantize_activations_q8_0(xc, rows * kb);
-        for q in xu.iter_mut().flat_map(|block| block.qs.iter_mut()) {
-            *q ^= i8::MIN; // as u8: q + 128
-        }
-        let ops = Operands { xu: &xu, xd: &xd, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
+        let (xq, xd) = quantize_activations_q8_0(xc, rows * kb);
+        let xcorr: Vec<i32> = xq.iter().map(|b| 128 * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>()).collect();
+        let ops = Operands { xq: &xq, xd: &xd, xcorr: &xcorr, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
         if rows == 1 {
             for_each_owned(n.div_ceil(PANEL), |p| panels(vnni, &ops, p, p + 1));
         } else {
@@ -202,12 +213,13 @@ fn scalar_panels(ops: &Operands<'_>, p0: usize, p1: usize) {
             let mut acc = [0f32; PANEL];
             for b in 0..kb {
                 let blk = &ops.w.codes[p * kb + b].0;
-                let x = &ops.xu[i * kb + b].qs;
+                let x = &ops.xq[i * kb + b].qs;
                 for (r, a) in acc.iter_mut().enumerate() {
-                    let mut s = 0i32;
+                    // As the kernel: (w + 128) . x, less 128 * sum(x).
+                    let mut s = -ops.xcorr[i * kb + b];
                     for (t, quad) in blk.iter().enumerate() {
                         for (j, &wq) in quad[r].iter().enumerate() {
-                            s += (x[4 * t + j] as u8 as i32 - 128) * wq as i32;
+                            s += i32::from(x[4 * t + j]) * i32::from(wq as u8);
                         }
                     }
                     *a += s as f32 * (ops.w.scales[p * kb + b][r].to_f32() * ops.xd[i * kb + b]);
@@ -225,7 +237,7 @@ mod avx512 {
     use super::{BlockQ8_0, Operands, PANEL, PanelBlock, QK, store};
 
     /// Most x rows per tile: 12 i32 and 12 f32 accumulators, the weight
-    /// vector, the correction, the offset bytes and the scales take 28 of
+    /// vector, the broadcast codes and the scales take 27 of
     /// the 32 vector registers.
     const TILE_ROWS: usize = 12;
 
@@ -318,9 +330,9 @@ mod avx512 {
 
     /// Panel p's 16 dot products with x rows i0..i0 + R, into `sums[..R]`.
     /// Per block: 8 weight vectors, each fed to R `vpdpbusd` with 4 of a
-    /// row's activation codes broadcast, and one with 128s for the
-    /// correction; then per row one subtraction, conversion and FMA with
-    /// the 16 weight scales times the row's activation scale.
+    /// row's activation codes broadcast; then per row one subtraction of
+    /// the row's block correction, conversion and FMA with the 16 weight
+    /// scales times the row's activation scale.
     ///
     /// # Safety
     /// As [`panels`]; rows i0..i0 + R < m, p < the panel count.
@@ -341,9 +353,9 @@ mod avx512 {
             let scales = ops.w.scales.as_ptr().add(p * kb);
             let end = ops.w.codes.as_ptr_range().end.cast::<u8>();
             let scales_end = ops.w.scales.as_ptr_range().end.cast::<u8>();
-            let xu: [*const BlockQ8_0; R] = std::array::from_fn(|r| ops.xu.as_ptr().add((i0 + r) * kb));
+            let xq: [*const BlockQ8_0; R] = std::array::from_fn(|r| ops.xq.as_ptr().add((i0 + r) * kb));
             let xd: [*const f32; R] = std::array::from_fn(|r| ops.xd.as_ptr().add((i0 + r) * kb));
-            let offset = _mm512_set1_epi8(-128); // 0x80: 128 as an unsigned byte
+            let xcorr: [*const i32; R] = std::array::from_fn(|r| ops.xcorr.as_ptr().add((i0 + r) * kb));
             let mut acc = [_mm512_setzero_ps(); R];
             for b in 0..kb {
                 let blk: *const PanelBlock = codes.add(b);
@@ -351,23 +363,38 @@ mod avx512 {
                     // The scales: 32 bytes a block, as far ahead as the codes.
                     prefetch(how, scales.add(b).cast::<u8>().wrapping_add(PF_BYTES / 16), scales_end);
                 }
-                let mut dots = [_mm512_setzero_si512(); R];
-                let mut corr = _mm512_setzero_si512();
-                for t in 0..QK / 4 {
-                    // One line ahead per line read: a burst of 8 would wait
-                    // for free miss buffers.
-                    prefetch(how, blk.cast::<u8>().wrapping_add(PF_BYTES + 64 * t), end);
-                    let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
-                    corr = _mm512_dpbusd_epi32(corr, offset, wv);
-                    for (d, x) in dots.iter_mut().zip(&xu) {
-                        let quad = (*x.add(b)).qs.as_ptr().add(4 * t);
-                        let xv = _mm512_set1_epi32(quad.cast::<i32>().read_unaligned());
-                        *d = _mm512_dpbusd_epi32(*d, xv, wv);
+                // Each row's dot products start at minus its correction.
+                let mut dots: [__m512i; R] = std::array::from_fn(|r| _mm512_set1_epi32(-*xcorr[r].add(b)));
+                if R == 1 {
+                    // One row: 4 independent chains, or the 8 dependent
+                    // `vpdpbusd` of a block pace the loads at one per
+                    // instruction latency (capped ~60 GB/s on Zen 4).
+                    let x = (*xq[0].add(b)).qs.as_ptr();
+                    let mut chains = [dots[0], _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()];
+                    for t in 0..QK / 4 {
+                        // One line ahead per line read: a burst of 8 would
+                        // wait for free miss buffers.
+                        prefetch(how, blk.cast::<u8>().wrapping_add(PF_BYTES + 64 * t), end);
+                        let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
+                        let xv = _mm512_set1_epi32(x.add(4 * t).cast::<i32>().read_unaligned());
+                        chains[t % 4] = _mm512_dpbusd_epi32(chains[t % 4], wv, xv);
+                    }
+                    let (a, b) = (_mm512_add_epi32(chains[0], chains[1]), _mm512_add_epi32(chains[2], chains[3]));
+                    dots[0] = _mm512_add_epi32(a, b);
+                } else {
+                    for t in 0..QK / 4 {
+                        prefetch(how, blk.cast::<u8>().wrapping_add(PF_BYTES + 64 * t), end);
+                        let wv = _mm512_load_si512((*blk).0[t].as_ptr().cast());
+                        for (d, x) in dots.iter_mut().zip(&xq) {
+                            let quad = (*x.add(b)).qs.as_ptr().add(4 * t);
+                            let xv = _mm512_set1_epi32(quad.cast::<i32>().read_unaligned());
+                            *d = _mm512_dpbusd_epi32(*d, wv, xv);
+                        }
                     }
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(b).cast()));
                 for ((a, d), x) in acc.iter_mut().zip(&dots).zip(&xd) {
-                    let s = _mm512_cvtepi32_ps(_mm512_sub_epi32(*d, corr));
+                    let s = _mm512_cvtepi32_ps(*d);
                     *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw, _mm512_set1_ps(*x.add(b))), *a);
                 }
             }
@@ -418,12 +445,17 @@ mod tests {
 
     #[test]
     fn extreme_codes_are_exact() {
-        // Codes of +-127 on both sides: the 128 offset and its correction
-        // must cancel exactly (a sum of 32 * 127 * 127 fits i32 easily).
+        // Codes of +-127 on both sides, and -128 in the weights (a file
+        // may hold it): the 128 offset and its correction must cancel
+        // exactly (a sum of 32 * 255 * 127 fits i32 easily).
         let n = 3;
-        let blocks: Vec<BlockQ8_0> = (0..n * 2)
-            .map(|i| BlockQ8_0 { d: f16::ONE, qs: std::array::from_fn(|j| if (i + j) % 3 == 0 { -127 } else { 127 }) })
-            .collect();
+        let code = |i: usize, j: usize| match (i + j) % 5 {
+            0 => -128,
+            1 | 3 => -127,
+            _ => 127,
+        };
+        let blocks: Vec<BlockQ8_0> =
+            (0..n * 2).map(|i| BlockQ8_0 { d: f16::ONE, qs: std::array::from_fn(|j| code(i, j)) }).collect();
         let packed = VnniQ8_0::pack(&blocks, n, 2).expect("consistent");
         let x: Vec<f32> = (0..64).map(|j| if j % 2 == 0 { 1.0 } else { -1.0 }).collect();
         let mut want = vec![0f32; n];
