@@ -97,6 +97,18 @@ pub enum StreamPrefetch {
     NonTemporal,
 }
 
+#[cfg(target_arch = "x86_64")]
+impl StreamPrefetch {
+    /// The `_mm_prefetch` hint.
+    pub(crate) const fn hint(self) -> i32 {
+        use std::arch::x86_64::{_MM_HINT_NTA, _MM_HINT_T1};
+        match self {
+            Self::L2 => _MM_HINT_T1,
+            Self::NonTemporal => _MM_HINT_NTA,
+        }
+    }
+}
+
 /// Everything decided at the first question.
 struct Choice {
     features: CpuFeatures,

@@ -490,10 +490,7 @@ unsafe fn panels<L: Lanes, B: KPanel>(ops: &Operands<'_, B>, p0: usize, p1: usiz
     let height = m.div_ceil(groups);
     let all = ops.w.panel(0).as_ptr_range().start;
     let end = all.cast::<u8>().wrapping_add(ops.w.size_in_bytes());
-    let decode = match crate::cpu::isa::stream_prefetch() {
-        crate::cpu::isa::StreamPrefetch::L2 => _MM_HINT_T1,
-        crate::cpu::isa::StreamPrefetch::NonTemporal => _MM_HINT_NTA,
-    };
+    let decode = crate::cpu::isa::stream_prefetch().hint();
     for p in p0..p1 {
         let w = ops.w.panel(p);
         for g in 0..groups {

@@ -82,7 +82,7 @@ pub(super) unsafe fn panels<T: Load16>(ops: &Operands<'_, T>, p0: usize, p1: usi
     let (m, k) = (ops.m, ops.w.k);
     let real = ops.w.n.div_ceil(PANEL);
     if m == 1 {
-        let nta = crate::cpu::isa::stream_prefetch() == crate::cpu::isa::StreamPrefetch::NonTemporal;
+        let nta = crate::cpu::isa::stream_prefetch().hint() == _MM_HINT_NTA;
         for p in p0..p1.min(real) {
             // SAFETY: panel p holds k * PANEL weights; x holds k values.
             let sums = unsafe {
