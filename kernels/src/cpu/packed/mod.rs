@@ -17,10 +17,11 @@
 //!   m = 16 runs at the FMA rate.
 //!
 //! With AVX-512 (checked at run time) a panel's 16 rows are one vector:
-//! the tiles take pairs of panels (the array holds an even number of
-//! panels) and up to 14 x rows, 28 accumulators, so that per k 2
-//! conversions feed 28 FMAs of twice the width; the GEMV takes 8 k's a
-//! step and prefetches 4 KiB ahead into L2 rather than 1 KiB into L1.
+//! the tiles take 4 panels (a task's odd pair 2; the array holds an even
+//! number of panels) and up to 6 x rows, 24 accumulators, so that per k 4
+//! conversions and 6 broadcasts feed 24 FMAs of twice the width; the GEMV
+//! takes 8 k's a step and prefetches 4 KiB ahead (L2 or non-temporal,
+//! by vendor) rather than 1 KiB into L1.
 //! `TINYVLLM_CPU_ISA=avx2` keeps the AVX2 kernels on such a machine (for
 //! comparisons; see [`crate::cpu::isa`]).
 //!
@@ -218,8 +219,8 @@ fn matmul_with<W: WeightElem>(
     } else if m == 1 {
         for_each_owned(units, |u| run(u, u + 1));
     } else {
-        // At most 64 rows a task.
-        for_each_span(units, (1, 4 / unit), run);
+        // 64 output rows a task: the AVX-512 tiles take 4 panels at once.
+        for_each_span(units, if unit == 2 { (2, 2) } else { (1, 4) }, run);
     }
     Ok(())
 }
@@ -329,8 +330,9 @@ mod tests {
     }
 
     /// Random shapes around the panel width (and odd panel counts), the
-    /// tile heights (6 for AVX2; up to 14 in equal groups for AVX-512), the
-    /// GEMV steps (4 k's for AVX2, 8 for AVX-512) and the K block (256),
+    /// tile heights (6 for AVX2 and AVX-512, in equal groups), AVX-512's
+    /// tiles of 4 panels and a task's last pair (n of 200: 13 panels), the
+    /// GEMV steps (4 k's for AVX2, 8 for AVX-512) and AVX2's K block (256),
     /// with and without bias,
     /// on every instruction set this machine has.
     fn check<W: WeightElem + PartialEq + std::fmt::Debug>(isa: Isa, from_f32: fn(f32) -> W) {
@@ -357,6 +359,8 @@ mod tests {
             (64, 96, 20),
             (257, 40, 20),
             (300, 19, 35),
+            (9, 64, 200),
+            (70, 130, 150),
         ];
         for (i, &(m, k, n)) in shapes.iter().enumerate() {
             let x = random_vec(&mut rng, m * k);
