@@ -30,6 +30,7 @@ pub use fused::{
     silu_mul, silu_mul_into_op,
 };
 pub use huge_pages::back_with_huge_pages;
+pub use parallel::PoolAwake;
 pub use weight_buf::WeightBuf;
 
 pub(crate) use elem::Elem;

@@ -130,6 +130,66 @@ pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
     }
 }
 
+/// Keeps the pool's other threads awake and looking for work while it
+/// lives: for a model step, whose ~110 parallel calls are split by
+/// single-threaded gaps (norms, RoPE, quantizing activations). Left alone,
+/// an idle rayon thread yields for some microseconds and then sleeps; the
+/// next call then waits for a futex wake-up (tens of microseconds on a
+/// virtual machine) before the sleeper starts its share, so each call
+/// loses part of a core. Each of the other threads runs a job that takes
+/// whatever work appears in the pool (`rayon::yield_now`) and otherwise
+/// spins, until the guard drops.
+///
+/// Created on a pool thread (the engine's step loop runs on one); outside
+/// the pool, or with one thread, it does nothing.
+pub struct PoolAwake {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PoolAwake {
+    pub fn new() -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let owner = rayon::current_thread_index();
+        if owner.is_some() && awake_wanted() {
+            for _ in 1..rayon::current_num_threads() {
+                let stop = stop.clone();
+                rayon::spawn(move || {
+                    // The owner itself may take a spinner off its own queue
+                    // while it waits in a join: spinning there would wait
+                    // for the owner, i.e. forever.
+                    if rayon::current_thread_index() == owner {
+                        return;
+                    }
+                    while !stop.load(Ordering::Acquire) {
+                        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                            std::hint::spin_loop();
+                        }
+                    }
+                });
+            }
+        }
+        Self { stop }
+    }
+}
+
+impl Default for PoolAwake {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for PoolAwake {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+fn awake_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var("TINYVLLM_POOL_AWAKE").map_or(true, |v| v != "0"))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -150,6 +210,35 @@ mod tests {
                 });
                 assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "{threads} threads, {items} items");
             }
+        }
+    }
+
+    /// Steps with the pool kept awake, as the model runs them: every call's
+    /// items run once, the spinners end with each step (none is left to
+    /// hold a thread), and a guard outside the pool does nothing.
+    #[test]
+    fn pool_awake_steps_finish() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let _outside = super::PoolAwake::new();
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            pool.install(|| {
+                for _step in 0..200 {
+                    let _awake = super::PoolAwake::new();
+                    for items in [1, 5, 64] {
+                        let seen: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
+                        super::for_each_owned(items, |i| {
+                            seen[i].fetch_add(1, Ordering::Relaxed);
+                        });
+                        assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+                    }
+                }
+            });
+            // A spinner still running would keep this job from starting on a
+            // one-thread-short pool for ever; every thread must take one.
+            let ran = AtomicU32::new(0);
+            pool.broadcast(|_| ran.fetch_add(1, Ordering::Relaxed));
+            assert_eq!(ran.load(Ordering::Relaxed), threads as u32);
         }
     }
 }

@@ -325,6 +325,7 @@ impl CausalLm {
         // A panic elsewhere cannot leave the buffers half-valid in a way that
         // matters: every step overwrites what it reads.
         let mut workspace = self.workspace.lock().unwrap_or_else(PoisonError::into_inner);
+        let _awake = kernels::cpu::PoolAwake::new();
         let b = workspace.rows(rope.positions.len(), &self.cfg)?;
         match (input, &self.embed_tokens) {
             (StageInput::Tokens(input_ids), Some(embed)) => {
