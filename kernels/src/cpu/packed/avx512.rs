@@ -129,7 +129,8 @@ unsafe fn panel_tiles<T: Load16, const P: usize>(
     let w: [*const T; P] = std::array::from_fn(|j| unsafe { ops.w.data.as_ptr().add((p + j) * k * PANEL) });
     for g in 0..groups {
         let rows = (m - g * height).min(height);
-        let mut sums = [[[0f32; PANEL]; P]; TILE_ROWS];
+        // Panel, then row: each panel's rows as `store` takes them.
+        let mut sums = [[[0f32; PANEL]; TILE_ROWS]; P];
         // SAFETY: x holds rows g * height.. + rows of k; the panels hold k
         // k's each.
         unsafe {
@@ -143,12 +144,9 @@ unsafe fn panel_tiles<T: Load16, const P: usize>(
                 _ => tile::<T, P, 1>(x, k, w, &mut sums),
             }
         }
-        for j in 0..P {
-            // The last panel may be the padding one.
-            if p + j < real {
-                let panel: [[f32; PANEL]; TILE_ROWS] = std::array::from_fn(|r| sums[r][j]);
-                store(ops, p + j, g * height, &panel[..rows]);
-            }
+        // The last panel may be the padding one.
+        for (j, panel) in sums.iter().enumerate().take(real - p) {
+            store(ops, p + j, g * height, &panel[..rows]);
         }
     }
 }
@@ -193,7 +191,8 @@ unsafe fn gemv<T: Load16, const HINT: i32>(x: *const f32, w: *const T, k: usize)
 
 /// R x rows (stride ldx) times P panels (`ldx` k's of PANEL weights at
 /// each of `w`) into `sums[..R]`: per k, P widened weight vectors, R
-/// broadcast x values and R * P FMAs into accumulators held in registers.
+/// broadcast x values and R * P FMAs into accumulators held in registers;
+/// `sums[j][r]` gets panel j's dot products with row r.
 /// Each sum runs over k in order, as in the GEMV and the portable loop.
 ///
 /// # Safety
@@ -204,7 +203,7 @@ unsafe fn tile<T: Load16, const P: usize, const R: usize>(
     x: *const f32,
     ldx: usize,
     w: [*const T; P],
-    sums: &mut [[[f32; PANEL]; P]; TILE_ROWS],
+    sums: &mut [[[f32; PANEL]; TILE_ROWS]; P],
 ) {
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     // SAFETY: i < ldx, so x rows' i-th values and each panel's i-th PANEL
@@ -224,9 +223,9 @@ unsafe fn tile<T: Load16, const P: usize, const R: usize>(
                 }
             }
         }
-        for (a, s) in acc.iter().zip(sums.iter_mut()) {
-            for (a, s) in a.iter().zip(s.iter_mut()) {
-                _mm512_storeu_ps(s.as_mut_ptr(), *a);
+        for (j, panel) in sums.iter_mut().enumerate() {
+            for (a, s) in acc.iter().zip(panel.iter_mut()) {
+                _mm512_storeu_ps(s.as_mut_ptr(), a[j]);
             }
         }
     }
