@@ -130,6 +130,10 @@ pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
     }
 }
 
+/// How long a spinner waits for work: far longer than the gaps between a
+/// step's parallel calls (norms, attention: tens of microseconds).
+const IDLE_EXIT: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Keeps the pool's other threads awake and looking for work while it
 /// lives: for a model step, whose ~110 parallel calls are split by
 /// single-threaded gaps (norms, RoPE, quantizing activations). Left alone,
@@ -141,7 +145,10 @@ pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
 /// spins, until the guard drops.
 ///
 /// Created on a pool thread (the engine's step loop runs on one); outside
-/// the pool, or with one thread, it does nothing.
+/// the pool, or with one thread, it does nothing. A spinner also ends
+/// after `IDLE_EXIT` without work, so that no thread is held for longer
+/// than that by a step that has stopped calling the pool (a thread that
+/// took another engine's spinner while waiting inside a job, say).
 pub struct PoolAwake {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -161,8 +168,13 @@ impl PoolAwake {
                     if rayon::current_thread_index() == owner {
                         return;
                     }
+                    let mut last_work = std::time::Instant::now();
                     while !stop.load(Ordering::Acquire) {
-                        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                            last_work = std::time::Instant::now();
+                        } else if last_work.elapsed() > IDLE_EXIT {
+                            return;
+                        } else {
                             std::hint::spin_loop();
                         }
                     }
@@ -240,5 +252,27 @@ mod tests {
             pool.broadcast(|_| ran.fetch_add(1, Ordering::Relaxed));
             assert_eq!(ran.load(Ordering::Relaxed), threads as u32);
         }
+    }
+
+    /// Two step loops sharing one pool (two engines in one process), each
+    /// keeping it awake, with nested parallel work (rayon's recursive
+    /// splitting) as attention has: each thread may run the other loop's
+    /// spinner, and both loops must still finish.
+    #[test]
+    fn two_step_loops_share_a_pool() {
+        use rayon::prelude::*;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+        let step_loop = || {
+            for _step in 0..100 {
+                let _awake = super::PoolAwake::new();
+                let sum: usize = (0..4096usize).into_par_iter().with_max_len(64).map(|i| i * i).sum();
+                assert_eq!(sum, (0..4096usize).map(|i| i * i).sum::<usize>());
+                super::for_each_owned(16, |_| std::hint::black_box(()));
+            }
+        };
+        pool.scope(|s| {
+            s.spawn(|_| step_loop());
+            s.spawn(|_| step_loop());
+        });
     }
 }
