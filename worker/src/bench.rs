@@ -252,9 +252,8 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let read_before = (args.profile && engine.device().is_cpu()).then(kernels::cpu::measure_read_bandwidth);
     let mut state = args.seed;
     // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
-    let mut prompts: Vec<Vec<u32>> = (0..args.num_prompts)
-        .map(|_| (0..args.input_len).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect())
-        .collect();
+    let mut prompts: Vec<Vec<u32>> =
+        (0..args.num_prompts).map(|_| random_prompt(&mut state, args.input_len, vocab)).collect();
     match args.workload {
         Workload::Random => {}
         Workload::Copy => {
@@ -355,8 +354,7 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
     let probe = ProbeBuffer::new(PAIRED_PROBE_BYTES);
     let vocab = engine.model_config().vocab_size as u64;
     let mut state = args.seed ^ 0x5eed;
-    let prompt: Vec<u32> =
-        (0..args.input_len.max(1)).map(|_| (3 + splitmix(&mut state) % (vocab - 3)) as u32).collect();
+    let prompt = random_prompt(&mut state, args.input_len.max(1), vocab);
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len as u32) };
     engine.add_request(RequestId(1 << 41), prompt, params, 0)?;
     let mut paired = PairedShares::default();
@@ -397,6 +395,12 @@ fn own_continuations(engine: &mut Engine, prompts: &[Vec<u32>], len: usize) -> R
         }
     }
     Ok(continuations)
+}
+
+/// `len` random token ids past the first 3 (special tokens in most
+/// vocabularies) of `vocab`.
+fn random_prompt(state: &mut u64, len: usize, vocab: u64) -> Vec<u32> {
+    (0..len).map(|_| (3 + splitmix(state) % (vocab - 3)) as u32).collect()
 }
 
 fn splitmix(state: &mut u64) -> u64 {

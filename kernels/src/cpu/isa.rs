@@ -70,7 +70,7 @@ pub(crate) enum Simd {
 /// The instruction set the packed kernels run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512F: a panel is one vector; tiles take pairs of panels.
+    /// AVX-512F: a panel is one vector; tiles take 4 panels (or a pair).
     #[cfg(target_arch = "x86_64")]
     Avx512,
     /// AVX2 + FMA + F16C: a panel is two vectors.
@@ -78,6 +78,19 @@ pub enum Isa {
     Avx2,
     /// The portable loop.
     Scalar,
+}
+
+impl Isa {
+    /// Whether this is AVX-512 (false on every other architecture).
+    pub fn is_avx512(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self == Isa::Avx512;
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = self;
+            false
+        }
+    }
 }
 
 /// Where the decode GEMVs (one x row: every weight streamed from DRAM
@@ -218,20 +231,13 @@ pub fn vnni() -> bool {
     choice().vnni
 }
 
-fn packed_isa_is_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return packed_isa() == Isa::Avx512;
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// The SIMD the CPU kernels use, in words, for logs.
 pub fn describe() -> &'static str {
     if cfg!(target_arch = "aarch64") {
         "neon"
     } else if vnni() {
         "avx512+vnni"
-    } else if packed_isa_is_avx512() {
+    } else if packed_isa().is_avx512() {
         "avx512"
     } else if features().avx2_fma() {
         "avx2+fma"

@@ -211,7 +211,7 @@ fn matmul_with<W: WeightElem>(
     }
     let ops = Operands { x, m, w, bias, y: OutPtr(y.as_mut_ptr()) };
     // AVX-512 tiles take panels in pairs (the array holds an even number).
-    let unit = if is_avx512(isa) { 2 } else { 1 };
+    let unit = if isa.is_avx512() { 2 } else { 1 };
     let units = n.div_ceil(PANEL).div_ceil(unit);
     let run = |u0: usize, u1: usize| compute_panels(isa, &ops, u0 * unit, u1 * unit);
     if m * n * k < SERIAL_MACS {
@@ -223,16 +223,6 @@ fn matmul_with<W: WeightElem>(
         for_each_span(units, if unit == 2 { (2, 2) } else { (1, 4) }, run);
     }
     Ok(())
-}
-
-fn is_avx512(isa: Isa) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return isa == Isa::Avx512;
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        false
-    }
 }
 
 /// y[.., columns of panels p0..p1] (for AVX-512, p0 and p1 even; p1 may be
