@@ -4,8 +4,8 @@
 
 use candle_core::{Device, Tensor};
 use kernels::cpu::{
-    HeadNorm, Rope, add_in_place, add_in_place_op, rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op,
-    silu_mul, silu_mul_into_op,
+    HeadNorm, Rope, add_in_place, add_in_place_op, add_rms_norm, add_rms_norm_op, rms_norm, rms_norm_into_op,
+    rope_in_place, rope_in_place_op, silu_mul, silu_mul_into_op,
 };
 use kernels::reference;
 use rand::rngs::StdRng;
@@ -166,6 +166,48 @@ fn rms_norm_matches_reference() {
     assert!(rms_norm(&[0.0; 6], &[], 1e-5, &mut out).is_err());
     assert!(rms_norm(&[0.0; 6], &[1.0; 4], 1e-5, &mut out).is_err());
     assert!(rms_norm(&[0.0; 6], &[1.0; 3], 1e-5, &mut out[..3]).is_err());
+}
+
+/// The residual add fused with the next norm: `hidden` ends as the sum,
+/// `out` as its norm, on sizes on both sides of the parallel threshold and
+/// widths that are not whole vectors.
+#[test]
+fn add_rms_norm_matches_add_then_reference_norm() {
+    let mut rng = StdRng::seed_from_u64(13);
+    for (rows, dim) in [(1, 1), (1, 7), (3, 64), (1, 2048), (17, 2048), (64, 1000), (5, 4099)] {
+        let hidden = random(&mut rng, rows * dim, 4.0);
+        let delta = random(&mut rng, rows * dim, 4.0);
+        let w = random(&mut rng, dim, 2.0);
+        let sum: Vec<f32> = hidden.iter().zip(&delta).map(|(h, d)| h + d).collect();
+        let mut got_hidden = hidden.clone();
+        let mut out = vec![9f32; rows * dim];
+        add_rms_norm(&mut got_hidden, &delta, &w, 1e-5, &mut out).unwrap();
+        assert_eq!(got_hidden, sum, "{rows}x{dim}: the residual sum");
+        assert_close(&out, &reference::rms_norm(&sum, &w, 1e-5), 1e-5, &format!("{rows}x{dim}"));
+    }
+    let mut out = vec![0f32; 6];
+    assert!(add_rms_norm(&mut [0.0; 6], &[0.0; 6], &[], 1e-5, &mut out).is_err());
+    assert!(add_rms_norm(&mut [0.0; 6], &[0.0; 4], &[1.0; 3], 1e-5, &mut out).is_err());
+    assert!(add_rms_norm(&mut [0.0; 6], &[0.0; 6], &[1.0; 3], 1e-5, &mut out[..3]).is_err());
+
+    // Through the tensor binding, into a view of a reused buffer.
+    let dev = Device::Cpu;
+    let (rows, dim) = (5, 96);
+    let h_data = random(&mut rng, rows * dim, 3.0);
+    let d_data = random(&mut rng, rows * dim, 3.0);
+    let w = random(&mut rng, dim, 1.0);
+    let hidden = Tensor::from_vec(h_data.clone(), (rows, dim), &dev).unwrap();
+    let delta = Tensor::from_vec(d_data.clone(), (rows, dim), &dev).unwrap();
+    let buffer = Tensor::full(9f32, (rows + 2, dim), &dev).unwrap();
+    let view = buffer.narrow(0, 0, rows).unwrap();
+    add_rms_norm_op(&hidden, &delta, &w, 1e-6, &view).unwrap();
+    let sum: Vec<f32> = h_data.iter().zip(&d_data).map(|(h, d)| h + d).collect();
+    assert_eq!(hidden.flatten_all().unwrap().to_vec1::<f32>().unwrap(), sum);
+    let got: Vec<f32> = view.flatten_all().unwrap().to_vec1().unwrap();
+    assert_close(&got, &reference::rms_norm(&sum, &w, 1e-6), 1e-5, "add_rms_norm_op");
+    let rest: Vec<f32> = buffer.narrow(0, rows, 2).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(rest.iter().all(|&v| v == 9.0));
+    assert!(add_rms_norm_op(&hidden, &delta, &w, 1e-6, &buffer).is_err(), "shapes differ");
 }
 
 /// The `_into` bindings write into views of reused buffers (garbage in,

@@ -61,6 +61,19 @@ impl RmsNorm {
         Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
     }
 
+    /// `hidden += delta`, then normalises `hidden` into `out` (f32 CPU
+    /// buffers): one pass where the fused kernels run.
+    pub fn add_forward_into(&self, hidden: &Tensor, delta: &Tensor, out: &Tensor) -> Result<()> {
+        match &self.host {
+            Some(w) => kernels::cpu::add_rms_norm_op(hidden, delta, w, self.eps, out)?,
+            None => {
+                kernels::cpu::add_in_place_op(hidden, delta)?;
+                self.forward_into(hidden, out)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Normalises `x` into `out` (f32 CPU buffers).
     pub fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
         match &self.host {

@@ -85,14 +85,24 @@ impl DecoderLayer {
         Ok((&x + h)?)
     }
 
-    /// One layer of the CPU step, in place on `b.hidden`.
-    fn forward_cpu(&self, b: &Buffers, rope: &HostRope, kv: &LayerKvCache, meta: &AttentionMetadata) -> Result<()> {
-        self.input_layernorm.forward_into(&b.hidden, &b.normed)?;
+    /// One layer of the CPU step, in place on `b.hidden`, with `b.normed`
+    /// holding this layer's input norm of it; the residual add at the end
+    /// goes with the next layer's input norm (`next`) where there is one.
+    fn forward_cpu(
+        &self,
+        b: &Buffers,
+        rope: &HostRope,
+        kv: &LayerKvCache,
+        meta: &AttentionMetadata,
+        next: Option<&RmsNorm>,
+    ) -> Result<()> {
         self.self_attn.forward_cpu(b, rope, kv, meta)?;
-        kernels::cpu::add_in_place_op(&b.hidden, &b.proj)?;
-        self.post_attention_layernorm.forward_into(&b.hidden, &b.normed)?;
+        self.post_attention_layernorm.add_forward_into(&b.hidden, &b.proj, &b.normed)?;
         self.mlp.forward_cpu(b)?;
-        kernels::cpu::add_in_place_op(&b.hidden, &b.proj)?;
+        match next {
+            Some(norm) => norm.add_forward_into(&b.hidden, &b.proj, &b.normed)?,
+            None => kernels::cpu::add_in_place_op(&b.hidden, &b.proj)?,
+        }
         Ok(())
     }
 
@@ -343,8 +353,12 @@ impl CausalLm {
             }
             _ => return Err(self.wrong_input()),
         }
-        for (layer, kv) in self.layers.iter().zip(kv_caches) {
-            layer.forward_cpu(&b, rope, kv, meta)?;
+        if let Some(first) = self.layers.first() {
+            first.input_layernorm.forward_into(&b.hidden, &b.normed)?;
+        }
+        for (i, (layer, kv)) in self.layers.iter().zip(kv_caches).enumerate() {
+            let next = self.layers.get(i + 1).map(|l| &l.input_layernorm);
+            layer.forward_cpu(&b, rope, kv, meta, next)?;
         }
         self.stage_output(&b.hidden, logits_indices)
     }
