@@ -78,47 +78,66 @@ pub(crate) fn for_each_span(items: usize, clamp: (usize, usize), f: impl Fn(usiz
     }
 }
 
-/// Runs `f(i)` for every `i` in `0..items` on rayon's pool, for decode's
-/// GEMVs: each thread owns a contiguous share that it walks upwards, one
-/// linear stream of weights, and a thread whose share runs out takes items
-/// from the top of another's, so all end within one item of each other.
+/// Most of a share's items its owner claims at once: about 1 MiB of
+/// weights, tens of microseconds of one thread's stream (all that another
+/// thread cannot take over if the owner is preempted mid-claim).
+const CLAIM_BYTES: usize = 1 << 20;
+
+/// Runs `f` over `0..items` on rayon's pool, in ranges, for decode's GEMVs:
+/// each thread owns a contiguous share that it walks upwards, one linear
+/// stream of weights, and a thread whose share runs out takes items one at
+/// a time from the top of another's, so that all end together but for the
+/// owner's last claim. `item_bytes` (the weights an item reads) caps the
+/// claims.
 ///
 /// Spans handed out by rayon's splitting (`for_each_span`) break a thread's
 /// stream wherever a steal lands and leave up to a span's time of one core
 /// idle at the end of every call, and decode makes ~90 calls a token.
-pub(crate) fn for_each_owned(items: usize, f: impl Fn(usize) + Sync) {
+///
+/// The owner claims half of what is left of its share, up to
+/// [`CLAIM_BYTES`], with one compare-exchange: a few claims a share plus
+/// one per MiB. A claim per item (a 34 KB Q8_0 panel) cost about a loaded
+/// memory latency each in the Zen 4 VM's fast-bandwidth phases, 2-5% of a
+/// decode step (docs/perf-log.md, "Zen 4, fifth session").
+pub(crate) fn for_each_owned(items: usize, item_bytes: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     use std::sync::atomic::{AtomicU64, Ordering};
     /// A thread's share, `lo << 32 | hi`, on a line of its own: the owner
-    /// claims at every item, and sharing a line would slow every claim.
+    /// claims from it, and sharing a line would slow every claim.
     #[repr(align(128))]
     struct Share(AtomicU64);
     let threads = rayon::current_num_threads().clamp(1, items.max(1));
     let items = items.min(u32::MAX as usize) as u64;
+    let max_claim = (CLAIM_BYTES / item_bytes.max(1)).max(1) as u64;
     let pack = |lo: u64, hi: u64| (lo << 32) | hi;
     let bound = |t: u64| t * items / threads as u64;
     let shares: Vec<Share> = (0..threads as u64).map(|t| Share(AtomicU64::new(pack(bound(t), bound(t + 1))))).collect();
-    // The owner takes from the bottom of its share, others from the top.
-    let take = |share: &Share, from_top: bool| -> Option<usize> {
+    // The owner takes from the bottom of its share, others one item from the top.
+    let take = |share: &Share, from_top: bool| -> Option<std::ops::Range<usize>> {
         let mut cur = share.0.load(Ordering::Relaxed);
         loop {
             let (lo, hi) = (cur >> 32, cur & u64::from(u32::MAX));
             if lo >= hi {
                 return None;
             }
-            let (next, item) = if from_top { (pack(lo, hi - 1), hi - 1) } else { (pack(lo + 1, hi), lo) };
+            let (next, claimed) = if from_top {
+                (pack(lo, hi - 1), hi - 1..hi)
+            } else {
+                let n = ((hi - lo) / 2).clamp(1, max_claim);
+                (pack(lo + n, hi), lo..lo + n)
+            };
             match share.0.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return Some(item as usize),
+                Ok(_) => return Some(claimed.start as usize..claimed.end as usize),
                 Err(now) => cur = now,
             }
         }
     };
     let run = |t: usize| {
-        while let Some(i) = take(&shares[t], false) {
-            f(i);
+        while let Some(range) = take(&shares[t], false) {
+            f(range);
         }
         for other in (1..threads).map(|d| &shares[(t + d) % threads]) {
-            while let Some(i) = take(other, true) {
-                f(i);
+            while let Some(range) = take(other, true) {
+                f(range);
             }
         }
     };
@@ -210,17 +229,26 @@ mod tests {
         for threads in [1, 2, 3, 5] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
             for items in [0, 1, 2, 3, 4, 7, 64, 1001] {
-                let seen: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
-                pool.install(|| {
-                    super::for_each_owned(items, |i| {
-                        // Uneven items, so that threads run out and take from others.
-                        if i % 7 == 0 {
-                            std::thread::sleep(std::time::Duration::from_micros(50));
-                        }
-                        seen[i].fetch_add(1, Ordering::Relaxed);
-                    })
-                });
-                assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "{threads} threads, {items} items");
+                for item_bytes in [0, 1 << 16, super::CLAIM_BYTES, 4 << 20] {
+                    let seen: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
+                    pool.install(|| {
+                        super::for_each_owned(items, item_bytes, |range| {
+                            assert!(
+                                range.len() <= (super::CLAIM_BYTES / item_bytes.max(1)).max(1),
+                                "claims are capped"
+                            );
+                            for i in range {
+                                // Uneven items, so that threads run out and take from others.
+                                if i % 7 == 0 {
+                                    std::thread::sleep(std::time::Duration::from_micros(50));
+                                }
+                                seen[i].fetch_add(1, Ordering::Relaxed);
+                            }
+                        })
+                    });
+                    let counts: Vec<u32> = seen.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+                    assert!(counts.iter().all(|&c| c == 1), "{threads} threads, {items} items of {item_bytes} B");
+                }
             }
         }
     }
@@ -239,8 +267,10 @@ mod tests {
                     let _awake = super::PoolAwake::new();
                     for items in [1, 5, 64] {
                         let seen: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
-                        super::for_each_owned(items, |i| {
-                            seen[i].fetch_add(1, Ordering::Relaxed);
+                        super::for_each_owned(items, 1 << 15, |range| {
+                            range.for_each(|i| {
+                                seen[i].fetch_add(1, Ordering::Relaxed);
+                            })
                         });
                         assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1));
                     }
@@ -267,7 +297,7 @@ mod tests {
                 let _awake = super::PoolAwake::new();
                 let sum: usize = (0..4096usize).into_par_iter().with_max_len(64).map(|i| i * i).sum();
                 assert_eq!(sum, (0..4096usize).map(|i| i * i).sum::<usize>());
-                super::for_each_owned(16, |_| std::hint::black_box(()));
+                super::for_each_owned(16, 1 << 15, |_| std::hint::black_box(()));
             }
         };
         pool.scope(|s| {

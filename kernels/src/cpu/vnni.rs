@@ -175,7 +175,8 @@ fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> 
         let xcorr: Vec<i32> = xq.iter().map(|b| 128 * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>()).collect();
         let ops = Operands { xq: &xq, xd: &xd, xcorr: &xcorr, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
         if rows == 1 {
-            for_each_owned(n.div_ceil(PANEL), |p| panels(vnni, &ops, p, p + 1));
+            let panel_bytes = kb * (size_of::<PanelBlock>() + size_of::<[f16; PANEL]>());
+            for_each_owned(n.div_ceil(PANEL), panel_bytes, |ps| panels(vnni, &ops, ps.start, ps.end));
         } else {
             // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
             for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
@@ -417,13 +418,16 @@ mod tests {
     }
 
     /// Odd row counts (padding rows), every tile height, one and several
-    /// row groups, a chunk boundary (257 rows): the kernel and the portable
-    /// loop against GGML-layout Q8_0, which quantizes activations the same.
+    /// row groups, a chunk boundary (257 rows), decode over many panels:
+    /// the kernel and the portable loop against GGML-layout Q8_0, which
+    /// quantizes activations the same.
     #[test]
     fn matches_the_row_major_q8_0_kernel() {
         let mut rng = StdRng::seed_from_u64(11);
         let shapes = [(1, 32, 1), (1, 64, 16), (1, 96, 37), (2, 64, 17), (3, 128, 31), (5, 32, 48), (7, 64, 15)];
         let more = [(11, 96, 33), (12, 64, 16), (13, 32, 20), (16, 160, 40), (25, 64, 18), (40, 96, 50), (257, 64, 17)];
+        // Decode over 19 panels: a thread claims several at once.
+        let more = more.into_iter().chain([(1, 64, 300)]);
         for (m, k, n) in shapes.into_iter().chain(more) {
             let x = random(&mut rng, m * k);
             let blocks = quantize_matrix_q8_0(&random(&mut rng, n * k), n, k).expect("k is a multiple of 32");

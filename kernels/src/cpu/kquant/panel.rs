@@ -389,7 +389,7 @@ fn matmul_any<B: KPanel>(
             PanelBackend::Scalar => scalar_panels(&ops, p0, p1),
         };
         if rows == 1 {
-            for_each_owned(n.div_ceil(PANEL), |p| run(p, p + 1));
+            for_each_owned(n.div_ceil(PANEL), kb * size_of::<B::Panel>(), |ps| run(ps.start, ps.end));
         } else {
             for_each_span(n.div_ceil(PANEL), (1, 4), run);
         }
@@ -460,7 +460,8 @@ mod tests {
     fn panels_match_reference<B: KPanel + PartialEq>(make: fn(&mut StdRng) -> B) {
         let mut rng = StdRng::seed_from_u64(7);
         let shapes = [(1, 1, 1), (1, 37, 3), (1, 16, 2), (2, 17, 2), (3, 48, 1), (4, 33, 2), (5, 100, 1)];
-        let more = [(7, 15, 4), (9, 20, 2), (13, 40, 1), (130, 18, 1), (1, 70, 8)];
+        // The last: decode across enough panels that a thread claims several at once.
+        let more = [(7, 15, 4), (9, 20, 2), (13, 40, 1), (130, 18, 1), (1, 70, 8), (1, 300, 1)];
         for (m, n, kb) in shapes.into_iter().chain(more) {
             let k = kb * QK_K;
             let w: Vec<B> = (0..n * kb).map(|_| make(&mut rng)).collect();

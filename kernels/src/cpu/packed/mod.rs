@@ -217,7 +217,7 @@ fn matmul_with<W: WeightElem>(
     if m * n * k < SERIAL_MACS {
         run(0, units);
     } else if m == 1 {
-        for_each_owned(units, |u| run(u, u + 1));
+        for_each_owned(units, unit * k * PANEL * size_of::<W>(), |us| run(us.start, us.end));
     } else {
         // 64 output rows a task: the AVX-512 tiles take 4 panels at once.
         for_each_span(units, if unit == 2 { (2, 2) } else { (1, 4) }, run);
@@ -351,6 +351,8 @@ mod tests {
             (300, 19, 35),
             (9, 64, 200),
             (70, 130, 150),
+            // Decode across enough panels that a thread claims several at once.
+            (1, 160, 520),
         ];
         for (i, &(m, k, n)) in shapes.iter().enumerate() {
             let x = random_vec(&mut rng, m * k);
