@@ -97,7 +97,7 @@ const CLAIM_BYTES: usize = 1 << 20;
 /// The owner claims half of what is left of its share, up to
 /// [`CLAIM_BYTES`], with one compare-exchange: a few claims a share plus
 /// one per MiB. A claim per item (a 34 KB Q8_0 panel) cost about a loaded
-/// memory latency each in the Zen 4 VM's fast-bandwidth phases, 2-5% of a
+/// memory latency each in the Zen 4 VM's fast-bandwidth phases, 3-7% of a
 /// decode step (docs/perf-log.md, "Zen 4, fifth session").
 pub(crate) fn for_each_owned(items: usize, item_bytes: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     use std::sync::atomic::{AtomicU64, Ordering};
