@@ -175,8 +175,8 @@ fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> 
         let xcorr: Vec<i32> = xq.iter().map(|b| 128 * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>()).collect();
         let ops = Operands { xq: &xq, xd: &xd, xcorr: &xcorr, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
         if rows == 1 {
-            let panel_bytes = kb * (size_of::<PanelBlock>() + size_of::<[f16; PANEL]>());
-            for_each_owned(n.div_ceil(PANEL), panel_bytes, |ps| panels(vnni, &ops, ps.start, ps.end));
+            let count = n.div_ceil(PANEL);
+            for_each_owned(count, w.size_in_bytes() / count, |ps| panels(vnni, &ops, ps.start, ps.end));
         } else {
             // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
             for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));

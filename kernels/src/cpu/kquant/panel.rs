@@ -389,7 +389,8 @@ fn matmul_any<B: KPanel>(
             PanelBackend::Scalar => scalar_panels(&ops, p0, p1),
         };
         if rows == 1 {
-            for_each_owned(n.div_ceil(PANEL), kb * size_of::<B::Panel>(), |ps| run(ps.start, ps.end));
+            let count = n.div_ceil(PANEL);
+            for_each_owned(count, w.size_in_bytes() / count, |ps| run(ps.start, ps.end));
         } else {
             for_each_span(n.div_ceil(PANEL), (1, 4), run);
         }

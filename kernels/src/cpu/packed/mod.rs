@@ -217,7 +217,7 @@ fn matmul_with<W: WeightElem>(
     if m * n * k < SERIAL_MACS {
         run(0, units);
     } else if m == 1 {
-        for_each_owned(units, unit * k * PANEL * size_of::<W>(), |us| run(us.start, us.end));
+        for_each_owned(units, w.size_in_bytes() / units, |us| run(us.start, us.end));
     } else {
         // 64 output rows a task: the AVX-512 tiles take 4 panels at once.
         for_each_span(units, if unit == 2 { (2, 2) } else { (1, 4) }, run);
