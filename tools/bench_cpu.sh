@@ -31,7 +31,7 @@ cp ../shared/models/tiny-qwen3/tokenizer.json ../shared/models/tiny-qwen3/tokeni
 export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
-bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|paired|  )"; }
+bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|paired|cross-core|  )"; }
 # f16 and Q8_0, and Q4_K_M where GGUF_DIR holds it (`export-gguf --type
 # q4_k_m` takes minutes, so it is not written here).
 types() { echo f16 q8_0; [ ! -f "$GGUF/tinyllama-1.1b-random-q4_k_m.gguf" ] || echo q4_k_m; }
@@ -85,7 +85,7 @@ server() {
 decode() {
   for t in $(types); do
     local f="$GGUF/tinyllama-1.1b-random-$t.gguf"
-    echo "== ours $t: batch-1 decode"; bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth|paired)"
+    echo "== ours $t: batch-1 decode"; bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth|paired|cross-core)"
     if [ -n "$LLAMA" ]; then
       echo "== llama.cpp $t: tg64"; "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -p 0 -n 64 -r 3 2>/dev/null | grep -E "tg64"
     fi

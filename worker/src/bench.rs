@@ -114,24 +114,53 @@ pub struct BenchReport {
 /// step ran in, in either direction.
 #[derive(Clone, Debug, Default)]
 pub struct PairedShares {
-    /// Per pure decode step: the step's weight bytes per second over the
-    /// better of its two passes, and that pass in GB/s.
-    pub steps: Vec<(f64, f64)>,
+    pub steps: Vec<PairedStep>,
+}
+
+/// One pure decode step of [`PairedShares`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PairedStep {
+    /// The step's weight bytes per second over the better of its passes.
+    pub share: f64,
+    /// That pass, in GB/s.
+    pub pass_gb_s: f64,
+    /// A cache line's round trip between two of the pool's threads, taken
+    /// right after the step (where the vCPUs sat; `None` with one thread).
+    pub round_trip_ns: Option<f64>,
 }
 
 /// What one paired pass reads: several times the last-level cache, and
 /// short (a few ms) next to a step.
 const PAIRED_PROBE_BYTES: usize = 512 << 20;
 
+/// Round trips per step: tens of microseconds.
+const PAIRED_ROUND_TRIPS: usize = 200;
+
 impl PairedShares {
     /// The median share among steps whose pass reached at least `floor` of
     /// the best pass, and how many such steps there were.
     pub fn median_share_above(&self, floor: f64) -> (f64, usize) {
-        let best = self.steps.iter().map(|s| s.1).fold(0.0, f64::max);
-        let mut shares: Vec<f64> = self.steps.iter().filter(|s| s.1 >= floor * best).map(|s| s.0).collect();
-        shares.sort_by(f64::total_cmp);
-        (shares.get(shares.len() / 2).copied().unwrap_or(0.0), shares.len())
+        let shares: Vec<f64> = self.steps_above(floor, true).map(|s| s.share).collect();
+        (median(shares), self.steps_above(floor, true).count())
     }
+
+    /// The median round trip among the steps whose pass reached `floor` of
+    /// the best (`above`) or did not, where it was measured.
+    pub fn median_round_trip_ns(&self, floor: f64, above: bool) -> Option<f64> {
+        let trips: Vec<f64> = self.steps_above(floor, above).filter_map(|s| s.round_trip_ns).collect();
+        (!trips.is_empty()).then(|| median(trips))
+    }
+
+    fn steps_above(&self, floor: f64, above: bool) -> impl Iterator<Item = &PairedStep> {
+        let best = self.steps.iter().map(|s| s.pass_gb_s).fold(0.0, f64::max);
+        self.steps.iter().filter(move |s| (s.pass_gb_s >= floor * best) == above)
+    }
+}
+
+/// The upper median (0 for none).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Batch-1 decode reads every weight once per token, so the machine's read
@@ -226,7 +255,8 @@ impl std::fmt::Display for BenchReport {
             )?;
         }
         if let Some(p) = self.paired.as_ref().filter(|p| !p.steps.is_empty()) {
-            let (lo, hi) = p.steps.iter().fold((f64::MAX, 0f64), |(lo, hi), s| (lo.min(s.1), hi.max(s.1)));
+            let (lo, hi) =
+                p.steps.iter().fold((f64::MAX, 0f64), |(lo, hi), s| (lo.min(s.pass_gb_s), hi.max(s.pass_gb_s)));
             let (all, n) = p.median_share_above(0.0);
             let (fast, nf) = p.median_share_above(0.8);
             write!(
@@ -237,6 +267,13 @@ impl std::fmt::Display for BenchReport {
                 PAIRED_PROBE_BYTES >> 20,
                 all * 100.0,
                 fast * 100.0
+            )?;
+            let trip = |above| p.median_round_trip_ns(0.8, above).map_or("-".to_string(), |ns| format!("{ns:.0} ns"));
+            write!(
+                f,
+                "\ncross-core round trip (median, right after each step): {} over those steps, {} over the others",
+                trip(true),
+                trip(false)
             )?;
         }
         if let Some(p) = &self.profile {
@@ -365,10 +402,15 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
         let secs = t0.elapsed().as_secs_f64();
         let info = engine.last_step();
         let decode = info.scheduled.len() == 1 && info.num_batched_tokens == 1;
+        let round_trip_ns = kernels::cpu::bandwidth::cross_core_round_trip_ns(PAIRED_ROUND_TRIPS);
         let pass_after = probe.pass(ReadProbe::Wide);
         if decode {
             let pass = pass_before.max(pass_after);
-            paired.steps.push((weight_bytes as f64 / secs / 1e9 / pass, pass));
+            paired.steps.push(PairedStep {
+                share: weight_bytes as f64 / secs / 1e9 / pass,
+                pass_gb_s: pass,
+                round_trip_ns,
+            });
         }
         pass_before = pass_after;
     }
@@ -413,14 +455,26 @@ fn splitmix(state: &mut u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::PairedShares;
+    use super::{PairedShares, PairedStep};
 
     #[test]
     fn paired_shares_pick_the_steps_of_fast_passes() {
-        let p = PairedShares { steps: vec![(0.95, 30.0), (0.80, 60.0), (0.90, 58.0), (0.70, 50.0)] };
+        let step = |share, pass_gb_s, round_trip_ns| PairedStep { share, pass_gb_s, round_trip_ns };
+        let p = PairedShares {
+            steps: vec![
+                step(0.95, 30.0, Some(100.0)),
+                step(0.80, 60.0, Some(400.0)),
+                step(0.90, 58.0, None),
+                step(0.70, 50.0, Some(420.0)),
+            ],
+        };
         assert_eq!(p.median_share_above(0.0), (0.90, 4));
         // 80% of the best pass (60) is 48: the last three steps.
         assert_eq!(p.median_share_above(0.8), (0.80, 3));
         assert_eq!(PairedShares::default().median_share_above(0.8), (0.0, 0));
+        // Round trips where measured, on either side of the floor.
+        assert_eq!(p.median_round_trip_ns(0.8, true), Some(420.0));
+        assert_eq!(p.median_round_trip_ns(0.8, false), Some(100.0));
+        assert_eq!(PairedShares::default().median_round_trip_ns(0.8, true), None);
     }
 }

@@ -95,6 +95,73 @@ impl ProbeBuffer {
     }
 }
 
+/// How long a cache line takes to go from one of the pool's threads to
+/// another and back, in ns: the median over `trips` round trips of two
+/// lines (one written by each side), or `None` where the pool has one
+/// thread or no other thread picked up its side within 10 ms.
+///
+/// It tells where a VM's vCPUs sit, which the bandwidth alone does not: on
+/// the 2-vCPU Zen 4 VM of docs/perf-log.md, ~45 ns is two threads of one
+/// core (~23 GB/s read), ~100 ns two cores that share an L3 (~30 GB/s),
+/// and ~400 ns two core complexes, each with its own link to memory (55-72
+/// GB/s, the "fast phases"), where every line that one thread hands to the
+/// other (a matmul's input, half its output, a latch) costs that much.
+pub fn cross_core_round_trip_ns(trips: usize) -> Option<f64> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+    /// Each side writes its own line and reads the other's.
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    const DONE: u64 = u64::MAX;
+    if rayon::current_num_threads() < 2 || trips == 0 {
+        return None;
+    }
+    let (ping, pong) = (Line(AtomicU64::new(0)), Line(AtomicU64::new(0)));
+    let (started, gave_up) = (AtomicBool::new(false), AtomicBool::new(false));
+    let pinger = || {
+        let wait = Instant::now();
+        while !started.load(Ordering::Acquire) {
+            if wait.elapsed() > Duration::from_millis(10) {
+                gave_up.store(true, Ordering::Release);
+                // The other side may have started just now: let it go.
+                ping.0.store(DONE, Ordering::Release);
+                return None;
+            }
+            std::hint::spin_loop();
+        }
+        let mut times: Vec<u64> = Vec::with_capacity(trips);
+        for trip in 1..=trips as u64 {
+            let t = Instant::now();
+            ping.0.store(trip, Ordering::Release);
+            while pong.0.load(Ordering::Acquire) != trip {
+                std::hint::spin_loop();
+            }
+            times.push(t.elapsed().as_nanos() as u64);
+        }
+        ping.0.store(DONE, Ordering::Release);
+        times.sort_unstable();
+        Some(times[times.len() / 2] as f64)
+    };
+    // Run by another thread of the pool, or by this one once the pinger
+    // has given up (then it returns at once).
+    let ponger = || {
+        started.store(true, Ordering::Release);
+        let mut last = 0;
+        loop {
+            let trip = ping.0.load(Ordering::Acquire);
+            if trip == DONE || gave_up.load(Ordering::Acquire) {
+                return;
+            }
+            if trip != last {
+                pong.0.store(trip, Ordering::Release);
+                last = trip;
+            }
+            std::hint::spin_loop();
+        }
+    };
+    rayon::join(pinger, ponger).0
+}
+
 fn reader(probe: ReadProbe) -> fn(&[u64]) -> u64 {
     match probe {
         ReadProbe::Wide => wide_reader(),
@@ -240,6 +307,24 @@ mod tests {
             let want = plain_fold(&words);
             assert_eq!(sum_four_chains(&words), want, "len {len}");
             assert_eq!(wide_reader()(&words), want, "len {len}");
+        }
+    }
+
+    #[test]
+    fn a_round_trip_needs_two_threads() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            // From outside the pool and from one of its threads.
+            let outside = pool.install(|| super::cross_core_round_trip_ns(200));
+            let inside = pool.install(|| rayon::join(|| super::cross_core_round_trip_ns(50), || ()).0);
+            for ns in [outside, inside] {
+                match threads {
+                    1 => assert_eq!(ns, None),
+                    // A loaded CI host may leave the other side unscheduled
+                    // for 10 ms: then None, never a hang or a bogus time.
+                    _ => assert!(ns.is_none_or(|ns| ns > 0.0 && ns < 1e7), "{ns:?}"),
+                }
+            }
         }
     }
 
