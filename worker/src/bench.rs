@@ -141,7 +141,8 @@ impl PairedShares {
     /// the best pass, and how many such steps there were.
     pub fn median_share_above(&self, floor: f64) -> (f64, usize) {
         let shares: Vec<f64> = self.steps_above(floor, true).map(|s| s.share).collect();
-        (median(shares), self.steps_above(floor, true).count())
+        let count = shares.len();
+        (median(shares), count)
     }
 
     /// The median round trip among the steps whose pass reached `floor` of
@@ -402,7 +403,8 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
         let secs = t0.elapsed().as_secs_f64();
         let info = engine.last_step();
         let decode = info.scheduled.len() == 1 && info.num_batched_tokens == 1;
-        let round_trip_ns = kernels::cpu::bandwidth::cross_core_round_trip_ns(PAIRED_ROUND_TRIPS);
+        let round_trip_ns =
+            decode.then(|| kernels::cpu::bandwidth::cross_core_round_trip_ns(PAIRED_ROUND_TRIPS)).flatten();
         let pass_after = probe.pass(ReadProbe::Wide);
         if decode {
             let pass = pass_before.max(pass_after);
