@@ -44,12 +44,24 @@ pub(crate) use parallel::{OutPtr, for_each_owned, for_each_span};
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_within(at: *const u8, len: usize, end: *const u8) {
-    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(at, len, end);
+}
+
+/// [`prefetch_within`] into L2 and the levels below, not L1 (`prefetcht1`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_into_l2_within(at: *const u8, len: usize, end: *const u8) {
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(at, len, end);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const HINT: i32>(at: *const u8, len: usize, end: *const u8) {
     let len = len.min((end as usize).saturating_sub(at as usize));
     let mut o = 0;
     while o < len {
         // SAFETY: SSE is baseline on x86-64; a prefetch does not access memory.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(o).cast()) };
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(at.wrapping_add(o).cast()) };
         o += 64;
     }
 }

@@ -146,6 +146,32 @@ impl PagedAttention<'_> {
         let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
         let n = item.rows * group; // pairs, lane r = i * group + j
         let nl = n.next_multiple_of(8);
+        let last_pos = item.pos0 + item.rows - 1;
+        let table = &self.meta.block_tables[item.seq];
+        let rl = C::row_len(hd);
+        let row_stride = d.num_kv_heads * rl;
+        let last_block = last_pos / bs;
+        let first_block = self.window_start(item.pos0) / bs;
+        // The pool's blocks lie anywhere and a block's rows for one kv head
+        // are `row_stride` apart, which the hardware prefetchers do not
+        // follow: the first block's rows are asked for before the queries
+        // are read, and each next block's while this one computes. Into L2,
+        // not L1: K and V rows of one head of a block (256 B at a 1 KiB
+        // stride for TinyLlama) fall into 16 of L1's 64 sets, and the next
+        // block's rows asked into L1 evicted the block being read (Zen 4,
+        // docs/kernel-notes.md).
+        let prefetch_block = |b: usize| {
+            let Some(&block) = table.get(b).filter(|_| b <= last_block) else { return };
+            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
+            for cache in [k, v] {
+                let end = cache.as_ptr_range().end.cast::<u8>();
+                for t in 0..bs {
+                    let row = cache.as_ptr().wrapping_add(base + t * row_stride).cast::<u8>();
+                    super::prefetch_into_l2_within(row, rl * size_of::<C>(), end);
+                }
+            }
+        };
+        prefetch_block(first_block);
         let Scratch { qf, acc, max, sum, kb, vb, scores, corr } = s;
         // The queries transposed, [head_dim, nl], pre-scaled; padding lanes 0.
         refill(qf, hd * nl, 0.0);
@@ -165,29 +191,12 @@ impl PagedAttention<'_> {
         refill(scores, bs * nl, 0.0);
         reserve_len(kb, bs * hd);
         reserve_len(vb, bs * hd);
-        let last_pos = item.pos0 + item.rows - 1;
-        let table = &self.meta.block_tables[item.seq];
         let visible = |r: usize, start: usize, len: usize| self.visible_keys(item.pos0 + r / group, start, len);
-        let rl = C::row_len(hd);
-        let row_stride = d.num_kv_heads * rl;
-        let last_block = last_pos / bs;
-        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(self.window_start(item.pos0) / bs) {
+        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(first_block) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
-            // The pool's blocks lie anywhere and a block's rows for one kv
-            // head are `row_stride` apart, which the hardware prefetchers do
-            // not follow: ask for the next block's rows while this one computes.
-            if let Some(&next) = table.get(b + 1).filter(|_| b < last_block) {
-                let next_base = (next as usize * bs * d.num_kv_heads + item.kv_head) * rl;
-                for cache in [k, v] {
-                    let end = cache.as_ptr_range().end.cast::<u8>();
-                    for t in 0..bs {
-                        let row = cache.as_ptr().wrapping_add(next_base + t * row_stride).cast::<u8>();
-                        super::prefetch_within(row, rl * size_of::<C>(), end);
-                    }
-                }
-            }
+            prefetch_block(b + 1);
             let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
             // SAFETY: AVX2 and FMA per the caller (here and in the two calls
             // below); qf is [hd, nl], rows 0..len of kr lie inside it
