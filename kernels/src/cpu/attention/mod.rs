@@ -156,10 +156,11 @@ impl PagedAttention<'_> {
         // are `row_stride` apart, which the hardware prefetchers do not
         // follow: the first block's rows are asked for before the queries
         // are read, and each next block's while this one computes. Into L2,
-        // not L1: K and V rows of one head of a block (256 B at a 1 KiB
-        // stride for TinyLlama) fall into 16 of L1's 64 sets, and the next
-        // block's rows asked into L1 evicted the block being read (Zen 4,
-        // docs/kernel-notes.md).
+        // not L1: in the worker that made decode attention 7-20% faster
+        // (Zen 4). K and V rows of one head of a block (256 B at a 1 KiB
+        // stride for TinyLlama) fall into 16 of L1's 64 sets, where the next
+        // block's rows can evict the block being read; a harness of the
+        // kernel alone had L1 ahead, so see docs/kernel-notes.md.
         let prefetch_block = |b: usize| {
             let Some(&block) = table.get(b).filter(|_| b <= last_block) else { return };
             let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
