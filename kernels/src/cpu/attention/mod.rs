@@ -92,6 +92,12 @@ impl PagedAttention<'_> {
         (self.window_start(q_pos).saturating_sub(start), len.min((q_pos + 1).saturating_sub(start)))
     }
 
+    /// Where kv head `kv_head`'s first row of pool block `block` starts,
+    /// in elements of a cache whose rows are `rl` long.
+    fn head_rows_start(&self, block: u32, kv_head: usize, rl: usize) -> usize {
+        (block as usize * self.dims.block_size * self.dims.num_kv_heads + kv_head) * rl
+    }
+
     fn items(&self) -> Vec<Item> {
         let mut items = Vec::new();
         for s in 0..self.meta.num_seqs() {
@@ -163,7 +169,7 @@ impl PagedAttention<'_> {
         // kernel alone had L1 ahead, so see docs/kernel-notes.md.
         let prefetch_block = |b: usize| {
             let Some(&block) = table.get(b).filter(|_| b <= last_block) else { return };
-            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
+            let base = self.head_rows_start(block, item.kv_head, rl);
             for cache in [k, v] {
                 let end = cache.as_ptr_range().end.cast::<u8>();
                 for t in 0..bs {
@@ -196,7 +202,7 @@ impl PagedAttention<'_> {
         for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(first_block) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
-            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
+            let base = self.head_rows_start(block, item.kv_head, rl);
             prefetch_block(b + 1);
             let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
             // SAFETY: AVX2 and FMA per the caller (here and in the two calls
@@ -266,7 +272,7 @@ impl PagedAttention<'_> {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let rl = C::row_len(hd);
-            let base = (block as usize * bs * d.num_kv_heads + item.kv_head) * rl;
+            let base = self.head_rows_start(block, item.kv_head, rl);
             let (kr, vr, stride) = block_rows((k, v), base, d.num_kv_heads * rl, hd, len, (kb, vb));
             for r in 0..n {
                 let (t0, t1) = self.visible_keys(item.pos0 + r / group, start, len);
