@@ -20,6 +20,11 @@ pub struct CpuFeatures {
     pub neon: bool,
     /// An AMD CPU ("AuthenticAMD"): decides [`StreamPrefetch`].
     pub amd: bool,
+    /// `clflushopt` and `prefetchw`: hand a buffer that two core complexes
+    /// share back to memory, and ask for it writable
+    /// ([`super::placement`]).
+    pub clflushopt: bool,
+    pub prefetchw: bool,
 }
 
 impl CpuFeatures {
@@ -38,6 +43,15 @@ impl CpuFeatures {
             #[allow(unused_unsafe)]
             let id = unsafe { std::arch::x86_64::__cpuid(0) };
             f.amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
+            // SAFETY: leaf 7 exists where leaf 0 says so; leaf 0x8000_0001
+            // where leaf 0x8000_0000 says so (both checked first).
+            #[allow(unused_unsafe)]
+            unsafe {
+                use std::arch::x86_64::__cpuid_count;
+                f.clflushopt = id.eax >= 7 && __cpuid_count(7, 0).ebx & (1 << 23) != 0;
+                let ext = __cpuid_count(0x8000_0000, 0).eax;
+                f.prefetchw = ext >= 0x8000_0001 && __cpuid_count(0x8000_0001, 0).ecx & (1 << 8) != 0;
+            }
         }
         #[cfg(target_arch = "aarch64")]
         {
@@ -269,6 +283,8 @@ mod tests {
             avx512vnni: true,
             neon: false,
             amd: false,
+            clflushopt: true,
+            prefetchw: true,
         };
         let best = Choice::new(all, "");
         assert_eq!((best.simd, best.packed, best.vnni), (Simd::Avx2, Isa::Avx512, true));

@@ -17,6 +17,7 @@ mod load_avx2;
 pub mod matmul;
 pub mod packed;
 mod parallel;
+pub mod placement;
 pub mod quant;
 pub mod vnni;
 mod weight_buf;

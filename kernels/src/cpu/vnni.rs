@@ -34,8 +34,8 @@
 
 use half::f16;
 
-use super::quant::{BlockQ8_0, QK, QuantError, check_xy, quantize_activations_q8_0};
-use super::{OutPtr, WeightBuf, for_each_owned, for_each_span};
+use super::quant::{BlockQ8_0, QK, QuantError, check_xy, quantize_activations_q8_0, quantize_activations_q8_0_into};
+use super::{OutPtr, WeightBuf, for_each_owned, for_each_span, placement};
 
 /// Output rows per panel: the 16 i32 lanes of a vector.
 pub const PANEL: usize = 16;
@@ -160,6 +160,11 @@ struct Operands<'a> {
 }
 
 fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    matmul_placed(vnni, placement::threads_far_apart(), x, m, w, y)
+}
+
+/// [`matmul_with`] as if the pool's threads were `far` apart or not.
+fn matmul_placed(vnni: bool, far: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
     if !check_xy(x, m, kb, y, n)? {
         return Ok(());
@@ -169,20 +174,75 @@ fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> 
         y.fill(0.0);
         return Ok(());
     }
+    if m == 1 {
+        decode(vnni, far, x, w, y);
+        return Ok(());
+    }
     for (xc, yc) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
         let rows = xc.len() / k;
         let (xq, xd) = quantize_activations_q8_0(xc, rows * kb);
-        let xcorr: Vec<i32> = xq.iter().map(|b| 128 * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>()).collect();
+        let xcorr: Vec<i32> = xq.iter().map(correction).collect();
         let ops = Operands { xq: &xq, xd: &xd, xcorr: &xcorr, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
-        if rows == 1 {
-            let count = n.div_ceil(PANEL);
-            for_each_owned(count, w.size_in_bytes() / count, |ps| panels(vnni, &ops, ps.start, ps.end));
-        } else {
-            // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
-            for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
-        }
+        // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
+        for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
     }
     Ok(())
+}
+
+/// `128 * sum(q)` of an activation block: what the weights' offset adds
+/// to its dot products.
+fn correction(block: &BlockQ8_0) -> i32 {
+    128 * block.qs.iter().map(|&q| i32::from(q)).sum::<i32>()
+}
+
+/// A decode call's quantized activations, kept by the calling thread from
+/// one call to the next (a step makes ~90 such calls): the same lines each
+/// time, which [`decode`] hands back to memory where the threads sit far
+/// apart. Fresh buffers cost as much there, an allocation and a zero fill
+/// of lines the other thread last read (docs/perf-log.md, "Zen 4, eighth
+/// session").
+#[derive(Default)]
+struct DecodeInput {
+    xq: Vec<BlockQ8_0>,
+    xd: Vec<f32>,
+    xcorr: Vec<i32>,
+}
+
+thread_local! {
+    static DECODE_INPUT: std::cell::RefCell<DecodeInput> = std::cell::RefCell::default();
+}
+
+/// `y = x @ W^T` for one x row, the panels split between the pool's
+/// threads by weight bytes. With the threads `far` apart, the activations
+/// are asked for writable before they are quantized and handed back to
+/// memory after the call, as both threads read them ([`placement`]).
+fn decode(vnni: bool, far: bool, x: &[f32], w: &VnniQ8_0, y: &mut [f32]) {
+    let (n, kb) = (w.n, w.kb);
+    // A nested call on this thread (none today) would find it empty and
+    // fill its own.
+    let mut input = DECODE_INPUT.take();
+    input.xq.resize(kb, BlockQ8_0 { d: f16::ZERO, qs: [0; QK] });
+    input.xd.resize(kb, 0.0);
+    input.xcorr.resize(kb, 0);
+    let DecodeInput { xq, xd, xcorr } = &mut input;
+    if far {
+        placement::prefetch_for_write(xq);
+        placement::prefetch_for_write(xd);
+        placement::prefetch_for_write(xcorr);
+    }
+    quantize_activations_q8_0_into(x, xq, xd);
+    for (c, b) in xcorr.iter_mut().zip(xq.iter()) {
+        *c = correction(b);
+    }
+    let ops = Operands { xq, xd, xcorr, w, m: 1, y: OutPtr(y.as_mut_ptr()) };
+    let count = n.div_ceil(PANEL);
+    for_each_owned(count, w.size_in_bytes() / count, |ps| panels(vnni, &ops, ps.start, ps.end));
+    if far {
+        placement::flush_lines(xq);
+        placement::flush_lines(xd);
+        placement::flush_lines(xcorr);
+    }
+    DECODE_INPUT.set(input);
 }
 
 /// y[.., columns of panels p0..p1].
@@ -446,6 +506,37 @@ mod tests {
     }
 
     type MatmulFn = fn(&[f32], usize, &VnniQ8_0, &mut [f32]) -> Result<(), QuantError>;
+
+    /// Decode keeps its quantized activations across calls and, with the
+    /// threads far apart, prefetches and flushes them: the same bits either
+    /// way, call after call, as k grows and shrinks between calls.
+    #[test]
+    fn decode_gives_the_same_bits_wherever_the_threads_sit() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for (k, n) in [(2048, 100), (64, 17), (5632, 40), (32, 300), (2048, 16)] {
+            let x = random(&mut rng, k);
+            let blocks = quantize_matrix_q8_0(&random(&mut rng, n * k), n, k).expect("k is a multiple of 32");
+            let packed = VnniQ8_0::pack(&blocks, n, k / QK).expect("consistent shape");
+            let mut want = vec![0f32; n];
+            matmul_q8_0_scalar(&x, 1, k, &blocks, n, &mut want).expect("consistent shapes");
+            for vnni in [vnni_available(), false] {
+                let mut near = vec![f32::NAN; n];
+                matmul_placed(vnni, false, &x, 1, &packed, &mut near).expect("consistent shapes");
+                for (j, (g, r)) in near.iter().zip(&want).enumerate() {
+                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "vnni={vnni} k={k} n={n} at {j}: {g} vs {r}");
+                }
+                for _ in 0..2 {
+                    let mut far = vec![f32::NAN; n];
+                    matmul_placed(vnni, true, &x, 1, &packed, &mut far).expect("consistent shapes");
+                    assert_eq!(
+                        far.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        near.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "vnni={vnni} k={k} n={n}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn extreme_codes_are_exact() {

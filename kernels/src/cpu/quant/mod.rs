@@ -494,6 +494,12 @@ pub(crate) fn quantize_activations_q8_0(x: &[f32], blocks: usize) -> (Vec<BlockQ
     quantized_activations(isa::simd(), x, blocks)
 }
 
+/// [`quantize_activations_q8_0`] into buffers the caller keeps
+/// (`x.len() == 32 * xq.len() == 32 * xd.len()`).
+pub(crate) fn quantize_activations_q8_0_into(x: &[f32], xq: &mut [BlockQ8_0], xd: &mut [f32]) {
+    quantize_activations(isa::simd(), x, xq, xd);
+}
+
 /// Quantizes activation rows (`x.len() == 32 * xq.len()`) to Q8_0 and
 /// widens each block's scale into `xd`. Every backend gives the blocks
 /// [`QuantBlock::quantize`] gives: the AVX2 path repeats its arithmetic
