@@ -164,12 +164,13 @@ const IDLE_EXIT: std::time::Duration = std::time::Duration::from_millis(2);
 /// spins, until the guard drops.
 ///
 /// Created on a pool thread (the engine's step loop runs on one); outside
-/// the pool, or with one thread, it does nothing. It also counts the step
-/// for [`super::placement::refresh`], which re-measures now and then where
-/// the pool's threads sit. A spinner also ends
+/// the pool, or with one thread, it does nothing. A spinner also ends
 /// after `IDLE_EXIT` without work, so that no thread is held for longer
 /// than that by a step that has stopped calling the pool (a thread that
 /// took another engine's spinner while waiting inside a job, say).
+///
+/// It also counts the step for [`super::placement::refresh`], which
+/// re-measures now and then where the pool's threads sit.
 pub struct PoolAwake {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -181,7 +182,7 @@ impl PoolAwake {
         let owner = rayon::current_thread_index();
         if owner.is_some() {
             // Before any spinner runs: the measurement needs another thread.
-            super::placement::refresh();
+            let _ = super::placement::refresh();
         }
         if owner.is_some() && awake_wanted() {
             for _ in 1..rayon::current_num_threads() {
