@@ -127,6 +127,10 @@ pub struct PairedStep {
     /// A cache line's round trip between two of the pool's threads, taken
     /// right after the step (where the vCPUs sat; `None` with one thread).
     pub round_trip_ns: Option<f64>,
+    /// Whether the kernels took the pool's threads to be on two core
+    /// complexes after the step ([`kernels::cpu::placement`], which checks
+    /// only every few dozen steps).
+    pub kernels_far: bool,
 }
 
 /// What one paired pass reads: several times the last-level cache, and
@@ -150,6 +154,13 @@ impl PairedShares {
     pub fn median_round_trip_ns(&self, floor: f64, above: bool) -> Option<f64> {
         let trips: Vec<f64> = self.steps_above(floor, above).filter_map(|s| s.round_trip_ns).collect();
         (!trips.is_empty()).then(|| median(trips))
+    }
+
+    /// How many of the steps whose pass reached `floor` of the best
+    /// (`above`) or did not the kernels ran as on two core complexes, and
+    /// how many steps that side has.
+    pub fn kernels_far_above(&self, floor: f64, above: bool) -> (usize, usize) {
+        self.steps_above(floor, above).fold((0, 0), |(far, n), s| (far + usize::from(s.kernels_far), n + 1))
     }
 
     fn steps_above(&self, floor: f64, above: bool) -> impl Iterator<Item = &PairedStep> {
@@ -275,6 +286,13 @@ impl std::fmt::Display for BenchReport {
                 "\ncross-core round trip (median, right after each step): {} over those steps, {} over the others",
                 trip(true),
                 trip(false)
+            )?;
+            let ((far, n), (far_rest, n_rest)) = (p.kernels_far_above(0.8, true), p.kernels_far_above(0.8, false));
+            write!(
+                f,
+                "\nkernels' placement (checked every {} steps; across core complexes, decode's Q8_0 matmuls flush \
+                 their input): two complexes after {far} of those {n} steps, {far_rest} of the other {n_rest}",
+                kernels::cpu::placement::REFRESH_STEPS
             )?;
         }
         if let Some(p) = &self.profile {
@@ -412,6 +430,7 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
                 share: weight_bytes as f64 / secs / 1e9 / pass,
                 pass_gb_s: pass,
                 round_trip_ns,
+                kernels_far: kernels::cpu::placement::threads_far_apart(),
             });
         }
         pass_before = pass_after;
@@ -461,7 +480,12 @@ mod tests {
 
     #[test]
     fn paired_shares_pick_the_steps_of_fast_passes() {
-        let step = |share, pass_gb_s, round_trip_ns| PairedStep { share, pass_gb_s, round_trip_ns };
+        let step = |share, pass_gb_s, round_trip_ns: Option<f64>| PairedStep {
+            share,
+            pass_gb_s,
+            round_trip_ns,
+            kernels_far: round_trip_ns.is_some_and(|ns| ns >= 300.0),
+        };
         let p = PairedShares {
             steps: vec![
                 step(0.95, 30.0, Some(100.0)),
@@ -478,5 +502,9 @@ mod tests {
         assert_eq!(p.median_round_trip_ns(0.8, true), Some(420.0));
         assert_eq!(p.median_round_trip_ns(0.8, false), Some(100.0));
         assert_eq!(PairedShares::default().median_round_trip_ns(0.8, true), None);
+        // The kernels' placement, counted on each side.
+        assert_eq!(p.kernels_far_above(0.8, true), (2, 3));
+        assert_eq!(p.kernels_far_above(0.8, false), (0, 1));
+        assert_eq!(PairedShares::default().kernels_far_above(0.8, true), (0, 0));
     }
 }

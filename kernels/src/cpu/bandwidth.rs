@@ -107,8 +107,14 @@ impl ProbeBuffer {
 /// GB/s, the "fast phases"), where every line that one thread hands to the
 /// other (a matmul's input, half its output, a latch) costs that much.
 pub fn cross_core_round_trip_ns(trips: usize) -> Option<f64> {
+    cross_core_round_trip_ns_within(trips, std::time::Duration::from_millis(10))
+}
+
+/// [`cross_core_round_trip_ns`], giving up when no other thread picks up
+/// its side within `pickup`.
+pub(crate) fn cross_core_round_trip_ns_within(trips: usize, pickup: std::time::Duration) -> Option<f64> {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
     /// Each side writes its own line and reads the other's.
     #[repr(align(128))]
     struct Line(AtomicU64);
@@ -121,7 +127,7 @@ pub fn cross_core_round_trip_ns(trips: usize) -> Option<f64> {
     let pinger = || {
         let wait = Instant::now();
         while !started.load(Ordering::Acquire) {
-            if wait.elapsed() > Duration::from_millis(10) {
+            if wait.elapsed() > pickup {
                 // Whenever the other side starts, it finds DONE and returns.
                 ping.0.store(DONE, Ordering::Release);
                 return None;

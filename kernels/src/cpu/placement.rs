@@ -17,9 +17,11 @@
 //! hit (1.2 points down). So the kernels ask [`threads_far_apart`] first.
 //!
 //! Each engine step's [`super::PoolAwake`] calls [`refresh`], which
-//! re-measures the round trip every [`REFRESH_STEPS`] steps (~20 us of
-//! 48 round trips). `TINYVLLM_PLACEMENT=near|far` fixes the answer instead,
-//! to compare the two.
+//! re-measures the round trip every [`REFRESH_STEPS`] steps (16 round
+//! trips, 2-8 us): the placement changes every few seconds on that VM, and
+//! checking every 64 steps left the kernels in the wrong mode for half of
+//! the steps. `TINYVLLM_PLACEMENT=near|far` fixes the answer instead, to
+//! compare the two.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -29,12 +31,18 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 /// and Apple's clusters hand lines over in well under it.
 pub const FAR_ROUND_TRIP_NS: f64 = 300.0;
 
-/// Engine steps between two measurements: placements last seconds to
-/// minutes, a step tens of milliseconds.
-pub const REFRESH_STEPS: u32 = 64;
+/// Engine steps between two measurements: placements last seconds, a step
+/// tens of milliseconds.
+pub const REFRESH_STEPS: u32 = 4;
 
-/// Round trips per measurement (their median decides).
-const TRIPS: usize = 48;
+/// Round trips per measurement (their median decides: the two groups lie
+/// 3x apart).
+const TRIPS: usize = 16;
+
+/// How long a measurement waits for another thread to take its side: a
+/// sleeping thread wakes in tens of microseconds; a busy one (another
+/// engine's step) is not waited for.
+const PICKUP: std::time::Duration = std::time::Duration::from_millis(1);
 
 static FAR: AtomicBool = AtomicBool::new(false);
 static STEPS: AtomicU32 = AtomicU32::new(0);
@@ -69,7 +77,7 @@ pub fn refresh() -> Option<f64> {
     if fixed().is_some() || !STEPS.fetch_add(1, Ordering::Relaxed).is_multiple_of(REFRESH_STEPS) {
         return None;
     }
-    let ns = super::bandwidth::cross_core_round_trip_ns(TRIPS)?;
+    let ns = super::bandwidth::cross_core_round_trip_ns_within(TRIPS, PICKUP)?;
     FAR.store(ns >= FAR_ROUND_TRIP_NS, Ordering::Relaxed);
     Some(ns)
 }
@@ -140,7 +148,7 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
         let started = std::time::Instant::now();
         let measured: Vec<f64> = pool.install(|| (0..REFRESH_STEPS).filter_map(|_| refresh()).collect());
-        assert!(started.elapsed() < std::time::Duration::from_secs(5), "one 48-trip measurement, not a hang");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "a few 16-trip measurements, not a hang");
         // None where the other thread did not pick up within 10 ms (a busy
         // machine) or other tests' pools took this period's turn.
         assert!(measured.iter().all(|ns| ns.is_finite() && *ns > 0.0), "{measured:?} ns");
