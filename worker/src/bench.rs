@@ -129,7 +129,7 @@ pub struct PairedStep {
     pub round_trip_ns: Option<f64>,
     /// Whether the kernels took the pool's threads to be on two core
     /// complexes after the step ([`kernels::cpu::placement`], which checks
-    /// only every few dozen steps).
+    /// every few steps).
     pub kernels_far: bool,
 }
 

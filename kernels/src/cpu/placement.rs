@@ -141,16 +141,16 @@ mod tests {
         assert_eq!(parse_fixed("auto"), None);
     }
 
-    /// A full refresh period on a two-thread pool measures at least once
-    /// and returns promptly, whatever the placement it finds.
+    /// A full refresh period on a two-thread pool returns promptly, and
+    /// what it measured is a round trip, whatever the placement.
     #[test]
     fn refreshing_on_a_pool_measures_and_returns() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
         let started = std::time::Instant::now();
         let measured: Vec<f64> = pool.install(|| (0..REFRESH_STEPS).filter_map(|_| refresh()).collect());
         assert!(started.elapsed() < std::time::Duration::from_secs(5), "a few 16-trip measurements, not a hang");
-        // None where the other thread did not pick up within 10 ms (a busy
-        // machine) or other tests' pools took this period's turn.
+        // Nothing where the other thread did not pick up within `PICKUP` (a
+        // busy machine) or other tests' pools took this period's turn.
         assert!(measured.iter().all(|ns| ns.is_finite() && *ns > 0.0), "{measured:?} ns");
     }
 

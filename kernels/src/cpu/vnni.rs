@@ -212,6 +212,33 @@ thread_local! {
     static DECODE_INPUT: std::cell::RefCell<DecodeInput> = std::cell::RefCell::default();
 }
 
+impl DecodeInput {
+    /// Quantizes `x` (`kb` blocks) into the buffers, asking for them
+    /// writable first where the threads sit `far` apart.
+    fn quantize(&mut self, x: &[f32], kb: usize, far: bool) {
+        self.xq.resize(kb, BlockQ8_0 { d: f16::ZERO, qs: [0; QK] });
+        self.xd.resize(kb, 0.0);
+        self.xcorr.resize(kb, 0);
+        if far {
+            placement::prefetch_for_write(&self.xq);
+            placement::prefetch_for_write(&self.xd);
+            placement::prefetch_for_write(&self.xcorr);
+        }
+        quantize_activations_q8_0_into(x, &mut self.xq, &mut self.xd);
+        for (c, b) in self.xcorr.iter_mut().zip(&self.xq) {
+            *c = correction(b);
+        }
+    }
+
+    /// Hands the buffers back to memory, so that the next call's writes do
+    /// not wait for the other core complex's copies.
+    fn flush(&self) {
+        placement::flush_lines(&self.xq);
+        placement::flush_lines(&self.xd);
+        placement::flush_lines(&self.xcorr);
+    }
+}
+
 /// `y = x @ W^T` for one x row, the panels split between the pool's
 /// threads by weight bytes. With the threads `far` apart, the activations
 /// are asked for writable before they are quantized and handed back to
@@ -221,26 +248,12 @@ fn decode(vnni: bool, far: bool, x: &[f32], w: &VnniQ8_0, y: &mut [f32]) {
     // A nested call on this thread (none today) would find it empty and
     // fill its own.
     let mut input = DECODE_INPUT.take();
-    input.xq.resize(kb, BlockQ8_0 { d: f16::ZERO, qs: [0; QK] });
-    input.xd.resize(kb, 0.0);
-    input.xcorr.resize(kb, 0);
-    let DecodeInput { xq, xd, xcorr } = &mut input;
-    if far {
-        placement::prefetch_for_write(xq);
-        placement::prefetch_for_write(xd);
-        placement::prefetch_for_write(xcorr);
-    }
-    quantize_activations_q8_0_into(x, xq, xd);
-    for (c, b) in xcorr.iter_mut().zip(xq.iter()) {
-        *c = correction(b);
-    }
-    let ops = Operands { xq, xd, xcorr, w, m: 1, y: OutPtr(y.as_mut_ptr()) };
+    input.quantize(x, kb, far);
+    let ops = Operands { xq: &input.xq, xd: &input.xd, xcorr: &input.xcorr, w, m: 1, y: OutPtr(y.as_mut_ptr()) };
     let count = n.div_ceil(PANEL);
     for_each_owned(count, w.size_in_bytes() / count, |ps| panels(vnni, &ops, ps.start, ps.end));
     if far {
-        placement::flush_lines(xq);
-        placement::flush_lines(xd);
-        placement::flush_lines(xcorr);
+        input.flush();
     }
     DECODE_INPUT.set(input);
 }
