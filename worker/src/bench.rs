@@ -112,9 +112,17 @@ pub struct BenchReport {
 /// lengths): a shared host's bandwidth moves with its neighbours within
 /// seconds, so a probe before and after the whole run can miss the phase a
 /// step ran in, in either direction.
+///
+/// Beside them, the probe itself in a step's place: after every other
+/// step, a read of the weights' bytes by the probe, timed and compared in
+/// the same way. Its share is the most this measure can show where the
+/// bandwidth moves between a step and the passes beside it (a step can
+/// only be compared with the better pass, and neither pass is the step).
 #[derive(Clone, Debug, Default)]
 pub struct PairedShares {
     pub steps: Vec<PairedStep>,
+    /// The probe's reads in a step's place (`round_trip_ns` unmeasured).
+    pub reads: Vec<PairedStep>,
 }
 
 /// One pure decode step of [`PairedShares`].
@@ -163,9 +171,22 @@ impl PairedShares {
         self.steps_above(floor, above).fold((0, 0), |(far, n), s| (far + usize::from(s.kernels_far), n + 1))
     }
 
+    /// [`Self::median_share_above`] for the probe's reads in a step's
+    /// place, with the floor taken from the steps' best pass.
+    pub fn median_read_share_above(&self, floor: f64) -> (f64, usize) {
+        let cut = floor * self.best_pass();
+        let shares: Vec<f64> = self.reads.iter().filter(|r| r.pass_gb_s >= cut).map(|r| r.share).collect();
+        let count = shares.len();
+        (median(shares), count)
+    }
+
+    fn best_pass(&self) -> f64 {
+        self.steps.iter().map(|s| s.pass_gb_s).fold(0.0, f64::max)
+    }
+
     fn steps_above(&self, floor: f64, above: bool) -> impl Iterator<Item = &PairedStep> {
-        let best = self.steps.iter().map(|s| s.pass_gb_s).fold(0.0, f64::max);
-        self.steps.iter().filter(move |s| (s.pass_gb_s >= floor * best) == above)
+        let cut = floor * self.best_pass();
+        self.steps.iter().filter(move |s| (s.pass_gb_s >= cut) == above)
     }
 }
 
@@ -279,6 +300,15 @@ impl std::fmt::Display for BenchReport {
                 PAIRED_PROBE_BYTES >> 20,
                 all * 100.0,
                 fast * 100.0
+            )?;
+            let ((read_all, nr), (read_fast, nrf)) = (p.median_read_share_above(0.0), p.median_read_share_above(0.8));
+            write!(
+                f,
+                "\nthe probe in a step's place (after every other step, the weights' bytes read and compared the \
+                 same way): median {:.1}% over {nr} reads, {:.1}% over the {nrf} whose pass reached 80% of the \
+                 steps' best: the most this measure shows here",
+                read_all * 100.0,
+                read_fast * 100.0
             )?;
             let trip = |above| p.median_round_trip_ns(0.8, above).map_or("-".to_string(), |ns| format!("{ns:.0} ns"));
             write!(
@@ -424,16 +454,27 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
         let round_trip_ns =
             decode.then(|| kernels::cpu::bandwidth::cross_core_round_trip_ns(PAIRED_ROUND_TRIPS)).flatten();
         let pass_after = probe.pass(ReadProbe::Wide);
-        if decode {
-            let pass = pass_before.max(pass_after);
-            paired.steps.push(PairedStep {
-                share: weight_bytes as f64 / secs / 1e9 / pass,
+        let pass = std::mem::replace(&mut pass_before, pass_after).max(pass_after);
+        if !decode {
+            continue;
+        }
+        paired.steps.push(PairedStep {
+            share: weight_bytes as f64 / secs / 1e9 / pass,
+            pass_gb_s: pass,
+            round_trip_ns,
+            kernels_far: kernels::cpu::placement::threads_far_apart(),
+        });
+        if paired.steps.len() % 2 == 0 {
+            let read = probe.read_gb_s(ReadProbe::Wide, weight_bytes);
+            let pass_after = probe.pass(ReadProbe::Wide);
+            let pass = std::mem::replace(&mut pass_before, pass_after).max(pass_after);
+            paired.reads.push(PairedStep {
+                share: read / pass,
                 pass_gb_s: pass,
-                round_trip_ns,
-                kernels_far: kernels::cpu::placement::threads_far_apart(),
+                round_trip_ns: None,
+                kernels_far: false,
             });
         }
-        pass_before = pass_after;
     }
     Ok(paired)
 }
@@ -493,6 +534,7 @@ mod tests {
                 step(0.90, 58.0, None),
                 step(0.70, 50.0, Some(420.0)),
             ],
+            reads: vec![step(0.99, 31.0, None), step(0.97, 59.0, None), step(0.95, 55.0, None)],
         };
         assert_eq!(p.median_share_above(0.0), (0.90, 4));
         // 80% of the best pass (60) is 48: the last three steps.
@@ -506,5 +548,9 @@ mod tests {
         assert_eq!(p.kernels_far_above(0.8, true), (2, 3));
         assert_eq!(p.kernels_far_above(0.8, false), (0, 1));
         assert_eq!(PairedShares::default().kernels_far_above(0.8, true), (0, 0));
+        // The probe's own reads, above the floor of the steps' best pass.
+        assert_eq!(p.median_read_share_above(0.0), (0.97, 3));
+        assert_eq!(p.median_read_share_above(0.8), (0.97, 2));
+        assert_eq!(PairedShares::default().median_read_share_above(0.8), (0.0, 0));
     }
 }

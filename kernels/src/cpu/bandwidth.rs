@@ -83,6 +83,36 @@ impl ProbeBuffer {
         self.bytes() as f64 / started.elapsed().as_secs_f64() / 1e9
     }
 
+    /// Reads `bytes` with the pool's threads, as [`Self::pass`] reads the
+    /// buffer ([`Self::read_slices`]), in GB/s: a read of another length
+    /// than the buffer, timed like a pass.
+    pub fn read_gb_s(&self, probe: ReadProbe, bytes: usize) -> f64 {
+        let read = reader(probe);
+        let slices = self.read_slices(bytes);
+        let started = std::time::Instant::now();
+        for words in &slices {
+            let sum = words.par_chunks(CHUNK_WORDS).map(read).reduce(|| 0, u64::wrapping_add);
+            std::hint::black_box(sum);
+        }
+        let read_bytes: usize = slices.iter().map(|s| s.len() * 8).sum();
+        read_bytes as f64 / started.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// Prefixes of the buffer that hold `bytes` between them, rounded up to
+    /// whole chunks (at least one): whole passes, then the rest from the
+    /// start again.
+    fn read_slices(&self, bytes: usize) -> Vec<&[u64]> {
+        let chunk = CHUNK_WORDS.min(self.words.len()).max(1);
+        let mut left = (bytes / 8).div_ceil(chunk).max(1) * chunk;
+        let mut slices = Vec::new();
+        while left > 0 {
+            let now = left.min(self.words.len());
+            slices.push(&self.words[..now]);
+            left -= now;
+        }
+        slices
+    }
+
     /// `reps` passes on the calling thread alone, in GB/s: on a buffer that
     /// fits in cache, this measures the loads themselves, not the memory.
     pub fn pass_on_this_thread(&self, probe: ReadProbe, reps: usize) -> f64 {
@@ -313,6 +343,23 @@ mod tests {
             assert_eq!(sum_four_chains(&words), want, "len {len}");
             assert_eq!(wide_reader()(&words), want, "len {len}");
         }
+    }
+
+    #[test]
+    fn a_read_covers_the_bytes_asked_in_whole_chunks() {
+        let buffer = ProbeBuffer::new(3 * CHUNK_WORDS * 8);
+        let chunk = CHUNK_WORDS * 8;
+        for (bytes, want) in
+            [(0, chunk), (1, chunk), (chunk, chunk), (5 * chunk / 2, 3 * chunk), (7 * chunk, 7 * chunk)]
+        {
+            let slices = buffer.read_slices(bytes);
+            assert_eq!(slices.iter().map(|s| s.len() * 8).sum::<usize>(), want, "{bytes} bytes");
+            assert!(slices.iter().all(|s| s.as_ptr() == buffer.words.as_ptr() && s.len() <= buffer.words.len()));
+        }
+        // A buffer under one chunk (an in-cache probe) is read whole.
+        let small = ProbeBuffer::new(4096);
+        assert_eq!(small.read_slices(10_000).iter().map(|s| s.len()).sum::<usize>(), 3 * small.words.len());
+        assert!(buffer.read_gb_s(ReadProbe::Wide, 2 * chunk) > 0.0);
     }
 
     #[test]
