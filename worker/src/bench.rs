@@ -152,9 +152,7 @@ impl PairedShares {
     /// The median share among steps whose pass reached at least `floor` of
     /// the best pass, and how many such steps there were.
     pub fn median_share_above(&self, floor: f64) -> (f64, usize) {
-        let shares: Vec<f64> = self.steps_above(floor, true).map(|s| s.share).collect();
-        let count = shares.len();
-        (median(shares), count)
+        median_share(self.above(&self.steps, floor, true))
     }
 
     /// The median round trip among the steps whose pass reached `floor` of
@@ -174,20 +172,26 @@ impl PairedShares {
     /// [`Self::median_share_above`] for the probe's reads in a step's
     /// place, with the floor taken from the steps' best pass.
     pub fn median_read_share_above(&self, floor: f64) -> (f64, usize) {
-        let cut = floor * self.best_pass();
-        let shares: Vec<f64> = self.reads.iter().filter(|r| r.pass_gb_s >= cut).map(|r| r.share).collect();
-        let count = shares.len();
-        (median(shares), count)
-    }
-
-    fn best_pass(&self) -> f64 {
-        self.steps.iter().map(|s| s.pass_gb_s).fold(0.0, f64::max)
+        median_share(self.above(&self.reads, floor, true))
     }
 
     fn steps_above(&self, floor: f64, above: bool) -> impl Iterator<Item = &PairedStep> {
-        let cut = floor * self.best_pass();
-        self.steps.iter().filter(move |s| (s.pass_gb_s >= cut) == above)
+        self.above(&self.steps, floor, above)
     }
+
+    /// The entries of `of` whose pass reached `floor` of the steps' best
+    /// pass (`above`) or did not.
+    fn above<'a>(&self, of: &'a [PairedStep], floor: f64, above: bool) -> impl Iterator<Item = &'a PairedStep> {
+        let cut = floor * self.steps.iter().map(|s| s.pass_gb_s).fold(0.0, f64::max);
+        of.iter().filter(move |s| (s.pass_gb_s >= cut) == above)
+    }
+}
+
+/// The median share of `steps`, and how many there were.
+fn median_share<'a>(steps: impl Iterator<Item = &'a PairedStep>) -> (f64, usize) {
+    let shares: Vec<f64> = steps.map(|s| s.share).collect();
+    let count = shares.len();
+    (median(shares), count)
 }
 
 /// The upper median (0 for none).

@@ -76,16 +76,12 @@ impl ProbeBuffer {
 
     /// One pass over the whole buffer with the pool's threads, in GB/s.
     pub fn pass(&self, probe: ReadProbe) -> f64 {
-        let read = reader(probe);
-        let started = std::time::Instant::now();
-        let sum = self.words.par_chunks(CHUNK_WORDS).map(read).reduce(|| 0, u64::wrapping_add);
-        std::hint::black_box(sum);
-        self.bytes() as f64 / started.elapsed().as_secs_f64() / 1e9
+        self.read_gb_s(probe, self.bytes())
     }
 
-    /// Reads `bytes` with the pool's threads, as [`Self::pass`] reads the
-    /// buffer ([`Self::read_slices`]), in GB/s: a read of another length
-    /// than the buffer, timed like a pass.
+    /// Reads `bytes` with the pool's threads, in 1 MiB chunks
+    /// ([`Self::read_slices`]), in GB/s: a pass, or a read of another
+    /// length timed the same way.
     pub fn read_gb_s(&self, probe: ReadProbe, bytes: usize) -> f64 {
         let read = reader(probe);
         let slices = self.read_slices(bytes);
