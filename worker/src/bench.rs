@@ -448,7 +448,13 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len as u32) };
     engine.add_request(RequestId(1 << 41), prompt, params, 0)?;
     let mut paired = PairedShares::default();
+    // The better of the pass before what was just timed and a fresh one
+    // after it, which is the next one's pass before.
     let mut pass_before = probe.pass(ReadProbe::Wide);
+    let mut better_pass = || {
+        let pass_after = probe.pass(ReadProbe::Wide);
+        std::mem::replace(&mut pass_before, pass_after).max(pass_after)
+    };
     while engine.has_unfinished() {
         let t0 = Instant::now();
         engine.step()?;
@@ -457,8 +463,7 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
         let decode = info.scheduled.len() == 1 && info.num_batched_tokens == 1;
         let round_trip_ns =
             decode.then(|| kernels::cpu::bandwidth::cross_core_round_trip_ns(PAIRED_ROUND_TRIPS)).flatten();
-        let pass_after = probe.pass(ReadProbe::Wide);
-        let pass = std::mem::replace(&mut pass_before, pass_after).max(pass_after);
+        let pass = better_pass();
         if !decode {
             continue;
         }
@@ -470,8 +475,7 @@ fn paired_shares(engine: &mut Engine, args: &BenchArgs, weight_bytes: usize) -> 
         });
         if paired.steps.len() % 2 == 0 {
             let read = probe.read_gb_s(ReadProbe::Wide, weight_bytes);
-            let pass_after = probe.pass(ReadProbe::Wide);
-            let pass = std::mem::replace(&mut pass_before, pass_after).max(pass_after);
+            let pass = better_pass();
             paired.reads.push(PairedStep {
                 share: read / pass,
                 pass_gb_s: pass,
