@@ -29,4 +29,7 @@ fi
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
 # Release: the emulated tests run ~20x slower than native ones.
-cargo test --release --target "$target" -p tinyvllm-kernels
+# The Metal emulator needs a C++ compiler for the target, which this cross
+# build lacks: tests/metal.rs notes the skip here (TINYVLLM_METAL_REQUIRED=0);
+# the native x86-64 run in .ci/run executes them.
+TINYVLLM_METAL_REQUIRED=0 cargo test --release --target "$target" -p tinyvllm-kernels

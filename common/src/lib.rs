@@ -20,4 +20,7 @@ pub use block_hash::{BlockHash, hash_block_tokens, hash_prompt_blocks};
 pub use ids::{BlockId, RequestId, WorkerId};
 pub use kv_events::{KvEvent, KvEventRecord};
 pub use protocol::FinishReason;
-pub use sampling::{MAX_SPECULATIVE_TOKENS, SamplingParams, SamplingParamsError, Speculative, StructuredOutput};
+pub use sampling::{
+    MAX_SPECULATIVE_TOKENS, SampledToken, SamplingParams, SamplingParamsError, Speculative, StructuredOutput,
+    TokenLogprobs,
+};

@@ -67,6 +67,22 @@ impl LayerRange {
     pub fn is_full(&self) -> bool {
         self.is_first() && self.is_last()
     }
+
+    /// Whether the stage holding these decoder layers uses the tensor
+    /// `name` (a Hugging Face name): its own layers', the embeddings on the
+    /// first stage, the final norm and lm_head on the last (the embeddings
+    /// too when they are tied to the lm_head).
+    pub fn holds_tensor(&self, name: &str, tied_embeddings: bool) -> bool {
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            let layer = rest.split('.').next().and_then(|n| n.parse::<usize>().ok());
+            return layer.is_some_and(|l| (self.start..self.end).contains(&l));
+        }
+        match name {
+            "model.embed_tokens.weight" => self.is_first() || (self.is_last() && tied_embeddings),
+            _ if name.starts_with("model.norm.") || name.starts_with("lm_head.") => self.is_last(),
+            _ => true,
+        }
+    }
 }
 
 impl std::fmt::Display for LayerRange {
@@ -144,6 +160,22 @@ pub fn split_layers(total: usize, memory: &[u64]) -> Result<Vec<LayerRange>, Lay
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stage_holds_its_layers_and_its_end_of_the_model() {
+        let (first, last) = (LayerRange { start: 0, end: 2, total: 5 }, LayerRange { start: 2, end: 5, total: 5 });
+        let middle = LayerRange { start: 2, end: 3, total: 5 };
+        let holds = |name: &str, range: LayerRange, tied: bool| range.holds_tensor(name, tied);
+        assert!(holds("model.layers.1.mlp.up_proj.weight", first, false));
+        assert!(!holds("model.layers.2.mlp.up_proj.weight", first, false));
+        assert!(!holds("model.layers.12.mlp.up_proj.weight", last, false));
+        assert!(holds("model.embed_tokens.weight", first, false));
+        assert!(!holds("model.embed_tokens.weight", last, false));
+        assert!(holds("model.embed_tokens.weight", last, true), "tied: the lm_head");
+        assert!(!holds("model.embed_tokens.weight", middle, true));
+        assert!(holds("lm_head.weight", last, false) && !holds("lm_head.weight", middle, false));
+        assert!(holds("model.norm.weight", last, false) && !holds("model.norm.weight", first, false));
+    }
 
     #[test]
     fn parses_inclusive_ranges_and_refuses_bad_ones() {

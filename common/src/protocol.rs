@@ -6,10 +6,11 @@
 
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
+pub use crate::sampling::TokenLogprobs;
 use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -155,6 +156,10 @@ pub enum CoordinatorMessage {
         /// meaning: the continuation equals a run without the loss.
         output_token_ids: Vec<u32>,
         params: SamplingParams,
+        /// Scheduling priority (vLLM's): lower runs first, and under the
+        /// worker's `--scheduling-policy priority` a lower-priority running
+        /// request is preempted for it; ignored under `fcfs`.
+        priority: i32,
     },
     Abort {
         request_id: RequestId,
@@ -189,12 +194,6 @@ impl FinishReason {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct WireLogprobs {
-    pub logprob: f32,
-    pub top: Vec<(u32, f32)>,
-}
-
 /// A worker's load, sent at least every second.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStats {
@@ -217,9 +216,9 @@ pub enum WorkerMessage {
         /// Log-probabilities of the next prompt tokens, when the request
         /// asked for `prompt_logprobs`: in prompt order from the second
         /// token on, each exactly once, all before the first new token.
-        prompt_logprobs: Vec<WireLogprobs>,
+        prompt_logprobs: Vec<TokenLogprobs>,
         new_token_ids: Vec<u32>,
-        logprobs: Vec<WireLogprobs>,
+        logprobs: Vec<TokenLogprobs>,
         finish_reason: Option<FinishReason>,
         num_prompt_tokens: u32,
         num_cached_tokens: u32,
@@ -339,9 +338,9 @@ mod tests {
         vec![
             WorkerMessage::TokenDelta {
                 request_id: RequestId(7),
-                prompt_logprobs: vec![WireLogprobs { logprob: -2.0, top: vec![(4, -0.1)] }],
+                prompt_logprobs: vec![TokenLogprobs { logprob: -2.0, top: vec![(4, -0.1)] }],
                 new_token_ids: vec![1, 2, 3],
-                logprobs: vec![WireLogprobs { logprob: -0.5, top: vec![(1, -0.5), (9, -1.5)] }],
+                logprobs: vec![TokenLogprobs { logprob: -0.5, top: vec![(1, -0.5), (9, -1.5)] }],
                 finish_reason: Some(FinishReason::Length),
                 num_prompt_tokens: 12,
                 num_cached_tokens: 0,
@@ -365,6 +364,7 @@ mod tests {
             prompt_token_ids: vec![1, 2],
             output_token_ids: vec![3],
             params: SamplingParams::greedy(4),
+            priority: -3,
         };
         assert_eq!(decode_frame::<CoordinatorMessage>(&encode_frame(&generate).unwrap()).unwrap(), generate);
         let offer = WorkerHello::Offer(StageOffer {

@@ -122,10 +122,28 @@ impl Default for SamplingParams {
     }
 }
 
+/// A token's log-probability and the `n` most likely tokens' (id, value),
+/// most likely first, lower id first on a tie. One type from the worker's
+/// samplers through both wires (stage to stage, worker to coordinator) to
+/// the API's logprobs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a sampler drew at one row of logits: the token and, when the
+/// request asked for logprobs, its logprobs as the worker reports them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SampledToken {
+    pub token_id: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
 /// A parameter outside its valid range; `param` names the field as the
 /// OpenAI API does, so the HTTP layer can put it in its error body.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{param}: {message}")]
+#[error("{message}")]
 pub struct SamplingParamsError {
     pub param: &'static str,
     pub message: String,
@@ -141,48 +159,31 @@ impl SamplingParams {
         self.temperature <= 0.0
     }
 
+    /// Checks every parameter against its rule ([`rules`]): the one check
+    /// the HTTP layer runs on a request's values and the scheduler on what
+    /// arrives. The error names the parameter as the OpenAI API does.
     pub fn validate(&self) -> Result<(), SamplingParamsError> {
-        let err = |param, message: String| Err(SamplingParamsError { param, message });
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return err("temperature", format!("must be >= 0, got {}", self.temperature));
+        use rules::*;
+        check("temperature", TEMPERATURE, self.temperature.into())?;
+        check("top_p", TOP_P, self.top_p.into())?;
+        check("min_p", MIN_P, self.min_p.into())?;
+        check("repetition_penalty", REPETITION_PENALTY, self.repetition_penalty.into())?;
+        check("presence_penalty", PENALTY, self.presence_penalty.into())?;
+        check("frequency_penalty", PENALTY, self.frequency_penalty.into())?;
+        check_int("max_tokens", MAX_TOKENS, self.max_tokens.into())?;
+        check_min_tokens(self.min_tokens.into(), self.max_tokens)?;
+        if let Some(n) = self.logprobs {
+            check_int("logprobs", LOGPROBS, n.into())?;
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return err("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        if let Some(n) = self.prompt_logprobs {
+            check_int("prompt_logprobs", LOGPROBS, n.into())?;
         }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return err("min_p", format!("must be in [0, 1], got {}", self.min_p));
+        for &(id, bias) in &self.logit_bias {
+            check_logit_bias(id, bias.into())?;
         }
-        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
-            return err("repetition_penalty", format!("must be > 0, got {}", self.repetition_penalty));
-        }
-        if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return err("presence_penalty", format!("must be in [-2, 2], got {}", self.presence_penalty));
-        }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return err("frequency_penalty", format!("must be in [-2, 2], got {}", self.frequency_penalty));
-        }
-        if self.max_tokens == 0 {
-            return err("max_tokens", "must be at least 1".to_string());
-        }
-        if self.min_tokens > self.max_tokens {
-            return err("min_tokens", format!("must be <= max_tokens ({}), got {}", self.max_tokens, self.min_tokens));
-        }
-        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
-            return err("logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
-        }
-        if let Some(n) = self.prompt_logprobs.filter(|&n| n > MAX_LOGPROBS) {
-            return err("prompt_logprobs", format!("must be <= {MAX_LOGPROBS}, got {n}"));
-        }
-        if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b)) {
-            return err("logit_bias", format!("must be in [-100, 100], got {b} for token {id}"));
-        }
-        if !self.logit_bias.is_sorted_by(|a, b| a.0 < b.0) {
-            return err("logit_bias", "token ids must be sorted and unique".to_string());
-        }
-        if let Some(k) = self.speculative.and_then(Speculative::num_speculative_tokens)
-            && !(1..=MAX_SPECULATIVE_TOKENS).contains(&k)
-        {
-            return err("num_speculative_tokens", format!("must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"));
+        check_logit_bias_ids(self.logit_bias.iter().map(|&(id, _)| id))?;
+        if let Some(k) = self.speculative.and_then(Speculative::num_speculative_tokens) {
+            check_int("num_speculative_tokens", SPECULATIVE_TOKENS, k.into())?;
         }
         Ok(())
     }
@@ -190,6 +191,117 @@ impl SamplingParams {
     /// The bias `logit_bias` gives `token` (0 if none).
     pub fn bias_of(&self, token: u32) -> f32 {
         self.logit_bias.binary_search_by_key(&token, |&(id, _)| id).map_or(0.0, |i| self.logit_bias[i].1)
+    }
+}
+
+/// Every sampling parameter's valid values, written once: the HTTP layer
+/// checks a request's values as written (so a message shows `1e308`, not
+/// what it became in f32) and [`SamplingParams::validate`] the values as
+/// carried. Where OpenAI and vLLM differ, OpenAI's ranges hold.
+pub mod rules {
+    use super::{MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SamplingParamsError};
+
+    /// `[lo, hi]`, either end open; NaN is never inside.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Range {
+        pub lo: f64,
+        pub hi: f64,
+        pub open_lo: bool,
+        pub open_hi: bool,
+    }
+
+    impl Range {
+        const fn closed(lo: f64, hi: f64) -> Self {
+            Self { lo, hi, open_lo: false, open_hi: false }
+        }
+
+        pub fn contains(&self, v: f64) -> bool {
+            let above = if self.open_lo { v > self.lo } else { v >= self.lo };
+            let below = if self.open_hi { v < self.hi } else { v <= self.hi };
+            above && below
+        }
+    }
+
+    impl std::fmt::Display for Range {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            let (l, r) = (if self.open_lo { '(' } else { '[' }, if self.open_hi { ')' } else { ']' });
+            write!(f, "{l}{}, {}{r}", self.lo, self.hi)
+        }
+    }
+
+    /// OpenAI's temperature range (0 is greedy).
+    pub const TEMPERATURE: Range = Range::closed(0.0, 2.0);
+    pub const TOP_P: Range = Range { open_lo: true, ..Range::closed(0.0, 1.0) };
+    pub const MIN_P: Range = Range::closed(0.0, 1.0);
+    /// vLLM's multiplicative penalty; above 10 it only garbles.
+    pub const REPETITION_PENALTY: Range = Range { open_lo: true, ..Range::closed(0.0, 10.0) };
+    /// `presence_penalty` and `frequency_penalty` (OpenAI's range).
+    pub const PENALTY: Range = Range::closed(-2.0, 2.0);
+    pub const LOGIT_BIAS: Range = Range::closed(-MAX_LOGIT_BIAS as f64, MAX_LOGIT_BIAS as f64);
+    pub const MAX_TOKENS: Range = Range::closed(1.0, u32::MAX as f64);
+    /// `top_k` when it is on (-1 and 0 turn it off).
+    pub const TOP_K: Range = Range::closed(1.0, u32::MAX as f64);
+    pub const LOGPROBS: Range = Range::closed(0.0, MAX_LOGPROBS as f64);
+    pub const SPECULATIVE_TOKENS: Range = Range::closed(1.0, MAX_SPECULATIVE_TOKENS as f64);
+    /// A request's scheduling priority (an i32, as vLLM's).
+    pub const PRIORITY: Range = Range::closed(i32::MIN as f64, i32::MAX as f64);
+
+    fn err(param: &'static str, message: String) -> Result<(), SamplingParamsError> {
+        Err(SamplingParamsError { param, message })
+    }
+
+    /// A number against its range; the message shows `value` as `{:?}`.
+    pub fn check(param: &'static str, range: Range, value: f64) -> Result<(), SamplingParamsError> {
+        if range.contains(value) { Ok(()) } else { err(param, format!("{param} must be in {range}, got {value:?}")) }
+    }
+
+    /// An integer against its range.
+    pub fn check_int(param: &'static str, range: Range, value: i64) -> Result<(), SamplingParamsError> {
+        if range.contains(value as f64) {
+            Ok(())
+        } else {
+            err(param, format!("{param} must be in {range}, got {value}"))
+        }
+    }
+
+    /// `min_tokens` may not exceed `max_tokens`.
+    pub fn check_min_tokens(value: i64, max_tokens: u32) -> Result<(), SamplingParamsError> {
+        if (0..=i64::from(max_tokens)).contains(&value) {
+            Ok(())
+        } else {
+            err("min_tokens", format!("min_tokens must be in [0, max_tokens], got {value}"))
+        }
+    }
+
+    /// `top_k`: -1 or 0 (off), or a count.
+    pub fn check_top_k(value: i64) -> Result<(), SamplingParamsError> {
+        if value == -1 || value == 0 || TOP_K.contains(value as f64) {
+            Ok(())
+        } else {
+            err("top_k", format!("top_k must be -1 or 0 (off), or in {TOP_K}, got {value}"))
+        }
+    }
+
+    /// One `logit_bias` entry's value.
+    pub fn check_logit_bias(token: u32, bias: f64) -> Result<(), SamplingParamsError> {
+        if LOGIT_BIAS.contains(bias) {
+            Ok(())
+        } else {
+            err("logit_bias", format!("logit_bias values must be in {LOGIT_BIAS}, got {bias:?} for token {token}"))
+        }
+    }
+
+    /// `logit_bias` ids as carried: sorted, each biased once.
+    pub fn check_logit_bias_ids(ids: impl Iterator<Item = u32>) -> Result<(), SamplingParamsError> {
+        let mut previous: Option<u32> = None;
+        for id in ids {
+            match previous {
+                Some(p) if p == id => return err("logit_bias", format!("token {id} is biased twice")),
+                Some(p) if p > id => return err("logit_bias", "token ids must be sorted".to_string()),
+                _ => previous = Some(id),
+            }
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,7 @@ use crate::api::ApiError;
 use crate::cluster::Cluster;
 use crate::metrics::Metrics;
 use crate::text::{ChatTemplate, Tokenizer};
-use crate::tools::ToolFormat;
+use crate::tool_parser::ToolFormat;
 
 /// Bodies up to this size are parsed and tokenized without waiting for a
 /// pool permit: they take milliseconds, and must never queue behind a

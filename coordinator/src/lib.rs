@@ -13,4 +13,4 @@ pub mod metrics;
 pub mod router;
 pub mod sim;
 pub mod text;
-pub mod tools;
+pub mod tool_parser;

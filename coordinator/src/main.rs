@@ -93,7 +93,7 @@ struct Args {
     /// hermes (`<tool_call>` JSON; Hermes, Qwen 2.5/3) or llama3_json
     /// (Llama 3.1/3.2 JSON). Default: detected from the chat template.
     #[arg(long)]
-    tool_call_parser: Option<coordinator::tools::ToolFormat>,
+    tool_call_parser: Option<coordinator::tool_parser::ToolFormat>,
 }
 
 fn main() -> anyhow::Result<()> {

@@ -37,8 +37,10 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 
 pub use kv_dtype::KvCacheDtype;
 
-/// Where each sequence's queries, context and new slots are.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// Where each sequence's queries, context and new slots are. It travels
+/// whole between pipeline stages (serde), and one check ([`Self::check`])
+/// guards every kernel and every stage that receives it.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AttentionMetadata {
     /// Prefix sums of new-token counts, len num_seqs + 1: sequence s's query
     /// rows are `query_start_loc[s]..query_start_loc[s + 1]`.
@@ -57,6 +59,49 @@ pub struct AttentionMetadata {
 }
 
 impl AttentionMetadata {
+    /// Checks the metadata against `num_tokens` query rows and a pool of
+    /// `num_blocks` blocks, so no kernel indexes out of bounds: sequence
+    /// boundaries that run over the rows in order, contexts that hold
+    /// their new tokens, and block tables that cover each context with
+    /// blocks of the pool. Every kernel's check runs it, and a pipeline
+    /// stage runs it once on each step it receives.
+    pub fn check(&self, num_tokens: usize, num_blocks: usize) -> Result<()> {
+        let bad = |m: String| Err(KernelError::Invalid(m));
+        let block_size = self.block_size;
+        if block_size == 0 {
+            return bad("a block size of 0".into());
+        }
+        if self.sliding_window == Some(0) {
+            return bad("a sliding window of 0 hides every key".into());
+        }
+        let n = self.num_seqs();
+        if self.query_start_loc.len() != n + 1 || self.block_tables.len() != n {
+            return bad("query_start_loc / block_tables do not match context_lens".into());
+        }
+        if self.query_start_loc.first() != Some(&0) || *self.query_start_loc.last().unwrap_or(&0) as usize != num_tokens
+        {
+            return bad(format!("query_start_loc must run from 0 to {num_tokens}"));
+        }
+        for s in 0..n {
+            let (start, end) = (self.query_start_loc[s], self.query_start_loc[s + 1]);
+            if end < start {
+                return bad(format!("query_start_loc decreases at sequence {s}"));
+            }
+            let (q_len, ctx) = ((end - start) as usize, self.context_lens[s] as usize);
+            if q_len > ctx {
+                return bad(format!("sequence {s}: {q_len} new tokens but context length {ctx}"));
+            }
+            let table = &self.block_tables[s];
+            if table.len() * block_size < ctx {
+                return bad(format!("sequence {s}: {} blocks cannot hold {ctx} tokens", table.len()));
+            }
+            if let Some(&b) = table[..ctx.div_ceil(block_size)].iter().find(|&&b| b as usize >= num_blocks) {
+                return bad(format!("sequence {s}: block {b} out of range ({num_blocks} blocks)"));
+            }
+        }
+        Ok(())
+    }
+
     pub fn num_seqs(&self) -> usize {
         self.context_lens.len()
     }
@@ -126,38 +171,11 @@ impl Attention<'_> {
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return bad(format!("{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"));
         }
-        if block_size == 0 || block_size != meta.block_size {
+        if block_size != meta.block_size {
             return bad(format!("cache block size {block_size} != metadata block size {}", meta.block_size));
         }
-        if meta.sliding_window == Some(0) {
-            return bad("a sliding window of 0 hides every key".into());
-        }
         check_pool(q, k_cache, v_cache)?;
-        let n = meta.num_seqs();
-        if meta.query_start_loc.len() != n + 1 || meta.block_tables.len() != n {
-            return bad("query_start_loc / block_tables do not match context_lens".into());
-        }
-        if meta.query_start_loc.first() != Some(&0) || *meta.query_start_loc.last().unwrap_or(&0) as usize != num_tokens
-        {
-            return bad(format!("query_start_loc must run from 0 to {num_tokens}"));
-        }
-        for s in 0..n {
-            let (start, end) = (meta.query_start_loc[s], meta.query_start_loc[s + 1]);
-            if end < start {
-                return bad(format!("query_start_loc decreases at sequence {s}"));
-            }
-            let (q_len, ctx) = ((end - start) as usize, meta.context_lens[s] as usize);
-            if q_len > ctx {
-                return bad(format!("sequence {s}: {q_len} new tokens but context length {ctx}"));
-            }
-            let table = &meta.block_tables[s];
-            if table.len() * block_size < ctx {
-                return bad(format!("sequence {s}: {} blocks cannot hold {ctx} tokens", table.len()));
-            }
-            if let Some(&b) = table[..ctx.div_ceil(block_size)].iter().find(|&&b| b as usize >= num_blocks) {
-                return bad(format!("sequence {s}: block {b} out of range ({num_blocks} blocks)"));
-            }
-        }
+        meta.check(num_tokens, num_blocks)?;
         Ok(Dims { num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size })
     }
 }

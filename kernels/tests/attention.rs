@@ -232,38 +232,3 @@ fn invalid_metadata_is_an_error_not_a_panic() {
         .is_err()
     );
 }
-
-/// One decode step: 16 sequences x 512 context, 32 heads / 4 kv heads,
-/// head_dim 64, f32. `cargo test --release -p tinyvllm-kernels -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn decode_step_timing() {
-    use std::time::Instant;
-    let mut rng = StdRng::seed_from_u64(1);
-    let case = make_case(&mut rng, &[(1, 512); 16], Geometry::new(32, 4, 64, 16));
-    let scale = 0.125;
-    let time = |name: &str, iters: u32, f: &dyn Fn() -> Tensor| {
-        f(); // warm-up (thread pool, caches)
-        // The fastest run: the least disturbed by whatever else shares the machine.
-        let per = (0..iters)
-            .map(|_| {
-                let start = Instant::now();
-                f();
-                start.elapsed()
-            })
-            .min()
-            .unwrap_or_default();
-        println!("{name:>9}: {per:?} per decode step (best of {iters})");
-        per
-    };
-    let c = &case;
-    let cpu = time("cpu", 200, &|| cpu::paged_attention(&c.attention(scale)).unwrap());
-    let portable = time("portable", 20, &|| portable::paged_attention(&c.attention(scale)).unwrap());
-    let reference = time("reference", 3, &|| reference::paged_attention(&c.attention(scale)).unwrap());
-    println!(
-        "cpu is {:.0}x reference, {:.1}x portable ({} rayon threads)",
-        reference.as_secs_f64() / cpu.as_secs_f64(),
-        portable.as_secs_f64() / cpu.as_secs_f64(),
-        rayon::current_num_threads()
-    );
-}

@@ -359,8 +359,8 @@ fn allocations_per_step_do_not_grow_with_layers() {
     assert_eq!(steps, [(2, 1), (2, 0), (2, 0)], "(uploads, scratch buffers) per step of {layers} layers");
 }
 
-/// What only a real GPU shows: the dispatcher's choice, candle's buffers,
-/// and timing.
+/// What only a real GPU shows: the dispatcher's choice and candle's buffers
+/// (timing: `cargo bench -p tinyvllm-kernels --bench metal_decode`).
 #[cfg(target_os = "macos")]
 mod on_device {
     use super::*;
@@ -407,34 +407,5 @@ mod on_device {
         assert!(matches!(write(&k, kc, &[0, 1]), Err(KernelError::Invalid(_))), "k_cache is v_cache");
         let inside = kc.flatten_to(1).unwrap().narrow(0, 0, 2).unwrap().reshape((2, 2, 32)).unwrap();
         assert!(matches!(write(&inside, vc, &[5, 6]), Err(KernelError::Invalid(_))), "new k inside k_cache");
-    }
-
-    /// Decode steps on the GPU: 16 sequences x 512 context and 4 x 4096 (the
-    /// partitioned path), 32 heads / 4 kv heads, head_dim 128, f16.
-    /// `cargo test --release -p tinyvllm-kernels --test metal -- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn decode_step_timing() {
-        use std::time::Instant;
-        let Some(gpu) = Gpu::get() else { return };
-        let dev = &gpu.device;
-        let mut rng = StdRng::seed_from_u64(1);
-        for (seqs, ctx) in [(16, 512), (4, 4096)] {
-            let g = Geometry { dtype: DType::F16, ..Geometry::new(32, 4, 128, 16) };
-            let m = make_case(&mut rng, &vec![(1, ctx); seqs], g).to_device(dev);
-            let run = || metal::paged_attention(&m.attention(0.088)).unwrap();
-            run();
-            dev.synchronize().unwrap();
-            let iters = 50;
-            let start = Instant::now();
-            for _ in 0..iters {
-                run();
-            }
-            dev.synchronize().unwrap();
-            let per = start.elapsed() / iters;
-            let bytes = 2 * seqs * ctx * 4 * 128 * 2; // K and V read once per kv head
-            let gbs = bytes as f64 / per.as_secs_f64() / 1e9;
-            println!("{seqs:>3} x {ctx:>5}: {per:?} per decode step, {gbs:.0} GB/s of K/V");
-        }
     }
 }

@@ -5,6 +5,7 @@
 //! pipeline instead (`pipelined`).
 
 mod loading;
+mod logprobs;
 mod on_device;
 mod pipelined;
 
@@ -17,17 +18,17 @@ use kernels::KvCacheDtype;
 
 use crate::error::{Result, WorkerError};
 use crate::models::{ModelFiles, Quantization};
-use crate::pipeline::stage::stage_kv_config;
 use crate::profile::{self, Section};
 
 use crate::runner::draft::DraftRunner;
 use crate::runner::grammar::{Grammars, RequestGrammar, Vocabulary};
-use crate::runner::kv_cache::{self, KvBudget};
+use crate::runner::kv_cache::{self, KvBudget, stage_kv_config};
+pub use crate::runner::logprobs::LogprobsMode;
 use crate::runner::model_runner::ModelRunner;
 use crate::runner::sampler::{self, SeqSamplingInput};
 use engine_core::{
     Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
-    SchedulingPolicy, SpecMethod, SpeculativeConfig, TokenLogprobs,
+    SchedulingPolicy, SpecMethod, SpeculativeConfig,
 };
 
 /// Most logits a step keeps for prompt logprobs (128 MiB of f32): 1,000
@@ -65,16 +66,6 @@ pub struct EngineConfig {
     pub kv_cache_dtype: Option<KvCacheDtype>,
 }
 
-/// What the values returned as "logprobs" are (vLLM's `logprobs_mode`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum LogprobsMode {
-    /// log-softmax of the model's logits, before any sampling processing.
-    #[default]
-    RawLogprobs,
-    /// The model's logits themselves (for checking against a reference).
-    RawLogits,
-}
-
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -105,15 +96,33 @@ pub struct Engine {
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     logprobs_mode: LogprobsMode,
-    device_sampling: bool,
+    /// Where a step's tokens are drawn, chosen once.
+    backend: StepBackend,
     /// Structured outputs: each constrained request's matcher.
     grammars: Grammars,
     last_step: StepInfo,
-    /// The link to the next stage and the steps in flight on it, on the
-    /// first stage of a pipeline.
-    pipeline: Option<pipelined::FirstStage>,
     /// The draft model, when one proposes (`--speculative-method draft`).
     draft: Option<DraftRunner>,
+}
+
+/// How a step turns the scheduler's output into sampled tokens. Chosen once:
+/// `Host` or `Device` when the engine is built, `Pipelined` when a next
+/// stage attaches. One `match` in [`Engine::step`] picks the path.
+enum StepBackend {
+    /// The forward pass's logits come to the host and the host sampler
+    /// draws (the CPU, where the logits already are).
+    Host,
+    /// The device samples and only token ids come back (GPUs).
+    Device,
+    /// The first stage of a pipeline: hidden states go to the next stage
+    /// and the last stage samples. Holds the link and the steps in flight.
+    Pipelined(Box<pipelined::FirstStage>),
+}
+
+impl StepBackend {
+    fn local(device_sampling: bool) -> Self {
+        if device_sampling { Self::Device } else { Self::Host }
+    }
 }
 
 /// The requests one step computed, and how many tokens in all.
@@ -194,10 +203,9 @@ impl Engine {
             vocab_size: cfg.vocab_size,
             eos_token_ids: files.eos_token_ids.clone(),
             logprobs_mode: config.logprobs_mode,
-            device_sampling: config.device_sampling.unwrap_or(!config.device.is_cpu()),
+            backend: StepBackend::local(config.device_sampling.unwrap_or(!config.device.is_cpu())),
             grammars: Grammars::new(vocabulary, &files.eos_token_ids, cfg.vocab_size),
             last_step: StepInfo::default(),
-            pipeline: None,
             draft,
         })
     }
@@ -254,7 +262,7 @@ impl Engine {
             let message = "a constrained request needs its grammar (and only it)".to_string();
             return Err(WorkerError::InvalidRequest { id, message });
         }
-        if grammar.is_some() && self.pipeline.is_some() {
+        if grammar.is_some() && self.is_pipelined() {
             let message = "structured outputs are not served by pipelines yet (the last stage samples unmasked)";
             return Err(WorkerError::InvalidRequest { id, message: message.to_string() });
         }
@@ -300,6 +308,19 @@ impl Engine {
             draft.forget(id);
         }
         self.scheduler.abort(id)
+    }
+
+    /// Stops every request and frees their blocks; their outputs (finish
+    /// reason `Abort`), in id order.
+    pub fn abort_all(&mut self) -> Vec<RequestOutput> {
+        let outputs = self.scheduler.abort_all();
+        for o in &outputs {
+            self.grammars.remove(o.id);
+            if let Some(draft) = &mut self.draft {
+                draft.forget(o.id);
+            }
+        }
+        outputs
     }
 
     pub fn has_unfinished(&self) -> bool {
@@ -366,9 +387,11 @@ impl Engine {
     /// One step: computes the scheduled tokens of all running requests in
     /// one forward pass and returns each sampling request's new token.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
-        if self.pipeline.is_some() {
-            return self.step_pipelined();
-        }
+        let device_sampling = match self.backend {
+            StepBackend::Pipelined(_) => return self.step_pipelined(),
+            StepBackend::Device => true,
+            StepBackend::Host => false,
+        };
         let sched_timer = profile::scope(Section::Scheduler);
         let step = self.schedule_step()?;
         if step.scheduled.is_empty() {
@@ -376,7 +399,7 @@ impl Engine {
         }
         let batch = self.runner.prepare(&step, |id| self.scheduler.request(id).expect("scheduled request exists"));
         drop(sched_timer);
-        if self.device_sampling {
+        if device_sampling {
             return self.step_sampling_on_device(&step, &batch);
         }
         let (logits, masks) = {
@@ -400,19 +423,7 @@ impl Engine {
             })
             .collect();
         let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * self.vocab_size);
-        let sampled = sampler::sample_batch(sampling_logits, self.vocab_size, &inputs);
-        let sampled: Vec<SampledToken> = sampled
-            .into_iter()
-            .zip(&inputs)
-            .enumerate()
-            .map(|(row, (s, input))| {
-                let logprobs = input.params.logprobs.map(|_| {
-                    let raw = &sampling_logits[row * self.vocab_size..][..self.vocab_size];
-                    self.reported(raw, s.token_id, s.logprob, s.top_logprobs)
-                });
-                SampledToken { token_id: s.token_id, logprobs }
-            })
-            .collect();
+        let sampled = sampler::sample_batch(sampling_logits, self.vocab_size, &inputs, self.logprobs_mode);
         drop(inputs);
         drop(rows);
         drop(sampling_timer);
@@ -468,74 +479,6 @@ impl Engine {
             }
         }
         self.with_prompt_logprobs(outputs, prompt_logprobs)
-    }
-
-    /// `token`'s logprob and the top list as `logprobs_mode` reports them;
-    /// `raw` is the row of logits they were computed from.
-    fn reported(&self, raw: &[f32], token: u32, logprob: f32, top: Vec<(u32, f32)>) -> TokenLogprobs {
-        reported_logprobs(self.logprobs_mode, raw, token, logprob, top)
-    }
-
-    /// The prompt logprobs this step computed, per request: `logits` holds
-    /// one row per position of the step's `prompt_logprob_positions`, in order.
-    fn prompt_logprobs(&self, step: &SchedulerOutput, logits: &[f32]) -> Vec<(RequestId, Vec<TokenLogprobs>)> {
-        if logits.is_empty() {
-            return Vec::new();
-        }
-        let vocab = self.vocab_size;
-        let mut rows = Vec::new(); // (next prompt token, top n)
-        for s in step.scheduled.iter().filter(|s| !s.prompt_logprob_positions.is_empty()) {
-            // A request aborted while its step was in flight keeps its rows, unread.
-            let req = self.scheduler.request(s.id);
-            let n = req.map_or(0, |r| r.params.prompt_logprobs.unwrap_or(0) as usize);
-            rows.extend(s.prompt_logprob_positions.clone().map(|p| (req.map_or(0, |r| r.token_ids[p + 1]), n)));
-        }
-        let values = sampler::token_logprobs(logits, vocab, &rows);
-        let mut reported = values
-            .into_iter()
-            .zip(rows.iter().zip(logits.chunks_exact(vocab)))
-            .map(|((logprob, top), (&(token, _), raw))| self.reported(raw, token, logprob, top));
-        step.scheduled
-            .iter()
-            .filter(|s| !s.prompt_logprob_positions.is_empty())
-            .map(|s| (s.id, reported.by_ref().take(s.prompt_logprob_positions.len()).collect()))
-            .collect()
-    }
-
-    /// Puts each request's prompt logprobs in its output of this step, or
-    /// in an output of their own when it did not sample (a prompt chunk).
-    fn with_prompt_logprobs(
-        &self,
-        mut outputs: Vec<RequestOutput>,
-        prompt_logprobs: Vec<(RequestId, Vec<TokenLogprobs>)>,
-    ) -> Vec<RequestOutput> {
-        for (id, lps) in prompt_logprobs {
-            if let Some(o) = outputs.iter_mut().find(|o| o.id == id) {
-                o.prompt_logprobs = lps;
-            } else if let Some(req) = self.scheduler.request(id) {
-                outputs.push(RequestOutput { prompt_logprobs: lps, ..RequestOutput::empty(req) });
-            }
-        }
-        outputs
-    }
-}
-
-/// `token`'s logprob and the top list as `mode` reports them; `raw` is the
-/// row of logits they were computed from.
-pub(crate) fn reported_logprobs(
-    mode: LogprobsMode,
-    raw: &[f32],
-    token: u32,
-    logprob: f32,
-    top: Vec<(u32, f32)>,
-) -> TokenLogprobs {
-    match mode {
-        LogprobsMode::RawLogprobs => TokenLogprobs { logprob, top },
-        // Same order as logprobs (softmax is monotonic), other values.
-        LogprobsMode::RawLogits => {
-            let logit = |id: u32| raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
-            TokenLogprobs { logprob: logit(token), top: top.iter().map(|&(id, _)| (id, logit(id))).collect() }
-        }
     }
 }
 

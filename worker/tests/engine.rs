@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use common::{RequestId, SamplingParams};
-use engine_core::FinishReason;
+use engine_core::{FinishReason, SchedulingPolicy};
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
@@ -243,6 +243,52 @@ fn aborts_free_every_block() {
     assert!(!e.has_unfinished());
     assert_eq!(e.stats().kv_blocks_used, 0);
     e.scheduler().check_invariants();
+}
+
+#[test]
+fn abort_all_stops_every_request_and_frees_every_block() {
+    let mut e = default_engine();
+    for (i, p) in prompts().into_iter().enumerate() {
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(50) };
+        e.add_request(RequestId(i as u64), p, params, 0).unwrap();
+    }
+    for _ in 0..3 {
+        e.step().unwrap();
+    }
+    assert!(e.stats().kv_blocks_used > 0);
+    let outputs = e.abort_all();
+    let ids: Vec<u64> = outputs.iter().map(|o| o.id.0).collect();
+    assert_eq!(ids, (0..prompts().len() as u64).collect::<Vec<_>>(), "every request, in id order");
+    assert!(outputs.iter().all(|o| o.finish_reason == Some(FinishReason::Abort)));
+    assert!(!e.has_unfinished());
+    assert_eq!(e.stats().kv_blocks_used, 0);
+    e.scheduler().check_invariants();
+    assert!(e.abort_all().is_empty());
+}
+
+/// Under `--scheduling-policy priority` a late urgent request overtakes the
+/// ones waiting before it; under fcfs it waits its turn.
+#[test]
+fn a_late_urgent_request_overtakes_under_the_priority_policy() {
+    let finish_order = |policy: SchedulingPolicy| {
+        let mut e = engine(EngineConfig { num_blocks: Some(1024), max_num_seqs: 1, policy, ..EngineConfig::default() });
+        let params = |n| SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) };
+        e.add_request(RequestId(0), vec![1, 403, 407], params(20), 0).unwrap();
+        e.step().unwrap(); // request 0 runs; one sequence at a time
+        e.add_request(RequestId(1), vec![1, 261, 378], params(20), 0).unwrap();
+        e.add_request(RequestId(2), vec![1, 432, 383], params(5), -10).unwrap(); // late, urgent
+        let mut order = Vec::new();
+        while e.has_unfinished() {
+            for o in e.step().unwrap() {
+                if o.finish_reason.is_some() {
+                    order.push(o.id.0);
+                }
+            }
+        }
+        order
+    };
+    assert_eq!(finish_order(SchedulingPolicy::Priority), [0, 2, 1]);
+    assert_eq!(finish_order(SchedulingPolicy::Fcfs), [0, 1, 2]);
 }
 
 #[test]

@@ -4,6 +4,9 @@
 //! must match exactly: that checks the tensor names, the metadata-derived
 //! config and the undoing of llama.cpp's q/k row permutation. Quantized
 //! files must behave exactly like `--quantize` on the same weights.
+//! tiny-llama3 (Llama 3.1-style `rope_scaling`) travels as llama.cpp's
+//! converter writes it, per-pair `rope_freqs.weight` factors, and its GGUF
+//! gives the safetensors path's golden tokens.
 
 mod support;
 
@@ -19,7 +22,11 @@ use worker::{Engine, EngineConfig, Quantization};
 /// Exports stories260K; `via_f16` rounds the weights to f16 first (what
 /// `--dtype f16 --quantize` quantizes from).
 fn export(dir: &Path, ty: Quantization, via_f16: bool) -> PathBuf {
-    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K")), Need::Weights).unwrap();
+    export_model(dir, "stories260K", ty, via_f16)
+}
+
+fn export_model(dir: &Path, model: &str, ty: Quantization, via_f16: bool) -> PathBuf {
+    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(model)), Need::Weights).unwrap();
     let mut tensors: HashMap<_, _> = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
     if via_f16 {
         for t in tensors.values_mut() {
@@ -27,18 +34,27 @@ fn export(dir: &Path, ty: Quantization, via_f16: bool) -> PathBuf {
         }
     }
     let vocab = Vocab::from_tokenizer_json(files.tokenizer_json.as_deref(), files.config.vocab_size, 1, 2).unwrap();
-    let path = dir.join(format!("stories260K-{ty:?}.gguf"));
+    let path = dir.join(format!("{model}-{ty:?}.gguf"));
     worker::models::gguf::write(&path, &files.config, &tensors, ty, &vocab).unwrap();
     path
 }
 
-/// Greedy tokens of every golden case: (generated, golden).
+/// Greedy tokens of every stories260K golden case: (generated, golden).
 fn run_cases(source: &str, dtype: DType, quantization: Option<Quantization>) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(shared().join("golden/stories260K.json")).unwrap()).unwrap();
+    run_model_cases("stories260K", source, dtype, quantization)
+}
+
+/// Greedy tokens of every golden case of `model`, run from `source`.
+fn run_model_cases(
+    model: &str,
+    source: &str,
+    dtype: DType,
+    quantization: Option<Quantization>,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let golden_file = shared().join(format!("golden/{model}.json"));
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(golden_file).unwrap()).unwrap();
     let files = ModelFiles::resolve(&ModelSource::parse(source).unwrap(), Need::Weights).unwrap();
     assert_eq!(files.config.vocab_size, 512);
-    assert!(files.config.tie_word_embeddings);
     let config = EngineConfig { num_blocks: Some(256), dtype, quantization, ..EngineConfig::default() };
     let mut engine = Engine::new(&files, config).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
@@ -76,6 +92,24 @@ fn gguf_exports_load_and_match() {
         for ((a, _), (b, _)) in from_file.iter().zip(&in_place) {
             assert_eq!(a, b, "{q:?} GGUF vs --quantize");
         }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn llama3_rope_scaling_travels_as_rope_freqs() {
+    let dir = std::env::temp_dir().join(format!("tinyvllm-gguf-llama3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = export_model(&dir, "tiny-llama3", Quantization::F32, false);
+    let header = common::model::gguf::GgufHeader::open(&file).unwrap();
+    let freqs = &header.tensors["rope_freqs.weight"];
+    assert_eq!((freqs.dims.as_slice(), freqs.ggml_type), ([16].as_slice(), 0));
+    // Without the factors the goldens differ (../shared/models/README.md:
+    // 6 of 13 cases), so matching them shows the factors are applied.
+    let cases = run_model_cases("tiny-llama3", file.to_str().unwrap(), DType::F32, None);
+    assert!(!cases.is_empty());
+    for (i, (got, want)) in cases.into_iter().enumerate() {
+        assert_eq!(got, want, "tiny-llama3 GGUF case {i}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

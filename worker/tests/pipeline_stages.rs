@@ -11,8 +11,8 @@ use kernels::AttentionMetadata;
 use worker::models::llama::{StageInput, StageOutput};
 use worker::models::loader::load_stage;
 use worker::models::{ModelFiles, ModelSource, Need};
-use worker::pipeline::stage::stage_kv_config;
 use worker::runner::kv_cache;
+use worker::runner::kv_cache::stage_kv_config;
 
 fn files(model: &str) -> ModelFiles {
     let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models")).join(model);

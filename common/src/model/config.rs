@@ -119,6 +119,10 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: Option<RopeScaling>,
+    /// Per-pair divisors of the inverse RoPE frequencies, as GGUF files
+    /// carry Llama 3.1+ scaling (`rope_freqs.weight`, llama.cpp's
+    /// `freq_factors`): set by the GGUF loader, never by `config.json`.
+    pub rope_freq_factors: Option<Vec<f64>>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// Bias on q/k/v projections (Qwen2, some Llama variants).
@@ -190,6 +194,7 @@ impl ModelConfig {
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: hf.rope_theta,
             rope_scaling: hf.rope_scaling.filter(|s| s.rope_type != "default"),
+            rope_freq_factors: None,
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings,
             qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
@@ -224,10 +229,14 @@ impl ModelConfig {
     }
 
     /// Inverse RoPE frequencies, one per rotated pair, with `llama3` scaling
-    /// applied as transformers' `_compute_llama3_parameters` does.
+    /// applied as transformers' `_compute_llama3_parameters` does, or
+    /// divided by a GGUF file's frequency factors as llama.cpp's `rope`
+    /// divides them.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
-        let dim = self.head_dim;
-        let base: Vec<f64> = (0..dim / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64)).collect();
+        let base = self.unscaled_rope_inv_freq();
+        if let Some(factors) = &self.rope_freq_factors {
+            return base.iter().zip(factors).map(|(inv, factor)| inv / factor).collect();
+        }
         let Some(scaling) = self.rope_scaling.as_ref().filter(|s| s.rope_type == "llama3") else {
             return base;
         };
@@ -250,6 +259,43 @@ impl ModelConfig {
                 }
             })
             .collect()
+    }
+
+    /// Inverse RoPE frequencies without any scaling: `theta^(-2i/d)`.
+    fn unscaled_rope_inv_freq(&self) -> Vec<f64> {
+        let dim = self.head_dim;
+        (0..dim / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64)).collect()
+    }
+
+    /// The scaling as per-pair frequency factors (`unscaled / scaled`), the
+    /// form GGUF's `rope_freqs.weight` stores; None where nothing is scaled.
+    pub fn rope_freq_factors(&self) -> Option<Vec<f64>> {
+        if self.rope_freq_factors.is_none() && self.rope_scaling.is_none() {
+            return None;
+        }
+        Some(
+            self.unscaled_rope_inv_freq()
+                .iter()
+                .zip(self.rope_inv_freq())
+                .map(|(base, scaled)| base / scaled)
+                .collect(),
+        )
+    }
+
+    /// Checks GGUF frequency factors against this model's shape: one finite,
+    /// positive factor per rotated pair.
+    pub fn with_rope_freq_factors(self, factors: Vec<f64>) -> Result<Self> {
+        if factors.len() != self.head_dim / 2 {
+            return Err(ModelError::InvalidConfig(format!(
+                "rope_freqs.weight has {} factors, expected head_dim / 2 = {}",
+                factors.len(),
+                self.head_dim / 2
+            )));
+        }
+        if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+            return Err(ModelError::InvalidConfig(format!("rope_freqs.weight holds {bad}, not a positive factor")));
+        }
+        Ok(Self { rope_freq_factors: Some(factors), ..self })
     }
 }
 
@@ -349,6 +395,24 @@ mod tests {
         for i in 9..16 {
             assert!((scaled[i] / unscaled[i] - 1.0 / 32.0).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn gguf_frequency_factors_reproduce_llama3_scaling() {
+        // llama.cpp's converter stores llama3 scaling as `unscaled / scaled`
+        // per pair; dividing by them gives the scaled frequencies back.
+        let cfg = ModelConfig::from_json(&shared("tiny-llama3/config.json")).unwrap();
+        let factors = cfg.rope_freq_factors().unwrap();
+        assert_eq!((factors[0], factors[15]), (1.0, 32.0));
+        let from_gguf = ModelConfig { rope_scaling: None, ..cfg.clone() }.with_rope_freq_factors(factors).unwrap();
+        for (a, b) in from_gguf.rope_inv_freq().iter().zip(cfg.rope_inv_freq()) {
+            assert!((a / b - 1.0).abs() < 1e-12, "{a} vs {b}");
+        }
+        let plain = ModelConfig { rope_scaling: None, ..cfg };
+        assert_eq!(plain.rope_freq_factors(), None);
+        assert!(plain.clone().with_rope_freq_factors(vec![1.0; 15]).is_err());
+        assert!(plain.clone().with_rope_freq_factors(vec![0.0; 16]).is_err());
+        assert!(plain.with_rope_freq_factors(vec![f64::NAN; 16]).is_err());
     }
 
     #[test]

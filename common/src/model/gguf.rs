@@ -405,9 +405,8 @@ pub fn info_from(header: &GgufHeader, path: &Path) -> Result<GgufInfo> {
     if let Ok(head_dim) = num("attention.key_length") {
         json.insert("head_dim", head_dim.into());
     }
-    if header.tensors.contains_key("rope_freqs.weight") {
-        return Err(err("RoPE frequency factors (rope_freqs.weight, Llama 3.1+ scaling) are not supported".into()));
-    }
+    // `rope_freqs.weight` (Llama 3.1+ scaling) is tensor data: the worker's
+    // loader reads it into `ModelConfig::rope_freq_factors`.
     let config_json = serde_json::to_string(&json).map_err(|e| err(e.to_string()))?;
     let config = ModelConfig::from_json(&config_json).map_err(|e| err(e.to_string()))?;
     let id = |key: &str| match md.get(key) {

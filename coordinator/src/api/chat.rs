@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions`: a conversation through the model's chat
 //! template, `n` choices, OpenAI's chat logprobs (tokens with their bytes),
 //! and tool calls (`tools`, `tool_choice`, `parallel_tool_calls`; see
-//! `api::tools`).
+//! `api::tool_calls`).
 
 use std::sync::Arc;
 
@@ -15,10 +15,10 @@ use super::reply::Reply;
 use super::request::{ChatRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec};
 use super::structured::constrain;
-use super::tools::{self, ChoiceTools, ToolRequest};
+use super::tool_calls::{self, ChoiceTools, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
-use crate::tools::ToolFormat;
+use crate::tool_parser::ToolFormat;
 
 /// Fields of a chat body besides the sampling ones.
 const FIELDS: &[(&str, Shape)] = &[
@@ -77,7 +77,7 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
             let message = Content::Message(Message { role: "assistant", content, tool_calls });
             let lp = logprobs.map(|_| Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &c.token_ids, &c.logprobs)));
             let mut choice = Choice::ended(i, message, lp, c.end.as_ref());
-            choice.finish_reason = c.end.as_ref().map(|e| tools::finish_reason(called, e.finish_reason));
+            choice.finish_reason = c.end.as_ref().map(|e| tool_calls::finish_reason(called, e.finish_reason));
             choice
         })
         .collect();
@@ -107,7 +107,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
     };
     let max_len = app.max_model_len();
     let messages = std::mem::take(&mut req.messages);
-    tools::check_messages(&messages)?;
+    tool_calls::check_messages(&messages)?;
     let template_tools = tool_request.as_ref().map(|t| t.tools.as_slice());
     let prompt_ids = chat_prompt_ids(app, &messages, template_tools, true, false, Some(max_len))?;
     check_prompt(app, &prompt_ids, max_len)?;
@@ -130,7 +130,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
         params.structured_output = Some(forced);
     }
     let params = fit_completion(app, max_len, "messages", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
-    let specs = n_choices(&prompt_ids, &params, &stops, n);
+    let specs = n_choices(&prompt_ids, &params, &stops, req.sampling.priority()?, n);
     let parallel = tool_request.as_ref().is_none_or(|t| t.parallel);
     Ok(Plan { req, specs, logprobs, tools: format.map(|format| ToolParsing { format, parallel }) })
 }

@@ -129,6 +129,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
     let logprobs = top_n("logprobs", req.logprobs)?;
     req.unserved.check(n)?;
     let stops = req.sampling.stop_strings()?;
+    let priority = req.sampling.priority()?;
     let echo = req.echo.unwrap_or(false);
     // OpenAI's scoring idiom: `echo` with `max_tokens: 0` answers the prompt
     // alone (with its logprobs). The engine computes one token, as vLLM
@@ -147,7 +148,7 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
     let mut specs = Vec::new();
     for p in &prompts {
         let params = fit_completion(app, max_len, "prompt", p.len(), sampling.names_max_tokens(), &params)?;
-        specs.extend(n_choices(p, &params, &stops, n));
+        specs.extend(n_choices(p, &params, &stops, priority, n));
     }
     let echoes: Vec<Echo> =
         if echo { prompts.iter().map(|p| Echo::new(&app.tokenizer, p.clone())).collect() } else { Vec::new() };

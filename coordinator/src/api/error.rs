@@ -30,6 +30,14 @@ struct Inner<'a> {
     code: Option<&'a str>,
 }
 
+/// A sampling rule broken (`common::sampling::rules`): a 400 naming the
+/// parameter.
+impl From<common::sampling::SamplingParamsError> for ApiError {
+    fn from(e: common::sampling::SamplingParamsError) -> Self {
+        Self::invalid(e.param, e.message)
+    }
+}
+
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         Self { status, message: message.into(), kind, param: None, code: None, retry_after: None }

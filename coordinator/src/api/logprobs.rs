@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use common::protocol::WireLogprobs;
+use common::protocol::TokenLogprobs;
 use serde::Serialize;
 
 use crate::text::Tokenizer;
@@ -109,11 +109,11 @@ struct TopLogprob {
 
 impl TokenLogprob {
     /// The entries of `ids`, one per logprob (the shorter of the two decides).
-    pub fn list(tokenizer: &Tokenizer, ids: &[u32], lps: &[WireLogprobs]) -> Vec<Self> {
+    pub fn list(tokenizer: &Tokenizer, ids: &[u32], lps: &[TokenLogprobs]) -> Vec<Self> {
         lps.iter().zip(ids).map(|(l, &id)| Self::new(tokenizer, id, l)).collect()
     }
 
-    fn new(tokenizer: &Tokenizer, id: u32, l: &WireLogprobs) -> Self {
+    fn new(tokenizer: &Tokenizer, id: u32, l: &TokenLogprobs) -> Self {
         let top =
             |&(t, lp): &(u32, f32)| TopLogprob { token_id: t, token: tokenizer.token_text(t), logprob: lp.into() };
         Self {
@@ -148,7 +148,7 @@ struct ChatTopLogprob {
 }
 
 impl ChatLogprobs {
-    pub fn new(tokenizer: &Tokenizer, ids: &[u32], lps: &[WireLogprobs]) -> Self {
+    pub fn new(tokenizer: &Tokenizer, ids: &[u32], lps: &[TokenLogprobs]) -> Self {
         let top = |&(t, lp): &(u32, f32)| ChatTopLogprob {
             bytes: tokenizer.token_bytes(t),
             token: tokenizer.token_text(t),
@@ -187,9 +187,9 @@ impl CompletionLogprobs {
     /// start of the choice's text, echoed prompt included).
     pub fn new(
         tokenizer: &Tokenizer,
-        prompt: Option<(&Echo, &[WireLogprobs])>,
+        prompt: Option<(&Echo, &[TokenLogprobs])>,
         ids: &[u32],
-        lps: &[WireLogprobs],
+        lps: &[TokenLogprobs],
         offsets: &[usize],
     ) -> Self {
         let mut out = Self::default();
@@ -204,7 +204,7 @@ impl CompletionLogprobs {
         out
     }
 
-    fn push(&mut self, tokenizer: &Tokenizer, id: u32, lp: Option<&WireLogprobs>, offset: usize) {
+    fn push(&mut self, tokenizer: &Tokenizer, id: u32, lp: Option<&TokenLogprobs>, offset: usize) {
         let text = tokenizer.token_text(id);
         self.text_offset.push(offset);
         self.token_logprobs.push(lp.map(|l| openai_logprob(l.logprob)));
@@ -289,9 +289,9 @@ mod tests {
         let tok = tokenizer("stories260K");
         let (a, b, c) = (300u32, 301u32, 302u32);
         let lps = [
-            WireLogprobs { logprob: -3.0, top: vec![(a, -0.1), (b, -2.0)] },
-            WireLogprobs { logprob: -0.1, top: vec![(a, -0.1), (b, -2.0)] },
-            WireLogprobs { logprob: f32::NEG_INFINITY, top: vec![] },
+            TokenLogprobs { logprob: -3.0, top: vec![(a, -0.1), (b, -2.0)] },
+            TokenLogprobs { logprob: -0.1, top: vec![(a, -0.1), (b, -2.0)] },
+            TokenLogprobs { logprob: f32::NEG_INFINITY, top: vec![] },
         ];
         let lp = CompletionLogprobs::new(&tok, None, &[c, a, b], &lps, &[0, 1, 2]);
         let top = |i: usize| lp.top_logprobs[i].as_ref().expect("top");

@@ -2,7 +2,7 @@
 //! `chat`, `tokenize`, `info`), over the request types and their checks
 //! (`request`, `prepare`, `structured` for constrained output), the choice
 //! runner (`run`), the response shapes (`openai`, `logprobs`), the SSE
-//! stream (`sse`), tool calling (`tools`), and OpenAI-shaped errors.
+//! stream (`sse`), tool calling (`tool_calls`), and OpenAI-shaped errors.
 
 pub mod chat;
 pub mod completions;
@@ -18,7 +18,7 @@ pub mod run;
 pub mod sse;
 pub mod structured;
 pub mod tokenize;
-pub mod tools;
+pub mod tool_calls;
 pub mod validate;
 
 pub use error::ApiError;

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use common::FinishReason;
-use common::protocol::WireLogprobs;
+use common::protocol::TokenLogprobs;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -18,7 +18,7 @@ use super::prepare::now;
 use super::reply::Reply;
 use super::run::{ChoiceEnd, Update};
 use super::sse::{self, Events};
-use super::tools::{self, ChoiceTools, ToolCall, ToolCallDelta, ToolDelta};
+use super::tool_calls::{self, ChoiceTools, ToolCall, ToolCallDelta, ToolDelta};
 use crate::app::AppState;
 
 /// A whole response, or one chunk of a stream.
@@ -41,7 +41,7 @@ pub struct Choice {
     #[serde(flatten)]
     pub content: Content,
     pub logprobs: Option<Logprobs>,
-    /// `stop`, `length`, `abort`, or `tool_calls` (see `tools::finish_reason`).
+    /// `stop`, `length`, `abort`, or `tool_calls` (see `tool_calls::finish_reason`).
     pub finish_reason: Option<&'static str>,
     /// Left out of the stream chunks before the choice's end.
     #[serde(flatten)]
@@ -209,7 +209,7 @@ impl ChunkStream {
         let chunk =
             |choices, usage| Completion { id: &id, object, created, model: &app.served_model_name, choices, usage };
         let mut started = vec![false; n];
-        let mut prompt_logprobs: Vec<Vec<WireLogprobs>> = vec![Vec::new(); n];
+        let mut prompt_logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
         let mut ends: Vec<ChoiceEnd> = Vec::new();
         while ends.len() < n {
             let Some(mut update) = rx.recv().await else { break };
@@ -296,7 +296,7 @@ impl ChunkStream {
                         Kind::Completion => Content::Text(String::new()),
                     };
                     let mut choice = Choice::ended(end.index, content, None, Some(&end));
-                    choice.finish_reason = Some(tools::finish_reason(called, end.finish_reason));
+                    choice.finish_reason = Some(tool_calls::finish_reason(called, end.finish_reason));
                     ends.push(end);
                     choice
                 }
@@ -328,7 +328,7 @@ mod tests {
     use crate::app::HttpLimits;
     use crate::cluster::Cluster;
     use crate::text::Tokenizer;
-    use crate::tools::ToolFormat;
+    use crate::tool_parser::ToolFormat;
 
     /// A coordinator's state with tiny-qwen3's tokenizer and no workers.
     fn app() -> Arc<AppState> {

@@ -124,12 +124,18 @@ pub fn fit_completion(
 
 /// The `n` choices of one prompt. With a seed, choice i uses seed + i, so
 /// n > 1 still gives n different samples, reproducibly.
-pub fn n_choices(prompt_ids: &[u32], params: &SamplingParams, stops: &[String], n: usize) -> Vec<ChoiceSpec> {
+pub fn n_choices(
+    prompt_ids: &[u32],
+    params: &SamplingParams,
+    stops: &[String],
+    priority: i32,
+    n: usize,
+) -> Vec<ChoiceSpec> {
     (0..n)
         .map(|i| {
             let mut params = params.clone();
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            ChoiceSpec { prompt_ids: prompt_ids.to_vec(), params, stops: stops.to_vec() }
+            ChoiceSpec { prompt_ids: prompt_ids.to_vec(), params, stops: stops.to_vec(), priority }
         })
         .collect()
 }

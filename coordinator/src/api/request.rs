@@ -4,6 +4,7 @@
 //! 400 naming the parameter instead of a serde type error.
 
 use common::SamplingParams;
+use common::sampling::rules;
 use serde::Deserialize;
 
 use super::error::ApiError;
@@ -41,6 +42,9 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// Speculative decoding for this request (the worker's setting if absent).
     pub speculative: Option<SpeculativeField>,
+    /// vLLM's scheduling priority: lower runs first (default 0). It counts
+    /// on workers started with `--scheduling-policy priority`.
+    pub priority: Option<i64>,
     /// `response_format`, `structured_outputs` and `guided_*` (see `structured`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -53,105 +57,54 @@ pub struct StreamOptions {
 
 /// Largest `n` accepted.
 pub const MAX_N: i64 = 16;
-pub use super::validate::MAX_STOP_STRINGS;
-/// OpenAI's temperature range.
-pub const MAX_TEMPERATURE: f64 = 2.0;
+pub const MAX_STOP_STRINGS: usize = 16;
+/// A stop string longer than this is refused: the stop-string matcher holds
+/// back that much text, and no reasonable stop is longer.
+pub const MAX_STOP_BYTES: usize = 4096;
 
 impl SamplingFields {
     /// Checks ranges and builds the worker's parameters. `default_max_tokens`
     /// applies when the request gives none; `logprobs` is the top-n asked for.
     pub fn to_params(&self, default_max_tokens: u32, logprobs: Option<u32>) -> Result<SamplingParams, ApiError> {
-        let max_tokens = self.max_tokens.or(self.max_completion_tokens);
-        let max_tokens = match max_tokens {
-            None => default_max_tokens,
-            Some(m) if m >= 1 && m <= u32::MAX as i64 => m as u32,
-            Some(m) => {
-                return Err(ApiError::invalid(
-                    "max_tokens",
-                    format!("max_tokens must be in [1, {}], got {m}", u32::MAX),
-                ));
-            }
-        };
-        let min_tokens = match self.min_tokens {
-            None => 0,
-            Some(m) if m >= 0 && m <= max_tokens as i64 => m as u32,
-            Some(m) => {
-                return Err(ApiError::invalid("min_tokens", format!("min_tokens must be in [0, max_tokens], got {m}")));
-            }
-        };
         if self.stream_options.is_some() && !self.stream() {
             return Err(ApiError::invalid("stream_options", "stream_options can only be given when stream is true"));
         }
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=MAX_TEMPERATURE).contains(&temperature) {
-            return Err(ApiError::invalid(
-                "temperature",
-                format!("temperature must be in [0, {MAX_TEMPERATURE}], got {temperature:?}"),
-            ));
+        // Every range is `common::sampling::rules`'; values are checked as
+        // written (wide), before they narrow to the carried types.
+        let max_tokens = self.max_tokens.or(self.max_completion_tokens);
+        if let Some(m) = max_tokens {
+            rules::check_int("max_tokens", rules::MAX_TOKENS, m)?;
         }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {top_p:?}")));
-        }
-        let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
-            Some(k) => {
-                return Err(ApiError::invalid(
-                    "top_k",
-                    format!("top_k must be -1 or 0 (off), or in [1, {}], got {k}", u32::MAX),
-                ));
-            }
+        let max_tokens = max_tokens.map_or(default_max_tokens, |m| m as u32);
+        let min_tokens = self.min_tokens.unwrap_or(0);
+        rules::check_min_tokens(min_tokens, max_tokens)?;
+        let top_k = self.top_k.unwrap_or(0);
+        rules::check_top_k(top_k)?;
+        let number = |name: &'static str, range: rules::Range, value: Option<f64>, default: f64| {
+            let value = value.unwrap_or(default);
+            rules::check(name, range, value).map(|()| value as f32)
         };
-        let min_p = self.min_p.unwrap_or(0.0);
-        if !(0.0..=1.0).contains(&min_p) {
-            return Err(ApiError::invalid("min_p", format!("min_p must be in [0, 1], got {min_p:?}")));
-        }
-        let penalty = |name: &str, v: Option<f64>| -> Result<f32, ApiError> {
-            let v = v.unwrap_or(0.0);
-            if (-2.0..=2.0).contains(&v) {
-                Ok(v as f32)
-            } else {
-                Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v:?}")))
-            }
-        };
-        let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
-        if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
-            return Err(ApiError::invalid(
-                "repetition_penalty",
-                format!("repetition_penalty must be in (0, 10], got {repetition_penalty:?}"),
-            ));
-        }
         let mut logit_bias = Vec::new();
         for (key, &bias) in self.logit_bias.iter().flatten() {
             let id = key.trim().parse::<u32>().map_err(|_| {
                 ApiError::invalid("logit_bias", format!("logit_bias keys must be token ids, got {key:?}"))
             })?;
-            if !(-100.0..=100.0).contains(&bias) {
-                return Err(ApiError::invalid(
-                    "logit_bias",
-                    format!("logit_bias values must be in [-100, 100], got {bias:?} for token {id}"),
-                ));
-            }
+            rules::check_logit_bias(id, bias)?;
             logit_bias.push((id, bias as f32));
         }
         logit_bias.sort_unstable_by_key(|&(id, _)| id);
-        if let Some(w) = logit_bias.windows(2).find(|w| w[0].0 == w[1].0) {
-            return Err(ApiError::invalid("logit_bias", format!("token {} is biased twice", w[0].0)));
-        }
-        // Negative seeds wrap: any i64 names one stream.
-        let seed = self.seed.map(|s| s as u64);
-        Ok(SamplingParams {
-            temperature: temperature as f32,
-            top_p: top_p as f32,
-            top_k,
-            min_p: min_p as f32,
-            repetition_penalty: repetition_penalty as f32,
-            presence_penalty: penalty("presence_penalty", self.presence_penalty)?,
-            frequency_penalty: penalty("frequency_penalty", self.frequency_penalty)?,
-            seed,
+        let params = SamplingParams {
+            temperature: number("temperature", rules::TEMPERATURE, self.temperature, 1.0)?,
+            top_p: number("top_p", rules::TOP_P, self.top_p, 1.0)?,
+            top_k: top_k.max(0) as u32,
+            min_p: number("min_p", rules::MIN_P, self.min_p, 0.0)?,
+            repetition_penalty: number("repetition_penalty", rules::REPETITION_PENALTY, self.repetition_penalty, 1.0)?,
+            presence_penalty: number("presence_penalty", rules::PENALTY, self.presence_penalty, 0.0)?,
+            frequency_penalty: number("frequency_penalty", rules::PENALTY, self.frequency_penalty, 0.0)?,
+            // Negative seeds wrap: any i64 names one stream.
+            seed: self.seed.map(|s| s as u64),
             max_tokens,
-            min_tokens,
+            min_tokens: min_tokens as u32,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
@@ -161,7 +114,17 @@ impl SamplingFields {
             // Set by the endpoints from `response_format`, `guided_*` or `tool_choice`.
             structured_output: None,
             speculative: self.speculative.as_ref().map(SpeculativeField::to_param).transpose()?,
-        })
+        };
+        // The rest of the rules (duplicate biases, the speculative count).
+        params.validate()?;
+        Ok(params)
+    }
+
+    /// The request's scheduling priority (0 when not given).
+    pub fn priority(&self) -> Result<i32, ApiError> {
+        let priority = self.priority.unwrap_or(0);
+        rules::check_int("priority", rules::PRIORITY, priority)?;
+        Ok(priority as i32)
     }
 
     pub fn stop_strings(&self) -> Result<Vec<String>, ApiError> {
@@ -178,6 +141,12 @@ impl SamplingFields {
         }
         if stops.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+        }
+        if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("each stop string must be at most {MAX_STOP_BYTES} bytes, got {}", long.len()),
+            ));
         }
         Ok(stops)
     }
@@ -272,7 +241,7 @@ pub struct ChatRequest {
     pub messages: Vec<serde_json::Value>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
-    /// Tool calling (see `api::tools`); read here, so `unserved` never sees them.
+    /// Tool calling (see `api::tool_calls`); read here, so `unserved` never sees them.
     pub tools: Option<Vec<serde_json::Value>>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
@@ -310,13 +279,11 @@ impl SpeculativeField {
         let k = match &self.num_speculative_tokens {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => {
-                let max = common::MAX_SPECULATIVE_TOKENS;
-                let k = v.as_u64().filter(|k| (1..=max as u64).contains(k)).ok_or_else(|| {
-                    ApiError::invalid(
-                        "speculative.num_speculative_tokens",
-                        format!("num_speculative_tokens must be an integer in [1, {max}], got {v}"),
-                    )
+                let param = "speculative.num_speculative_tokens";
+                let k = v.as_i64().ok_or_else(|| {
+                    ApiError::invalid(param, format!("num_speculative_tokens must be an integer, got {v}"))
                 })?;
+                rules::check_int(param, rules::SPECULATIVE_TOKENS, k)?;
                 Some(k as u8)
             }
         };
@@ -359,11 +326,13 @@ pub struct DetokenizeRequest {
 }
 
 /// `logprobs` as top-n: 0..=20.
-pub fn top_n(param: &str, n: Option<i64>) -> Result<Option<u32>, ApiError> {
+pub fn top_n(param: &'static str, n: Option<i64>) -> Result<Option<u32>, ApiError> {
     match n {
         None => Ok(None),
-        Some(n) if (0..=common::sampling::MAX_LOGPROBS as i64).contains(&n) => Ok(Some(n as u32)),
-        Some(n) => Err(ApiError::invalid(param, format!("{param} must be in [0, 20], got {n}"))),
+        Some(n) => {
+            rules::check_int(param, rules::LOGPROBS, n)?;
+            Ok(Some(n as u32))
+        }
     }
 }
 
@@ -449,5 +418,9 @@ mod tests {
         let p = fields(r#"{"logit_bias": {"9": -100, "3": 2.5}}"#).to_params(16, None).unwrap();
         assert_eq!(p.logit_bias, vec![(3, 2.5), (9, -100.0)]);
         assert_eq!(fields(r#"{"stop": ["a", "b"]}"#).stop_strings().unwrap(), vec!["a", "b"]);
+        assert_eq!(fields("{}").priority().unwrap(), 0);
+        assert_eq!(fields(r#"{"priority": -5}"#).priority().unwrap(), -5);
+        let err = fields(r#"{"priority": 4294967296}"#).priority().unwrap_err();
+        assert_eq!((err.param.as_deref(), err.status), (Some("priority"), hyper::StatusCode::BAD_REQUEST));
     }
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use common::FinishReason;
-use common::protocol::WireLogprobs;
+use common::protocol::TokenLogprobs;
 use common::{RequestId, SamplingParams, WorkerId};
 use tokio::sync::mpsc;
 
@@ -20,6 +20,8 @@ pub struct ChoiceSpec {
     pub prompt_ids: Vec<u32>,
     pub params: SamplingParams,
     pub stops: Vec<String>,
+    /// Scheduling priority on the worker (lower first).
+    pub priority: i32,
 }
 
 #[derive(Debug)]
@@ -27,13 +29,13 @@ pub enum Update {
     /// Log-probabilities of the next prompt tokens (see `RequestEvent::PromptLogprobs`).
     PromptLogprobs {
         index: usize,
-        logprobs: Vec<WireLogprobs>,
+        logprobs: Vec<TokenLogprobs>,
     },
     Delta {
         index: usize,
         text: String,
         token_ids: Vec<u32>,
-        logprobs: Vec<WireLogprobs>,
+        logprobs: Vec<TokenLogprobs>,
     },
     End(ChoiceEnd),
     /// `rejected`: by the worker, as invalid (a 400, not a 503).
@@ -81,7 +83,7 @@ pub fn launch(
     let (tx, rx) = mpsc::unbounded_channel();
     let mut submitted = Vec::with_capacity(specs.len());
     for spec in specs {
-        match app.cluster.submit(spec.prompt_ids.clone(), spec.params.clone()) {
+        match app.cluster.submit(spec.prompt_ids.clone(), spec.params.clone(), spec.priority) {
             Ok((id, worker, events)) => submitted.push((spec, id, worker, events)),
             Err(e) => {
                 for (_, id, _, _) in submitted {
@@ -211,9 +213,9 @@ async fn drive_choice(
 pub struct Collected {
     pub text: String,
     pub token_ids: Vec<u32>,
-    pub logprobs: Vec<WireLogprobs>,
+    pub logprobs: Vec<TokenLogprobs>,
     /// From the prompt's second token on, when `prompt_logprobs` was asked.
-    pub prompt_logprobs: Vec<WireLogprobs>,
+    pub prompt_logprobs: Vec<TokenLogprobs>,
     pub end: Option<ChoiceEnd>,
 }
 

@@ -2,8 +2,9 @@
 //! types: every known field is tested for its JSON type (and list fields
 //! for their size), so a wrong value gets a 400 that names the field and
 //! what it must be, rather than serde's message about an untagged enum or
-//! a flattened struct. Ranges are checked afterwards, where the values are
-//! used (`request`, `prepare`).
+//! a flattened struct. Only shapes and sizes are checked here: every range
+//! and rule on values is checked once, afterwards (`request`, which applies
+//! `common::sampling::rules`, and `prepare`).
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -58,6 +59,7 @@ pub const SAMPLING: &[(&str, Kind)] = &[
     ("stream", Kind::Bool),
     ("stream_options", Kind::StreamOptions),
     ("speculative", Kind::Object),
+    ("priority", Kind::Int),
     // Structured outputs: shapes checked where they are read (`structured`).
     ("response_format", Kind::Any),
     ("structured_outputs", Kind::Any),
@@ -72,10 +74,6 @@ pub const SAMPLING: &[(&str, Kind)] = &[
     ("best_of", Kind::Int),
 ];
 
-pub const MAX_STOP_STRINGS: usize = 16;
-/// A stop string longer than this is refused: the stop-string matcher holds
-/// back that much text, and no reasonable stop is longer.
-pub const MAX_STOP_BYTES: usize = 4096;
 /// More entries than this is abuse (OpenAI allows 300).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 /// OpenAI's roles (vLLM passes others to the template; OpenAI refuses them).
@@ -160,28 +158,16 @@ fn check(name: &str, kind: Kind, v: &Value) -> Result<(), ApiError> {
 }
 
 fn check_stop(name: &str, v: &Value) -> Result<(), ApiError> {
-    let stops: Vec<&Value> = match v {
-        Value::String(_) => vec![v],
-        Value::Array(list) => list.iter().collect(),
-        _ => return Err(ApiError::invalid(name, format!("{name} must be a string or a list of strings"))),
+    let is_strings = match v {
+        Value::String(_) => true,
+        Value::Array(list) => list.iter().all(Value::is_string),
+        _ => false,
     };
-    if stops.len() > MAX_STOP_STRINGS {
-        return Err(ApiError::invalid(name, format!("at most {MAX_STOP_STRINGS} stop strings, got {}", stops.len())));
+    if is_strings {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(name, format!("{name} must be a string or a list of strings")))
     }
-    for s in stops {
-        match s.as_str() {
-            None => return Err(ApiError::invalid(name, format!("{name} must be a string or a list of strings"))),
-            Some("") => return Err(ApiError::invalid(name, "stop strings must not be empty")),
-            Some(s) if s.len() > MAX_STOP_BYTES => {
-                return Err(ApiError::invalid(
-                    name,
-                    format!("each stop string must be at most {MAX_STOP_BYTES} bytes, got {}", s.len()),
-                ));
-            }
-            Some(_) => {}
-        }
-    }
-    Ok(())
 }
 
 fn check_logit_bias(name: &str, v: &Value) -> Result<(), ApiError> {

@@ -24,7 +24,7 @@ mod requests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use common::protocol::{ModelIdentity, WireLogprobs};
+use common::protocol::{ModelIdentity, TokenLogprobs};
 use common::{FinishReason, RequestId, SamplingParams, WorkerId};
 use prometheus::{IntCounter, IntCounterVec, Opts};
 use tokio::sync::mpsc;
@@ -45,10 +45,10 @@ pub use common::protocol::STATS_INTERVAL;
 pub enum RequestEvent {
     /// Log-probabilities of the next prompt tokens (`prompt_logprobs`), in
     /// order from the second prompt token, each once, all before `Tokens`.
-    PromptLogprobs(Vec<WireLogprobs>),
+    PromptLogprobs(Vec<TokenLogprobs>),
     Tokens {
         ids: Vec<u32>,
-        logprobs: Vec<WireLogprobs>,
+        logprobs: Vec<TokenLogprobs>,
     },
     /// `worker` names the worker that finished it (it changes on re-dispatch).
     Finished {
@@ -78,6 +78,8 @@ struct InFlight {
     /// The prompt as the client sent it (for usage and re-dispatch).
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// Scheduling priority, sent again on re-dispatch.
+    priority: i32,
     generated: Vec<u32>,
     worker: WorkerId,
     events: mpsc::UnboundedSender<RequestEvent>,

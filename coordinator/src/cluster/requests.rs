@@ -7,7 +7,7 @@
 //! tokens are the ones the lost worker would have made: penalties count
 //! the streamed tokens and a seeded draw goes on at the same position.
 
-use common::protocol::{CoordinatorMessage, WireLogprobs};
+use common::protocol::{CoordinatorMessage, TokenLogprobs};
 use common::{BlockHash, FinishReason, RequestId, SamplingParams, WorkerId};
 use tokio::sync::mpsc;
 
@@ -15,20 +15,22 @@ use super::{Cluster, InFlight, RequestEvent, State, SubmitError};
 
 /// A `WorkerMessage::TokenDelta`'s fields that the table uses.
 pub(super) struct Delta {
-    pub prompt_logprobs: Vec<WireLogprobs>,
+    pub prompt_logprobs: Vec<TokenLogprobs>,
     pub new_token_ids: Vec<u32>,
-    pub logprobs: Vec<WireLogprobs>,
+    pub logprobs: Vec<TokenLogprobs>,
     pub finish_reason: Option<FinishReason>,
     pub num_cached_tokens: u32,
 }
 
 impl Cluster {
-    /// Sends a request to the worker the router picks. Returns its id, the
-    /// worker chosen, and the stream of its events.
+    /// Sends a request to the worker the router picks, with its scheduling
+    /// `priority` there. Returns its id, the worker chosen, and the stream
+    /// of its events.
     pub fn submit(
         &self,
         prompt: Vec<u32>,
         mut params: SamplingParams,
+        priority: i32,
     ) -> Result<(RequestId, WorkerId, mpsc::UnboundedReceiver<RequestEvent>), SubmitError> {
         // A sampled request without a seed gets one here, not on the worker:
         // should the worker be lost, the next one goes on with the same stream.
@@ -43,13 +45,14 @@ impl Cluster {
             return Err(SubmitError::Overloaded(state.requests.len()));
         }
         let id = RequestId(state.next_request_id);
-        let worker = self.dispatch(&mut state, id, (&prompt, &[]), &chain, params.clone(), None)?;
+        let worker = self.dispatch(&mut state, id, (&prompt, &[]), &chain, (params.clone(), priority), None)?;
         state.next_request_id += 1;
         state.requests.insert(
             id,
             InFlight {
                 prompt,
                 params,
+                priority,
                 generated: Vec::new(),
                 worker,
                 events: tx,
@@ -72,7 +75,7 @@ impl Cluster {
         id: RequestId,
         tokens: (&[u32], &[u32]),
         chain: &[BlockHash],
-        params: SamplingParams,
+        (params, priority): (SamplingParams, i32),
         exclude: Option<WorkerId>,
     ) -> Result<WorkerId, SubmitError> {
         let (prompt, output) = tokens;
@@ -88,6 +91,7 @@ impl Cluster {
             prompt_token_ids: prompt.to_vec(),
             output_token_ids: output.to_vec(),
             params,
+            priority,
         };
         if !entry.send(message) {
             return Err(SubmitError::NoWorker);
@@ -145,7 +149,7 @@ impl Cluster {
             let skip = req.prompt_logprobs_to_skip.min(prompt_logprobs.len());
             req.prompt_logprobs_to_skip -= skip;
             let owed = req.prompt.len().saturating_sub(1).saturating_sub(req.prompt_logprobs_sent);
-            let fresh: Vec<WireLogprobs> = prompt_logprobs.into_iter().skip(skip).take(owed).collect();
+            let fresh: Vec<TokenLogprobs> = prompt_logprobs.into_iter().skip(skip).take(owed).collect();
             req.prompt_logprobs_sent += fresh.len();
             if !fresh.is_empty() {
                 let _ = req.events.send(RequestEvent::PromptLogprobs(fresh));
@@ -215,7 +219,7 @@ impl Cluster {
     fn redispatch(&self, state: &mut State, id: RequestId, from: WorkerId, from_label: &str) {
         let Some(req) = state.requests.get(&id) else { return };
         let (prompt, output) = (req.prompt.clone(), req.generated.clone());
-        let mut params = req.params.clone();
+        let (mut params, priority) = (req.params.clone(), req.priority);
         // The new worker scores the prompt from its start again: what the
         // client has is dropped, and nothing is asked once all came.
         let prompt_logprobs_sent = req.prompt_logprobs_sent;
@@ -224,7 +228,7 @@ impl Cluster {
         }
         let chain = common::hash_prompt_blocks(&[prompt.as_slice(), output.as_slice()].concat(), self.block_size);
         state.router.on_finish(id);
-        match self.dispatch(state, id, (&prompt, &output), &chain, params, Some(from)) {
+        match self.dispatch(state, id, (&prompt, &output), &chain, (params, priority), Some(from)) {
             Ok(target) => {
                 state.redispatches += 1;
                 self.metrics.redispatches.inc();

@@ -7,11 +7,11 @@ use tokio::sync::mpsc;
 
 use super::*;
 
-fn lp(logprob: f32) -> WireLogprobs {
-    WireLogprobs { logprob, top: Vec::new() }
+fn lp(logprob: f32) -> TokenLogprobs {
+    TokenLogprobs { logprob, top: Vec::new() }
 }
 
-fn delta(id: RequestId, prompt_logprobs: Vec<WireLogprobs>, tokens: Vec<u32>) -> WorkerMessage {
+fn delta(id: RequestId, prompt_logprobs: Vec<TokenLogprobs>, tokens: Vec<u32>) -> WorkerMessage {
     WorkerMessage::TokenDelta {
         request_id: id,
         prompt_logprobs,
@@ -78,7 +78,7 @@ fn prompt_logprobs_received(events: &mut mpsc::UnboundedReceiver<RequestEvent>) 
 fn redispatch_reports_each_prompt_logprob_once() {
     let (cluster, mut inboxes) = cluster_with_workers(3, Policy::RoundRobin);
     let scoring = SamplingParams { prompt_logprobs: Some(0), ..SamplingParams::greedy(4) };
-    let (id, first, mut events) = cluster.submit(vec![1, 2, 3, 4, 5], scoring.clone()).expect("submitted");
+    let (id, first, mut events) = cluster.submit(vec![1, 2, 3, 4, 5], scoring.clone(), 0).expect("submitted");
     cluster.on_worker_message(first, delta(id, vec![lp(-1.0), lp(-2.0)], vec![]));
     cluster.remove_worker(first, "test");
     let second = cluster.request_worker(id).expect("re-dispatched");
@@ -89,7 +89,7 @@ fn redispatch_reports_each_prompt_logprob_once() {
     cluster.on_worker_message(second, delta(id, vec![lp(-4.0)], vec![9]));
     assert_eq!(prompt_logprobs_received(&mut events), [-1.0, -2.0, -3.0, -4.0]);
 
-    let (id, first, mut events) = cluster.submit(vec![1, 2, 3], scoring).expect("submitted");
+    let (id, first, mut events) = cluster.submit(vec![1, 2, 3], scoring, 0).expect("submitted");
     cluster.on_worker_message(first, delta(id, vec![lp(-1.0), lp(-2.0)], vec![7]));
     cluster.remove_worker(first, "test");
     let next = cluster.request_worker(id).expect("re-dispatched");
@@ -108,10 +108,10 @@ fn scoring_requests_are_routed_without_expecting_cache_hits() {
     let hashes = chain.iter().map(|&h| (h, None)).collect();
     cluster.on_worker_message(WorkerId(1), WorkerMessage::KvSnapshot { last_event_id: None, hashes });
     let predicted = || cluster.metrics.predicted_cached_tokens.with_label_values(&["w1"]).get();
-    let (_, worker, _) = cluster.submit(prompt.clone(), SamplingParams::greedy(4)).expect("submitted");
+    let (_, worker, _) = cluster.submit(prompt.clone(), SamplingParams::greedy(4), 0).expect("submitted");
     assert_eq!((worker, predicted()), (WorkerId(1), 32), "a plain request goes where its 2 blocks are");
     let scoring = SamplingParams { prompt_logprobs: Some(0), ..SamplingParams::greedy(4) };
-    let (_, worker, _) = cluster.submit(prompt, scoring).expect("submitted");
+    let (_, worker, _) = cluster.submit(prompt, scoring, 0).expect("submitted");
     assert_eq!((worker, predicted()), (WorkerId(0), 32), "the scoring one goes to the idle worker");
 }
 
@@ -129,7 +129,7 @@ fn redispatch_carries_the_streamed_tokens_as_output() {
         max_tokens: 10,
         ..SamplingParams::default()
     };
-    let (id, first, _events) = cluster.submit(vec![1, 2, 3], params.clone()).expect("submitted");
+    let (id, first, _events) = cluster.submit(vec![1, 2, 3], params.clone(), 0).expect("submitted");
     let (_, _, sent) = generate_sent(&mut inboxes[first.0 as usize]).expect("sent");
     let seed = sent.seed.expect("the coordinator seeds a sampled request");
     cluster.on_worker_message(first, delta(id, vec![], vec![7, 8]));
@@ -146,7 +146,7 @@ fn redispatch_carries_the_streamed_tokens_as_output() {
 #[test]
 fn a_worker_whose_process_exited_is_dropped_at_once() {
     let (cluster, mut inboxes) = cluster_with_workers(2, Policy::RoundRobin);
-    let (id, first, _events) = cluster.submit(vec![1, 2, 3], SamplingParams::greedy(8)).expect("submitted");
+    let (id, first, _events) = cluster.submit(vec![1, 2, 3], SamplingParams::greedy(8), 0).expect("submitted");
     cluster.on_worker_message(first, delta(id, vec![], vec![5]));
     cluster.worker_process_exited(&format!("w{}", first.0), "signal: 9 (SIGKILL)");
     assert_eq!(cluster.workers().len(), 1);
@@ -162,7 +162,7 @@ fn a_worker_whose_process_exited_is_dropped_at_once() {
 #[test]
 fn a_draining_worker_is_routed_around() {
     let (cluster, mut inboxes) = cluster_with_workers(2, Policy::RoundRobin);
-    let (id, first, mut events) = cluster.submit(vec![1, 2, 3], SamplingParams::greedy(8)).expect("submitted");
+    let (id, first, mut events) = cluster.submit(vec![1, 2, 3], SamplingParams::greedy(8), 0).expect("submitted");
     cluster.on_worker_message(first, WorkerMessage::Draining);
     let message = "worker is draining".to_string();
     cluster.on_worker_message(first, WorkerMessage::Rejected { request_id: id, message });
@@ -171,7 +171,7 @@ fn a_draining_worker_is_routed_around() {
     assert!(generate_sent(&mut inboxes[next.0 as usize]).is_some());
     assert!(events.try_recv().is_err(), "nothing failed");
     for _ in 0..4 {
-        let (_, worker, _) = cluster.submit(vec![4, 5], SamplingParams::greedy(2)).expect("submitted");
+        let (_, worker, _) = cluster.submit(vec![4, 5], SamplingParams::greedy(2), 0).expect("submitted");
         assert_eq!(worker, next);
     }
 }
@@ -183,7 +183,7 @@ fn worker_load_shows_dispatches_at_once() {
     let (cluster, _inboxes) = cluster_with_workers(3, Policy::PrefixAware);
     let mut events = Vec::new();
     for i in 0..70u32 {
-        let (id, worker, rx) = cluster.submit(vec![1, 2, 3, i], SamplingParams::greedy(8)).expect("submitted");
+        let (id, worker, rx) = cluster.submit(vec![1, 2, 3, i], SamplingParams::greedy(8), 0).expect("submitted");
         events.push((id, worker, rx));
     }
     let (id, worker, _) = &events[0];

@@ -10,7 +10,7 @@
 
 use common::protocol::{
     self, CoordinatorMessage, FRAME_HEADER_BYTES, FinishReason, Handshake, HandshakeReply, MAX_FRAME_BYTES,
-    ModelIdentity, OfferReply, WireLogprobs, WorkerHello, WorkerMessage, WorkerStats,
+    ModelIdentity, OfferReply, TokenLogprobs, WorkerHello, WorkerMessage, WorkerStats,
 };
 use common::{BlockHash, KvEvent, KvEventRecord, RequestId, SamplingParams, WorkerId};
 use serde::Serialize;
@@ -74,6 +74,7 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             prompt_token_ids: vec![1, 415, 2936, 9060],
             output_token_ids: vec![],
             params,
+            priority: 0,
         },
         CoordinatorMessage::Generate {
             request_id: RequestId(u64::MAX),
@@ -81,17 +82,18 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             // A re-dispatched request resumes after what it already streamed.
             output_token_ids: vec![450, 29871],
             params: sampled,
+            priority: -7,
         },
         CoordinatorMessage::Abort { request_id: RequestId(7) },
         CoordinatorMessage::RequestKvSnapshot,
         CoordinatorMessage::Drain,
         CoordinatorMessage::Shutdown,
     ];
-    let logprobs = WireLogprobs { logprob: -0.25, top: vec![(13, -0.25), (29, -1.75), (1, f32::NEG_INFINITY)] };
+    let logprobs = TokenLogprobs { logprob: -0.25, top: vec![(13, -0.25), (29, -1.75), (1, f32::NEG_INFINITY)] };
     let worker = [
         WorkerMessage::TokenDelta {
             request_id: RequestId(1),
-            prompt_logprobs: vec![logprobs.clone(), WireLogprobs { logprob: f32::NAN, top: vec![] }],
+            prompt_logprobs: vec![logprobs.clone(), TokenLogprobs { logprob: f32::NAN, top: vec![] }],
             new_token_ids: vec![450, 29871, 13],
             logprobs: vec![logprobs.clone(); 3],
             finish_reason: None,

@@ -170,7 +170,9 @@ mod tests {
         for file in files {
             let golden: Value = serde_json::from_str(&std::fs::read_to_string(&file).expect("read")).expect("json");
             let tok = tokenizer(golden["model"].as_str().expect("model"));
-            for case in golden["cases"].as_array().expect("cases") {
+            let file_cases = golden["cases"].as_array().expect("cases");
+            assert!(!file_cases.is_empty(), "{}: no cases", file.display());
+            for case in file_cases {
                 let ids: Vec<u32> = ["prompt_ids", "generated_ids"]
                     .iter()
                     .flat_map(|k| case[*k].as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32))
@@ -184,15 +186,26 @@ mod tests {
                 // run that ends the prompt, which rewrites the prompt's text.)
                 let prompt = &ids[..case["prompt_ids"].as_array().expect("ids").len()];
                 let (all, before) = (tok.decode(&ids, true), tok.decode(prompt, true));
-                if let Some(expected) = all.strip_prefix(before.as_str()) {
-                    let streamed: String = stream(&tok, prompt, &ids[prompt.len()..], &[1], true).concat();
-                    assert_eq!(streamed, expected, "{what}");
-                    served += 1;
+                match all.strip_prefix(before.as_str()) {
+                    Some(expected) => {
+                        let streamed: String = stream(&tok, prompt, &ids[prompt.len()..], &[1], true).concat();
+                        assert_eq!(streamed, expected, "{what}");
+                        served += 1;
+                    }
+                    // Only where the prompt ends in a byte-fallback token
+                    // and the output goes on with one may the prompt's text
+                    // be rewritten: the decoder joins the byte run across.
+                    None => {
+                        let is_byte = |id: u32| tok.token_piece(id).starts_with("<0x");
+                        let across = is_byte(prompt[prompt.len() - 1]) && is_byte(ids[prompt.len()]);
+                        assert!(across, "{what}: {before:?} is not a prefix of {all:?}");
+                    }
                 }
             }
         }
-        assert_eq!(cases, 49);
-        assert!(served >= cases - 3, "only {served} of {cases} comparable as served");
+        // Every case of every golden file was compared, however many the shared
+        // directory holds (each file's non-emptiness is asserted above).
+        assert!(served > cases / 2, "only {served} of {cases} comparable as served");
     }
 
     #[test]

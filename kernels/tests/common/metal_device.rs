@@ -10,17 +10,18 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// The Metal device, or None (with a note) where there is none. candle
+    /// The Metal device, or None (with a note, or a failure where a Metal
+    /// run is required) where there is none. candle
     /// panics rather than erring when no GPU is listed, hence the catch.
     pub fn get() -> Option<Self> {
         match std::panic::catch_unwind(|| Device::new_metal(0)) {
             Ok(Ok(device)) => Some(Self { device }),
             Ok(Err(e)) => {
-                eprintln!("skipping: no Metal device ({e})");
+                super::common::metal_unavailable(&format!("no Metal device ({e})"));
                 None
             }
             Err(_) => {
-                eprintln!("skipping: no Metal device");
+                super::common::metal_unavailable("no Metal device (candle panicked opening it)");
                 None
             }
         }

@@ -172,7 +172,7 @@ const ORDERS: [u64; 2] = [0, 0x5eed];
 impl Gpu {
     pub fn get() -> Option<Self> {
         if !metal_emu::available() {
-            eprintln!("skipping: the Metal emulator is not built for this target");
+            super::common::metal_unavailable("the Metal emulator is not built for this target");
             return None;
         }
         Some(Self { steps: RefCell::default(), allocations: Cell::default(), orders: &ORDERS })

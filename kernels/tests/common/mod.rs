@@ -9,6 +9,29 @@ use rand::Rng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
+/// Whether a Metal test that finds no GPU (or no emulator) must fail rather
+/// than skip with a note. `TINYVLLM_METAL_REQUIRED=1` requires it (the macOS
+/// workflow, as candle's CI sets `CANDLE_METAL_REQUIRED`); `=0` allows the
+/// skip (tools/test_aarch64.sh: its cross build has no C++ compiler for the
+/// emulator, and the native run of the same tests executes them); otherwise
+/// it is required under CI (`CI` set), so a broken emulator build fails there.
+pub fn metal_required() -> bool {
+    match std::env::var("TINYVLLM_METAL_REQUIRED").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => std::env::var_os("CI").is_some_and(|v| !v.is_empty()),
+    }
+}
+
+/// The skip of a Metal test that cannot run: a note, or a failure where
+/// [`metal_required`].
+pub fn metal_unavailable(why: &str) {
+    if metal_required() {
+        panic!("{why}, and a Metal run is required here (CI or TINYVLLM_METAL_REQUIRED=1)");
+    }
+    eprintln!("skipping: {why}");
+}
+
 pub struct Case {
     pub q: Tensor,
     pub k_cache: Tensor,

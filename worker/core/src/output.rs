@@ -54,20 +54,9 @@ pub struct SchedulerOutput {
     pub preempted: Vec<RequestId>,
 }
 
-/// Log-probabilities of one sampled token.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprobs {
-    pub logprob: f32,
-    /// The top-n tokens, most likely first.
-    pub top: Vec<(u32, f32)>,
-}
-
-/// What the sampler chose for one request that sampled this step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SampledToken {
-    pub token_id: u32,
-    pub logprobs: Option<TokenLogprobs>,
-}
+/// One type for a token's logprobs and one for a sampled token, from the
+/// samplers to the API (`common::sampling`).
+pub use common::{SampledToken, TokenLogprobs};
 
 /// New tokens of one request after a step.
 #[derive(Clone, Debug, PartialEq)]

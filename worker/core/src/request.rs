@@ -5,10 +5,6 @@
 
 use common::{BlockHash, FinishReason, RequestId, SamplingParams, hash_block_tokens};
 
-use crate::config::SchedulerConfig;
-use crate::output::{RequestOutput, SampledToken};
-use crate::spec;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestStatus {
     Waiting,
@@ -101,53 +97,6 @@ impl Request {
 
     pub fn is_finished(&self) -> bool {
         matches!(self.status, RequestStatus::Finished(_))
-    }
-
-    /// Appends what a step drew for this request: one row per verified
-    /// position, the first for its last real token, then one per token of
-    /// `proposed`. Proposals equal to the draws are kept, plus the draw
-    /// after them; a stop condition ends the run at its token. The KV of
-    /// the rejected proposals counts as not computed again. Returns this
-    /// step's output and how many proposals were accepted.
-    pub fn append_verified(
-        &mut self,
-        proposed: &[u32],
-        rows: Vec<SampledToken>,
-        config: &SchedulerConfig,
-    ) -> (RequestOutput, usize) {
-        let drawn: Vec<u32> = rows.iter().map(|r| r.token_id).collect();
-        let accepted = spec::num_accepted(proposed, &drawn);
-        self.num_computed_tokens -= proposed.len() - accepted;
-        let mut output = RequestOutput::empty(self);
-        for row in rows.into_iter().take(accepted + 1) {
-            self.token_ids.push(row.token_id);
-            output.new_token_ids.push(row.token_id);
-            output.logprobs.extend(row.logprobs);
-            output.finish_reason = self.stop_reason(row.token_id, config);
-            if output.finish_reason.is_some() {
-                break;
-            }
-        }
-        self.update_block_hashes(config.block_size);
-        (output, accepted)
-    }
-
-    /// Why the request stops after appending `token`, if it does.
-    fn stop_reason(&self, token: u32, config: &SchedulerConfig) -> Option<FinishReason> {
-        let params = &self.params;
-        let generated = self.num_output_tokens();
-        if generated >= params.min_tokens as usize {
-            if !params.ignore_eos && config.eos_token_ids.contains(&token) {
-                return Some(FinishReason::Stop);
-            }
-            if params.stop_token_ids.contains(&token) {
-                return Some(FinishReason::Stop);
-            }
-        }
-        if generated >= params.max_tokens as usize || self.num_tokens() >= config.max_model_len {
-            return Some(FinishReason::Length);
-        }
-        None
     }
 
     /// Extends `block_hashes` to cover every full block of `token_ids`.

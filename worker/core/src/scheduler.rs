@@ -17,8 +17,13 @@
 //!
 //! No tensors and no I/O here: `schedule()` says what to compute, the model
 //! runner computes it, `update_from_output()` takes the sampled tokens.
+//! One file per half of that contract: `schedule` (the step's tokens,
+//! admission, preemption) and `update` (appending tokens, stop checks,
+//! freeing), with `in_flight` for the rules of steps in flight.
 
 mod in_flight;
+mod schedule;
+mod update;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -27,11 +32,11 @@ use common::RequestId;
 use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::error::AddRequestError;
 use crate::kv_cache_manager::KvCacheManager;
-use crate::output::{RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats};
+use crate::output::{RequestOutput, SchedulerStats};
 use common::FinishReason;
 
-use crate::request::{Request, RequestStatus};
-use crate::spec::{Proposal, SpecDecodingStats};
+use crate::request::Request;
+use crate::spec::SpecDecodingStats;
 
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -105,6 +110,14 @@ impl Scheduler {
         Some(RequestOutput { finish_reason: Some(FinishReason::Abort), ..RequestOutput::empty(&req) })
     }
 
+    /// Aborts every request, in id order (waiting and running alike), and
+    /// frees all their blocks.
+    pub fn abort_all(&mut self) -> Vec<RequestOutput> {
+        let mut ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        ids.sort_unstable();
+        ids.into_iter().filter_map(|id| self.abort(id)).collect()
+    }
+
     pub fn request(&self, id: RequestId) -> Option<&Request> {
         self.requests.get(&id)
     }
@@ -134,151 +147,6 @@ impl Scheduler {
         }
     }
 
-    /// Decides what the next step computes.
-    pub fn schedule(&mut self) -> SchedulerOutput {
-        let mut out = SchedulerOutput { step_id: self.next_step_id, ..SchedulerOutput::default() };
-        self.next_step_id += 1;
-        let (max_seqs, mut stalled) = (self.step_seq_limit(), false);
-        let mut budget = self.config.max_num_batched_tokens;
-        let mut logprob_rows = self.config.max_prompt_logprob_rows;
-        let speculate = self.config.speculative.speculates(self.running.iter().map(|id| &self.requests[id].params));
-
-        // 1. Running requests first, highest priority first; those in flight wait.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 && out.scheduled.len() < max_seqs {
-            let id = self.running[i];
-            let req = &self.requests[&id];
-            // In flight, a speculating request counts its proposals as
-            // computed (more than its tokens) until the result comes.
-            if req.in_flight_step.is_some() {
-                i += 1;
-                continue;
-            }
-            let remaining = req.num_tokens() - req.num_computed_tokens;
-            let mut num_new = remaining.min(budget);
-            if req.owes_prompt_logprobs() {
-                num_new = num_new.min(logprob_rows);
-            }
-            if num_new == 0 {
-                i += 1;
-                continue;
-            }
-            let spec = &self.config.speculative;
-            let max_len = self.config.max_model_len;
-            let mut proposal =
-                if speculate && remaining == 1 { spec.proposal(req, budget - 1, max_len) } else { Proposal::default() };
-            num_new += proposal.tokens.len();
-            let mut preempted_self = false;
-            while self.kv.allocate_slots(&self.requests[&id], num_new, &[]).is_none() {
-                // Short of blocks: drop the guesses before taking anyone's blocks.
-                if !proposal.tokens.is_empty() {
-                    num_new -= proposal.tokens.len();
-                    proposal = Proposal::default();
-                    continue;
-                }
-                // Out of blocks: a lower-priority request gives its blocks back.
-                let Some(victim) = self.take_victim(i) else {
-                    stalled = true;
-                    break;
-                };
-                self.preempt(victim);
-                out.preempted.push(victim);
-                if victim == id {
-                    preempted_self = true;
-                    break;
-                }
-            }
-            if preempted_self || stalled {
-                break;
-            }
-            logprob_rows -= self.push_scheduled(&mut out, id, num_new, proposal);
-            budget -= num_new;
-            i += 1;
-        }
-
-        // 2. Admit waiting requests, unless this step already had to preempt.
-        while out.preempted.is_empty() && !stalled && budget > 0 && out.scheduled.len() < max_seqs {
-            if self.running.len() >= self.config.max_num_seqs {
-                break;
-            }
-            let Some((&key, &id)) = self.waiting.iter().next() else { break };
-            let req = &self.requests[&id];
-            let (hits, num_hit_tokens) = self.kv.get_computed_blocks(req);
-            let mut num_new = (req.num_tokens() - num_hit_tokens).min(budget);
-            if req.owes_prompt_logprobs() {
-                num_new = num_new.min(logprob_rows);
-            }
-            if num_new == 0 {
-                break; // this step's prompt-logprob rows are spent; it goes first next step
-            }
-            if self.kv.allocate_slots(req, num_new, &hits).is_none() {
-                break;
-            }
-            self.waiting.remove(&key);
-            // A request that may not read the cache did not query it (as in vLLM).
-            if !req.owes_prompt_logprobs() {
-                self.kv.prefix_stats.queries += req.num_tokens() as u64;
-                self.kv.prefix_stats.hits += num_hit_tokens as u64;
-            }
-            let req = self.requests.get_mut(&id).expect("waiting request exists");
-            req.num_computed_tokens = num_hit_tokens;
-            req.num_cached_tokens.get_or_insert(num_hit_tokens);
-            req.status = RequestStatus::Running;
-            let pos = self.running.partition_point(|r| {
-                let other = &self.requests[r];
-                (other.priority, other.arrival) < key
-            });
-            self.running.insert(pos, id);
-            logprob_rows -= self.push_scheduled(&mut out, id, num_new, Proposal::default());
-            budget -= num_new;
-        }
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
-        out
-    }
-
-    /// Records `num_new` tokens of `id` in this step, the last
-    /// `spec.tokens.len()` of them proposed; returns how many prompt-logprob
-    /// rows they take.
-    fn push_scheduled(&mut self, out: &mut SchedulerOutput, id: RequestId, num_new: usize, spec: Proposal) -> usize {
-        let req = self.requests.get_mut(&id).expect("scheduled request exists");
-        let start = req.num_computed_tokens;
-        req.num_computed_tokens += num_new;
-        req.in_flight_step = Some(out.step_id);
-        // Logits at p give the log-probability of prompt token p + 1; rows
-        // owed start at `next_prompt_logprob - 1` (later after a preemption
-        // recomputes positions already reported).
-        let mut logprob_positions = 0..0;
-        if req.owes_prompt_logprobs() {
-            let first = start.max(req.next_prompt_logprob - 1);
-            let end = req.num_computed_tokens.min(req.num_prompt_tokens - 1);
-            if first < end {
-                logprob_positions = first..end;
-                req.next_prompt_logprob = end + 1;
-            }
-        }
-        out.scheduled.push(ScheduledRequest {
-            id,
-            num_computed_tokens: start,
-            num_new_tokens: num_new,
-            block_ids: self.kv.block_table(id).to_vec(),
-            samples: req.num_computed_tokens == req.num_tokens() + spec.tokens.len(),
-            prompt_logprob_positions: logprob_positions.clone(),
-            spec_token_ids: spec.tokens,
-            draft_pending: spec.draft_pending,
-        });
-        logprob_positions.len()
-    }
-
-    fn preempt(&mut self, id: RequestId) {
-        self.kv.free(id);
-        let req = self.requests.get_mut(&id).expect("running request exists");
-        req.num_computed_tokens = 0;
-        req.status = RequestStatus::Preempted;
-        req.num_preemptions += 1;
-        self.num_preemptions += 1;
-        self.waiting.insert((req.priority, req.arrival), id);
-    }
-
     /// Every block is free or cached with ref_cnt 0 once no request is alive;
     /// in general, ref counts match the live block tables.
     pub fn check_invariants(&self) {
@@ -295,7 +163,7 @@ mod tests {
     use common::SamplingParams;
 
     use super::*;
-    use crate::output::SampledToken;
+    use crate::output::{SampledToken, SchedulerOutput};
     use crate::spec::SpeculativeConfig;
 
     fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<RequestOutput>) {

@@ -5,7 +5,7 @@ use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use common::pipeline::LayerRange;
-use engine_core::{SpecMethod, SpeculativeConfig};
+use engine_core::{SchedulingPolicy, SpecMethod, SpeculativeConfig};
 use kernels::KvCacheDtype;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::pipeline::stage::StageConfig;
@@ -61,7 +61,7 @@ pub struct EngineArgs {
     /// on CPUs other than x86-64; random presets use f16).
     #[arg(long, value_enum, default_value = "auto")]
     dtype: DTypeArg,
-    /// Where the model runs: auto is Metal on Apple Silicon, else the CPU.
+    /// Where the model runs: auto is Metal on Apple Silicon with macOS 15 or newer, else the CPU.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
     /// KV cache size in bytes (default: a quarter of the available memory).
@@ -87,6 +87,12 @@ pub struct EngineArgs {
     /// Turn off automatic prefix caching (every prompt is computed in full).
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Which waiting request runs next: fcfs (arrival order; a request's
+    /// `priority` is ignored) or priority (vLLM's: lowest `priority` first,
+    /// then arrival; when blocks run out, the least urgent running request
+    /// is preempted).
+    #[arg(long, value_enum, default_value = "fcfs")]
+    scheduling_policy: SchedulingPolicyArg,
     /// Quantize linear weights at load time, in GGML's formats (CPU only):
     /// q8_0 (8.5 bits per weight) or q4_0 (4.5 bits).
     #[arg(long, value_parser = super::weight_format(&Quantization::BLOCK_FORMATS))]
@@ -98,6 +104,12 @@ pub struct EngineArgs {
     /// (tinyllama-1.1b has Llama 2's 32,000 tokens, as ../shared/models/tiny-qwen3 does).
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SchedulingPolicyArg {
+    Fcfs,
+    Priority,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -213,6 +225,10 @@ pub fn build_engine_from(
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
         enable_prefix_caching: !args.no_prefix_caching,
+        policy: match args.scheduling_policy {
+            SchedulingPolicyArg::Fcfs => SchedulingPolicy::Fcfs,
+            SchedulingPolicyArg::Priority => SchedulingPolicy::Priority,
+        },
         quantization: args.quantize,
         layers,
         speculative: args.speculative.config()?,

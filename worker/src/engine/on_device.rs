@@ -1,12 +1,12 @@
 //! The step of an engine that samples on its model's device (GPUs): only
 //! token ids and the requested logprobs come back to the host.
 
-use super::{Engine, LogprobsMode, per_request, sampling_rows, with_masks};
+use super::{Engine, per_request, sampling_rows, with_masks};
 use crate::error::Result;
 use crate::profile::{self, Section};
-use crate::runner::device_sampler::{DeviceRow, LogprobValues};
+use crate::runner::device_sampler::DeviceRow;
 use crate::runner::model_runner::BatchInputs;
-use engine_core::{RequestOutput, SampledToken, SchedulerOutput, TokenLogprobs};
+use engine_core::{RequestOutput, SchedulerOutput};
 
 impl Engine {
     /// A step whose tokens are drawn on the model's device: penalties,
@@ -19,10 +19,6 @@ impl Engine {
         step: &SchedulerOutput,
         batch: &BatchInputs,
     ) -> Result<Vec<RequestOutput>> {
-        let values = match self.logprobs_mode {
-            LogprobsMode::RawLogits => LogprobValues::RawLogits,
-            LogprobsMode::RawLogprobs => LogprobValues::Logprobs,
-        };
         let forward_timer = profile::scope(Section::Forward);
         let runner = &mut self.runner;
         let (logits, masks) =
@@ -40,16 +36,8 @@ impl Engine {
                 }
             })
             .collect();
-        let (drawn, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, values)?;
+        let (sampled, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, self.logprobs_mode)?;
         drop(forward_timer);
-        let sampled: Vec<SampledToken> = drawn
-            .into_iter()
-            .zip(&rows)
-            .map(|(s, row)| SampledToken {
-                token_id: s.token_id,
-                logprobs: row.logprobs.map(|_| TokenLogprobs { logprob: s.logprob, top: s.top_logprobs }),
-            })
-            .collect();
         drop(rows);
         drop(outputs);
         Ok(self.finish_step(step, per_request(step, sampled), &prompt_logits))

@@ -12,16 +12,14 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use engine_core::{
-    Request, SampledToken, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs, spec,
-};
+use engine_core::{Request, SampledToken, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, spec};
 
-use super::Engine;
+use super::{Engine, StepBackend};
 use crate::error::{Result, WorkerError};
 use crate::pipeline::link::{Arrived, Downstream};
 use crate::pipeline::metrics::PipelineMetrics;
 use crate::pipeline::wire::{
-    SamplingRow, StepHeader, StepResult, WireSampled, f32_from_bytes, hidden_to_bytes, penalties_read_output,
+    SamplingRow, StepHeader, StepResult, f32_from_bytes, hidden_to_bytes, penalties_read_output,
 };
 use crate::profile::{self, Section};
 use engine_core::RequestOutput;
@@ -67,25 +65,25 @@ impl Engine {
         }
         let micro_batches = micro_batches.unwrap_or(next.stages.len() + 1).max(1);
         self.scheduler.set_micro_batches(micro_batches);
-        self.pipeline = Some(FirstStage {
+        self.backend = StepBackend::Pipelined(Box::new(FirstStage {
             next,
             in_flight: VecDeque::new(),
             micro_batches,
             steps_sent: super::random_seed(),
             went_idle: true,
             metrics: None,
-        });
+        }));
         Ok(())
     }
 
     /// Whether this engine is the first stage of a pipeline.
     pub fn is_pipelined(&self) -> bool {
-        self.pipeline.is_some()
+        matches!(self.backend, StepBackend::Pipelined(_))
     }
 
     /// Records this stage's pipeline metrics (on a pipeline's first stage).
     pub fn set_pipeline_metrics(&mut self, metrics: PipelineMetrics) {
-        if let Some(p) = &mut self.pipeline {
+        if let StepBackend::Pipelined(p) = &mut self.backend {
             p.metrics = Some(metrics);
         }
     }
@@ -95,13 +93,13 @@ impl Engine {
     /// else could be sent.
     pub(super) fn step_pipelined(&mut self) -> Result<Vec<RequestOutput>> {
         let started = Instant::now();
-        let room = self.pipeline.as_ref().is_some_and(|p| p.in_flight.len() < p.micro_batches);
+        let room = first_stage(&mut self.backend).is_ok_and(|p| p.in_flight.len() < p.micro_batches);
         let sent = room && self.send_step()?;
         if !sent {
             self.last_step.scheduled.clear();
             self.last_step.num_batched_tokens = 0;
         }
-        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let p = first_stage(&mut self.backend)?;
         let mut results = Vec::new();
         let mut waited = Duration::ZERO;
         if !p.in_flight.is_empty() && (!sent || p.in_flight.len() >= p.micro_batches) {
@@ -116,7 +114,7 @@ impl Engine {
         for result in results {
             outputs.extend(self.take_result(result)?);
         }
-        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let p = first_stage(&mut self.backend)?;
         p.went_idle |= !self.scheduler.has_unfinished();
         if let Some(m) = &p.metrics {
             m.busy_period(started.elapsed(), waited);
@@ -138,17 +136,14 @@ impl Engine {
             let _t = profile::scope(Section::Forward);
             let hidden = self.runner.execute_first_stage(&batch)?;
             let (dtype, bytes) = hidden_to_bytes(&hidden)?;
-            let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+            let p = first_stage(&mut self.backend)?;
             p.steps_sent = p.steps_sent.wrapping_add(1);
             let header = StepHeader {
                 step: p.steps_sent,
                 dtype,
                 hidden_bytes: bytes.len() as u64,
                 positions: batch.positions.clone(),
-                slot_mapping: batch.meta.slot_mapping.clone(),
-                query_start_loc: batch.meta.query_start_loc.clone(),
-                context_lens: batch.meta.context_lens.clone(),
-                block_tables: batch.meta.block_tables.clone(),
+                meta: batch.meta.clone(),
                 logits_indices: batch.logits_indices.clone(),
                 prompt_logprob_rows: batch.prompt_logprob_rows.clone(),
                 sampling: step
@@ -163,7 +158,7 @@ impl Engine {
             (header, bytes)
         };
         let computed = computing.elapsed();
-        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let p = first_stage(&mut self.backend)?;
         let wire_bytes = p.next.send(&header, bytes)?;
         if let Some(m) = &p.metrics {
             m.computed(computed);
@@ -176,7 +171,7 @@ impl Engine {
     /// Applies a result to the oldest step in flight (the one it answers;
     /// a result for no step in flight is a stale one, dropped).
     fn take_result(&mut self, result: Arrived<StepResult>) -> Result<Vec<RequestOutput>> {
-        let p = self.pipeline.as_mut().ok_or_else(|| WorkerError::PipelineLost("no next stage".into()))?;
+        let p = first_stage(&mut self.backend)?;
         let step_no = result.frame.step();
         if p.in_flight.front().is_none_or(|(expected, ..)| *expected != step_no) {
             common::log!("pipeline: dropped the result of step {step_no}, which is not the oldest in flight");
@@ -191,21 +186,19 @@ impl Engine {
         match result.frame {
             StepResult::Sampled { sampled, .. } => {
                 check_verified(&step, &sampled, step_no)?;
-                let sampled: Vec<Vec<SampledToken>> = sampled
-                    .into_iter()
-                    .map(|kept| {
-                        kept.into_iter()
-                            .map(|s| SampledToken {
-                                token_id: s.token_id,
-                                logprobs: s.logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
-                            })
-                            .collect()
-                    })
-                    .collect();
                 Ok(self.finish_step(&step, sampled, &f32_from_bytes(&result.raw)))
             }
             StepResult::Failed { message, .. } => Err(WorkerError::Unsupported(message)),
         }
+    }
+}
+
+/// The first stage's pipeline state; an error if the backend is local
+/// (only a pipelined engine's steps call this).
+fn first_stage(backend: &mut StepBackend) -> Result<&mut FirstStage> {
+    match backend {
+        StepBackend::Pipelined(p) => Ok(p),
+        StepBackend::Host | StepBackend::Device => Err(WorkerError::PipelineLost("no next stage".into())),
     }
 }
 
@@ -227,7 +220,7 @@ fn sampling_row(req: &Request, scheduled: &ScheduledRequest) -> SamplingRow {
 /// Checks that a result answers `step`: per sampling request, in order, a
 /// verified run of its proposals (`spec::is_verified_run`). Anything else
 /// would leave a request with no token to go on from.
-fn check_verified(step: &SchedulerOutput, sampled: &[Vec<WireSampled>], step_no: u64) -> Result<()> {
+fn check_verified(step: &SchedulerOutput, sampled: &[Vec<SampledToken>], step_no: u64) -> Result<()> {
     let sampling: Vec<_> = step.scheduled.iter().filter(|s| s.samples).collect();
     let fits = sampling.len() == sampled.len()
         && sampling.iter().zip(sampled).all(|(s, kept)| {

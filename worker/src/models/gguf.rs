@@ -33,9 +33,9 @@ use half::f16;
 use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KBlock, QK_K, quantize_matrix};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
-use super::linear::Weight;
+use super::format::Quantization;
+use super::linear::{Prequantized, Weight};
 use super::llama::CausalLm;
-use super::quant::{Prequantized, Quantization};
 use crate::error::{Result, WorkerError};
 
 fn err(path: &Path, message: impl Into<String>) -> WorkerError {
@@ -209,14 +209,14 @@ const BLOCK_TYPES: [GgmlDType; 4] = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType
 pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Result<CausalLm> {
     let info = read_info(path)?;
     let (content, mut reader) = open(path)?;
-    let cfg = &info.config;
+    let cfg = &with_rope_freqs(info.config, &content, &mut reader, path)?;
     let mut dense = HashMap::new();
     let mut quantized = HashMap::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     for gguf in names {
         let Some(hf) = hf_name(gguf) else { continue };
-        if !super::loader::stage_holds(&hf, range, cfg.tie_word_embeddings) {
+        if !range.holds_tensor(&hf, cfg.tie_word_embeddings) {
             continue;
         }
         let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
@@ -249,6 +249,28 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
         return Err(err(path, format!("quantized tensors the model did not use: {unused:?}")));
     }
     Ok(model)
+}
+
+/// GGUF's name for the per-pair RoPE frequency factors (Llama 3.1+ scaling).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// The config with the file's `rope_freqs.weight` applied, as llama.cpp
+/// applies it: each pair's inverse frequency divided by its factor.
+fn with_rope_freqs(
+    cfg: ModelConfig,
+    content: &gguf_file::Content,
+    reader: &mut BufReader<File>,
+    path: &Path,
+) -> Result<ModelConfig> {
+    if !content.tensor_infos.contains_key(ROPE_FREQS) {
+        return Ok(cfg);
+    }
+    let factors = content
+        .tensor(reader, ROPE_FREQS, &Device::Cpu)
+        .and_then(|q| q.dequantize(&Device::Cpu))
+        .and_then(|t| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>())
+        .map_err(|e| err(path, format!("{ROPE_FREQS}: {e}")))?;
+    cfg.with_rope_freq_factors(factors).map_err(|e| err(path, e.to_string()))
 }
 
 /// The vocabulary written into a GGUF (llama.cpp refuses a file without one).
@@ -287,9 +309,6 @@ pub fn write(
     ty: Quantization,
     vocab: &Vocab,
 ) -> Result<()> {
-    if cfg.rope_scaling.is_some() {
-        return Err(err(path, "exporting RoPE scaling (rope_freqs) is not supported"));
-    }
     let arch = gguf_architecture(cfg.architecture);
     let key = |k: &str| format!("{arch}.{k}");
     let u32v = |v: usize| Value::U32(v as u32);
@@ -385,6 +404,13 @@ pub fn write(
             }
         };
         qtensors.push((gguf, QTensor::quantize(&t, ggml)?));
+    }
+    // RoPE scaling travels as llama.cpp's converter writes it: per-pair
+    // frequency factors, f32.
+    if let Some(factors) = cfg.rope_freq_factors() {
+        let factors: Vec<f32> = factors.iter().map(|&f| f as f32).collect();
+        let t = Tensor::from_vec(factors, cfg.head_dim / 2, &Device::Cpu)?;
+        qtensors.push((ROPE_FREQS.to_string(), QTensor::quantize(&t, GgmlDType::F32)?));
     }
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

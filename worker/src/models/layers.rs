@@ -3,9 +3,10 @@
 //! rotary embeddings, attention over the paged KV cache, the SwiGLU MLP, and
 //! the stacked projections both use.
 //!
-//! Each layer has two paths. `forward` composes candle ops and the device's
-//! kernels (GPUs, and non-f32 activations). `forward_into` / `forward_cpu`
-//! run f32 activations on the CPU through the fused kernels of
+//! Each layer has two paths ([`ExecutionPath`], chosen once per model).
+//! `forward` composes candle ops and the device's kernels (GPUs, and
+//! non-f32 activations). `forward_into` / `forward_cpu` run f32
+//! activations on the CPU through the fused kernels of
 //! `kernels::cpu`, reading and writing the reused buffers of
 //! [`super::workspace::Workspace`] so a step allocates no activation.
 //! Shapes: `T` new tokens in the step's flattened batch, `H` query heads,
@@ -16,8 +17,8 @@ use candle_nn::VarBuilder;
 use kernels::AttentionMetadata;
 
 use super::config::ModelConfig;
+use super::linear::Prequantized;
 use super::linear::{Linear, linear};
-use super::quant::Prequantized;
 use super::workspace::Buffers;
 use crate::error::Result;
 use crate::runner::kv_cache::LayerKvCache;
@@ -29,26 +30,42 @@ pub fn activation_dtype(weights: DType, device: &Device) -> DType {
     if device.is_cpu() { DType::F32 } else { weights }
 }
 
-/// f32 activations on the CPU take the fused kernels (`kernels::cpu`);
-/// other devices and dtypes compose candle ops.
-fn fused_cpu_path(act: DType, device: &Device) -> bool {
-    device.is_cpu() && act == DType::F32
+/// How a model's step runs, chosen once when the model is built and handed
+/// to every layer that keeps something for one path only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecutionPath {
+    /// f32 activations on the CPU through the fused kernels of
+    /// `kernels::cpu`, into the workspace's reused buffers.
+    FusedCpu,
+    /// candle ops and the device's kernels (GPUs, non-f32 activations).
+    Composed,
+}
+
+impl ExecutionPath {
+    /// The path for activations of dtype `act` on `device`.
+    pub fn of(act: DType, device: &Device) -> Self {
+        if device.is_cpu() && act == DType::F32 { Self::FusedCpu } else { Self::Composed }
+    }
 }
 
 /// RMSNorm over the last dimension: `x / rms(x) * weight`.
 pub struct RmsNorm {
     weight: Tensor, // [dim]
-    /// The weight as f32 on the host, for the fused CPU kernels.
-    host: Option<Vec<f32>>,
+    /// The weight as f32 on the host, on the fused CPU path (empty elsewhere).
+    host: Vec<f32>,
+    path: ExecutionPath,
     eps: f32,
 }
 
 impl RmsNorm {
-    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+    pub fn new(dim: usize, eps: f64, path: ExecutionPath, vb: VarBuilder) -> Result<Self> {
         let act = activation_dtype(vb.dtype(), vb.device());
         let weight = vb.get(dim, "weight")?.to_dtype(act)?;
-        let host = if fused_cpu_path(act, vb.device()) { Some(weight.to_vec1::<f32>()?) } else { None };
-        Ok(Self { weight, host, eps: eps as f32 })
+        let host = match path {
+            ExecutionPath::FusedCpu => weight.to_vec1::<f32>()?,
+            ExecutionPath::Composed => Vec::new(),
+        };
+        Ok(Self { weight, host, path, eps: eps as f32 })
     }
 
     /// Bytes of weight one pass reads.
@@ -64,9 +81,9 @@ impl RmsNorm {
     /// `hidden += delta`, then normalises `hidden` into `out` (f32 CPU
     /// buffers): one pass where the fused kernels run.
     pub fn add_forward_into(&self, hidden: &Tensor, delta: &Tensor, out: &Tensor) -> Result<()> {
-        match &self.host {
-            Some(w) => kernels::cpu::add_rms_norm_op(hidden, delta, w, self.eps, out)?,
-            None => {
+        match self.path {
+            ExecutionPath::FusedCpu => kernels::cpu::add_rms_norm_op(hidden, delta, &self.host, self.eps, out)?,
+            ExecutionPath::Composed => {
                 kernels::cpu::add_in_place_op(hidden, delta)?;
                 self.forward_into(hidden, out)?;
             }
@@ -76,24 +93,30 @@ impl RmsNorm {
 
     /// Normalises `x` into `out` (f32 CPU buffers).
     pub fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
-        match &self.host {
-            Some(w) => kernels::cpu::rms_norm_into_op(x, w, self.eps, out)?,
-            None => kernels::cpu::copy_columns(&self.forward(x)?, 0, out)?,
+        match self.path {
+            ExecutionPath::FusedCpu => kernels::cpu::rms_norm_into_op(x, &self.host, self.eps, out)?,
+            ExecutionPath::Composed => kernels::cpu::copy_columns(&self.forward(x)?, 0, out)?,
         }
         Ok(())
     }
 }
 
 /// cos/sin tables for every position up to `max_position_embeddings`,
-/// `[max_pos, head_dim / 2]`: host slices on the CPU (read by the fused
-/// in-place kernel), tensors elsewhere.
+/// `[max_pos, head_dim / 2]`: host slices on the fused CPU path (read by
+/// the fused in-place kernel), tensors on the composed one.
 pub enum RotaryEmbedding {
     Host { cos: Vec<f32>, sin: Vec<f32> },
     Device { cos: Tensor, sin: Tensor },
 }
 
 impl RotaryEmbedding {
-    pub fn new(cfg: &ModelConfig, max_positions: usize, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn new(
+        cfg: &ModelConfig,
+        max_positions: usize,
+        dtype: DType,
+        device: &Device,
+        path: ExecutionPath,
+    ) -> Result<Self> {
         let inv_freq = cfg.rope_inv_freq();
         let half = inv_freq.len();
         let mut cos = Vec::with_capacity(max_positions * half);
@@ -105,7 +128,7 @@ impl RotaryEmbedding {
                 sin.push(angle.sin() as f32);
             }
         }
-        if fused_cpu_path(dtype, device) {
+        if path == ExecutionPath::FusedCpu {
             return Ok(Self::Host { cos, sin });
         }
         let cos = Tensor::from_vec(cos, (max_positions, half), device)?.to_dtype(dtype)?;
@@ -196,12 +219,12 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized, path: ExecutionPath) -> Result<Self> {
         let (h, q_dim, kv_dim) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
-                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, vb.pp("q_norm"))?),
-                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, vb.pp("k_norm"))?),
+                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, path, vb.pp("q_norm"))?),
+                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, path, vb.pp("k_norm"))?),
             )
         } else {
             (None, None)
@@ -278,13 +301,12 @@ impl Attention {
     fn host_rope<'a>(&'a self, rope: &HostRope<'a>) -> kernels::cpu::Rope<'a> {
         let HostRope { cos, sin, positions } = *rope;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        // The fused path's norms hold their host weights (`RmsNorm::new`).
         let head_norm = match (&self.q_norm, &self.k_norm) {
-            (Some(qn), Some(kn)) => match (&qn.host, &kn.host) {
-                (Some(qw), Some(kw)) => {
-                    Some(kernels::cpu::HeadNorm { q_heads: h, q_weight: qw, k_weight: kw, eps: qn.eps })
-                }
-                _ => None,
-            },
+            (Some(qn), Some(kn)) => {
+                debug_assert!(qn.path == ExecutionPath::FusedCpu && kn.path == ExecutionPath::FusedCpu);
+                Some(kernels::cpu::HeadNorm { q_heads: h, q_weight: &qn.host, k_weight: &kn.host, eps: qn.eps })
+            }
             _ => None,
         };
         let row_len = (h + 2 * kvh) * d;

@@ -11,6 +11,9 @@
 //! Weights in GGML's block formats (Q8_0, Q4_0, and from GGUF files the
 //! k-quants Q4_K and Q6_K; see [`super::quant`]) run on the int8 kernels. [`Weight`] names every representation.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use half::{bf16, f16};
 use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanels, QK_K, matmul_kpanels};
@@ -20,7 +23,7 @@ use kernels::cpu::quant::{BlockQ4_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_
 use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0};
 use kernels::cpu::{back_with_huge_pages, read_f32, write_f32};
 
-use super::quant::{Prequantized, Quantization};
+use super::format::Quantization;
 
 /// Above this many rows f32 weights go to candle's blocked GEMM.
 const F32_KERNEL_MAX_ROWS: usize = 16;
@@ -393,6 +396,26 @@ impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _t = crate::profile::scope(crate::profile::Section::Matmul);
         if self.uses_kernel(x) { self.kernel_forward(x) } else { self.candle_forward(x) }
+    }
+}
+
+/// Weights that arrive already quantized (from a GGUF file), by HF tensor
+/// name; [`linear`] takes its weight from here when present.
+#[derive(Debug, Default)]
+pub struct Prequantized(Mutex<HashMap<String, Weight>>);
+
+impl Prequantized {
+    pub fn new(weights: HashMap<String, Weight>) -> Self {
+        Self(Mutex::new(weights))
+    }
+
+    pub(super) fn take(&self, name: &str) -> Option<Weight> {
+        self.0.lock().ok()?.remove(name)
+    }
+
+    /// Names nobody took (a mapping bug, or tensors the model does not use).
+    pub fn remaining(&self) -> Vec<String> {
+        self.0.lock().map(|m| m.keys().cloned().collect()).unwrap_or_default()
     }
 }
 

@@ -24,9 +24,10 @@ use candle_nn::{Embedding, VarBuilder};
 use kernels::AttentionMetadata;
 
 use super::config::ModelConfig;
-use super::layers::{Attention, HostRope, Mlp, RmsNorm, RotaryEmbedding, activation_dtype, embed_into};
+use super::format::Quantization;
+use super::layers::{Attention, ExecutionPath, HostRope, Mlp, RmsNorm, RotaryEmbedding, activation_dtype, embed_into};
+use super::linear::Prequantized;
 use super::linear::{Linear, linear};
-use super::quant::{Prequantized, Quantization};
 use super::workspace::{Buffers, Workspace};
 use crate::error::{Result, WorkerError};
 use crate::runner::kv_cache::LayerKvCache;
@@ -57,15 +58,12 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
+    fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized, path: ExecutionPath) -> Result<Self> {
+        let norm = |name: &str| RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, path, vb.pp(name));
         Ok(Self {
-            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            self_attn: Attention::new(cfg, vb.pp("self_attn"), pre)?,
-            post_attention_layernorm: RmsNorm::new(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
+            input_layernorm: norm("input_layernorm")?,
+            self_attn: Attention::new(cfg, vb.pp("self_attn"), pre, path)?,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
             mlp: Mlp::new(cfg, vb.pp("mlp"), pre)?,
         })
     }
@@ -130,6 +128,8 @@ pub struct CausalLm {
     /// The final norm and lm_head (`[vocab, hidden]`), on the last stage.
     head: Option<(RmsNorm, Linear)>,
     range: LayerRange,
+    /// Fused CPU kernels or composed ops, chosen at construction.
+    path: ExecutionPath,
     rotary: RotaryEmbedding,
     cfg: ModelConfig,
     /// Dtype of activations and of the KV cache.
@@ -165,14 +165,15 @@ impl CausalLm {
         }
         let device = vb.device().clone();
         let act = activation_dtype(vb.dtype(), &device);
+        let path = ExecutionPath::of(act, &device);
         let model = vb.pp("model");
         let embed_weight = || model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight");
         let embed_tokens = if range.is_first() { Some(Embedding::new(embed_weight()?, cfg.hidden_size)) } else { None };
         let layers = (range.start..range.end)
-            .map(|i| DecoderLayer::new(cfg, model.pp(format!("layers.{i}")), pre))
+            .map(|i| DecoderLayer::new(cfg, model.pp(format!("layers.{i}")), pre, path))
             .collect::<Result<Vec<_>>>()?;
         let head = if range.is_last() {
-            let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, model.pp("norm"))?;
+            let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, path, model.pp("norm"))?;
             let lm_head = match (&embed_tokens, cfg.tie_word_embeddings) {
                 (Some(embed), true) => Linear::new(embed.embeddings().clone(), None)?,
                 (None, true) => Linear::new(embed_weight()?, None)?,
@@ -182,9 +183,9 @@ impl CausalLm {
         } else {
             None
         };
-        let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device)?;
+        let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device, path)?;
         let workspace = Mutex::new(Workspace::default());
-        Ok(Self { embed_tokens, layers, head, range, rotary, cfg: cfg.clone(), act, workspace })
+        Ok(Self { embed_tokens, layers, head, range, path, rotary, cfg: cfg.clone(), act, workspace })
     }
 
     /// The decoder layers this model (or pipeline stage) holds.
@@ -301,13 +302,16 @@ impl CausalLm {
         meta: &AttentionMetadata,
         logits_indices: &Tensor,
     ) -> Result<StageOutput> {
-        let (cos, sin) = match &self.rotary {
-            RotaryEmbedding::Host { cos, sin } => {
+        let (cos, sin) = match (self.path, &self.rotary) {
+            (ExecutionPath::FusedCpu, RotaryEmbedding::Host { cos, sin }) => {
                 let positions = positions.to_vec1::<u32>()?;
                 let rope = HostRope { cos, sin, positions: &positions };
                 return self.forward_cpu(input, &rope, kv_caches, meta, logits_indices);
             }
-            RotaryEmbedding::Device { cos, sin } => (cos.index_select(positions, 0)?, sin.index_select(positions, 0)?),
+            (ExecutionPath::Composed, RotaryEmbedding::Device { cos, sin }) => {
+                (cos.index_select(positions, 0)?, sin.index_select(positions, 0)?)
+            }
+            _ => unreachable!("RotaryEmbedding::new builds the tables of the model's path"),
         };
         let mut x = match (input, &self.embed_tokens) {
             (StageInput::Tokens(ids), Some(embed)) => embed.forward(ids)?.to_dtype(self.act)?, // [T, hidden]

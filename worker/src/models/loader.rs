@@ -12,8 +12,8 @@ pub use common::model::{random_preset, random_preset_json};
 use common::pipeline::LayerRange;
 use rayon::prelude::*;
 
+use super::linear::Prequantized;
 use super::llama::CausalLm;
-use super::quant::Prequantized;
 use crate::error::{Result, WorkerError};
 
 /// Builds the model of `files` in `dtype` on `device`. Safetensors files are
@@ -23,7 +23,7 @@ pub fn load(files: &ModelFiles, dtype: DType, device: &Device) -> Result<CausalL
 }
 
 /// As [`load`], for the pipeline stage holding decoder layers `range`: only
-/// the tensors that stage uses are read (see [`stage_holds`]).
+/// the tensors that stage uses are read (see [`LayerRange::holds_tensor`]).
 pub fn load_stage(files: &ModelFiles, dtype: DType, device: &Device, range: LayerRange) -> Result<CausalLm> {
     if let Some(path) = &files.gguf {
         return super::gguf::load(path, dtype, device, range);
@@ -31,7 +31,7 @@ pub fn load_stage(files: &ModelFiles, dtype: DType, device: &Device, range: Laye
     let pre = Prequantized::default();
     if files.random_weights {
         let mut weights = random_weights(&files.config, dtype, device, 0)?;
-        weights.retain(|name, _| stage_holds(name, range, files.config.tie_word_embeddings));
+        weights.retain(|name, _| range.holds_tensor(name, files.config.tie_word_embeddings));
         let vb = VarBuilder::from_tensors(weights, dtype, device);
         return CausalLm::stage(&files.config, vb, &pre, range);
     }
@@ -45,22 +45,6 @@ pub fn load_stage(files: &ModelFiles, dtype: DType, device: &Device, range: Laye
         WorkerError::Candle(error) => WorkerError::Weights { source_desc, error },
         other => other,
     })
-}
-
-/// Whether the stage holding decoder layers `range` uses the tensor `name`
-/// (a Hugging Face name): its own layers', the embeddings on the first
-/// stage, the final norm and lm_head on the last (the embeddings too when
-/// they are tied to the lm_head).
-pub fn stage_holds(name: &str, range: LayerRange, tied_embeddings: bool) -> bool {
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        let layer = rest.split('.').next().and_then(|n| n.parse::<usize>().ok());
-        return layer.is_some_and(|l| (range.start..range.end).contains(&l));
-    }
-    match name {
-        "model.embed_tokens.weight" => range.is_first() || (range.is_last() && tied_embeddings),
-        _ if name.starts_with("model.norm.") || name.starts_with("lm_head.") => range.is_last(),
-        _ => true,
-    }
 }
 
 /// Seeded random weights under HF names at `cfg`'s shapes. Linear weights are
@@ -151,20 +135,5 @@ mod tests {
         );
         assert_eq!(x, y);
         assert!(!a.contains_key("lm_head.weight"), "tied embeddings have no lm_head");
-    }
-
-    #[test]
-    fn a_stage_holds_its_layers_and_its_end_of_the_model() {
-        let (first, last) = (LayerRange { start: 0, end: 2, total: 5 }, LayerRange { start: 2, end: 5, total: 5 });
-        let middle = LayerRange { start: 2, end: 3, total: 5 };
-        assert!(stage_holds("model.layers.1.mlp.up_proj.weight", first, false));
-        assert!(!stage_holds("model.layers.2.mlp.up_proj.weight", first, false));
-        assert!(!stage_holds("model.layers.12.mlp.up_proj.weight", last, false));
-        assert!(stage_holds("model.embed_tokens.weight", first, false));
-        assert!(!stage_holds("model.embed_tokens.weight", last, false));
-        assert!(stage_holds("model.embed_tokens.weight", last, true), "tied: the lm_head");
-        assert!(!stage_holds("model.embed_tokens.weight", middle, true));
-        assert!(stage_holds("lm_head.weight", last, false) && !stage_holds("lm_head.weight", middle, false));
-        assert!(stage_holds("model.norm.weight", last, false) && !stage_holds("model.norm.weight", first, false));
     }
 }

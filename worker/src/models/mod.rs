@@ -1,9 +1,10 @@
 //! Model architectures and their loading. What a model is (source, files,
 //! config, GGUF metadata) lives in `common::model`; this module adds the
 //! tensors: the Llama family's layers (`layers`) and decoder (`llama`),
-//! linear weights in every representation (`linear`, `quant`), and loading
-//! them (`loader`, `gguf`).
+//! linear weights in every representation (`linear`, `quant`) and their
+//! formats' names (`format`), and loading them (`loader`, `gguf`).
 
+pub mod format;
 pub mod gguf;
 mod layers;
 pub mod linear;
@@ -14,5 +15,5 @@ mod workspace;
 
 pub use common::model::config;
 pub use common::model::{Architecture, ModelConfig, ModelFiles, ModelSource, Need};
+pub use format::Quantization;
 pub use llama::CausalLm;
-pub use quant::Quantization;

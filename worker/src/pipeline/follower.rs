@@ -19,7 +19,7 @@ use super::link::{self, Arrived, Downstream, LinkError, Upstream};
 use super::metrics::PipelineMetrics;
 use super::stage::{StageRunner, StageStep};
 use super::wire::{STAGE_PROTOCOL_VERSION, StageHello, StageInfo, StepHeader, StepResult};
-use crate::engine::LogprobsMode;
+use crate::runner::logprobs::LogprobsMode;
 
 pub struct FollowerConfig {
     pub name: String,

@@ -6,19 +6,20 @@
 use std::borrow::Cow;
 
 use candle_core::{DType, Device, Tensor};
+use common::SampledToken;
 use common::pipeline::LayerRange;
 use engine_core::spec;
 use kernels::KvCacheDtype;
 
 use super::wire::{
-    StageInfo, StepHeader, StepResult, WireSampled, f32_to_bytes, hidden_from_bytes, hidden_to_bytes,
+    StageInfo, StageShape, StepHeader, StepResult, f32_to_bytes, hidden_from_bytes, hidden_to_bytes,
     penalties_read_output,
 };
-use crate::engine::{LogprobsMode, reported_logprobs};
 use crate::error::{Result, WorkerError};
 use crate::models::llama::{StageInput, StageOutput};
 use crate::models::{CausalLm, ModelConfig, ModelFiles, Quantization};
-use crate::runner::kv_cache::{self, KvBudget, LayerKvCache};
+use crate::runner::kv_cache::{self, KvBudget, LayerKvCache, stage_kv_config};
+use crate::runner::logprobs::LogprobsMode;
 use crate::runner::sampler::{self, SeqSamplingInput};
 
 /// What a stage hands on after computing a step.
@@ -133,11 +134,17 @@ impl StageRunner {
     fn try_run(&mut self, mut header: StepHeader, hidden: &[u8]) -> Result<StageStep> {
         let cfg = self.model.config();
         let last = self.layers().is_last();
-        header.check(self.num_blocks, self.block_size, cfg.hidden_size, last)?;
+        let shape = StageShape {
+            block_size: self.block_size,
+            sliding_window: cfg.sliding_window,
+            hidden_size: cfg.hidden_size,
+            max_positions: cfg.max_position_embeddings,
+        };
+        header.check(self.num_blocks, &shape, last)?;
         let t = header.positions.len();
         let hidden = hidden_from_bytes(header.dtype, hidden, t, cfg.hidden_size, &self.device)?;
         let positions = Tensor::from_slice(&header.positions, t, &self.device)?;
-        let meta = header.attention_metadata(self.block_size, cfg.sliding_window);
+        let meta = &header.meta;
         let mut wanted = header.logits_indices.clone();
         wanted.extend_from_slice(&header.prompt_logprob_rows);
         // A step of prompt chunks only still computes one row nobody reads.
@@ -147,7 +154,7 @@ impl StageRunner {
         }
         let rows = Tensor::from_slice(&wanted, wanted.len(), &self.device)?;
         let input = StageInput::Hidden(&hidden);
-        match self.model.forward_stage(input, &positions, &self.kv_caches, &meta, &rows)? {
+        match self.model.forward_stage(input, &positions, &self.kv_caches, meta, &rows)? {
             StageOutput::Hidden(out) => {
                 let (dtype, bytes) = hidden_to_bytes(&out)?;
                 header.dtype = dtype;
@@ -179,7 +186,7 @@ impl StageRunner {
     /// keeps the draws that equal their proposals and the one after them
     /// (`engine_core::spec`). Returns the kept tokens per sequence and the
     /// prompt-logprob rows' logits.
-    fn sample<'l>(&self, header: &StepHeader, logits: &'l [f32]) -> (Vec<Vec<WireSampled>>, &'l [f32]) {
+    fn sample<'l>(&self, header: &StepHeader, logits: &'l [f32]) -> (Vec<Vec<SampledToken>>, &'l [f32]) {
         let vocab = self.model.config().vocab_size;
         // Each row's output as the sampler sees it (only a penalty reads it).
         let outputs: Vec<Cow<[u32]>> = header
@@ -207,33 +214,17 @@ impl StageRunner {
             }
         }
         let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * vocab);
-        let mut drawn = sampler::sample_batch(sampling_logits, vocab, &inputs).into_iter().enumerate();
+        let mut drawn = sampler::sample_batch(sampling_logits, vocab, &inputs, self.logprobs_mode).into_iter();
         let sampled = header
             .sampling
             .iter()
             .map(|seq| {
-                let rows: Vec<_> = drawn.by_ref().take(seq.num_rows()).collect();
-                let tokens: Vec<u32> = rows.iter().map(|(_, s)| s.token_id).collect();
-                let kept = spec::num_accepted(&seq.proposed, &tokens) + 1;
-                rows.into_iter()
-                    .take(kept)
-                    .map(|(row, s)| WireSampled {
-                        token_id: s.token_id,
-                        logprobs: seq.params.logprobs.map(|_| {
-                            let raw = &sampling_logits[row * vocab..][..vocab];
-                            let l = reported_logprobs(self.logprobs_mode, raw, s.token_id, s.logprob, s.top_logprobs);
-                            (l.logprob, l.top)
-                        }),
-                    })
-                    .collect()
+                let mut rows: Vec<SampledToken> = drawn.by_ref().take(seq.num_rows()).collect();
+                let tokens: Vec<u32> = rows.iter().map(|s| s.token_id).collect();
+                rows.truncate(spec::num_accepted(&seq.proposed, &tokens) + 1);
+                rows
             })
             .collect();
         (sampled, prompt_logits)
     }
-}
-
-/// The config a stage's KV cache is sized and allocated from: its own
-/// layers only.
-pub fn stage_kv_config(cfg: &ModelConfig, layers: LayerRange) -> ModelConfig {
-    ModelConfig { num_layers: layers.len(), ..cfg.clone() }
 }

@@ -9,15 +9,15 @@
 //! scheduling and keeps no per-request state.
 
 use candle_core::{DType, Device, Tensor};
-use common::SamplingParams;
 use common::protocol::ModelIdentity;
+use common::{SampledToken, SamplingParams};
 use kernels::AttentionMetadata;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, WorkerError};
 
 /// Bumped on any incompatible change of the messages below.
-pub const STAGE_PROTOCOL_VERSION: u32 = 4;
+pub const STAGE_PROTOCOL_VERSION: u32 = 5;
 
 /// Largest raw payload after a frame (hidden states, prompt-logprob
 /// logits): 64k tokens of an 8192-wide f32 model. Frames themselves keep
@@ -98,6 +98,16 @@ pub fn penalties_read_output(p: &SamplingParams) -> (bool, bool) {
     (repetition || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0, repetition)
 }
 
+/// What a stage checks a step's header against: its KV pool's block size,
+/// its model's sliding window, hidden size and RoPE table length.
+#[derive(Clone, Copy, Debug)]
+pub struct StageShape {
+    pub block_size: usize,
+    pub sliding_window: Option<usize>,
+    pub hidden_size: usize,
+    pub max_positions: usize,
+}
+
 /// One step, as the stage before computed it; `hidden_bytes` bytes of
 /// `[T, hidden]` hidden states follow this frame.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -107,10 +117,9 @@ pub struct StepHeader {
     pub hidden_bytes: u64,
     /// `[T]`: each row's position.
     pub positions: Vec<u32>,
-    pub slot_mapping: Vec<u32>,
-    pub query_start_loc: Vec<u32>,
-    pub context_lens: Vec<u32>,
-    pub block_tables: Vec<Vec<u32>>,
+    /// Where each sequence's rows, context and new slots are, as the first
+    /// stage's runner laid them out (checked by `AttentionMetadata::check`).
+    pub meta: AttentionMetadata,
     /// Rows that sample, then rows whose logits give prompt logprobs.
     pub logits_indices: Vec<u32>,
     pub prompt_logprob_rows: Vec<u32>,
@@ -126,13 +135,6 @@ pub struct StepHeader {
     pub stage_micros: u64,
 }
 
-/// A sampled token and, if asked, its logprob and the top list.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct WireSampled {
-    pub token_id: u32,
-    pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
-}
-
 /// The last stage's answer to one step, relayed back to stage 0.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum StepResult {
@@ -140,7 +142,7 @@ pub enum StepResult {
         step: u64,
         /// Per sampling sequence, in order: its token, or where it verified
         /// proposals the draws that confirmed them and the one after.
-        sampled: Vec<Vec<WireSampled>>,
+        sampled: Vec<Vec<SampledToken>>,
         /// Bytes of the prompt-logprob rows' logits (row-major f32, little
         /// endian) that follow this frame.
         prompt_logits_bytes: u64,
@@ -188,47 +190,23 @@ impl StepHeader {
         self.hidden_bytes
     }
 
-    /// The attention metadata of the step, for a stage of `block_size`.
-    pub fn attention_metadata(&self, block_size: usize, sliding_window: Option<usize>) -> AttentionMetadata {
-        AttentionMetadata {
-            query_start_loc: self.query_start_loc.clone(),
-            context_lens: self.context_lens.clone(),
-            block_tables: self.block_tables.clone(),
-            slot_mapping: self.slot_mapping.clone(),
-            block_size,
-            sliding_window,
-        }
-    }
-
     /// Checks that the header is self-consistent and names only blocks a
     /// pool of `num_blocks` has, so no kernel indexes out of bounds.
-    pub fn check(&self, num_blocks: usize, block_size: usize, hidden_size: usize, last_stage: bool) -> Result<()> {
+    pub fn check(&self, num_blocks: usize, stage: &StageShape, last_stage: bool) -> Result<()> {
         let t = self.positions.len();
         let fail =
             |what: &str| Err(WorkerError::Unsupported(format!("step {} from the stage before: {what}", self.step)));
-        let seqs = self.context_lens.len();
-        if t == 0 || self.slot_mapping.len() != t {
-            return fail("no rows, or a slot mapping of another length");
+        if t == 0 {
+            return fail("no rows");
         }
-        if self.query_start_loc.len() != seqs + 1
-            || self.block_tables.len() != seqs
-            || self.query_start_loc.first() != Some(&0)
-            || self.query_start_loc.last() != Some(&(t as u32))
-            || self.query_start_loc.windows(2).any(|w| w[0] > w[1])
-        {
-            return fail("sequence boundaries do not match the rows");
+        if (self.meta.block_size, self.meta.sliding_window) != (stage.block_size, stage.sliding_window) {
+            return fail("attention metadata for another block size or sliding window");
         }
-        let slots = (num_blocks * block_size) as u64;
-        if self.slot_mapping.iter().any(|&s| u64::from(s) >= slots)
-            || self.block_tables.iter().flatten().any(|&b| b as usize >= num_blocks)
-        {
-            return fail("a block outside this stage's KV cache");
-        }
-        for (s, (&ctx, table)) in self.context_lens.iter().zip(&self.block_tables).enumerate() {
-            let q = self.query_start_loc[s + 1] - self.query_start_loc[s];
-            if ctx < q || (ctx as usize).div_ceil(block_size) > table.len() {
-                return fail("a context longer than its block table");
-            }
+        // The kernels' own check, once for the whole step; the cache write
+        // checks its slots itself.
+        self.meta.check(t, num_blocks).map_err(|e| WorkerError::Unsupported(format!("step {}: {e}", self.step)))?;
+        if self.positions.iter().any(|&p| p as usize >= stage.max_positions) {
+            return fail("a position past the model's RoPE table");
         }
         if self.logits_indices.iter().chain(&self.prompt_logprob_rows).any(|&r| r as usize >= t) {
             return fail("a logits row outside the step");
@@ -241,7 +219,7 @@ impl StepHeader {
             WireDType::F32 => 4,
             WireDType::F16 | WireDType::Bf16 => 2,
         };
-        if self.hidden_bytes != (t * hidden_size * width) as u64 {
+        if self.hidden_bytes != (t * stage.hidden_size * width) as u64 {
             return fail("hidden states of another size than [rows, hidden]");
         }
         Ok(())
@@ -299,10 +277,14 @@ mod tests {
             dtype: WireDType::F32,
             hidden_bytes: 3 * 4 * 4,
             positions: vec![0, 1, 5],
-            slot_mapping: vec![16, 17, 37],
-            query_start_loc: vec![0, 2, 3],
-            context_lens: vec![2, 6],
-            block_tables: vec![vec![1], vec![2]],
+            meta: AttentionMetadata {
+                query_start_loc: vec![0, 2, 3],
+                context_lens: vec![2, 6],
+                block_tables: vec![vec![1], vec![2]],
+                slot_mapping: vec![16, 17, 37],
+                block_size: 16,
+                sliding_window: None,
+            },
             logits_indices: vec![1, 2],
             prompt_logprob_rows: vec![],
             sampling: vec![],
@@ -328,13 +310,17 @@ mod tests {
         );
     }
 
+    fn shape(hidden_size: usize) -> StageShape {
+        StageShape { block_size: 16, sliding_window: None, hidden_size, max_positions: 64 }
+    }
+
     #[test]
     fn a_header_naming_blocks_outside_the_pool_is_refused() {
         let h = header();
-        h.check(3, 16, 4, false).unwrap();
-        assert!(h.check(2, 16, 4, false).is_err(), "block 2 of a pool of 2");
-        assert!(h.check(3, 16, 8, false).is_err(), "hidden bytes for another width");
-        assert!(h.check(3, 16, 4, true).is_err(), "the last stage needs a sampling row per sampled row");
+        h.check(3, &shape(4), false).unwrap();
+        assert!(h.check(2, &shape(4), false).is_err(), "block 2 of a pool of 2");
+        assert!(h.check(3, &shape(8), false).is_err(), "hidden bytes for another width");
+        assert!(h.check(3, &shape(4), true).is_err(), "the last stage needs a sampling row per sampled row");
         // One sequence verifying one proposal samples from both rows.
         let mut verifying = header();
         verifying.sampling = vec![SamplingRow {
@@ -345,14 +331,20 @@ mod tests {
             output_token_ids: Vec::new(),
             proposed: vec![9],
         }];
-        verifying.check(3, 16, 4, true).unwrap();
+        verifying.check(3, &shape(4), true).unwrap();
         verifying.sampling[0].proposed.push(10);
-        assert!(verifying.check(3, 16, 4, true).is_err(), "3 rows to sample, 2 of logits");
+        assert!(verifying.check(3, &shape(4), true).is_err(), "3 rows to sample, 2 of logits");
         let mut bad = header();
-        bad.query_start_loc = vec![0, 3, 2];
-        assert!(bad.check(3, 16, 4, false).is_err());
+        bad.meta.query_start_loc = vec![0, 3, 2];
+        assert!(bad.check(3, &shape(4), false).is_err());
         let mut bad = header();
-        bad.context_lens = vec![2, 17];
-        assert!(bad.check(3, 16, 4, false).is_err(), "context past its block table");
+        bad.meta.context_lens = vec![2, 17];
+        assert!(bad.check(3, &shape(4), false).is_err(), "context past its block table");
+        let mut bad = header();
+        bad.positions[2] = 64;
+        assert!(bad.check(3, &shape(4), false).is_err(), "a position past the RoPE table");
+        assert!(header().check(3, &StageShape { block_size: 8, ..shape(4) }, false).is_err(), "another block size");
+        let window = StageShape { sliding_window: Some(4), ..shape(4) };
+        assert!(header().check(3, &window, false).is_err(), "another sliding window");
     }
 }

@@ -59,8 +59,40 @@ pub fn test_device() -> Device {
     }
 }
 
+/// The oldest macOS on which candle 0.11's Metal device opens: it creates an
+/// `MTLResidencySet` (macOS 15 API) unconditionally, which aborts the
+/// process on macOS 14 rather than returning an error.
+pub const METAL_MIN_MACOS: u32 = 15;
+
+/// The major version in a `SystemVersion.plist` (`<key>ProductVersion</key>`
+/// then `<string>15.1.1</string>`).
+#[cfg(any(target_os = "macos", test))]
+fn macos_major_version(plist: &str) -> Option<u32> {
+    let after_key = &plist[plist.find("<key>ProductVersion</key>")? + "<key>ProductVersion</key>".len()..];
+    let value = after_key.trim_start().strip_prefix("<string>")?;
+    let value = &value[..value.find("</string>")?];
+    value.trim().split('.').next()?.parse().ok()
+}
+
+/// Why candle's Metal device cannot be opened on the macOS of `plist`, if
+/// it cannot; an unreadable version is left to candle to judge.
+#[cfg(any(target_os = "macos", test))]
+fn macos_too_old(plist: Option<&str>) -> Option<String> {
+    let major = macos_major_version(plist?)?;
+    (major < METAL_MIN_MACOS).then(|| {
+        format!(
+            "Metal workers need macOS {METAL_MIN_MACOS} (Sequoia) or newer, this is macOS {major}: \
+             the Metal backend (candle 0.11) uses residency sets, which macOS {major} lacks"
+        )
+    })
+}
+
 #[cfg(target_os = "macos")]
 fn open_metal() -> std::result::Result<SelectedDevice, String> {
+    let plist = std::fs::read_to_string("/System/Library/CoreServices/SystemVersion.plist").ok();
+    if let Some(why) = macos_too_old(plist.as_deref()) {
+        return Err(why);
+    }
     // candle panics instead of failing on some machines without a GPU.
     match std::panic::catch_unwind(|| Device::new_metal(0)) {
         Ok(Ok(device)) => Ok(SelectedDevice { device, description: "metal (Apple GPU 0)".into() }),
@@ -83,6 +115,25 @@ fn cpu_description() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn macos_before_15_is_named_as_too_old_for_metal() {
+        let plist = |v: &str| {
+            format!(
+                "<?xml version=\"1.0\"?>\n<plist version=\"1.0\">\n<dict>\n\t<key>ProductName</key>\n\t\
+                 <string>macOS</string>\n\t<key>ProductVersion</key>\n\t<string>{v}</string>\n</dict>\n</plist>\n"
+            )
+        };
+        assert_eq!(macos_major_version(&plist("15.1.1")), Some(15));
+        assert_eq!(macos_major_version(&plist("26.0")), Some(26));
+        let why = macos_too_old(Some(&plist("14.6.1"))).unwrap();
+        assert!(why.contains("macOS 15") && why.contains("this is macOS 14"), "{why}");
+        assert_eq!(macos_too_old(Some(&plist("15.0"))), None);
+        // Unreadable: candle decides.
+        assert_eq!(macos_too_old(None), None);
+        assert_eq!(macos_too_old(Some("<plist></plist>")), None);
+        assert_eq!(macos_too_old(Some("<key>ProductVersion</key><string>x</string>")), None);
+    }
 
     #[test]
     fn cpu_is_always_there_and_metal_is_refused_off_macos() {

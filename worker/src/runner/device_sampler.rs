@@ -20,10 +20,11 @@
 
 use candle_core::{D, DType, Device, Tensor};
 
-use common::SamplingParams;
+use common::{SampledToken, SamplingParams, TokenLogprobs};
 
 use crate::error::Result;
-use crate::runner::sampler::{self, SampledToken};
+use crate::runner::logprobs::LogprobsMode;
+use crate::runner::sampler;
 
 /// Below this scaled logit a token's weight is 0 in f32 (e^-87).
 const MIN_SCALED: f32 = -87.0;
@@ -113,19 +114,10 @@ impl<'a> DeviceRow<'a> {
     }
 }
 
-/// What the logprobs of a row are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogprobValues {
-    /// log_softmax of the raw logits (vLLM's `raw_logprobs`).
-    Logprobs,
-    /// The raw logits themselves (vLLM's `raw_logits`).
-    RawLogits,
-}
-
 /// One token per row of `logits: [S, vocab]` (any float dtype, on any
-/// device), with logprobs where the row asks for them (NaN and none
-/// otherwise, as on the host).
-pub fn sample(logits: &Tensor, rows: &[DeviceRow], values: LogprobValues) -> Result<Vec<SampledToken>> {
+/// device), with logprobs (as `mode` reports them) where the row asks for
+/// them, as on the host.
+pub fn sample(logits: &Tensor, rows: &[DeviceRow], mode: LogprobsMode) -> Result<Vec<SampledToken>> {
     let (s, vocab) = logits.dims2()?;
     if s != rows.len() {
         return Err(candle_core::Error::Msg(format!("device sampler: {s} logit rows for {} params", rows.len())).into());
@@ -139,14 +131,14 @@ pub fn sample(logits: &Tensor, rows: &[DeviceRow], values: LogprobValues) -> Res
     let raw = raw.ne(&raw)?.where_cond(&Tensor::full(f32::NEG_INFINITY, (s, vocab), device)?, &raw)?;
     let x = adjust(&raw, rows)?;
     let ids = choose(&x, rows)?; // [S] u32
-    let logprobs = top_logprobs(&raw, &ids, rows, values)?;
+    let logprobs = top_logprobs(&raw, &ids, rows, mode)?;
     let ids = ids.to_vec1::<u32>()?;
     Ok(ids
         .into_iter()
         .zip(logprobs)
-        .map(|(token_id, lp)| match lp {
-            Some((logprob, top_logprobs)) => SampledToken { token_id, logprob, top_logprobs },
-            None => SampledToken { token_id, logprob: f32::NAN, top_logprobs: Vec::new() },
+        .map(|(token_id, lp)| SampledToken {
+            token_id,
+            logprobs: lp.map(|(logprob, top)| TokenLogprobs { logprob, top }),
         })
         .collect())
 }
@@ -295,7 +287,7 @@ fn top_logprobs(
     raw: &Tensor,
     ids: &Tensor,
     rows: &[DeviceRow],
-    values: LogprobValues,
+    mode: LogprobsMode,
 ) -> Result<Vec<Option<(f32, Vec<(u32, f32)>)>>> {
     let mut out = vec![None; rows.len()];
     let asking: Vec<u32> = (0..rows.len() as u32).filter(|&i| rows[i as usize].logprobs.is_some()).collect();
@@ -318,7 +310,7 @@ fn top_logprobs(
         id_columns.push(top);
     }
     let mut values_t = Tensor::cat(&value_columns, 1)?;
-    if values == LogprobValues::Logprobs {
+    if mode == LogprobsMode::RawLogprobs {
         let max = x.max_keepdim(D::Minus1)?;
         let lse = (x.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;
         values_t = values_t.broadcast_sub(&lse)?;
@@ -389,7 +381,7 @@ mod tests {
 
     /// Token ids only.
     fn ids(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
-        Ok(sample(logits, rows, LogprobValues::Logprobs)?.into_iter().map(|s| s.token_id).collect())
+        Ok(sample(logits, rows, LogprobsMode::RawLogprobs)?.into_iter().map(|s| s.token_id).collect())
     }
 
     /// Host reference: the same algorithm with sorting, in f64.
@@ -526,7 +518,7 @@ mod tests {
 
     #[test]
     fn penalties_bans_and_logprobs_match_the_host_sampler() {
-        use crate::runner::sampler::{SeqSamplingInput, sample_batch};
+        use crate::runner::sampler::{SeqSamplingInput, as_draw, sample_batch};
         let vocab = 257;
         let mut st = 3u64;
         let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (lcg(&mut st) * vocab as f64) as u32).collect() };
@@ -573,11 +565,13 @@ mod tests {
                     allowed: None,
                 })
                 .collect();
-            let host = sample_batch(&logits, vocab, &inputs);
+            let host: Vec<_> =
+                sample_batch(&logits, vocab, &inputs, LogprobsMode::RawLogprobs).into_iter().map(as_draw).collect();
             let rows: Vec<DeviceRow> =
                 cases.iter().map(|p| DeviceRow::for_request(p, &prompt, &output, 11, &eos)).collect();
             let t = Tensor::from_vec(logits.clone(), (cases.len(), vocab), &Device::Cpu).unwrap();
-            let device = sample(&t, &rows, LogprobValues::Logprobs).unwrap();
+            let device: Vec<_> =
+                sample(&t, &rows, LogprobsMode::RawLogprobs).unwrap().into_iter().map(as_draw).collect();
             for (i, (h, d)) in host.iter().zip(&device).enumerate() {
                 if cases[i].is_greedy() {
                     assert_eq!(h.token_id, d.token_id, "trial {trial} case {i}");
@@ -595,8 +589,8 @@ mod tests {
                 }
             }
             // Raw logits instead of logprobs: the values themselves.
-            let raw = sample(&t, &rows, LogprobValues::RawLogits).unwrap();
-            let (id, value) = raw[6].top_logprobs[0];
+            let raw = sample(&t, &rows, LogprobsMode::RawLogits).unwrap();
+            let (id, value) = raw[6].logprobs.as_ref().expect("asked for").top[0];
             assert_eq!(value, logits[6 * vocab + id as usize]);
         }
     }

@@ -17,6 +17,7 @@ use kernels::{Attention, AttentionMetadata, CacheWrite, KvCacheDtype};
 
 use crate::error::{Result, WorkerError};
 use crate::models::ModelConfig;
+use common::pipeline::LayerRange;
 
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
@@ -122,6 +123,12 @@ pub fn available_memory_bytes() -> Option<u64> {
     }
     let out = std::process::Command::new("sysctl").args(["-n", "hw.memsize"]).output().ok()?;
     String::from_utf8(out.stdout).ok()?.trim().parse().ok()
+}
+
+/// The config a stage's KV cache is sized and allocated from: its own
+/// layers only.
+pub fn stage_kv_config(cfg: &ModelConfig, layers: LayerRange) -> ModelConfig {
+    ModelConfig { num_layers: layers.len(), ..cfg.clone() }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod device_sampler;
 pub mod draft;
 pub mod grammar;
 pub mod kv_cache;
+pub mod logprobs;
 pub mod model_runner;
 pub mod sampler;
 

@@ -12,10 +12,11 @@ use kernels::{AttentionMetadata, KvCacheDtype};
 use crate::error::{Result, WorkerError};
 use crate::models::CausalLm;
 use crate::models::llama::{StageInput, StageOutput};
-use crate::pipeline::stage::stage_kv_config;
-use crate::runner::device_sampler::{self, DeviceRow, LogprobValues};
+use crate::runner::device_sampler::{self, DeviceRow};
+use crate::runner::kv_cache::stage_kv_config;
 use crate::runner::kv_cache::{self, LayerKvCache};
-use crate::runner::sampler::SampledToken;
+use crate::runner::logprobs::LogprobsMode;
+use common::SampledToken;
 use engine_core::{Request, SchedulerOutput};
 
 pub struct ModelRunner {
@@ -125,11 +126,11 @@ impl ModelRunner {
         logits: Option<Tensor>,
         batch: &BatchInputs,
         rows: &[DeviceRow],
-        values: LogprobValues,
+        mode: LogprobsMode,
     ) -> Result<(Vec<SampledToken>, Vec<f32>)> {
         let Some(logits) = logits else { return Ok((Vec::new(), Vec::new())) };
         let s = batch.logits_indices.len();
-        let sampled = if s == 0 { Vec::new() } else { device_sampler::sample(&logits.narrow(0, 0, s)?, rows, values)? };
+        let sampled = if s == 0 { Vec::new() } else { device_sampler::sample(&logits.narrow(0, 0, s)?, rows, mode)? };
         let p = batch.prompt_logprob_rows.len();
         let prompt = if p == 0 { Vec::new() } else { logits.narrow(0, s, p)?.flatten_all()?.to_vec1::<f32>()? };
         Ok((sampled, prompt))

@@ -23,8 +23,10 @@ use std::borrow::Cow;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
-use common::SamplingParams;
+use common::{SampledToken, SamplingParams};
 use rayon::prelude::*;
+
+use super::logprobs::{LogprobsMode, reported_logprobs};
 
 /// What the sampler needs to know about one sequence of the batch.
 pub struct SeqSamplingInput<'a> {
@@ -49,8 +51,10 @@ pub struct SeqSamplingInput<'a> {
     pub allowed: Option<&'a [u32]>,
 }
 
+/// One row's draw before its logprobs are reported ([`sample_batch`]
+/// turns it into a `SampledToken`).
 #[derive(Clone, Debug, PartialEq)]
-pub struct SampledToken {
+pub struct Draw {
     pub token_id: u32,
     /// Raw log-probability of the chosen token; NaN unless `params.logprobs`
     /// is set (computing it costs a pass of `exp` over the vocabulary).
@@ -71,7 +75,12 @@ pub fn verified_outputs<'a>(output: &'a [u32], proposed: &'a [u32]) -> impl Iter
 
 /// Samples one token per sequence. `logits` is row-major
 /// `[seqs.len(), vocab_size]`.
-pub fn sample_batch(logits: &[f32], vocab_size: usize, seqs: &[SeqSamplingInput]) -> Vec<SampledToken> {
+pub fn sample_batch(
+    logits: &[f32],
+    vocab_size: usize,
+    seqs: &[SeqSamplingInput],
+    mode: LogprobsMode,
+) -> Vec<SampledToken> {
     if seqs.is_empty() {
         return Vec::new();
     }
@@ -79,7 +88,12 @@ pub fn sample_batch(logits: &[f32], vocab_size: usize, seqs: &[SeqSamplingInput]
     logits
         .par_chunks_exact(vocab_size)
         .zip(seqs)
-        .map_init(Scratch::default, |scratch, (raw, seq)| sample_row(raw, seq, scratch))
+        .map_init(Scratch::default, |scratch, (raw, seq)| {
+            let Draw { token_id, logprob, top_logprobs } = sample_row(raw, seq, scratch);
+            let asked = seq.params.logprobs.is_some();
+            let logprobs = asked.then(|| reported_logprobs(mode, raw, token_id, logprob, top_logprobs));
+            SampledToken { token_id, logprobs }
+        })
         .collect()
 }
 
@@ -105,7 +119,7 @@ struct Scratch {
     ids: Vec<u32>,
 }
 
-fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledToken {
+fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> Draw {
     let p = seq.params;
     let masks_stops = seq.num_output_tokens < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
@@ -147,7 +161,7 @@ fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> SampledTo
         Some(n) => raw_logprobs(raw, token_id, n as usize),
         None => (f32::NAN, Vec::new()),
     };
-    SampledToken { token_id, logprob, top_logprobs }
+    Draw { token_id, logprob, top_logprobs }
 }
 
 /// NaN logits count as impossible tokens.
@@ -445,6 +459,14 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A reported token as the tests read a draw: NaN and no top list where
+/// no logprobs were asked for.
+#[cfg(test)]
+pub fn as_draw(s: SampledToken) -> Draw {
+    let (logprob, top_logprobs) = s.logprobs.map_or((f32::NAN, Vec::new()), |l| (l.logprob, l.top));
+    Draw { token_id: s.token_id, logprob, top_logprobs }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,9 +485,11 @@ mod tests {
         }
     }
 
-    fn sample(logits: &[f32], params: &SamplingParams, output: &[u32], seed: u64) -> SampledToken {
-        sample_batch(logits, logits.len(), &[input(params, &[], output, seed)]).remove(0)
+    fn sample(logits: &[f32], params: &SamplingParams, output: &[u32], seed: u64) -> Draw {
+        as_draw(sample_batch(logits, logits.len(), &[input(params, &[], output, seed)], RAW).remove(0))
     }
+
+    const RAW: LogprobsMode = LogprobsMode::RawLogprobs;
 
     fn greedy() -> SamplingParams {
         SamplingParams::greedy(16)
@@ -497,7 +521,7 @@ mod tests {
         {
             for seed in seed..seed + 20 {
                 let seq = SeqSamplingInput { allowed: Some(&allowed), ..input(&params, &[], &[], seed) };
-                let t = sample_batch(&logits, 40, &[seq]).remove(0).token_id;
+                let t = sample_batch(&logits, 40, &[seq], RAW).remove(0).token_id;
                 assert!(t == 1 || t == 33, "drew {t}");
             }
         }
@@ -505,11 +529,11 @@ mod tests {
         let p = SamplingParams { min_tokens: 5, ..random() };
         let eos_only = [1 << EOS];
         let seq = SeqSamplingInput { allowed: Some(&eos_only), ..input(&p, &[], &[], 0) };
-        assert_eq!(sample_batch(&[1.0, 2.0, 0.0, 3.0], 4, &[seq]).remove(0).token_id, EOS);
+        assert_eq!(sample_batch(&[1.0, 2.0, 0.0, 3.0], 4, &[seq], RAW).remove(0).token_id, EOS);
         // A mask shorter than the row forbids the tokens past its end.
         let params = greedy();
         let seq = SeqSamplingInput { allowed: Some(&[0b1]), ..input(&params, &[], &[], 0) };
-        assert_eq!(sample_batch(&logits, 40, &[seq]).remove(0).token_id, 0);
+        assert_eq!(sample_batch(&logits, 40, &[seq], RAW).remove(0).token_id, 0);
     }
 
     #[test]
@@ -547,7 +571,7 @@ mod tests {
         ];
         for seed in 0..50 {
             let output = [5, 6, 7];
-            let alone = sample_batch(&test_row(v, 0), v, &[input(&p, &[1, 2], &output, seed)]);
+            let alone = sample_batch(&test_row(v, 0), v, &[input(&p, &[1, 2], &output, seed)], RAW);
             let mut logits = Vec::new();
             let mut batch = Vec::new();
             for j in 0..8 {
@@ -560,7 +584,7 @@ mod tests {
                     batch.push(input(o, &[3], &output[..j % 3], seed + j as u64));
                 }
             }
-            assert_eq!(sample_batch(&logits, v, &batch)[3], alone[0], "seed {seed}");
+            assert_eq!(sample_batch(&logits, v, &batch, RAW)[3], alone[0], "seed {seed}");
         }
     }
 
@@ -677,7 +701,7 @@ mod tests {
         // Repetition divides a positive logit: 3 / 2 = 1.5 < 2, once however often seen.
         let rep = SamplingParams { repetition_penalty: 2.0, ..greedy() };
         let pick = |logits: &[f32], p: &SamplingParams, prompt: &[u32], output: &[u32]| {
-            sample_batch(logits, logits.len(), &[input(p, prompt, output, 0)])[0].token_id
+            sample_batch(logits, logits.len(), &[input(p, prompt, output, 0)], RAW)[0].token_id
         };
         assert_eq!(pick(&[3.0, 2.0], &rep, &[0], &[]), 1);
         assert_eq!(pick(&[3.0, 1.6], &rep, &[0, 0], &[0, 0]), 1);
@@ -716,7 +740,7 @@ mod tests {
         // (1 + 2) / 2 = 1.5 < 2 wins for token 1; after biasing 3 + 2 = 5,
         // 5 / 2 = 2.5 > 2 for token 0.
         let rep = |b: Vec<(u32, f32)>| SamplingParams { repetition_penalty: 2.0, logit_bias: b, ..greedy() };
-        let pick = |p: &SamplingParams| sample_batch(&[1.0, 2.0], 2, &[input(p, &[0], &[], 0)])[0].token_id;
+        let pick = |p: &SamplingParams| sample_batch(&[1.0, 2.0], 2, &[input(p, &[0], &[], 0)], RAW)[0].token_id;
         assert_eq!(pick(&rep(vec![(0, 2.0)])), 1);
         assert_eq!(pick(&rep(vec![(0, 4.0)])), 0);
         // Logprobs stay those of the raw logits.
@@ -740,7 +764,7 @@ mod tests {
         assert!((0..300).all(|s| ![2, 3].contains(&sample(&logits, &r, &[], s).token_id)));
         // The penalty must not revive a masked token.
         let rp = SamplingParams { repetition_penalty: 1.5, ..p };
-        assert_eq!(sample_batch(&logits, 4, &[input(&rp, &[2, 3], &[], 0)])[0].token_id, 1);
+        assert_eq!(sample_batch(&logits, 4, &[input(&rp, &[2, 3], &[], 0)], RAW)[0].token_id, 1);
     }
 
     #[test]
@@ -771,7 +795,7 @@ mod tests {
         for n in [0, 1, 5, 20] {
             // Penalties and temperature do not change what is reported.
             let p = SamplingParams { logprobs: Some(n), repetition_penalty: 3.0, temperature: 0.7, ..random() };
-            let s = sample_batch(&logits, 30, &[input(&p, &[0, 1, 2, 3], &[4], 11)]).remove(0);
+            let s = as_draw(sample_batch(&logits, 30, &[input(&p, &[0, 1, 2, 3], &[4], 11)], RAW).remove(0));
             assert!((s.logprob as f64 - raw(s.token_id)).abs() < 1e-6);
             assert_eq!(s.top_logprobs.len(), n as usize);
             for w in s.top_logprobs.windows(2) {

@@ -22,6 +22,7 @@ pub struct Waiting {
     /// Tokens generated before, on a worker that was lost.
     pub output: Vec<u32>,
     pub params: SamplingParams,
+    pub priority: i32,
     pub arrived: Instant,
 }
 

@@ -11,8 +11,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::protocol::{
-    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WireLogprobs, WorkerHello,
-    WorkerMessage, WorkerStats,
+    CoordinatorMessage, Handshake, HandshakeReply, ModelIdentity, PROTOCOL_VERSION, WorkerHello, WorkerMessage,
+    WorkerStats,
 };
 use common::transport::{self, Role};
 use common::{RequestId, SamplingParams};
@@ -74,6 +74,8 @@ pub enum EngineCommand {
         /// Tokens generated before, on a worker that was lost.
         output: Vec<u32>,
         params: SamplingParams,
+        /// Scheduling priority (lower first, under `--scheduling-policy priority`).
+        priority: i32,
     },
     Abort(RequestId),
     /// Send every cached block hash (the router missed events).
@@ -102,7 +104,6 @@ pub fn engine_loop(
     let mut timings = RequestTimings::default();
     let mut draining = false;
     let mut last_stats = Instant::now() - STATS_INTERVAL;
-    let mut live: Vec<RequestId> = Vec::new();
     let mut compiling = PendingCompiles::default();
     loop {
         // Block only when idle; otherwise take what arrived and step. A
@@ -119,29 +120,27 @@ pub fn engine_loop(
         };
         for cmd in first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())) {
             match cmd {
-                EngineCommand::Generate { request_id, prompt, output, params } => {
+                EngineCommand::Generate { request_id, prompt, output, params, priority } => {
                     if draining {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: "worker is draining".into() });
                     } else if params.structured_output.is_some() {
                         match engine.grammar_compiler() {
                             Ok(compiler) => {
-                                let request = Waiting { prompt, output, params, arrived: Instant::now() };
+                                let request = Waiting { prompt, output, params, priority, arrived: Instant::now() };
                                 compiling.start(request_id, compiler, request);
                             }
                             Err(e) => {
                                 let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
                             }
                         }
-                    } else if let Err(e) = engine.resume_request(request_id, prompt, &output, params, 0) {
+                    } else if let Err(e) = engine.resume_request(request_id, prompt, &output, params, priority) {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: e.to_string() });
                     } else {
-                        live.push(request_id);
                         timings.arrived(request_id, Instant::now());
                     }
                 }
                 EngineCommand::Abort(id) => {
                     if compiling.cancel(id) || engine.abort(id).is_some() {
-                        live.retain(|&r| r != id);
                         if let Some(m) = &metrics {
                             timings.aborted(m, id, Instant::now());
                         }
@@ -149,10 +148,9 @@ pub fn engine_loop(
                 }
                 EngineCommand::AbortAll => {
                     compiling.cancel_all();
-                    for id in live.drain(..) {
-                        engine.abort(id);
+                    for o in engine.abort_all() {
                         if let Some(m) = &metrics {
-                            timings.aborted(m, id, Instant::now());
+                            timings.aborted(m, o.id, Instant::now());
                         }
                     }
                 }
@@ -177,15 +175,14 @@ pub fn engine_loop(
             }
         }
         for c in compiling.finished() {
-            let Waiting { prompt, output, params, arrived } = c.request;
+            let Waiting { prompt, output, params, priority, arrived } = c.request;
             let added = c.grammar.map_err(|e| e.to_string()).and_then(|grammar| {
                 engine
-                    .resume_request_with_grammar(c.id, prompt, &output, params, 0, Some(grammar))
+                    .resume_request_with_grammar(c.id, prompt, &output, params, priority, Some(grammar))
                     .map_err(|e| e.to_string())
             });
             match added {
                 Ok(()) => {
-                    live.push(c.id);
                     timings.arrived(c.id, arrived);
                 }
                 Err(message) => {
@@ -205,9 +202,6 @@ pub fn engine_loop(
                         }
                     }
                     for output in outputs {
-                        if output.finish_reason.is_some() {
-                            live.retain(|&r| r != output.id);
-                        }
                         let _ = out.send(token_delta(output));
                     }
                 }
@@ -219,13 +213,11 @@ pub fn engine_loop(
                 Err(e) => {
                     // A failed forward pass fails the requests of that step, not the worker.
                     common::log!("engine step failed: {e}; aborting in-flight requests");
-                    for id in live.drain(..) {
-                        if let Some(o) = engine.abort(id) {
-                            if let Some(m) = &metrics {
-                                timings.output(m, &o, Instant::now());
-                            }
-                            let _ = out.send(token_delta(o));
+                    for o in engine.abort_all() {
+                        if let Some(m) = &metrics {
+                            timings.output(m, &o, Instant::now());
                         }
+                        let _ = out.send(token_delta(o));
                     }
                 }
             }
@@ -251,13 +243,9 @@ pub fn engine_loop(
 fn token_delta(o: RequestOutput) -> WorkerMessage {
     WorkerMessage::TokenDelta {
         request_id: o.id,
-        prompt_logprobs: o
-            .prompt_logprobs
-            .into_iter()
-            .map(|l| WireLogprobs { logprob: l.logprob, top: l.top })
-            .collect(),
+        prompt_logprobs: o.prompt_logprobs,
         new_token_ids: o.new_token_ids,
-        logprobs: o.logprobs.into_iter().map(|l| WireLogprobs { logprob: l.logprob, top: l.top }).collect(),
+        logprobs: o.logprobs,
         finish_reason: o.finish_reason,
         num_prompt_tokens: o.num_prompt_tokens as u32,
         num_cached_tokens: o.num_cached_tokens as u32,
@@ -421,9 +409,19 @@ async fn control_loop(
             }
             frame = frames.recv() => {
                 let cmd = match frame {
-                    Some(Ok(Some(CoordinatorMessage::Generate { request_id, prompt_token_ids, output_token_ids, params }))) => {
-                        EngineCommand::Generate { request_id, prompt: prompt_token_ids, output: output_token_ids, params }
-                    }
+                    Some(Ok(Some(CoordinatorMessage::Generate {
+                        request_id,
+                        prompt_token_ids,
+                        output_token_ids,
+                        params,
+                        priority,
+                    }))) => EngineCommand::Generate {
+                        request_id,
+                        prompt: prompt_token_ids,
+                        output: output_token_ids,
+                        params,
+                        priority,
+                    },
                     Some(Ok(Some(CoordinatorMessage::Abort { request_id }))) => EngineCommand::Abort(request_id),
                     Some(Ok(Some(CoordinatorMessage::Drain))) => EngineCommand::Drain,
                     Some(Ok(Some(CoordinatorMessage::Shutdown))) => EngineCommand::Shutdown,

@@ -21,8 +21,6 @@
 use common::RequestId;
 
 use super::Scheduler;
-use crate::output::{RequestOutput, SampledToken, ScheduledRequest, SchedulerOutput};
-use crate::request::RequestStatus;
 
 impl Scheduler {
     /// Lets `n` steps be in flight (a pipeline's micro-batches; at least 1).
@@ -49,57 +47,6 @@ impl Scheduler {
         }
         Some(self.running.remove(j))
     }
-
-    /// Takes step `out`'s result: appends the sampled tokens
-    /// (`num_sampled_rows` per scheduled request, in order; see
-    /// `Request::append_verified`), finishes requests that hit a stop
-    /// condition and frees their blocks, and the blocks of rejected
-    /// proposals. The step's requests may be scheduled again.
-    pub fn update_from_output(&mut self, out: &SchedulerOutput, sampled: Vec<SampledToken>) -> Vec<RequestOutput> {
-        debug_assert_eq!(out.scheduled.iter().map(ScheduledRequest::num_sampled_rows).sum::<usize>(), sampled.len());
-        let mut sampled = sampled.into_iter();
-        let rows = out
-            .scheduled
-            .iter()
-            .filter(|s| s.samples)
-            .map(|s| sampled.by_ref().take(s.num_sampled_rows()).collect())
-            .collect();
-        self.update_from_verified(out, rows)
-    }
-
-    /// [`update_from_output`](Self::update_from_output) with each sampling
-    /// request's rows apart, in the step's order: every row it sampled, or
-    /// only those a verifier kept (the draws that equal their proposals and
-    /// the one after them; a pipeline's last stage sends back no more).
-    /// Either way the same tokens are appended.
-    pub fn update_from_verified(&mut self, out: &SchedulerOutput, rows: Vec<Vec<SampledToken>>) -> Vec<RequestOutput> {
-        let mut outputs = Vec::with_capacity(out.scheduled.len());
-        let mut rows = rows.into_iter();
-        for sched in &out.scheduled {
-            let rows: Vec<SampledToken> = if sched.samples { rows.next().unwrap_or_default() } else { Vec::new() };
-            let Some(req) = self.requests.get_mut(&sched.id) else { continue };
-            if req.in_flight_step != Some(out.step_id) {
-                continue; // aborted and queued again since: not this step's request
-            }
-            req.in_flight_step = None;
-            if !sched.samples {
-                continue;
-            }
-            let (output, accepted) = req.append_verified(&sched.spec_token_ids, rows, &self.config);
-            self.spec_stats.observe(sched.spec_token_ids.len(), accepted);
-            let id = req.id;
-            if let Some(reason) = output.finish_reason {
-                req.status = RequestStatus::Finished(reason);
-                self.requests.remove(&id);
-                self.running.retain(|&r| r != id);
-                self.kv.free(id);
-            } else if !sched.spec_token_ids.is_empty() {
-                self.kv.free_blocks_past(id, req.num_tokens());
-            }
-            outputs.push(output);
-        }
-        outputs
-    }
 }
 
 #[cfg(test)]
@@ -109,6 +56,7 @@ mod tests {
     use common::SamplingParams;
 
     use crate::config::SchedulerConfig;
+    use crate::output::{SampledToken, ScheduledRequest, SchedulerOutput};
     use crate::request::Request;
 
     use super::*;

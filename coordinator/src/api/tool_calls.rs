@@ -6,7 +6,7 @@
 //! then its arguments in fragments).
 //!
 //! `auto` parses whatever calls the model writes; `required` and a named
-//! function also force them, with a grammar (`tools::grammar`) the worker
+//! function also force them, with a grammar (`tool_parser::grammar`) the worker
 //! applies to the tokens; `none` leaves the output as text. Tools reach the
 //! chat template in every case, as vLLM passes them.
 
@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::error::ApiError;
-use crate::tools::{Function, ToolCallParser, ToolEvent, ToolFormat, call_grammar};
+use crate::tool_parser::{Function, ToolCallParser, ToolEvent, ToolFormat, call_grammar};
 
 /// What the request asks of the model.
 #[derive(Clone, Debug, PartialEq)]

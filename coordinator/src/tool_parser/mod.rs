@@ -2,7 +2,7 @@
 //! the streaming parser that finds them in the output (`parser`, over the
 //! JSON scanner in `json_scan`), and the Lark grammar that forces a call
 //! when a request requires one (`grammar`). The HTTP side (request fields,
-//! response shapes) lives in `api::tools`.
+//! response shapes) lives in `api::tool_calls`.
 //!
 //! The formats follow vLLM's parsers of the same names: `hermes` (Hermes,
 //! Qwen 2.5/3: `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`)
