@@ -297,7 +297,7 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Arc<AppState>, mut sh
             Err(e) => {
                 let wait = backoff.map_or(ACCEPT_BACKOFF_MIN, |b| (b * 2).min(ACCEPT_BACKOFF_MAX));
                 if backoff != Some(wait) {
-                    common::log!("accepting HTTP connections: {e}; retrying in {wait:?}");
+                    tracing::warn!("accepting HTTP connections: {e}; retrying in {wait:?}");
                 }
                 backoff = Some(wait);
                 app.metrics.connection_refused("accept_error");

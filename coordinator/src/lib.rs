@@ -5,12 +5,13 @@ pub mod api;
 pub mod app;
 pub mod cluster;
 pub mod connections;
+/// Fuzz targets' entry points (the `fuzz/` crate and the corpus replay
+/// test turn it on); not part of the production build.
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod http;
-pub mod loadgen;
 pub mod local_pipelines;
 pub mod metrics;
 pub mod router;
-pub mod sim;
 pub mod text;
 pub mod tool_parser;

@@ -89,7 +89,7 @@ async fn keep_pipeline(
         if started.elapsed() >= Duration::from_secs(60) {
             backoff = FIRST_BACKOFF;
         }
-        common::log!("pipeline {name}: {why}; forming it again in {backoff:?}");
+        tracing::warn!("pipeline {name}: {why}; forming it again in {backoff:?}");
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
@@ -112,6 +112,7 @@ async fn start_stages(
             .arg("--cluster-secret-file")
             .arg(&launch.secret_file)
             .args(&launch.extra)
+            .env(common::log::FORMAT_ENV, common::log::format().name())
             .kill_on_drop(true);
         if let Some(address) = &next {
             command.args(["--next-stage", address]);

@@ -30,6 +30,10 @@ struct Args {
     /// Start and supervise this many workers on this host.
     #[arg(long, default_value_t = 0)]
     local_workers: usize,
+    /// Log lines as human text or JSON objects (one a line, for log
+    /// shippers); RUST_LOG filters them (default info). Local workers log alike.
+    #[arg(long, env = common::log::FORMAT_ENV, default_value = "human")]
+    log_format: common::log::LogFormat,
     /// Run the model as pipelines of this many workers each, its layers
     /// split over them: local ones (--local-workers a multiple), or remote
     /// ones started with --layers auto (split by the memory they offer).
@@ -98,6 +102,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    common::log::init(args.log_format);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     // The workers' QUIC links and the liveness watchdog get a runtime of
     // their own: however long HTTP handlers keep the main runtime's threads
@@ -153,7 +158,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let limits = http_limits(&args);
     let grammar_compiler = grammar_compiler(&tokenizer_path, &files);
     if let Err(e) = &grammar_compiler {
-        common::log!("{e}");
+        tracing::info!("{e}");
     }
     let mut app = AppState::new(
         cluster.clone(),
@@ -168,8 +173,8 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     .with_grammar_compiler(grammar_compiler);
     app.tool_format = args.tool_call_parser.or(app.tool_format);
     match app.tool_format {
-        Some(format) => common::log!("tool calls are read in the {format} format"),
-        None => common::log!("no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),
+        Some(format) => tracing::info!("tool calls are read in the {format} format"),
+        None => tracing::info!("no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),
     }
     let app = Arc::new(app);
     // One line tests and scripts can parse.
@@ -204,7 +209,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let server = tokio::spawn(coordinator::http::serve(listener, app.clone(), stop_rx.clone()));
 
     common::transport::shutdown_signal().await;
-    common::log!("shutting down; finishing in-flight requests");
+    tracing::info!("shutting down; finishing in-flight requests");
     app.begin_shutdown();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.shutdown_timeout_secs);
     while cluster.in_flight() > 0 && tokio::time::Instant::now() < deadline {
@@ -232,7 +237,7 @@ fn http_limits(args: &Args) -> coordinator::app::HttpLimits {
     if let Some(limit) = raise_fd_limit() {
         let room = limit.saturating_sub(OTHER_DESCRIPTORS).max(16);
         if (max_connections as u64) > room {
-            common::log!("at most {room} HTTP connections (descriptor limit {limit}), not {max_connections}");
+            tracing::warn!("at most {room} HTTP connections (descriptor limit {limit}), not {max_connections}");
             max_connections = room as usize;
         }
     }
@@ -346,7 +351,7 @@ fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     if path.exists() {
         let read = common::transport::read_secret_file(path)?;
         for warning in &read.warnings {
-            common::log!("warning: {warning}");
+            tracing::warn!("{warning}");
         }
         return Ok(read.secret);
     }
@@ -357,7 +362,7 @@ fn load_or_create_secret(path: &Path) -> anyhow::Result<String> {
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
     let mut file = options.open(path).with_context(|| format!("creating {}", path.display()))?;
     std::io::Write::write_all(&mut file, secret.as_bytes())?;
-    common::log!("wrote a new cluster secret to {} (give this file to remote workers)", path.display());
+    tracing::info!("wrote a new cluster secret to {} (give this file to remote workers)", path.display());
     Ok(secret)
 }
 
@@ -403,7 +408,7 @@ async fn supervise_local_workers(
 ) {
     let exe = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("tinyvllm-worker")));
     let Some(exe) = exe.filter(|p| p.exists()) else {
-        common::log!("tinyvllm-worker not found next to this binary; cannot start local workers");
+        tracing::error!("tinyvllm-worker not found next to this binary; cannot start local workers");
         return;
     };
     let mut tasks = Vec::new();
@@ -416,6 +421,7 @@ async fn supervise_local_workers(
             loop {
                 let started = tokio::time::Instant::now();
                 let mut child = match tokio::process::Command::new(&exe)
+                    .env(common::log::FORMAT_ENV, common::log::format().name())
                     .args([
                         "serve",
                         "--exit-with-parent",
@@ -434,7 +440,7 @@ async fn supervise_local_workers(
                 {
                     Ok(child) => child,
                     Err(e) => {
-                        common::log!("starting local worker {i}: {e}");
+                        tracing::error!("starting local worker {i}: {e}");
                         return;
                     }
                 };
@@ -446,7 +452,7 @@ async fn supervise_local_workers(
                         };
                         cluster.worker_process_exited(&name, &status);
                         let pause = backoff.after_exit(started.elapsed());
-                        common::log!("local worker {i} exited ({status}); restarting in {pause:?}");
+                        tracing::warn!("local worker {i} exited ({status}); restarting in {pause:?}");
                         tokio::time::sleep(pause).await;
                     }
                     _ = stop.changed() => {

@@ -106,19 +106,19 @@ struct LogProgress {
 impl hf_hub::api::Progress for LogProgress {
     fn init(&mut self, size: usize, filename: &str) {
         let (lines, first) = ProgressLines::start(&self.repo, filename, size as u64, Instant::now());
-        crate::log!("{first}");
+        tracing::info!("{first}");
         self.lines = Some(lines);
     }
 
     fn update(&mut self, size: usize) {
         if let Some(line) = self.lines.as_mut().and_then(|l| l.advance(size as u64, Instant::now())) {
-            crate::log!("{line}");
+            tracing::info!("{line}");
         }
     }
 
     fn finish(&mut self) {
         if let Some(lines) = &self.lines {
-            crate::log!("{}", lines.finish());
+            tracing::info!("{}", lines.finish());
         }
     }
 }

@@ -63,7 +63,7 @@ impl Cluster {
             let Ok(permit) = unauthenticated.clone().try_acquire_owned() else {
                 // Log once per burst of refusals, not once per packet.
                 if !refused_logged {
-                    common::log!(
+                    tracing::info!(
                         "{MAX_UNAUTHENTICATED} connections are already authenticating; refusing new \
                          ones (from {})",
                         incoming.remote_address()
@@ -92,7 +92,7 @@ impl Cluster {
                 };
                 match result {
                     Ended::Unauthenticated(why) | Ended::Offer(Err(why)) => {
-                        common::log!("connection from {address}: {why}")
+                        tracing::warn!("connection from {address}: {why}")
                     }
                     Ended::Offer(Ok(())) => {}
                     Ended::Worker(id, why) => cluster.remove_worker(id, &why),
@@ -136,7 +136,7 @@ impl Cluster {
             ),
         };
         if let Some(reason) = self.refusal(&credentials, &binding) {
-            common::log!("refusing worker {name:?} at {address}: {reason}");
+            tracing::warn!("refusing worker {name:?} at {address}: {reason}");
             let _ = match hello {
                 WorkerHello::Register(_) => {
                     transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await
@@ -180,7 +180,7 @@ impl Cluster {
         if let Err(e) = transport::write_frame(&mut send, &reply).await {
             return Ended::Worker(worker_id, e.to_string());
         }
-        common::log!("worker {:?} at {address} registered as {worker_id}", hello.worker_name);
+        tracing::info!("worker {:?} at {address} registered as {worker_id}", hello.worker_name);
         let writer = tokio::spawn(async move {
             while let Some(message) = rx.recv().await {
                 if transport::write_frame(&mut send, &message).await.is_err() {
@@ -269,12 +269,12 @@ impl Cluster {
                 state.registry.on_stats(worker, stats);
             }
             WorkerMessage::Draining => {
-                common::log!("worker {} is draining; routing no new requests to it", state.registry.label(worker));
+                tracing::info!("worker {} is draining; routing no new requests to it", state.registry.label(worker));
                 state.registry.set_draining(worker);
             }
             WorkerMessage::KvEvents(events) => {
                 if state.router.apply_kv_events(worker, &events) == EventOutcome::NeedSnapshot {
-                    common::log!("KV event gap from {}; requesting a snapshot", state.registry.label(worker));
+                    tracing::warn!("KV event gap from {}; requesting a snapshot", state.registry.label(worker));
                     if let Some(w) = state.registry.get(worker) {
                         w.send(CoordinatorMessage::RequestKvSnapshot);
                     }

@@ -269,7 +269,7 @@ impl Cluster {
         let mut guard = self.lock();
         let state = &mut *guard;
         let Some(entry) = state.registry.remove(worker) else { return };
-        common::log!("worker {} ({}) left: {why}", entry.name, entry.address);
+        tracing::info!("worker {} ({}) left: {why}", entry.name, entry.address);
         state.router.remove_worker(worker);
         self.redispatch_orphans(state, worker, &entry.name);
     }

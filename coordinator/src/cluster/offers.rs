@@ -108,7 +108,7 @@ impl Cluster {
             let id = formation.next_offer;
             formation.next_offer += 1;
             let memory = OfferedMemory { memory: offer.memory_bytes, model_weight_bytes: offer.model_weight_bytes };
-            common::log!(
+            tracing::info!(
                 "worker {:?} offers {} of memory (the model's weights are {} on it; {}); stage address {stage_address}",
                 offer.worker_name,
                 plan::bytes(memory.memory),
@@ -165,7 +165,7 @@ impl Cluster {
                 Plan::Wait(why) => {
                     let why = (why != Shortfall::NoOffers).then(|| why.to_string());
                     if why.is_some() && why != formation.shortfall {
-                        common::log!("cannot form a pipeline yet: {}", why.as_deref().unwrap_or_default());
+                        tracing::warn!("cannot form a pipeline yet: {}", why.as_deref().unwrap_or_default());
                         for p in formation.pending.values() {
                             let _ = p.replies.send(OfferReply::Waiting { why: why.clone().unwrap_or_default() });
                         }
@@ -188,13 +188,13 @@ fn assign(members: &[(Pending, common::pipeline::LayerRange)]) {
     let Some((first, _)) = members.first() else { return };
     let pipeline = first.name.clone();
     if members.len() == 1 {
-        common::log!("worker {pipeline:?} holds the whole model: a replica");
+        tracing::info!("worker {pipeline:?} holds the whole model: a replica");
     } else {
         let shown: Vec<String> = members
             .iter()
             .map(|(p, l)| format!("{} layers {l} ({} of memory)", p.name, plan::bytes(p.memory.memory)))
             .collect();
-        common::log!("formed pipeline {pipeline:?} of {} stages: {}", members.len(), shown.join(", "));
+        tracing::info!("formed pipeline {pipeline:?} of {} stages: {}", members.len(), shown.join(", "));
     }
     for (k, (member, layers)) in members.iter().enumerate() {
         let next_stage = members.get(k + 1).map(|(next, _)| next.stage_address.to_string());

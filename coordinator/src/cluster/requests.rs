@@ -98,6 +98,8 @@ impl Cluster {
         }
         entry.in_flight += 1;
         let name = entry.name.clone();
+        let _span = tracing::debug_span!("request", id = id.0).entered();
+        tracing::debug!(worker = %name, cached = decision.predicted_cached_tokens, "dispatched");
         state.router.on_dispatch(id, decision.worker, len, chain, decision.predicted_cached_tokens);
         let policy = state.router.policy().as_str();
         self.metrics.decisions.with_label_values(&[policy, &name]).inc();
@@ -217,6 +219,7 @@ impl Cluster {
     /// `max_tokens` and `min_tokens` itself). Fails the request when no
     /// worker can take it.
     fn redispatch(&self, state: &mut State, id: RequestId, from: WorkerId, from_label: &str) {
+        let _span = tracing::info_span!("request", id = id.0).entered();
         let Some(req) = state.requests.get(&id) else { return };
         let (prompt, output) = (req.prompt.clone(), req.generated.clone());
         let (mut params, priority) = (req.params.clone(), req.priority);
@@ -232,7 +235,7 @@ impl Cluster {
             Ok(target) => {
                 state.redispatches += 1;
                 self.metrics.redispatches.inc();
-                common::log!(
+                tracing::info!(
                     "request {id} moved from worker {from_label} to {} after {} streamed tokens",
                     state.registry.label(target),
                     output.len()
@@ -243,7 +246,7 @@ impl Cluster {
                 }
             }
             Err(_) => {
-                common::log!("request {id} from worker {from_label} failed: no other worker can take it");
+                tracing::error!("request {id} from worker {from_label} failed: no other worker can take it");
                 if let Some(req) = state.requests.remove(&id) {
                     let _ = req.events.send(RequestEvent::Failed {
                         message: "the worker serving this request was lost and no other worker is available".into(),

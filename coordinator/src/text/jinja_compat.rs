@@ -184,81 +184,29 @@ pub fn strftime_now(format: &str) -> String {
 }
 
 /// The directives templates use (C89's plus glibc's `%-d` style no-padding
-/// flag and `%e`); others are copied through.
+/// flag and `%e`), formatted by chrono; others are copied through, as
+/// glibc does.
 pub fn strftime(format: &str, unix_secs: u64) -> String {
-    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    let days = (unix_secs / 86_400) as i64;
-    let secs_of_day = unix_secs % 86_400;
-    let (year, month, day) = common::log::civil_from_days(days);
-    let (month, day) = (i64::from(month), i64::from(day));
-    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
-    let yday = days - days_from_civil(year, 1, 1) + 1;
-    let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
-
+    const KNOWN: &str = "YymdejHIMSpAaBbhFTZz%";
+    let Some(time) = i64::try_from(unix_secs).ok().and_then(|s| chrono::DateTime::from_timestamp(s, 0)) else {
+        return format.to_string();
+    };
     let mut out = String::new();
-    let mut chars = format.chars();
+    let mut chars = format.chars().peekable();
     while let Some(c) = chars.next() {
         if c != '%' {
             out.push(c);
             continue;
         }
-        let mut spec = chars.next();
-        let unpadded = spec == Some('-');
-        if unpadded {
-            spec = chars.next();
+        let unpadded = chars.next_if_eq(&'-').is_some();
+        let flag = if unpadded { "-" } else { "" };
+        match chars.next() {
+            Some(d) if KNOWN.contains(d) => out += &time.format(&format!("%{flag}{d}")).to_string(),
+            Some(other) => out += &format!("%{flag}{other}"),
+            None => out.push('%'),
         }
-        let num = |n: i64, width: usize| if unpadded { n.to_string() } else { format!("{n:0width$}") };
-        let text = match spec {
-            Some('Y') => year.to_string(),
-            Some('y') => num(year.rem_euclid(100), 2),
-            Some('m') => num(month, 2),
-            Some('d') => num(day, 2),
-            Some('e') => format!("{day:>2}"),
-            Some('j') => num(yday, 3),
-            Some('H') => num(hour as i64, 2),
-            Some('I') => num(((hour + 11) % 12 + 1) as i64, 2),
-            Some('M') => num(minute as i64, 2),
-            Some('S') => num(second as i64, 2),
-            Some('p') => (if hour < 12 { "AM" } else { "PM" }).to_string(),
-            Some('A') => DAYS[weekday].to_string(),
-            Some('a') => DAYS[weekday][..3].to_string(),
-            Some('B') => MONTHS[(month - 1) as usize].to_string(),
-            Some('b') | Some('h') => MONTHS[(month - 1) as usize][..3].to_string(),
-            Some('F') => format!("{year:04}-{month:02}-{day:02}"),
-            Some('T') => format!("{hour:02}:{minute:02}:{second:02}"),
-            Some('Z') => "UTC".to_string(),
-            Some('z') => "+0000".to_string(),
-            Some('%') => "%".to_string(),
-            Some(other) => format!("%{}{other}", if unpadded { "-" } else { "" }),
-            None => "%".to_string(),
-        };
-        out.push_str(&text);
     }
     out
-}
-
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = if m > 2 { m - 3 } else { m + 9 };
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 #[cfg(test)]

@@ -191,14 +191,14 @@ pub fn resolve(args: &EngineArgs) -> anyhow::Result<Resolved> {
         files.tokenizer_json = Some(tokenizer.clone());
     }
     if files.random_weights {
-        common::log!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
+        tracing::warn!("note: {} has RANDOM weights: outputs are meaningless, use it for speed only", files.name);
     }
     let selected = worker::runner::device::select(match args.device {
         DeviceArg::Auto => DeviceChoice::Auto,
         DeviceArg::Cpu => DeviceChoice::Cpu,
         DeviceArg::Metal => DeviceChoice::Metal,
     })?;
-    common::log!("device: {}", selected.description);
+    tracing::info!("device: {}", selected.description);
     let device = selected.device.clone();
     let dtype = resolve_dtype(args.dtype, &files, &device);
     Ok(Resolved { files, device, description: selected.description, dtype })
@@ -244,7 +244,7 @@ pub fn build_engine_from(
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;
     let stats = engine.stats();
-    common::log!(
+    tracing::info!(
         "loaded {} ({dtype:?}), KV cache: {} blocks of {} ({} tokens), {}, {:.1} MiB",
         files.name,
         stats.kv_blocks_total,

@@ -18,6 +18,10 @@ use worker::Quantization;
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as human text or JSON objects (one a line, for log
+    /// shippers); RUST_LOG filters them (default info).
+    #[arg(long, global = true, env = common::log::FORMAT_ENV, default_value = "human")]
+    log_format: common::log::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -39,6 +43,7 @@ enum Command {
 
 impl Cli {
     pub fn run(self) -> anyhow::Result<()> {
+        common::log::init(self.log_format);
         match self.command {
             Command::Generate(args) => generate::run(args),
             Command::Bench(args) => bench::run(args),

@@ -77,7 +77,7 @@ pub async fn await_assignment(
         device: resolved.description.clone(),
         auth_tag: transport::auth_tag(secret.as_bytes(), Role::Worker, binding),
     };
-    common::log!(
+    tracing::info!(
         "offering {} bytes of memory to the coordinator at {address} (the model's weights take {} bytes here)",
         offer.memory_bytes,
         offer.model_weight_bytes
@@ -95,7 +95,7 @@ pub async fn await_assignment(
             }
             Err(Attempt::Fatal(e)) => return Err(e),
             Err(Attempt::Retry(why)) => {
-                common::log!("offering to the coordinator at {address}: {why}; again in {backoff:?}");
+                tracing::warn!("offering to the coordinator at {address}: {why}; again in {backoff:?}");
             }
         }
         tokio::time::sleep(backoff).await;
@@ -135,7 +135,7 @@ async fn offer_once(
                 transport::trust_connection(&conn);
                 authenticated = true;
             }
-            Some(OfferReply::Waiting { why }) => common::log!("waiting for a pipeline to be formed: {why}"),
+            Some(OfferReply::Waiting { why }) => tracing::info!("waiting for a pipeline to be formed: {why}"),
             Some(OfferReply::Assigned(assignment)) => {
                 conn.close(0u32.into(), b"assigned");
                 return Ok(assignment);

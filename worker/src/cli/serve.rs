@@ -84,7 +84,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // Under 16 bytes is refused; short, or readable by others, is warned about.
     let read = common::transport::read_secret_file(&args.cluster_secret_file)?;
     for warning in &read.warnings {
-        common::log!("warning: {warning}");
+        tracing::warn!("{warning}");
     }
     let secret = read.secret;
     if args.exit_with_parent {
@@ -104,7 +104,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             };
             drop(runtime);
             match serve_layers(&args, name.clone(), secret.clone(), resolved, Some(layers)) {
-                Err(e) if pipeline_lost(&e) => common::log!("{e}; offering this worker again"),
+                Err(e) if pipeline_lost(&e) => tracing::warn!("{e}; offering this worker again"),
                 other => return other,
             }
             args.next_stage = None;
@@ -142,7 +142,7 @@ fn serve_layers(
     );
     if let Some(l) = layers.filter(|l| !l.is_first()) {
         if args.coordinator.is_some() && args.layers.as_deref() != Some("auto") {
-            common::log!(
+            tracing::info!(
                 "note: layers {l} are a later pipeline stage, which talks to the stage before it, not to --coordinator"
             );
         }
@@ -185,7 +185,7 @@ fn serve_layers(
             listener,
             std::sync::Arc::new(move || worker::serve::metrics::render(&registry)),
         ));
-        common::log!("metrics on http://{bound}/metrics");
+        tracing::info!("metrics on http://{bound}/metrics");
         metrics = Some(engine_metrics);
         metrics_address = Some(bound.to_string());
     }
@@ -218,7 +218,7 @@ fn serve_layers(
     // Structured outputs' vocabulary scan, now rather than at the first
     // constrained request; a model without one refuses such requests.
     if let Err(e) = engine.grammar_compiler() {
-        common::log!("{e}");
+        tracing::info!("{e}");
     }
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -231,7 +231,7 @@ fn serve_layers(
         // are refused, then the engine stops and serve() returns.
         tokio::spawn(async move {
             common::transport::shutdown_signal().await;
-            common::log!("signal received: draining");
+            tracing::info!("signal received: draining");
             let _ = drain.send(service::EngineCommand::Drain);
         });
         service::serve(config, stats.kv_blocks_total as u64, cmd_tx, out_rx).await
@@ -279,7 +279,7 @@ async fn offer_and_wait(
         resolved.files.name,
         resolved.files.config.num_layers
     );
-    common::log!(
+    tracing::info!(
         "assigned layers {layers} of {}: stage {} of {} of pipeline {:?}{}",
         layers.total,
         assignment.stage,
@@ -313,7 +313,7 @@ fn watch_parent() {
             loop {
                 std::thread::sleep(std::time::Duration::from_millis(500));
                 if std::os::unix::process::parent_id() != parent {
-                    common::log!("parent process exited; stopping");
+                    tracing::warn!("parent process exited; stopping");
                     std::process::exit(0);
                 }
             }

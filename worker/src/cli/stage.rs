@@ -43,7 +43,7 @@ pub fn run_later_stage(
     let runner = StageRunner::new(&resolved.files, &stage_config(engine, &resolved, layers))
         .with_context(|| format!("loading layers {layers} of {}", resolved.files.name))?;
     let mut info = runner.info(&args.name);
-    common::log!(
+    tracing::info!(
         "stage {} (layers {layers} of {}): weights {:.1} MiB, KV cache {} blocks ({} tokens), {}, {:.1} MiB",
         args.name,
         resolved.files.name,
@@ -68,7 +68,7 @@ pub fn run_later_stage(
             listener,
             std::sync::Arc::new(move || worker::serve::metrics::render(&registry)),
         ));
-        common::log!("metrics on http://{bound}/metrics");
+        tracing::info!("metrics on http://{bound}/metrics");
         info.metrics_address = Some(bound.to_string());
     }
     let compute = Compute::start(runner, info, metrics, on_the_kernel_pool)?;
@@ -116,7 +116,7 @@ pub async fn dial_next(
 /// The pipeline as the first stage sees it, one line per stage.
 pub fn log_pipeline(stages: &[StageInfo]) {
     for (i, s) in stages.iter().enumerate() {
-        common::log!(
+        tracing::info!(
             "pipeline stage {i} of {}: {} (layers {}): weights {:.1} MiB, KV cache {:.1} MiB ({}, {} tokens)",
             stages.len(),
             s.name,

@@ -20,7 +20,7 @@ pub(super) fn prepare_weights(model: &mut CausalLm, config: &EngineConfig) -> Re
             return Err(WorkerError::Unsupported(format!("{q:?} quantization runs on the CPU only")));
         }
         let (quantized, total) = model.quantize(q)?;
-        common::log!(
+        tracing::info!(
             "quantized {quantized} of {total} linear layers to {q:?} (the rest have in-features not a multiple of \
              32, or were quantized already)"
         );
@@ -58,7 +58,7 @@ pub(super) fn load_draft(
     }
     let mut model = crate::models::loader::load(draft, config.dtype, &config.device)?;
     prepare_weights(&mut model, config)?;
-    common::log!(
+    tracing::info!(
         "draft model {}: {} layers, {} bytes of weights",
         draft.name,
         theirs.num_layers,

@@ -174,7 +174,7 @@ impl Engine {
         let p = first_stage(&mut self.backend)?;
         let step_no = result.frame.step();
         if p.in_flight.front().is_none_or(|(expected, ..)| *expected != step_no) {
-            common::log!("pipeline: dropped the result of step {step_no}, which is not the oldest in flight");
+            tracing::warn!("pipeline: dropped the result of step {step_no}, which is not the oldest in flight");
             return Ok(Vec::new());
         }
         let (_, sent_at, step) = p.in_flight.pop_front().expect("checked above");

@@ -101,7 +101,7 @@ impl Compute {
 pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), LinkError> {
     let endpoint = link::listen(config.listen)?;
     let bound = endpoint.local_addr().map_err(|e| LinkError::Connection(e.to_string()))?;
-    common::log!("stage {} (layers {}): listening for the stage before on {bound}", config.name, compute.layers);
+    tracing::info!("stage {} (layers {}): listening for the stage before on {bound}", config.name, compute.layers);
     if let Some(path) = &config.address_file {
         // Written whole, then renamed: a reader never sees half an address.
         let partial = path.with_extension("partial");
@@ -124,7 +124,7 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
                     auth_tag: Vec::new(),
                 };
                 let d = link::dial_until_up(address, &config.secret, hello).await?;
-                common::log!("stage: connected to the next stage at {address}");
+                tracing::info!("stage: connected to the next stage at {address}");
                 Some(d)
             }
             None => None,
@@ -157,12 +157,12 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
                 Ok(up) => up,
                 Err(LinkError::Closed) => return Err(LinkError::Closed),
                 Err(e) => {
-                    common::log!("stage: refused a stage before: {e}");
+                    tracing::warn!("stage: refused a stage before: {e}");
                     continue;
                 }
             };
             generation += 1;
-            common::log!("stage: the stage before ({}) connected", up.hello.name);
+            tracing::info!("stage: the stage before ({}) connected", up.hello.name);
             match serve_link(up, &mut downstream, &mut compute, generation).await {
                 LinkEnd::UpstreamGone(why) if config.leave_when_unlinked => {
                     return Err(LinkError::Unlinked(format!("the stage before left ({why})")));
@@ -170,9 +170,9 @@ pub async fn serve(config: FollowerConfig, mut compute: Compute) -> Result<(), L
                 LinkEnd::DownstreamGone if config.leave_when_unlinked => {
                     return Err(LinkError::Unlinked("lost the next stage".into()));
                 }
-                LinkEnd::UpstreamGone(why) => common::log!("stage: the stage before left ({why})"),
+                LinkEnd::UpstreamGone(why) => tracing::warn!("stage: the stage before left ({why})"),
                 LinkEnd::DownstreamGone => {
-                    common::log!(
+                    tracing::info!(
                         "stage {}: lost the next stage; dropping the stage before and dialling again",
                         config.name
                     );

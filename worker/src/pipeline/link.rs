@@ -105,7 +105,7 @@ pub async fn dial_until_up(address: &str, secret: &str, hello: StageHello) -> Re
             Err(e @ (LinkError::Refused(_) | LinkError::NotAuthenticated | LinkError::Address(..))) => return Err(e),
             Err(e) => {
                 if attempts.is_multiple_of(25) {
-                    common::log!("stage: next stage at {address} not reachable yet ({e}); retrying");
+                    tracing::warn!("stage: next stage at {address} not reachable yet ({e}); retrying");
                 }
                 attempts += 1;
                 tokio::time::sleep(RETRY).await;

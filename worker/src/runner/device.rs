@@ -39,7 +39,7 @@ pub fn select(choice: DeviceChoice) -> Result<SelectedDevice> {
         DeviceChoice::Auto if cfg!(all(target_os = "macos", target_arch = "aarch64")) => match open_metal() {
             Ok(metal) => Ok(metal),
             Err(why) => {
-                common::log!("warning: --device auto: {why}; running on the CPU");
+                tracing::warn!("--device auto: {why}; running on the CPU");
                 Ok(cpu(Some(format!("metal unavailable: {why}"))))
             }
         },

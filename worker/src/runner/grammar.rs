@@ -114,7 +114,7 @@ impl Grammars {
             .map(|&(id, output)| {
                 let g = self.active.get_mut(&id)?;
                 Some(next_mask(g, output).unwrap_or_else(|e| {
-                    common::log!("structured output of request {}: {e}; ending it", id.0);
+                    tracing::warn!("structured output of request {}: {e}; ending it", id.0);
                     eos_only(&self.eos_token_ids, self.vocab_size)
                 }))
             })

@@ -111,7 +111,7 @@ fn spawn_compiler() -> Option<(mpsc::Sender<Job>, mpsc::Receiver<Done>)> {
     match spawned {
         Ok(_) => Some((jobs_tx, done_rx)),
         Err(e) => {
-            common::log!("cannot start the grammar compiler thread ({e}); compiling on the engine thread");
+            tracing::warn!("cannot start the grammar compiler thread ({e}); compiling on the engine thread");
             None
         }
     }

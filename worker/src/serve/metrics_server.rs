@@ -91,7 +91,7 @@ where
         match accept().await {
             Ok(stream) => {
                 if errors.in_burst > 0 {
-                    common::log!("metrics endpoint: accepting again after {} failed accepts", errors.in_burst);
+                    tracing::info!("metrics endpoint: accepting again after {} failed accepts", errors.in_burst);
                     errors.in_burst = 0;
                 }
                 errors.backoff = Duration::ZERO;
@@ -99,7 +99,9 @@ where
             }
             Err(e) => {
                 if errors.in_burst == 0 {
-                    common::log!("metrics endpoint: accept failed: {e}; retrying with backoff (logged once per burst)");
+                    tracing::warn!(
+                        "metrics endpoint: accept failed: {e}; retrying with backoff (logged once per burst)"
+                    );
                 }
                 errors.in_burst += 1;
                 errors.total += 1;

@@ -66,6 +66,8 @@ pub enum ServiceError {
 }
 
 /// Commands from the network side to the engine thread.
+// `Generate` is the large and the common one (see `CoordinatorMessage`).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum EngineCommand {
     Generate {
@@ -121,6 +123,8 @@ pub fn engine_loop(
         for cmd in first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())) {
             match cmd {
                 EngineCommand::Generate { request_id, prompt, output, params, priority } => {
+                    let _span = tracing::debug_span!("request", id = request_id.0).entered();
+                    tracing::debug!(prompt_tokens = prompt.len(), resumed_tokens = output.len(), priority, "arrived");
                     if draining {
                         let _ = out.send(WorkerMessage::Rejected { request_id, message: "worker is draining".into() });
                     } else if params.structured_output.is_some() {
@@ -140,10 +144,10 @@ pub fn engine_loop(
                     }
                 }
                 EngineCommand::Abort(id) => {
-                    if compiling.cancel(id) || engine.abort(id).is_some() {
-                        if let Some(m) = &metrics {
-                            timings.aborted(m, id, Instant::now());
-                        }
+                    if (compiling.cancel(id) || engine.abort(id).is_some())
+                        && let Some(m) = &metrics
+                    {
+                        timings.aborted(m, id, Instant::now());
                     }
                 }
                 EngineCommand::AbortAll => {
@@ -202,17 +206,21 @@ pub fn engine_loop(
                         }
                     }
                     for output in outputs {
+                        if let Some(reason) = output.finish_reason {
+                            let _span = tracing::debug_span!("request", id = output.id.0).entered();
+                            tracing::debug!(?reason, "finished");
+                        }
                         let _ = out.send(token_delta(output));
                     }
                 }
                 Err(WorkerError::PipelineLost(why)) => {
-                    common::log!("engine: pipeline lost ({why}); leaving the cluster so its requests move elsewhere");
+                    tracing::warn!("engine: pipeline lost ({why}); leaving the cluster so its requests move elsewhere");
                     let _ = pipeline_lost.set(why);
                     return;
                 }
                 Err(e) => {
                     // A failed forward pass fails the requests of that step, not the worker.
-                    common::log!("engine step failed: {e}; aborting in-flight requests");
+                    tracing::error!("engine step failed: {e}; aborting in-flight requests");
                     for o in engine.abort_all() {
                         if let Some(m) = &metrics {
                             timings.output(m, &o, Instant::now());
@@ -289,7 +297,7 @@ pub async fn serve(
                 return Ok(());
             }
             Ok(SessionEnd::Disconnected(why)) => {
-                common::log!("lost the coordinator at {addr} ({why}); reconnecting");
+                tracing::warn!("lost the coordinator at {addr} ({why}); reconnecting");
                 backoff = Duration::from_millis(100);
             }
             Err(
@@ -301,7 +309,7 @@ pub async fn serve(
                 let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
                 return Err(e);
             }
-            Err(e) => common::log!("connecting to the coordinator at {addr}: {e}; retrying in {backoff:?}"),
+            Err(e) => tracing::warn!("connecting to the coordinator at {addr}: {e}; retrying in {backoff:?}"),
         }
         commands.send(EngineCommand::AbortAll).map_err(|_| ServiceError::EngineStopped)?;
         tokio::time::sleep(backoff).await;
@@ -348,7 +356,7 @@ async fn session(
                 return Err(ServiceError::CoordinatorNotAuthenticated);
             }
             transport::trust_connection(&conn);
-            common::log!("registered with the coordinator at {addr} as worker {worker_id}");
+            tracing::info!("registered with the coordinator at {addr} as worker {worker_id}");
         }
         Some(HandshakeReply::Refused { reason }) => return Err(ServiceError::Refused(reason)),
         None => return Ok(SessionEnd::Disconnected("closed during the handshake".into())),

@@ -20,7 +20,7 @@ use common::protocol::WorkerStats;
 use common::{BlockHash, BlockId, RequestId, WorkerId, hash_block_tokens};
 use engine_core::BlockPool;
 
-use crate::router::{Policy, Router};
+use coordinator::router::{Policy, Router};
 
 #[derive(Clone, Debug)]
 pub struct SimConfig {

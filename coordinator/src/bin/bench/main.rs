@@ -1,14 +1,17 @@
 //! `tinyvllm-bench`: measures routing.
 //!
 //! - `workload`: an open-loop shared-prefix workload against a running
-//!   cluster (see `coordinator::loadgen`).
+//!   cluster (see `loadgen`).
 //! - `simulate`: the router's real policies over simulated workers (see
-//!   `coordinator::sim`), for cluster sizes we cannot run here.
+//!   `sim`), for cluster sizes we cannot run here.
+
+mod loadgen;
+mod sim;
 
 use clap::{Parser, Subcommand};
-use coordinator::loadgen::{self, WorkloadConfig};
 use coordinator::router::Policy;
-use coordinator::sim::{self, SimConfig};
+use loadgen::WorkloadConfig;
+use sim::SimConfig;
 
 #[derive(Parser)]
 #[command(name = "tinyvllm-bench", version, about = "tinyvllm routing benchmarks")]
@@ -135,7 +138,7 @@ fn main() -> anyhow::Result<()> {
                         println!(
                             "{}",
                             serde_json::json!({
-                                "workers": n, "policy": p.as_str(), "requests": r.requests,
+                                "workers": r.workers, "policy": r.policy.as_str(), "requests": r.requests,
                                 "hit_rate": r.hit_rate, "ideal_hit_rate": r.ideal_hit_rate,
                                 "load_imbalance": r.load_imbalance, "ttft_mean_ms": r.ttft_mean_ms,
                                 "ttft_p99_ms": r.ttft_p99_ms, "decision_p50_us": r.decision_p50_us,
@@ -145,8 +148,8 @@ fn main() -> anyhow::Result<()> {
                     } else {
                         println!(
                             "{:>7} {:>13} {:>8.1}% {:>8.1}% {:>10.2} {:>9.0} ms {:>8.0} ms {:>8.1} µs {:>8.1} µs",
-                            n,
-                            p.as_str(),
+                            r.workers,
+                            r.policy.as_str(),
                             r.hit_rate * 100.0,
                             100.0 * r.hit_rate / r.ideal_hit_rate.max(1e-9),
                             r.load_imbalance,
