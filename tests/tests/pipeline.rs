@@ -193,7 +193,9 @@ fn prompts_and_reference(cluster: &Coordinator) -> (Vec<String>, Vec<String>) {
 #[test]
 fn a_stage_killed_mid_stream_moves_its_pipelines_streams_to_a_replica_losing_no_token() {
     // A replica and a 2-stage pipeline, started by hand, in one cluster.
-    let cluster = Coordinator::start("stories260K", 0, &[]);
+    // Round robin gives the pipeline half the streams whatever the caches
+    // hold, so some are on it when its second stage dies.
+    let cluster = Coordinator::start("stories260K", 0, &["--policy", "round_robin"]);
     let mut replica = cluster.start_worker("stories260K", "replica", &cluster.secret_file);
     let dir = TempDir::new("pp-kill");
     let (mut later, _later_log, address) = start_stage("stories260K", "2-4", &cluster.secret_file, &dir);
@@ -222,6 +224,44 @@ fn a_stage_killed_mid_stream_moves_its_pipelines_streams_to_a_replica_losing_no_
         .and_then(|v| v.trim().parse::<f64>().ok());
     assert!(redispatched.is_some_and(|n| n > 0.0), "the pipeline's streams moved: {redispatched:?}");
     terminate(&mut replica);
+}
+
+/// A first stage with no request to step still notices that its next
+/// stage died, and leaves the cluster instead of taking requests it cannot
+/// serve.
+#[test]
+fn an_idle_first_stage_leaves_when_its_next_stage_dies() {
+    let cluster = Coordinator::start("stories260K", 0, &[]);
+    let dir = TempDir::new("pp-idle");
+    let (mut later, _later_log, address) = start_stage("stories260K", "2-4", &cluster.secret_file, &dir);
+    let mut first = Command::new(binary("tinyvllm-worker"))
+        .args(["serve", "--model", model_dir("stories260K").to_str().unwrap(), "--layers", "0-1"])
+        .args(["--next-stage", &address, "--coordinator", &cluster.quic, "--name", "idle-pipeline"])
+        .arg("--cluster-secret-file")
+        .arg(&cluster.secret_file)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the first stage");
+    let first_log = Log::collect(first.stderr.take().unwrap());
+    cluster.wait_for_workers(1);
+    later.kill().unwrap(); // SIGKILL, with nothing in flight
+    later.wait().unwrap();
+    let exited = (0..300).find_map(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        first.try_wait().unwrap()
+    });
+    let Some(status) = exited else {
+        terminate(&mut first);
+        panic!("the idle first stage stayed: {}", first_log.text());
+    };
+    assert!(!status.success(), "it leaves with an error");
+    assert!(first_log.text().contains("pipeline lost while idle"), "{}", first_log.text());
+    // The coordinator routes nothing more to it.
+    let gone = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        cluster.workers()["data"].as_array().is_some_and(|w| w.is_empty())
+    });
+    assert!(gone, "{}", cluster.workers());
 }
 
 #[test]

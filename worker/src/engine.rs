@@ -25,7 +25,7 @@ use crate::runner::grammar::{Grammars, RequestGrammar, Vocabulary};
 use crate::runner::kv_cache::{self, KvBudget, stage_kv_config};
 pub use crate::runner::logprobs::LogprobsMode;
 use crate::runner::model_runner::ModelRunner;
-use crate::runner::sampler::{self, SeqSamplingInput};
+use crate::runner::sampler::{self, SamplingRow};
 use engine_core::{
     Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
     SchedulingPolicy, SpecMethod, SpeculativeConfig,
@@ -402,30 +402,18 @@ impl Engine {
         if device_sampling {
             return self.step_sampling_on_device(&step, &batch);
         }
+        let outputs = sampling_rows(&self.scheduler, &step);
         let (logits, masks) = {
             let _t = profile::scope(Section::Forward);
             let runner = &mut self.runner;
-            with_masks(&mut self.grammars, &self.scheduler, &step, || runner.execute(&batch))?
+            with_masks(&mut self.grammars, &outputs, || runner.execute(&batch))?
         };
         let sampling_timer = profile::scope(Section::Sampling);
-        let rows = sampling_rows(&self.scheduler, &step);
-        let inputs: Vec<SeqSamplingInput> = rows
-            .iter()
-            .zip(&masks)
-            .map(|((req, output), mask)| SeqSamplingInput {
-                params: &req.params,
-                prompt_token_ids: req.prompt_token_ids(),
-                output_token_ids: output,
-                num_output_tokens: output.len(),
-                seed: req.sampling_seed,
-                eos_token_ids: &self.eos_token_ids,
-                allowed: mask.as_ref().map(|m| m.as_slice()),
-            })
-            .collect();
-        let (sampling_logits, prompt_logits) = logits.split_at(inputs.len() * self.vocab_size);
-        let sampled = sampler::sample_batch(sampling_logits, self.vocab_size, &inputs, self.logprobs_mode);
-        drop(inputs);
+        let rows = rows_of(&outputs, &masks, &self.eos_token_ids);
+        let (sampling_logits, prompt_logits) = logits.split_at(rows.len() * self.vocab_size);
+        let sampled = sampler::sample_batch(sampling_logits, self.vocab_size, &rows, self.logprobs_mode);
         drop(rows);
+        drop(outputs);
         drop(sampling_timer);
         Ok(self.finish_step(&step, per_request(&step, sampled), prompt_logits))
     }
@@ -503,20 +491,40 @@ fn sampling_rows<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> Vec
     rows
 }
 
+/// The step's sampling rows, built once from [`sampling_rows`]' outputs and
+/// the structured-output masks, for whichever sampler draws.
+fn rows_of<'a>(
+    outputs: &'a [(&'a Request, Cow<'a, [u32]>)],
+    masks: &'a [Option<common::structured::TokenMask>],
+    eos_token_ids: &'a [u32],
+) -> Vec<SamplingRow<'a>> {
+    outputs
+        .iter()
+        .zip(masks)
+        .map(|((req, output), mask)| SamplingRow {
+            params: &req.params,
+            prompt_token_ids: req.prompt_token_ids(),
+            output_token_ids: output,
+            num_output_tokens: output.len(),
+            seed: req.sampling_seed,
+            eos_token_ids,
+            allowed: mask.as_ref().map(|m| m.as_slice()),
+        })
+        .collect()
+}
+
 /// Runs `forward` (the model) on this thread while another computes the
 /// step's structured-output masks, one per sampling row (`None` for
 /// unconstrained rows); joins both before sampling. A step with no
 /// constrained request runs `forward` alone.
 fn with_masks<T>(
     grammars: &mut Grammars,
-    scheduler: &Scheduler,
-    step: &SchedulerOutput,
+    outputs: &[(&Request, Cow<[u32]>)],
     forward: impl FnOnce() -> Result<T>,
 ) -> Result<(T, Vec<Option<common::structured::TokenMask>>)> {
     // One row per sampling row: a request verifying proposals has several
     // (never a constrained one: it does not speculate).
-    let sampling = sampling_rows(scheduler, step);
-    let rows: Vec<(RequestId, &[u32])> = sampling.iter().map(|(req, output)| (req.id, &output[..])).collect();
+    let rows: Vec<(RequestId, &[u32])> = outputs.iter().map(|(req, output)| (req.id, &output[..])).collect();
     if !grammars.any_constrained(rows.iter().map(|r| r.0)) {
         return Ok((forward()?, vec![None; rows.len()]));
     }

@@ -1,10 +1,9 @@
 //! The step of an engine that samples on its model's device (GPUs): only
 //! token ids and the requested logprobs come back to the host.
 
-use super::{Engine, per_request, sampling_rows, with_masks};
+use super::{Engine, per_request, rows_of, sampling_rows, with_masks};
 use crate::error::Result;
 use crate::profile::{self, Section};
-use crate::runner::device_sampler::DeviceRow;
 use crate::runner::model_runner::BatchInputs;
 use engine_core::{RequestOutput, SchedulerOutput};
 
@@ -20,22 +19,10 @@ impl Engine {
         batch: &BatchInputs,
     ) -> Result<Vec<RequestOutput>> {
         let forward_timer = profile::scope(Section::Forward);
-        let runner = &mut self.runner;
-        let (logits, masks) =
-            with_masks(&mut self.grammars, &self.scheduler, step, || runner.forward_on_device(batch))?;
         let outputs = sampling_rows(&self.scheduler, step);
-        let rows: Vec<DeviceRow> = outputs
-            .iter()
-            .zip(&masks)
-            .map(|((req, output), mask)| {
-                let prompt = req.prompt_token_ids();
-                let row = DeviceRow::for_request(&req.params, prompt, output, req.sampling_seed, &self.eos_token_ids);
-                match mask {
-                    Some(mask) => row.with_allowed(mask.as_slice()),
-                    None => row,
-                }
-            })
-            .collect();
+        let runner = &mut self.runner;
+        let (logits, masks) = with_masks(&mut self.grammars, &outputs, || runner.forward_on_device(batch))?;
+        let rows = rows_of(&outputs, &masks, &self.eos_token_ids);
         let (sampled, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, self.logprobs_mode)?;
         drop(forward_timer);
         drop(rows);

@@ -9,6 +9,7 @@
 //! the later stages compute one micro-batch this stage computes the next.
 //! Every stage handles steps in order, so results come back in order.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use crate::error::{Result, WorkerError};
 use crate::pipeline::link::{Arrived, Downstream};
 use crate::pipeline::metrics::PipelineMetrics;
 use crate::pipeline::wire::{
-    SamplingRow, StepHeader, StepResult, f32_from_bytes, hidden_to_bytes, penalties_read_output,
+    SequenceSampling, StepHeader, StepResult, f32_from_bytes, hidden_to_bytes, penalties_read_output,
 };
 use crate::profile::{self, Section};
 use engine_core::RequestOutput;
@@ -79,6 +80,19 @@ impl Engine {
     /// Whether this engine is the first stage of a pipeline.
     pub fn is_pipelined(&self) -> bool {
         matches!(self.backend, StepBackend::Pipelined(_))
+    }
+
+    /// On a pipeline's first stage, `Err(PipelineLost)` once its next stage
+    /// is gone. A busy stage learns it at its next step; an idle one (no
+    /// request to step) is asked here, so it leaves the cluster rather than
+    /// take requests its pipeline cannot serve.
+    pub fn check_next_stage(&self) -> Result<()> {
+        match &self.backend {
+            StepBackend::Pipelined(p) if p.next.is_lost() => {
+                Err(WorkerError::PipelineLost("the next stage went away".into()))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Records this stage's pipeline metrics (on a pipeline's first stage).
@@ -142,10 +156,10 @@ impl Engine {
                 step: p.steps_sent,
                 dtype,
                 hidden_bytes: bytes.len() as u64,
-                positions: batch.positions.clone(),
-                meta: batch.meta.clone(),
-                logits_indices: batch.logits_indices.clone(),
-                prompt_logprob_rows: batch.prompt_logprob_rows.clone(),
+                positions: Cow::Borrowed(&batch.positions),
+                meta: Cow::Borrowed(&batch.meta),
+                logits_indices: Cow::Borrowed(&batch.logits_indices),
+                prompt_logprob_rows: Cow::Borrowed(&batch.prompt_logprob_rows),
                 sampling: step
                     .scheduled
                     .iter()
@@ -164,7 +178,9 @@ impl Engine {
             m.computed(computed);
             m.sent(wire_bytes);
         }
-        p.in_flight.push_back((header.step, Instant::now(), step));
+        let step_no = header.step;
+        drop(header); // it borrows `step`'s proposals
+        p.in_flight.push_back((step_no, Instant::now(), step));
         Ok(true)
     }
 
@@ -204,16 +220,17 @@ fn first_stage(backend: &mut StepBackend) -> Result<&mut FirstStage> {
 
 /// What the last stage needs to sample `req`'s next token, or to verify
 /// its proposals: the token history only when a penalty reads it.
-fn sampling_row(req: &Request, scheduled: &ScheduledRequest) -> SamplingRow {
+fn sampling_row<'a>(req: &'a Request, scheduled: &'a ScheduledRequest) -> SequenceSampling<'a> {
     let p = &req.params;
     let (output_read, repetition) = penalties_read_output(p);
-    SamplingRow {
-        params: p.clone(),
+    let none: &[u32] = &[];
+    SequenceSampling {
+        params: Cow::Borrowed(p),
         seed: req.sampling_seed,
         num_output_tokens: req.output_token_ids().len() as u32,
-        prompt_token_ids: if repetition { req.prompt_token_ids().to_vec() } else { Vec::new() },
-        output_token_ids: if output_read { req.output_token_ids().to_vec() } else { Vec::new() },
-        proposed: scheduled.spec_token_ids.clone(),
+        prompt_token_ids: Cow::Borrowed(if repetition { req.prompt_token_ids() } else { none }),
+        output_token_ids: Cow::Borrowed(if output_read { req.output_token_ids() } else { none }),
+        proposed: Cow::Borrowed(&scheduled.spec_token_ids),
     }
 }
 

@@ -44,7 +44,7 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 
 /// A step for the compute thread, tagged with the link it came on and
 /// when it arrived.
-type ComputeInput = (u64, LogprobsMode, StepHeader, Vec<u8>, Instant);
+type ComputeInput = (u64, LogprobsMode, StepHeader<'static>, Vec<u8>, Instant);
 
 /// The compute thread's ends.
 pub struct Compute {

@@ -81,6 +81,12 @@ impl Downstream {
     }
 
     /// The next result if one is back already.
+    /// Whether the link has closed with nothing left to read: the next
+    /// stage is gone.
+    pub fn is_lost(&self) -> bool {
+        self.results.is_closed() && self.results.is_empty()
+    }
+
     pub fn try_recv(&mut self) -> Result<Option<Arrived<StepResult>>, WorkerError> {
         match self.results.try_recv() {
             Ok(result) => Ok(Some(result)),

@@ -20,12 +20,12 @@ use crate::models::llama::{StageInput, StageOutput};
 use crate::models::{CausalLm, ModelConfig, ModelFiles, Quantization};
 use crate::runner::kv_cache::{self, KvBudget, LayerKvCache, stage_kv_config};
 use crate::runner::logprobs::LogprobsMode;
-use crate::runner::sampler::{self, SeqSamplingInput};
+use crate::runner::sampler::{self, SamplingRow};
 
 /// What a stage hands on after computing a step.
 pub enum StageStep {
     /// To the next stage: the header and this stage's output hidden states.
-    Forward(StepHeader, Vec<u8>),
+    Forward(StepHeader<'static>, Vec<u8>),
     /// Back to the stage before (last stage): the result and its raw bytes.
     Result(StepResult, Vec<u8>),
 }
@@ -124,14 +124,14 @@ impl StageRunner {
 
     /// Computes one step; a step that fails becomes a `Failed` result for
     /// the first stage (its requests fail; the pipeline goes on).
-    pub fn run(&mut self, header: StepHeader, hidden: Vec<u8>) -> StageStep {
+    pub fn run(&mut self, header: StepHeader<'static>, hidden: Vec<u8>) -> StageStep {
         let step = header.step;
         self.try_run(header, &hidden).unwrap_or_else(|e| {
             StageStep::Result(StepResult::Failed { step, message: format!("stage {}: {e}", self.layers()) }, Vec::new())
         })
     }
 
-    fn try_run(&mut self, mut header: StepHeader, hidden: &[u8]) -> Result<StageStep> {
+    fn try_run(&mut self, mut header: StepHeader<'static>, hidden: &[u8]) -> Result<StageStep> {
         let cfg = self.model.config();
         let last = self.layers().is_last();
         let shape = StageShape {
@@ -145,7 +145,7 @@ impl StageRunner {
         let hidden = hidden_from_bytes(header.dtype, hidden, t, cfg.hidden_size, &self.device)?;
         let positions = Tensor::from_slice(&header.positions, t, &self.device)?;
         let meta = &header.meta;
-        let mut wanted = header.logits_indices.clone();
+        let mut wanted = header.logits_indices.to_vec();
         wanted.extend_from_slice(&header.prompt_logprob_rows);
         // A step of prompt chunks only still computes one row nobody reads.
         let none_wanted = wanted.is_empty();
@@ -201,7 +201,7 @@ impl StageRunner {
         let mut inputs = Vec::with_capacity(outputs.len());
         for seq in &header.sampling {
             for (i, output) in outputs.by_ref().take(seq.num_rows()).enumerate() {
-                inputs.push(SeqSamplingInput {
+                inputs.push(SamplingRow {
                     params: &seq.params,
                     prompt_token_ids: &seq.prompt_token_ids,
                     output_token_ids: output,

@@ -8,6 +8,8 @@
 //! Everything a later stage needs travels in the [`StepHeader`]: it does no
 //! scheduling and keeps no per-request state.
 
+use std::borrow::Cow;
+
 use candle_core::{DType, Device, Tensor};
 use common::protocol::ModelIdentity;
 use common::{SampledToken, SamplingParams};
@@ -69,23 +71,25 @@ pub enum WireDType {
 }
 
 /// What the last stage needs to sample one sequence's rows: one, or
-/// `1 + proposed.len()` when it verifies proposals.
+/// `1 + proposed.len()` when it verifies proposals. The first stage's copy
+/// borrows from its requests (nothing is cloned to send a step); the last
+/// stage's owns what it read, and expands it into `SamplingRow`s.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SamplingRow {
-    pub params: SamplingParams,
+pub struct SequenceSampling<'a> {
+    pub params: Cow<'a, SamplingParams>,
     pub seed: u64,
     /// Tokens generated so far (min_tokens, the seeded draw's position).
     pub num_output_tokens: u32,
     /// The prompt and output tokens, only when a penalty reads them
     /// (repetition: both; frequency and presence: the output).
-    pub prompt_token_ids: Vec<u32>,
-    pub output_token_ids: Vec<u32>,
+    pub prompt_token_ids: Cow<'a, [u32]>,
+    pub output_token_ids: Cow<'a, [u32]>,
     /// The speculative proposals this step verifies (the inputs after the
     /// sequence's last token), each with its row of logits.
-    pub proposed: Vec<u32>,
+    pub proposed: Cow<'a, [u32]>,
 }
 
-impl SamplingRow {
+impl SequenceSampling<'_> {
     /// Rows of logits this sequence samples from.
     pub fn num_rows(&self) -> usize {
         1 + self.proposed.len()
@@ -109,23 +113,24 @@ pub struct StageShape {
 }
 
 /// One step, as the stage before computed it; `hidden_bytes` bytes of
-/// `[T, hidden]` hidden states follow this frame.
+/// `[T, hidden]` hidden states follow this frame. The first stage's header
+/// borrows its batch and requests; a later stage's owns what it read.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StepHeader {
+pub struct StepHeader<'a> {
     pub step: u64,
     pub dtype: WireDType,
     pub hidden_bytes: u64,
     /// `[T]`: each row's position.
-    pub positions: Vec<u32>,
+    pub positions: Cow<'a, [u32]>,
     /// Where each sequence's rows, context and new slots are, as the first
     /// stage's runner laid them out (checked by `AttentionMetadata::check`).
-    pub meta: AttentionMetadata,
+    pub meta: Cow<'a, AttentionMetadata>,
     /// Rows that sample, then rows whose logits give prompt logprobs.
-    pub logits_indices: Vec<u32>,
-    pub prompt_logprob_rows: Vec<u32>,
+    pub logits_indices: Cow<'a, [u32]>,
+    pub prompt_logprob_rows: Cow<'a, [u32]>,
     /// One per sampling sequence, in order; their rows (`num_rows`) are
     /// the first rows of `logits_indices`.
-    pub sampling: Vec<SamplingRow>,
+    pub sampling: Vec<SequenceSampling<'a>>,
     /// The first stage had requests running since it sent the step before:
     /// a stage's wait for this step is a pipeline bubble, not idleness.
     pub continues: bool,
@@ -184,7 +189,7 @@ impl StepResult {
     }
 }
 
-impl StepHeader {
+impl StepHeader<'_> {
     /// Bytes that follow this frame.
     pub fn raw_bytes(&self) -> u64 {
         self.hidden_bytes
@@ -208,10 +213,10 @@ impl StepHeader {
         if self.positions.iter().any(|&p| p as usize >= stage.max_positions) {
             return fail("a position past the model's RoPE table");
         }
-        if self.logits_indices.iter().chain(&self.prompt_logprob_rows).any(|&r| r as usize >= t) {
+        if self.logits_indices.iter().chain(self.prompt_logprob_rows.iter()).any(|&r| r as usize >= t) {
             return fail("a logits row outside the step");
         }
-        let sampled_rows = self.sampling.iter().map(SamplingRow::num_rows).sum::<usize>();
+        let sampled_rows = self.sampling.iter().map(SequenceSampling::num_rows).sum::<usize>();
         if last_stage && sampled_rows != self.logits_indices.len() {
             return fail("not one sampling row per sampled row");
         }
@@ -271,22 +276,22 @@ pub fn hidden_from_bytes(
 mod tests {
     use super::*;
 
-    fn header() -> StepHeader {
+    fn header() -> StepHeader<'static> {
         StepHeader {
             step: 7,
             dtype: WireDType::F32,
             hidden_bytes: 3 * 4 * 4,
-            positions: vec![0, 1, 5],
-            meta: AttentionMetadata {
+            positions: vec![0, 1, 5].into(),
+            meta: Cow::Owned(AttentionMetadata {
                 query_start_loc: vec![0, 2, 3],
                 context_lens: vec![2, 6],
                 block_tables: vec![vec![1], vec![2]],
                 slot_mapping: vec![16, 17, 37],
                 block_size: 16,
                 sliding_window: None,
-            },
-            logits_indices: vec![1, 2],
-            prompt_logprob_rows: vec![],
+            }),
+            logits_indices: vec![1, 2].into(),
+            prompt_logprob_rows: vec![].into(),
             sampling: vec![],
             continues: false,
             stage_micros: 0,
@@ -323,25 +328,25 @@ mod tests {
         assert!(h.check(3, &shape(4), true).is_err(), "the last stage needs a sampling row per sampled row");
         // One sequence verifying one proposal samples from both rows.
         let mut verifying = header();
-        verifying.sampling = vec![SamplingRow {
-            params: SamplingParams::greedy(8),
+        verifying.sampling = vec![SequenceSampling {
+            params: Cow::Owned(SamplingParams::greedy(8)),
             seed: 0,
             num_output_tokens: 1,
-            prompt_token_ids: Vec::new(),
-            output_token_ids: Vec::new(),
-            proposed: vec![9],
+            prompt_token_ids: Cow::Borrowed(&[]),
+            output_token_ids: Cow::Borrowed(&[]),
+            proposed: vec![9].into(),
         }];
         verifying.check(3, &shape(4), true).unwrap();
-        verifying.sampling[0].proposed.push(10);
+        verifying.sampling[0].proposed.to_mut().push(10);
         assert!(verifying.check(3, &shape(4), true).is_err(), "3 rows to sample, 2 of logits");
         let mut bad = header();
-        bad.meta.query_start_loc = vec![0, 3, 2];
+        bad.meta.to_mut().query_start_loc = vec![0, 3, 2];
         assert!(bad.check(3, &shape(4), false).is_err());
         let mut bad = header();
-        bad.meta.context_lens = vec![2, 17];
+        bad.meta.to_mut().context_lens = vec![2, 17];
         assert!(bad.check(3, &shape(4), false).is_err(), "context past its block table");
         let mut bad = header();
-        bad.positions[2] = 64;
+        bad.positions.to_mut()[2] = 64;
         assert!(bad.check(3, &shape(4), false).is_err(), "a position past the RoPE table");
         assert!(header().check(3, &StageShape { block_size: 8, ..shape(4) }, false).is_err(), "another block size");
         let window = StageShape { sliding_window: Some(4), ..shape(4) };

@@ -24,7 +24,7 @@ use common::{SampledToken, SamplingParams, TokenLogprobs};
 
 use crate::error::Result;
 use crate::runner::logprobs::LogprobsMode;
-use crate::runner::sampler;
+use crate::runner::sampler::SamplingRow;
 
 /// Below this scaled logit a token's weight is 0 in f32 (e^-87).
 const MIN_SCALED: f32 = -87.0;
@@ -32,92 +32,54 @@ const MIN_SCALED: f32 = -87.0;
 /// below f32 resolution near 0.
 const VALUE_STEPS: usize = 30;
 
-/// One sampling row: its request's parameters and the tokens they look at.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DeviceRow<'a> {
-    /// 0 means greedy.
-    pub temperature: f32,
-    /// 0 means off.
-    pub top_k: u32,
-    pub top_p: f32,
-    pub min_p: f32,
+/// A sampling row as the columns read it: the row itself, and what its
+/// draw derives from it once (its uniform, and the ids banned now).
+struct DeviceRow<'r, 'a> {
+    row: &'r SamplingRow<'a>,
     /// The row's uniform draw in [0, 1).
-    pub u: f64,
-    pub repetition_penalty: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub prompt_token_ids: &'a [u32],
-    /// Tokens generated so far.
-    pub output_token_ids: &'a [u32],
+    u: f64,
     /// Ids that must not be drawn now (stop ids and EOS before `min_tokens`).
-    pub banned_token_ids: Vec<u32>,
-    /// (id, bias) added to the logits before the penalties.
-    pub logit_bias: Vec<(u32, f32)>,
-    /// `Some(n)`: the chosen token's log-probability and the `n` most
-    /// likely tokens', from the raw logits.
-    pub logprobs: Option<u32>,
-    /// The structured-output bitmask (see `SeqSamplingInput::allowed`).
-    pub allowed: Option<&'a [u32]>,
+    banned_token_ids: Vec<u32>,
 }
 
-impl<'a> DeviceRow<'a> {
-    /// The row of a request that has generated `output` so far, drawing
-    /// with the same per-position uniform as the host sampler.
-    pub fn for_request(
-        p: &SamplingParams,
-        prompt: &'a [u32],
-        output: &'a [u32],
-        seed: u64,
-        eos_token_ids: &[u32],
-    ) -> Self {
-        let banned_token_ids = if output.len() < p.min_tokens as usize {
-            let eos = if p.ignore_eos { &[][..] } else { eos_token_ids };
-            p.stop_token_ids.iter().chain(eos).copied().collect()
-        } else {
-            Vec::new()
-        };
-        DeviceRow {
-            temperature: if p.is_greedy() { 0.0 } else { p.temperature },
-            top_k: p.top_k,
-            top_p: p.top_p,
-            min_p: p.min_p,
-            u: sampler::step_uniform(seed, output.len() as u64),
-            repetition_penalty: p.repetition_penalty,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            prompt_token_ids: prompt,
-            output_token_ids: output,
-            banned_token_ids,
-            logit_bias: p.logit_bias.clone(),
-            logprobs: p.logprobs,
-            allowed: None,
+impl<'r, 'a> DeviceRow<'r, 'a> {
+    /// As the host does: `min_tokens` bans, except that the grammar beats
+    /// them (bans that would leave no token at all are dropped, so EOS is
+    /// drawn when it is all the grammar allows).
+    fn new(row: &'r SamplingRow<'a>) -> Self {
+        let mut banned_token_ids: Vec<u32> = row.banned_now().collect();
+        if let Some(allowed) = row.allowed {
+            let is_allowed = |t: usize| allowed.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
+            let allowed_count: usize = allowed.iter().map(|w| w.count_ones() as usize).sum();
+            let mut banned = banned_token_ids.clone();
+            banned.sort_unstable();
+            banned.dedup();
+            if banned.iter().filter(|&&t| is_allowed(t as usize)).count() == allowed_count {
+                banned_token_ids.clear();
+            }
         }
+        Self { row, u: row.uniform(), banned_token_ids }
     }
-}
 
-impl<'a> DeviceRow<'a> {
-    /// The row restricted to the tokens the bitmask `allowed` sets. As on
-    /// the host, the grammar beats `min_tokens`: bans that would leave no
-    /// token at all (EOS is all the grammar allows) are dropped.
-    pub fn with_allowed(mut self, allowed: &'a [u32]) -> Self {
-        let is_allowed = |t: usize| allowed.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
-        let allowed_count: usize = allowed.iter().map(|w| w.count_ones() as usize).sum();
-        let mut banned = self.banned_token_ids.clone();
-        banned.sort_unstable();
-        banned.dedup();
-        let banned_allowed = banned.iter().filter(|&&t| is_allowed(t as usize)).count();
-        if banned_allowed == allowed_count {
-            self.banned_token_ids.clear();
-        }
-        self.allowed = Some(allowed);
-        self
+    fn params(&self) -> &SamplingParams {
+        self.row.params
+    }
+
+    /// 0 for greedy rows.
+    fn temperature(&self) -> f32 {
+        if self.params().is_greedy() { 0.0 } else { self.params().temperature }
     }
 }
 
 /// One token per row of `logits: [S, vocab]` (any float dtype, on any
 /// device), with logprobs (as `mode` reports them) where the row asks for
 /// them, as on the host.
-pub fn sample(logits: &Tensor, rows: &[DeviceRow], mode: LogprobsMode) -> Result<Vec<SampledToken>> {
+pub fn sample(logits: &Tensor, rows: &[SamplingRow], mode: LogprobsMode) -> Result<Vec<SampledToken>> {
+    let rows: Vec<DeviceRow> = rows.iter().map(DeviceRow::new).collect();
+    sample_rows(logits, &rows, mode)
+}
+
+fn sample_rows(logits: &Tensor, rows: &[DeviceRow], mode: LogprobsMode) -> Result<Vec<SampledToken>> {
     let (s, vocab) = logits.dims2()?;
     if s != rows.len() {
         return Err(candle_core::Error::Msg(format!("device sampler: {s} logit rows for {} params", rows.len())).into());
@@ -155,11 +117,11 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     let (s, vocab) = x.dims2()?;
     let device = x.device();
     let mut x = x.clone();
-    if rows.iter().any(|r| r.allowed.is_some()) {
+    if rows.iter().any(|r| r.row.allowed.is_some()) {
         // One byte per logit crosses to the device: 1 where the grammar
         // (or no grammar) allows the token.
         let mut keep = vec![1u8; s * vocab];
-        for (row, allowed) in keep.chunks_exact_mut(vocab).zip(rows).filter_map(|(k, r)| Some((k, r.allowed?))) {
+        for (row, allowed) in keep.chunks_exact_mut(vocab).zip(rows).filter_map(|(k, r)| Some((k, r.row.allowed?))) {
             for (t, k) in row.iter_mut().enumerate() {
                 *k = u8::from(allowed.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0));
             }
@@ -167,33 +129,33 @@ fn adjust(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
         let keep = Tensor::from_vec(keep, (s, vocab), device)?;
         x = keep.where_cond(&x, &Tensor::full(f32::NEG_INFINITY, (s, vocab), device)?)?;
     }
-    if rows.iter().any(|r| !r.logit_bias.is_empty()) {
-        x = (x + scattered(rows.iter().map(|r| r.logit_bias.iter().copied()), s, vocab, device)?)?;
+    if rows.iter().any(|r| !r.params().logit_bias.is_empty()) {
+        x = (x + scattered(rows.iter().map(|r| r.params().logit_bias.iter().copied()), s, vocab, device)?)?;
     }
-    if rows.iter().any(|r| r.repetition_penalty != 1.0) {
+    if rows.iter().any(|r| r.params().repetition_penalty != 1.0) {
         let history = |r: &DeviceRow| -> Vec<u32> {
-            if r.repetition_penalty == 1.0 {
+            if r.params().repetition_penalty == 1.0 {
                 return Vec::new();
             }
-            r.prompt_token_ids.iter().chain(r.output_token_ids).copied().collect()
+            r.row.prompt_token_ids.iter().chain(r.row.output_token_ids).copied().collect()
         };
         let seen = token_counts(rows.iter().map(history), s, vocab, device)?.gt(0f32)?;
-        let penalty = column(rows, device, |r| r.repetition_penalty)?;
+        let penalty = column(rows, device, |r| r.params().repetition_penalty)?;
         let penalised = x.gt(0f32)?.where_cond(&x.broadcast_div(&penalty)?, &x.broadcast_mul(&penalty)?)?;
         x = seen.where_cond(&penalised, &x)?;
     }
-    if rows.iter().any(|r| r.frequency_penalty != 0.0 || r.presence_penalty != 0.0) {
+    if rows.iter().any(|r| r.params().frequency_penalty != 0.0 || r.params().presence_penalty != 0.0) {
         let outputs = rows.iter().map(|r| {
-            if r.frequency_penalty == 0.0 && r.presence_penalty == 0.0 {
+            if r.params().frequency_penalty == 0.0 && r.params().presence_penalty == 0.0 {
                 Vec::new()
             } else {
-                r.output_token_ids.to_vec()
+                r.row.output_token_ids.to_vec()
             }
         });
         let counts = token_counts(outputs, s, vocab, device)?;
-        x = (x - counts.broadcast_mul(&column(rows, device, |r| r.frequency_penalty)?)?)?;
+        x = (x - counts.broadcast_mul(&column(rows, device, |r| r.params().frequency_penalty)?)?)?;
         let present = counts.gt(0f32)?.to_dtype(DType::F32)?;
-        x = (x - present.broadcast_mul(&column(rows, device, |r| r.presence_penalty)?)?)?;
+        x = (x - present.broadcast_mul(&column(rows, device, |r| r.params().presence_penalty)?)?)?;
     }
     if rows.iter().any(|r| !r.banned_token_ids.is_empty()) {
         let banned = token_counts(rows.iter().map(|r| r.banned_token_ids.clone()), s, vocab, device)?.gt(0f32)?;
@@ -237,12 +199,12 @@ fn choose(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     let (s, vocab) = x.dims2()?;
     let device = x.device();
     let greedy = x.argmax(D::Minus1)?.to_dtype(DType::U32)?; // [S]
-    if rows.iter().all(|r| r.temperature == 0.0) {
+    if rows.iter().all(|r| r.temperature() == 0.0) {
         return Ok(greedy);
     }
     // Scaled logits, 0 for the top token: s = (x - max) / T, clamped so that
     // the bisections below work on a bounded range.
-    let inv_t = column(rows, device, |r| if r.temperature > 0.0 { 1.0 / r.temperature } else { 1.0 })?;
+    let inv_t = column(rows, device, |r| if r.temperature() > 0.0 { 1.0 / r.temperature() } else { 1.0 })?;
     let max = x.max_keepdim(D::Minus1)?;
     let scaled = x.broadcast_sub(&max)?.broadcast_mul(&inv_t)?.clamp(MIN_SCALED, 0f32)?;
     let mut weights = scaled.exp()?;
@@ -250,13 +212,13 @@ fn choose(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
     weights = weights.broadcast_mul(&scaled.gt(MIN_SCALED)?.to_dtype(DType::F32)?)?;
 
     // Min-p: a floor relative to the top token's weight, which is 1.
-    if rows.iter().any(|r| r.min_p > 0.0) {
-        let floor = column(rows, device, |r| r.min_p)?;
+    if rows.iter().any(|r| r.params().min_p > 0.0) {
+        let floor = column(rows, device, |r| r.params().min_p)?;
         weights = weights.broadcast_mul(&weights.broadcast_ge(&floor)?.to_dtype(DType::F32)?)?;
     }
     // Top-k: keep s >= the k-th largest scaled logit (ties kept).
-    if rows.iter().any(|r| r.top_k > 0 && (r.top_k as usize) < vocab) {
-        let k = column(rows, device, |r| if r.top_k > 0 { r.top_k as f32 } else { vocab as f32 })?;
+    if rows.iter().any(|r| r.params().top_k > 0 && (r.params().top_k as usize) < vocab) {
+        let k = column(rows, device, |r| if r.params().top_k > 0 { r.params().top_k as f32 } else { vocab as f32 })?;
         let threshold = bisect_value(&scaled, |t| {
             let count = scaled.broadcast_ge(t)?.to_dtype(DType::F32)?.sum_keepdim(D::Minus1)?;
             Ok(count.ge(&k)?)
@@ -264,9 +226,9 @@ fn choose(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
         weights = weights.broadcast_mul(&scaled.broadcast_ge(&threshold)?.to_dtype(DType::F32)?)?;
     }
     // Top-p: the most likely tokens whose weight reaches p of the kept total.
-    if rows.iter().any(|r| r.top_p < 1.0) {
+    if rows.iter().any(|r| r.params().top_p < 1.0) {
         let total = weights.sum_keepdim(D::Minus1)?;
-        let target = total.broadcast_mul(&column(rows, device, |r| r.top_p.min(1.0))?)?;
+        let target = total.broadcast_mul(&column(rows, device, |r| r.params().top_p.min(1.0))?)?;
         let threshold = bisect_value(&scaled, |t| {
             let mass = weights.broadcast_mul(&scaled.broadcast_ge(t)?.to_dtype(DType::F32)?)?.sum_keepdim(D::Minus1)?;
             Ok(mass.ge(&target)?)
@@ -274,7 +236,7 @@ fn choose(x: &Tensor, rows: &[DeviceRow]) -> Result<Tensor> {
         weights = weights.broadcast_mul(&scaled.broadcast_ge(&threshold)?.to_dtype(DType::F32)?)?;
     }
     let drawn = draw(&weights, rows)?; // [S]
-    let is_greedy = Tensor::from_vec(rows.iter().map(|r| u8::from(r.temperature == 0.0)).collect(), s, device)?;
+    let is_greedy = Tensor::from_vec(rows.iter().map(|r| u8::from(r.temperature() == 0.0)).collect(), s, device)?;
     Ok(is_greedy.where_cond(&greedy, &drawn)?)
 }
 
@@ -290,12 +252,12 @@ fn top_logprobs(
     mode: LogprobsMode,
 ) -> Result<Vec<Option<(f32, Vec<(u32, f32)>)>>> {
     let mut out = vec![None; rows.len()];
-    let asking: Vec<u32> = (0..rows.len() as u32).filter(|&i| rows[i as usize].logprobs.is_some()).collect();
+    let asking: Vec<u32> = (0..rows.len() as u32).filter(|&i| rows[i as usize].params().logprobs.is_some()).collect();
     if asking.is_empty() {
         return Ok(out);
     }
     let device = raw.device();
-    let n = asking.iter().map(|&i| rows[i as usize].logprobs.unwrap_or(0) as usize).max().unwrap_or(0);
+    let n = asking.iter().map(|&i| rows[i as usize].params().logprobs.unwrap_or(0) as usize).max().unwrap_or(0);
     let pick = Tensor::from_vec(asking.clone(), asking.len(), device)?;
     let x = raw.index_select(&pick, 0)?; // [A, vocab]
     let chosen = ids.index_select(&pick, 0)?.unsqueeze(1)?; // [A, 1]
@@ -320,7 +282,7 @@ fn top_logprobs(
     for (a, &row) in asking.iter().enumerate() {
         // A row with no finite logit has no distribution: all -inf, as on the host.
         let value = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
-        let wanted = rows[row as usize].logprobs.unwrap_or(0) as usize;
+        let wanted = rows[row as usize].params().logprobs.unwrap_or(0) as usize;
         let top = (1..=wanted).map(|j| (ids_v[a][j], value(values_v[a][j]))).collect();
         out[row as usize] = Some((value(values_v[a][0]), top));
     }
@@ -373,34 +335,57 @@ mod tests {
 
     use super::*;
 
-    fn row(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> DeviceRow<'static> {
-        // A default request's row (no penalties, bans or logprobs), then the draw's parameters.
-        let base = DeviceRow::for_request(&SamplingParams::default(), &[], &[], 0, &[]);
-        DeviceRow { temperature, top_k, top_p, min_p, u, ..base }
+    /// A row of a request with these draw parameters (no penalties, bans
+    /// or logprobs), drawing with the uniform `u` (leaked: test rows live
+    /// as long as the test).
+    fn row(temperature: f32, top_k: u32, top_p: f32, min_p: f32, u: f64) -> DeviceRow<'static, 'static> {
+        masked_row(temperature, top_k, top_p, min_p, u, None)
+    }
+
+    fn masked_row(
+        temperature: f32,
+        top_k: u32,
+        top_p: f32,
+        min_p: f32,
+        u: f64,
+        allowed: Option<&'static [u32]>,
+    ) -> DeviceRow<'static, 'static> {
+        let params =
+            Box::leak(Box::new(SamplingParams { temperature, top_k, top_p, min_p, ..SamplingParams::default() }));
+        let row = Box::leak(Box::new(SamplingRow {
+            params,
+            prompt_token_ids: &[],
+            output_token_ids: &[],
+            num_output_tokens: 0,
+            seed: 0,
+            eos_token_ids: &[],
+            allowed,
+        }));
+        DeviceRow { u, ..DeviceRow::new(row) }
     }
 
     /// Token ids only.
     fn ids(logits: &Tensor, rows: &[DeviceRow]) -> Result<Vec<u32>> {
-        Ok(sample(logits, rows, LogprobsMode::RawLogprobs)?.into_iter().map(|s| s.token_id).collect())
+        Ok(sample_rows(logits, rows, LogprobsMode::RawLogprobs)?.into_iter().map(|s| s.token_id).collect())
     }
 
     /// Host reference: the same algorithm with sorting, in f64.
-    fn reference(logits: &[f32], r: &DeviceRow<'_>) -> u32 {
-        if r.temperature == 0.0 {
+    fn reference(logits: &[f32], r: &DeviceRow<'_, '_>) -> u32 {
+        if r.temperature() == 0.0 {
             let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             return logits.iter().position(|&x| x == max).unwrap() as u32;
         }
         let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let scaled: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / r.temperature as f64).max(-87.0)).collect();
+        let scaled: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / r.temperature() as f64).max(-87.0)).collect();
         let mut w: Vec<f64> = scaled.iter().map(|s| if *s > -87.0 { s.exp() } else { 0.0 }).collect();
         let mut sorted = scaled.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
-        if r.top_k > 0 && (r.top_k as usize) < w.len() {
-            let kth = sorted[r.top_k as usize - 1];
+        if r.params().top_k > 0 && (r.params().top_k as usize) < w.len() {
+            let kth = sorted[r.params().top_k as usize - 1];
             w.iter_mut().zip(&scaled).for_each(|(w, s)| *w = if *s >= kth { *w } else { 0.0 });
         }
-        w.iter_mut().for_each(|w| *w = if *w >= r.min_p as f64 { *w } else { 0.0 });
-        if r.top_p < 1.0 {
+        w.iter_mut().for_each(|w| *w = if *w >= r.params().min_p as f64 { *w } else { 0.0 });
+        if r.params().top_p < 1.0 {
             let total: f64 = w.iter().sum();
             let mut order: Vec<usize> = (0..w.len()).collect();
             order.sort_by(|&a, &b| scaled[b].total_cmp(&scaled[a]));
@@ -408,7 +393,7 @@ mod tests {
             let mut cut = f64::NEG_INFINITY;
             for &i in &order {
                 mass += w[i];
-                if mass >= r.top_p as f64 * total {
+                if mass >= r.params().top_p as f64 * total {
                     cut = scaled[i];
                     break;
                 }
@@ -487,10 +472,10 @@ mod tests {
         values[5] = 9.0;
         values[33] = -3.0;
         let logits = Tensor::from_vec(values.repeat(3), (3, 40), &device).unwrap();
-        let allowed = [0b10, 0b10]; // tokens 1 and 33
+        let allowed: &'static [u32] = &[0b10, 0b10]; // tokens 1 and 33
         for u in [0.0, 0.3, 0.7, 0.999] {
-            let rows = [row(0.0, 0, 1.0, 0.0, u), row(1.0, 0, 1.0, 0.0, u), row(0.7, 1, 0.9, 0.0, u)]
-                .map(|r| r.with_allowed(&allowed));
+            let rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 1, 0.9)]
+                .map(|(t, k, p)| masked_row(t, k, p, 0.0, u, Some(allowed)));
             for t in ids(&logits, &rows).unwrap() {
                 assert!(t == 1 || t == 33, "drew {t} at u = {u}");
             }
@@ -498,7 +483,16 @@ mod tests {
         // EOS (2) is all the grammar allows and min_tokens bans it: EOS.
         let params = SamplingParams { min_tokens: 3, ..SamplingParams::default() };
         let eos_only = [1 << 2];
-        let row = DeviceRow::for_request(&params, &[], &[], 0, &[2]).with_allowed(&eos_only);
+        let sampling = SamplingRow {
+            params: &params,
+            prompt_token_ids: &[],
+            output_token_ids: &[],
+            num_output_tokens: 0,
+            seed: 0,
+            eos_token_ids: &[2],
+            allowed: Some(&eos_only),
+        };
+        let row = DeviceRow::new(&sampling);
         assert!(row.banned_token_ids.is_empty());
         let logits = Tensor::from_vec(vec![5.0f32, 1.0, 0.0, 3.0], (1, 4), &device).unwrap();
         assert_eq!(ids(&logits, &[row]).unwrap(), vec![2]);
@@ -518,7 +512,7 @@ mod tests {
 
     #[test]
     fn penalties_bans_and_logprobs_match_the_host_sampler() {
-        use crate::runner::sampler::{SeqSamplingInput, as_draw, sample_batch};
+        use crate::runner::sampler::{as_draw, sample_batch};
         let vocab = 257;
         let mut st = 3u64;
         let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (lcg(&mut st) * vocab as f64) as u32).collect() };
@@ -553,9 +547,9 @@ mod tests {
                 row[200] = top + 0.6;
                 row[201] = top + 0.6;
             }
-            let inputs: Vec<SeqSamplingInput> = cases
+            let inputs: Vec<SamplingRow> = cases
                 .iter()
-                .map(|p| SeqSamplingInput {
+                .map(|p| SamplingRow {
                     params: p,
                     prompt_token_ids: &prompt,
                     output_token_ids: &output,
@@ -567,11 +561,9 @@ mod tests {
                 .collect();
             let host: Vec<_> =
                 sample_batch(&logits, vocab, &inputs, LogprobsMode::RawLogprobs).into_iter().map(as_draw).collect();
-            let rows: Vec<DeviceRow> =
-                cases.iter().map(|p| DeviceRow::for_request(p, &prompt, &output, 11, &eos)).collect();
             let t = Tensor::from_vec(logits.clone(), (cases.len(), vocab), &Device::Cpu).unwrap();
             let device: Vec<_> =
-                sample(&t, &rows, LogprobsMode::RawLogprobs).unwrap().into_iter().map(as_draw).collect();
+                sample(&t, &inputs, LogprobsMode::RawLogprobs).unwrap().into_iter().map(as_draw).collect();
             for (i, (h, d)) in host.iter().zip(&device).enumerate() {
                 if cases[i].is_greedy() {
                     assert_eq!(h.token_id, d.token_id, "trial {trial} case {i}");
@@ -589,7 +581,7 @@ mod tests {
                 }
             }
             // Raw logits instead of logprobs: the values themselves.
-            let raw = sample(&t, &rows, LogprobsMode::RawLogits).unwrap();
+            let raw = sample(&t, &inputs, LogprobsMode::RawLogits).unwrap();
             let (id, value) = raw[6].logprobs.as_ref().expect("asked for").top[0];
             assert_eq!(value, logits[6 * vocab + id as usize]);
         }

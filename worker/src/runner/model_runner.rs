@@ -12,10 +12,11 @@ use kernels::{AttentionMetadata, KvCacheDtype};
 use crate::error::{Result, WorkerError};
 use crate::models::CausalLm;
 use crate::models::llama::{StageInput, StageOutput};
-use crate::runner::device_sampler::{self, DeviceRow};
+use crate::runner::device_sampler;
 use crate::runner::kv_cache::stage_kv_config;
 use crate::runner::kv_cache::{self, LayerKvCache};
 use crate::runner::logprobs::LogprobsMode;
+use crate::runner::sampler::SamplingRow;
 use common::SampledToken;
 use engine_core::{Request, SchedulerOutput};
 
@@ -125,7 +126,7 @@ impl ModelRunner {
         &self,
         logits: Option<Tensor>,
         batch: &BatchInputs,
-        rows: &[DeviceRow],
+        rows: &[SamplingRow],
         mode: LogprobsMode,
     ) -> Result<(Vec<SampledToken>, Vec<f32>)> {
         let Some(logits) = logits else { return Ok((Vec::new(), Vec::new())) };

@@ -28,8 +28,11 @@ use rayon::prelude::*;
 
 use super::logprobs::{LogprobsMode, reported_logprobs};
 
-/// What the sampler needs to know about one sequence of the batch.
-pub struct SeqSamplingInput<'a> {
+/// One row of sampling logits as both samplers read it (the host's loops
+/// and the device's tensor columns): built once per step by the engine, or
+/// by a pipeline's last stage from the step's `SequenceSampling`s.
+#[derive(Clone, Copy, Debug)]
+pub struct SamplingRow<'a> {
     pub params: &'a SamplingParams,
     /// Read by the repetition penalty only (a pipeline's last stage gets
     /// it only then).
@@ -49,6 +52,23 @@ pub struct SeqSamplingInput<'a> {
     /// of word t / 32 is set (llguidance's layout). It beats `min_tokens`:
     /// when the grammar allows only EOS, EOS it is.
     pub allowed: Option<&'a [u32]>,
+}
+
+impl SamplingRow<'_> {
+    /// The row's uniform draw in [0, 1): its request's stream at this
+    /// position, the same on the host and on the device.
+    pub fn uniform(&self) -> f64 {
+        step_uniform(self.seed, self.num_output_tokens as u64)
+    }
+
+    /// Ids `min_tokens` forbids now: the stop ids, and EOS unless
+    /// `ignore_eos`, until `min_tokens` tokens were generated.
+    pub fn banned_now(&self) -> impl Iterator<Item = u32> + '_ {
+        let p = self.params;
+        let active = self.num_output_tokens < p.min_tokens as usize;
+        let eos = if p.ignore_eos { &[][..] } else { self.eos_token_ids };
+        p.stop_token_ids.iter().chain(eos).copied().filter(move |_| active)
+    }
 }
 
 /// One row's draw before its logprobs are reported ([`sample_batch`]
@@ -75,12 +95,7 @@ pub fn verified_outputs<'a>(output: &'a [u32], proposed: &'a [u32]) -> impl Iter
 
 /// Samples one token per sequence. `logits` is row-major
 /// `[seqs.len(), vocab_size]`.
-pub fn sample_batch(
-    logits: &[f32],
-    vocab_size: usize,
-    seqs: &[SeqSamplingInput],
-    mode: LogprobsMode,
-) -> Vec<SampledToken> {
+pub fn sample_batch(logits: &[f32], vocab_size: usize, seqs: &[SamplingRow], mode: LogprobsMode) -> Vec<SampledToken> {
     if seqs.is_empty() {
         return Vec::new();
     }
@@ -119,7 +134,7 @@ struct Scratch {
     ids: Vec<u32>,
 }
 
-fn sample_row(raw: &[f32], seq: &SeqSamplingInput, s: &mut Scratch) -> Draw {
+fn sample_row(raw: &[f32], seq: &SamplingRow, s: &mut Scratch) -> Draw {
     let p = seq.params;
     let masks_stops = seq.num_output_tokens < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
@@ -169,7 +184,7 @@ fn clean(x: f32) -> f32 {
     if x.is_nan() { f32::NEG_INFINITY } else { x }
 }
 
-fn apply_min_tokens(row: &mut [f32], seq: &SeqSamplingInput) {
+fn apply_min_tokens(row: &mut [f32], seq: &SamplingRow) {
     let eos = if seq.params.ignore_eos { &[][..] } else { seq.eos_token_ids };
     for &t in seq.params.stop_token_ids.iter().chain(eos) {
         // Ids come from the request: ignore those outside the vocabulary.
@@ -212,7 +227,7 @@ fn best_allowed(raw: &[f32], allowed: Option<&[u32]>) -> Option<u32> {
 /// vLLM's `apply_penalties`: repetition over prompt and output, then
 /// `logit -= frequency * count` and `logit -= presence * (count > 0)` over
 /// the output.
-fn apply_penalties(row: &mut [f32], raw: &[f32], seq: &SeqSamplingInput, ids: &mut Vec<u32>) {
+fn apply_penalties(row: &mut [f32], raw: &[f32], seq: &SamplingRow, ids: &mut Vec<u32>) {
     let p = seq.params;
     if p.repetition_penalty != 1.0 {
         for &t in seq.prompt_token_ids.iter().chain(seq.output_token_ids) {
@@ -473,8 +488,8 @@ mod tests {
 
     const EOS: u32 = 2;
 
-    fn input<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32], seed: u64) -> SeqSamplingInput<'a> {
-        SeqSamplingInput {
+    fn input<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32], seed: u64) -> SamplingRow<'a> {
+        SamplingRow {
             params,
             prompt_token_ids: prompt,
             output_token_ids: output,
@@ -520,7 +535,7 @@ mod tests {
             [(greedy(), 0), (random(), 1), (random(), 2), (SamplingParams { top_k: 1, ..random() }, 3)]
         {
             for seed in seed..seed + 20 {
-                let seq = SeqSamplingInput { allowed: Some(&allowed), ..input(&params, &[], &[], seed) };
+                let seq = SamplingRow { allowed: Some(&allowed), ..input(&params, &[], &[], seed) };
                 let t = sample_batch(&logits, 40, &[seq], RAW).remove(0).token_id;
                 assert!(t == 1 || t == 33, "drew {t}");
             }
@@ -528,11 +543,11 @@ mod tests {
         // Only EOS allowed, EOS banned by min_tokens: the grammar wins.
         let p = SamplingParams { min_tokens: 5, ..random() };
         let eos_only = [1 << EOS];
-        let seq = SeqSamplingInput { allowed: Some(&eos_only), ..input(&p, &[], &[], 0) };
+        let seq = SamplingRow { allowed: Some(&eos_only), ..input(&p, &[], &[], 0) };
         assert_eq!(sample_batch(&[1.0, 2.0, 0.0, 3.0], 4, &[seq], RAW).remove(0).token_id, EOS);
         // A mask shorter than the row forbids the tokens past its end.
         let params = greedy();
-        let seq = SeqSamplingInput { allowed: Some(&[0b1]), ..input(&params, &[], &[], 0) };
+        let seq = SamplingRow { allowed: Some(&[0b1]), ..input(&params, &[], &[], 0) };
         assert_eq!(sample_batch(&logits, 40, &[seq], RAW).remove(0).token_id, 0);
     }
 

@@ -230,6 +230,13 @@ pub fn engine_loop(
                 }
             }
         }
+        if !engine.has_unfinished()
+            && let Err(WorkerError::PipelineLost(why)) = engine.check_next_stage()
+        {
+            tracing::warn!("engine: pipeline lost while idle ({why}); leaving the cluster");
+            let _ = pipeline_lost.set(why);
+            return;
+        }
         let events = engine.drain_kv_events();
         if !events.is_empty() {
             let _ = out.send(WorkerMessage::KvEvents(events));
