@@ -98,8 +98,8 @@ impl Cluster {
         }
         entry.in_flight += 1;
         let name = entry.name.clone();
-        let _span = tracing::debug_span!("request", id = id.0).entered();
-        tracing::debug!(worker = %name, cached = decision.predicted_cached_tokens, "dispatched");
+        let _span = tracing::debug_span!("request", id = id.0, worker = %name).entered();
+        tracing::debug!(cached = decision.predicted_cached_tokens, "dispatched");
         state.router.on_dispatch(id, decision.worker, len, chain, decision.predicted_cached_tokens);
         let policy = state.router.policy().as_str();
         self.metrics.decisions.with_label_values(&[policy, &name]).inc();
