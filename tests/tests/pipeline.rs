@@ -177,6 +177,21 @@ fn streams_across(cluster: &Coordinator, prompts: &[String], kill: impl FnOnce()
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// Starts a first stage (layers 0-1 of stories260K) by hand, joining
+/// `cluster` with `address` as its next stage; returns it and its log.
+fn start_first_stage(cluster: &Coordinator, address: &str, name: &str) -> (std::process::Child, Log) {
+    let mut first = Command::new(binary("tinyvllm-worker"))
+        .args(["serve", "--model", model_dir("stories260K").to_str().unwrap(), "--layers", "0-1"])
+        .args(["--next-stage", address, "--coordinator", &cluster.quic, "--name", name])
+        .arg("--cluster-secret-file")
+        .arg(&cluster.secret_file)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the first stage");
+    let log = Log::collect(first.stderr.take().unwrap());
+    (first, log)
+}
+
 fn prompts_and_reference(cluster: &Coordinator) -> (Vec<String>, Vec<String>) {
     let prompts: Vec<String> =
         (0..6).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl"][i % 3])).collect();
@@ -199,15 +214,7 @@ fn a_stage_killed_mid_stream_moves_its_pipelines_streams_to_a_replica_losing_no_
     let mut replica = cluster.start_worker("stories260K", "replica", &cluster.secret_file);
     let dir = TempDir::new("pp-kill");
     let (mut later, _later_log, address) = start_stage("stories260K", "2-4", &cluster.secret_file, &dir);
-    let mut first = Command::new(binary("tinyvllm-worker"))
-        .args(["serve", "--model", model_dir("stories260K").to_str().unwrap(), "--layers", "0-1"])
-        .args(["--next-stage", &address, "--coordinator", &cluster.quic, "--name", "pipeline"])
-        .arg("--cluster-secret-file")
-        .arg(&cluster.secret_file)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting the first stage");
-    let first_log = Log::collect(first.stderr.take().unwrap());
+    let (mut first, first_log) = start_first_stage(&cluster, &address, "pipeline");
     cluster.wait_for_workers(2);
     let (prompts, reference) = prompts_and_reference(&cluster);
     let texts = streams_across(&cluster, &prompts, || {
@@ -234,15 +241,7 @@ fn an_idle_first_stage_leaves_when_its_next_stage_dies() {
     let cluster = Coordinator::start("stories260K", 0, &[]);
     let dir = TempDir::new("pp-idle");
     let (mut later, _later_log, address) = start_stage("stories260K", "2-4", &cluster.secret_file, &dir);
-    let mut first = Command::new(binary("tinyvllm-worker"))
-        .args(["serve", "--model", model_dir("stories260K").to_str().unwrap(), "--layers", "0-1"])
-        .args(["--next-stage", &address, "--coordinator", &cluster.quic, "--name", "idle-pipeline"])
-        .arg("--cluster-secret-file")
-        .arg(&cluster.secret_file)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting the first stage");
-    let first_log = Log::collect(first.stderr.take().unwrap());
+    let (mut first, first_log) = start_first_stage(&cluster, &address, "idle-pipeline");
     cluster.wait_for_workers(1);
     later.kill().unwrap(); // SIGKILL, with nothing in flight
     later.wait().unwrap();
