@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::{env, fs};
 
-const SOURCES: [&str; 3] = ["cache.metal", "paged_attention.metal", "prefill_attention.metal"];
+const SOURCES: [&str; 4] = ["cache.metal", "paged_attention.metal", "prefill_attention.metal", "model.metal"];
 
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(metal_emu)");
@@ -52,7 +52,7 @@ fn main() {
         build.flag("-fsanitize=address").flag("-fno-omit-frame-pointer");
         println!("cargo:rustc-link-lib=dylib=asan");
     }
-    for file in ["runtime.cpp", "kernel_cache.cpp", "kernel_decode.cpp", "kernel_prefill.cpp"] {
+    for file in ["runtime.cpp", "kernel_cache.cpp", "kernel_decode.cpp", "kernel_prefill.cpp", "kernel_model.cpp"] {
         build.file(cpp.join(file));
     }
     match build.try_compile("tinyvllm_metal_emu") {

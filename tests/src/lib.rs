@@ -212,6 +212,17 @@ impl Coordinator {
 
     /// Starts a worker process of our own that joins this cluster.
     pub fn start_worker(&self, model: &str, name: &str, secret_file: &Path) -> std::process::Child {
+        self.start_worker_with(model, name, secret_file, &[])
+    }
+
+    /// As [`Coordinator::start_worker`], with `extra` arguments to `serve`.
+    pub fn start_worker_with(
+        &self,
+        model: &str,
+        name: &str,
+        secret_file: &Path,
+        extra: &[&str],
+    ) -> std::process::Child {
         Command::new(binary("tinyvllm-worker"))
             .args([
                 "serve",
@@ -224,6 +235,7 @@ impl Coordinator {
             ])
             .arg("--cluster-secret-file")
             .arg(secret_file)
+            .args(extra)
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("starting a worker")

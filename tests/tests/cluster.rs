@@ -44,6 +44,33 @@ fn two_workers_reproduce_the_golden_tokens_streamed_or_not() {
     }
 }
 
+/// A worker serving on the Metal step plan in the CPU emulator (what a Mac
+/// runs, every dispatch executed) joins over QUIC and streams the golden
+/// tokens through the coordinator.
+#[test]
+fn a_metal_emulated_worker_streams_the_golden_tokens() {
+    let cluster = Coordinator::start("stories260K", 0, &[]);
+    let mut worker =
+        cluster.start_worker_with("stories260K", "emulated-mac", &cluster.secret_file, &["--device", "metal-emulated"]);
+    cluster.wait_for_workers(1);
+    let workers = cluster.workers();
+    let listed = workers["data"].as_array().or_else(|| workers.as_array()).cloned().unwrap_or_default();
+    assert!(workers.to_string().contains("metal-emulated"), "the worker names its device: {listed:?}");
+    for case in cases() {
+        let prompt = case["prompt_text"].as_str().unwrap();
+        let (status, out) = post_json(&cluster.url("/generate"), &greedy(prompt, 48));
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["token_ids"], case["generated_ids"], "case {}", case["id"]);
+        let mut body = greedy(prompt, 48);
+        body["stream"] = json!(true);
+        let (events, done) = post_sse(&cluster.url("/v1/completions"), &body);
+        assert!(done, "stream ended with [DONE]");
+        let streamed: String = events.iter().filter_map(|e| e["choices"].get(0)?["text"].as_str()).collect();
+        assert_eq!(streamed, out["text"].as_str().unwrap(), "case {}", case["id"]);
+    }
+    terminate(&mut worker);
+}
+
 #[test]
 fn thirty_two_concurrent_streams_all_complete() {
     let cluster = Coordinator::start("stories260K", 2, &[]);

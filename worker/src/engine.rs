@@ -17,9 +17,10 @@ use common::{KvEventRecord, RequestId, SamplingParams};
 use kernels::KvCacheDtype;
 
 use crate::error::{Result, WorkerError};
-use crate::models::{ModelFiles, Quantization};
+use crate::models::{CausalLm, ModelFiles, Quantization};
 use crate::profile::{self, Section};
 
+use crate::runner::device::PlanTarget;
 use crate::runner::draft::DraftRunner;
 use crate::runner::grammar::{Grammars, RequestGrammar, Vocabulary};
 use crate::runner::kv_cache::{self, KvBudget, stage_kv_config};
@@ -64,6 +65,9 @@ pub struct EngineConfig {
     pub draft_model: Option<ModelFiles>,
     /// How the KV cache stores values; `None` is auto (the activations' dtype).
     pub kv_cache_dtype: Option<KvCacheDtype>,
+    /// The step as one plan of our GPU kernels (`--device metal-emulated`)
+    /// instead of candle's ops on `device`.
+    pub plan: Option<PlanTarget>,
 }
 
 impl Default for EngineConfig {
@@ -86,6 +90,7 @@ impl Default for EngineConfig {
             speculative: SpeculativeConfig::default(),
             draft_model: None,
             kv_cache_dtype: None,
+            plan: None,
         }
     }
 }
@@ -141,10 +146,19 @@ impl Engine {
                 "an engine runs the first stage; layers {layers} are a later stage's"
             )));
         }
-        let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, layers)?;
-        loading::prepare_weights(&mut model, &config)?;
-        let cfg = model.config().clone();
-        let kv_format = kv_cache::resolve_format(config.kv_cache_dtype, model.activation_dtype(), &config.device)?;
+        // A step plan uploads the weights itself: no candle model beside it.
+        let model = match config.plan {
+            Some(_) => None,
+            None => {
+                let mut model = crate::models::loader::load_stage(files, config.dtype, &config.device, layers)?;
+                loading::prepare_weights(&mut model, &config)?;
+                Some(model)
+            }
+        };
+        let cfg = model.as_ref().map_or_else(|| files.config.clone(), |m| m.config().clone());
+        // The plan's activations are f32 (its KV cache f32 or f16).
+        let act = model.as_ref().map_or(DType::F32, CausalLm::activation_dtype);
+        let kv_format = kv_cache::resolve_format(config.kv_cache_dtype, act, &config.device)?;
         let max_model_len =
             config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
@@ -155,13 +169,26 @@ impl Engine {
             None => None,
         };
         // The draft's pools use the target's cache format.
+        let kv_budget = match (config.plan, config.kv_budget) {
+            // The emulator touches every byte it maps: a fraction of the
+            // machine's memory would take minutes to fill.
+            (Some(PlanTarget::MetalEmulated), KvBudget::FractionOfAvailable(_)) => {
+                KvBudget::Bytes(loading::EMULATED_KV_BYTES)
+            }
+            (_, budget) => budget,
+        };
         let kv_budget = match &draft_model {
-            Some(draft) => loading::target_share(config.kv_budget, &kv_cfg, kv_format, draft, config.block_size),
-            None => config.kv_budget,
+            Some(draft) => loading::target_share(kv_budget, &kv_cfg, kv_format, draft, config.block_size),
+            None => kv_budget,
         };
         let budget = || kv_cache::num_blocks_for_budget(&kv_cfg, config.block_size, kv_format, kv_budget, max_useful);
         let num_blocks = config.num_blocks.map_or_else(budget, Ok)?;
-        let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_format, &config.device)?;
+        let plan = match config.plan {
+            Some(target) => {
+                Some(loading::build_plan(target, files, &config, kv_format, num_blocks, max_model_len, layers)?)
+            }
+            None => None,
+        };
         let draft = match draft_model {
             Some(model) => {
                 let pools =
@@ -174,7 +201,16 @@ impl Engine {
         if speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft && draft.is_none() {
             return Err(WorkerError::Unsupported("--speculative-method draft needs a --draft-model".into()));
         }
-        let runner = ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_format);
+        let runner = match (plan, model) {
+            (Some(plan), _) => {
+                ModelRunner::with_plan(plan, cfg.clone(), config.block_size, config.device.clone(), kv_format)
+            }
+            (None, Some(model)) => {
+                let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_format, &config.device)?;
+                ModelRunner::new(model, caches, config.block_size, config.device.clone(), kv_format)
+            }
+            (None, None) => return Err(WorkerError::Unsupported("no model was loaded for the step".into())),
+        };
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -203,7 +239,10 @@ impl Engine {
             vocab_size: cfg.vocab_size,
             eos_token_ids: files.eos_token_ids.clone(),
             logprobs_mode: config.logprobs_mode,
-            backend: StepBackend::local(config.device_sampling.unwrap_or(!config.device.is_cpu())),
+            // The plan brings logits back and the host samples (for now).
+            backend: StepBackend::local(
+                config.plan.is_none() && config.device_sampling.unwrap_or(!config.device.is_cpu()),
+            ),
             grammars: Grammars::new(vocabulary, &files.eos_token_ids, cfg.vocab_size),
             last_step: StepInfo::default(),
             draft,
@@ -338,14 +377,14 @@ impl Engine {
     /// Rows the CPU step's reused activation buffers hold (0 before the
     /// first step, and on other devices).
     pub fn activation_workspace_rows(&self) -> usize {
-        self.runner.model().workspace_rows()
+        self.runner.workspace_rows()
     }
 
     /// Bytes of weights this engine holds (its stage's share on a
     /// pipeline), the draft model's included.
     pub fn resident_weight_bytes(&self) -> usize {
         let draft = self.draft.as_ref().map_or(0, |d| d.model().resident_weight_bytes());
-        self.runner.model().resident_weight_bytes() + draft
+        self.runner.resident_weight_bytes() + draft
     }
 
     /// Bytes of its KV cache's block pools, the draft model's included.
@@ -359,7 +398,7 @@ impl Engine {
 
     /// Bytes of weights a decode step streams (see `CausalLm`).
     pub fn weight_bytes_per_token(&self) -> usize {
-        self.runner.model().weight_bytes_per_token()
+        self.runner.weight_bytes_per_token()
     }
 
     pub fn device(&self) -> &candle_core::Device {
@@ -367,7 +406,7 @@ impl Engine {
     }
 
     pub fn model_config(&self) -> &crate::models::ModelConfig {
-        self.runner.model().config()
+        self.runner.config()
     }
 
     pub fn drain_kv_events(&mut self) -> Vec<KvEventRecord> {

@@ -3,7 +3,10 @@
 //! same top-5 logits (1e-3) at the recorded steps; alone, all cases of a
 //! model in one batch, and with prompts prefilled in chunks of 32 tokens;
 //! and all of that again with n-gram and with draft-model speculative
-//! decoding, which must not change a token.
+//! decoding, which must not change a token. The same cases run again on the
+//! Metal step plan in the CPU emulator (`--device metal-emulated`): every
+//! dispatch of every step executes the kernels and plan code a Mac runs,
+//! with prefix-cache hits, chunked prefill, preemption and speculation.
 
 mod support;
 
@@ -16,6 +19,7 @@ use serde::Deserialize;
 use support::shared;
 use worker::engine::LogprobsMode;
 use worker::models::{ModelFiles, ModelSource, Need};
+use worker::runner::device::PlanTarget;
 use worker::{Engine, EngineConfig};
 
 #[derive(Deserialize)]
@@ -69,6 +73,16 @@ fn drafting() -> SpeculativeConfig {
 }
 
 fn engine_with(model: &str, max_num_batched_tokens: usize, speculative: SpeculativeConfig) -> Engine {
+    engine_on(model, max_num_batched_tokens, speculative, None, 512)
+}
+
+fn engine_on(
+    model: &str,
+    max_num_batched_tokens: usize,
+    speculative: SpeculativeConfig,
+    plan: Option<PlanTarget>,
+    num_blocks: usize,
+) -> Engine {
     let dir = shared().join("models").join(model);
     let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
     let draft_model = (speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft).then(|| {
@@ -77,11 +91,12 @@ fn engine_with(model: &str, max_num_batched_tokens: usize, speculative: Speculat
     });
     let config = EngineConfig {
         draft_model,
-        num_blocks: Some(512),
+        num_blocks: Some(num_blocks),
         max_num_batched_tokens,
         logprobs_mode: LogprobsMode::RawLogits,
         device: worker::runner::device::test_device(),
         speculative,
+        plan,
         ..EngineConfig::default()
     };
     Engine::new(&files, config).unwrap()
@@ -151,16 +166,24 @@ fn check_model(golden_file: &str) {
 }
 
 fn check_model_with(golden_file: &str, spec: SpeculativeConfig) {
+    check_model_on(golden_file, spec, None);
+}
+
+fn check_model_on(golden_file: &str, spec: SpeculativeConfig, plan: Option<PlanTarget>) {
     let golden = load_golden(golden_file);
     let model = golden.model.clone();
+    let engine_with = |model: &str, tokens: usize, spec: SpeculativeConfig| engine_on(model, tokens, spec, plan, 512);
     let mut proposals = Vec::new();
-    // Each case alone.
+    // Each case alone (on the CPU: the emulator is slow, and batches run
+    // the same kernels with the same per-sequence metadata).
     let mut e = engine_with(&model, 2048, spec.clone());
-    for case in &golden.cases {
-        let run = run_cases(&mut e, std::slice::from_ref(case));
-        check(&model, "alone", std::slice::from_ref(case), &run);
+    if plan.is_none() {
+        for case in &golden.cases {
+            let run = run_cases(&mut e, std::slice::from_ref(case));
+            check(&model, "alone", std::slice::from_ref(case), &run);
+        }
+        proposals.push(e.stats().spec_decoding);
     }
-    proposals.push(e.stats().spec_decoding);
     // All cases of the model as one batch (shared prefixes hit the cache).
     let mut e = engine_with(&model, 2048, spec.clone());
     let run = run_cases(&mut e, &golden.cases);
@@ -170,14 +193,17 @@ fn check_model_with(golden_file: &str, spec: SpeculativeConfig) {
     let mut e = engine_with(&model, 32, spec.clone());
     let longest = golden.cases.iter().max_by_key(|c| c.prompt_ids.len()).unwrap().clone();
     assert!(longest.prompt_ids.len() > 32);
-    let run = run_cases(&mut e, std::slice::from_ref(&longest));
-    check(&model, "chunked", std::slice::from_ref(&longest), &run);
+    if plan.is_none() {
+        let run = run_cases(&mut e, std::slice::from_ref(&longest));
+        check(&model, "chunked", std::slice::from_ref(&longest), &run);
+    }
     let run = run_cases(&mut e, &golden.cases);
     check(&model, "chunked batch", &golden.cases, &run);
     proposals.push(e.stats().spec_decoding);
     if spec.enabled_by_default {
         // Exactness is only shown if guesses were verified, right and wrong.
-        for (what, p) in ["alone", "batched", "chunked"].iter().zip(&proposals) {
+        let names: &[&str] = if plan.is_none() { &["alone", "batched", "chunked"] } else { &["batched", "chunked"] };
+        for (what, p) in names.iter().zip(&proposals) {
             assert!(p.num_drafts > 0, "{model} {what}: no proposal was made");
             assert!(p.num_accepted_tokens < p.num_draft_tokens, "{model} {what}: no proposal was rejected");
         }
@@ -389,4 +415,51 @@ fn f16_and_q8_kv_caches_agree_with_f32_on_greedy_tokens() {
         println!("{format} KV cache: greedy top-1 agreement with f32 {agree}/{total} = {:.2}%", 100.0 * share);
         assert!(total >= 6 * 48 && share >= bar, "{format}: {agree}/{total}");
     }
+}
+
+/// Every case of `golden_file` on the Metal step plan in the emulator:
+/// alone, batched (prefix-cache hits), chunked, and batched in a cache too
+/// small for all of them at once (preemption and recompute).
+fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig) {
+    let plan = Some(PlanTarget::MetalEmulated);
+    check_model_on(golden_file, spec.clone(), plan);
+    let golden = load_golden(golden_file);
+    let blocks_of = |c: &Case| (c.prompt_ids.len() + c.generated_ids.len()).div_ceil(16);
+    let longest = golden.cases.iter().map(blocks_of).max().unwrap();
+    let mut e = engine_on(&golden.model, 2048, spec, plan, longest + 2);
+    let run = run_cases(&mut e, &golden.cases);
+    check(&golden.model, "preempted", &golden.cases, &run);
+    assert!(e.stats().num_preemptions > 0, "{}: nothing was preempted", golden.model);
+}
+
+#[test]
+fn stories260k_matches_transformers_on_metal_emulated() {
+    check_model_emulated("stories260K.json", SpeculativeConfig::default());
+}
+
+#[test]
+fn tiny_qwen3_matches_transformers_on_metal_emulated() {
+    check_model_emulated("tiny-qwen3.json", SpeculativeConfig::default());
+    check_model_emulated("tiny-qwen3-chat.json", SpeculativeConfig::default());
+}
+
+#[test]
+fn tiny_qwen2_matches_transformers_on_metal_emulated() {
+    check_model_emulated("tiny-qwen2.json", SpeculativeConfig::default());
+}
+
+#[test]
+fn tiny_llama3_matches_transformers_on_metal_emulated() {
+    check_model_emulated("tiny-llama3.json", SpeculativeConfig::default());
+}
+
+#[test]
+fn tiny_mistral_matches_transformers_on_metal_emulated() {
+    check_model_emulated("tiny-mistral.json", SpeculativeConfig::default());
+}
+
+#[test]
+fn speculation_is_exact_on_metal_emulated() {
+    check_model_on("tiny-qwen2.json", speculative(), Some(PlanTarget::MetalEmulated));
+    check_model_on("stories260K.json", drafting(), Some(PlanTarget::MetalEmulated));
 }

@@ -35,6 +35,7 @@
 void tvm_register_decode();
 void tvm_register_prefill();
 void tvm_register_cache();
+void tvm_register_model();
 
 namespace tvm {
 namespace {
@@ -465,6 +466,7 @@ void register_all() {
     tvm_register_decode();
     tvm_register_prefill();
     tvm_register_cache();
+    tvm_register_model();
   });
 }
 void set_error(char* err, size_t len, const std::string& msg) {

@@ -79,6 +79,11 @@ pub struct Buffer {
     len: usize,
 }
 
+// SAFETY: a Buffer owns its mapping exclusively (nothing else holds the
+// pointer), so moving it to another thread moves that ownership; it is not
+// Sync, as `write` through a shared reference would race.
+unsafe impl Send for Buffer {}
+
 impl Buffer {
     /// `len` bytes of 0xff.
     pub fn new(len: usize) -> Result<Self> {
@@ -121,6 +126,16 @@ impl Buffer {
         v
     }
 
+    /// A copy of `out.len()` bytes from byte `offset`.
+    ///
+    /// Panics when they are not all inside: the caller's own mistake.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset.checked_add(out.len()).is_some_and(|end| end <= self.len), "read past the buffer");
+        // SAFETY: the range is inside the mapping (checked above), and no
+        // dispatch runs during this call (as for `read`).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+    }
+
     /// Copies `bytes` in at byte `offset`.
     ///
     /// Panics when they do not fit: a test's own mistake.
@@ -158,6 +173,20 @@ pub enum Arg<'a> {
 /// each (0: natural, 1: reversed, others: random); a correct kernel gives
 /// bit-identical results under every order.
 pub fn dispatch(name: &str, args: &[Option<Arg>], groups: [usize; 3], threads: [usize; 3], order: u64) -> Result<()> {
+    dispatch_checking(name, args, groups, threads, order, usize::MAX)
+}
+
+/// [`dispatch`], comparing before and after only the read-only buffers of
+/// at most `check_up_to` bytes (a model's weights and KV pools are too big
+/// to copy twice per dispatch).
+pub fn dispatch_checking(
+    name: &str,
+    args: &[Option<Arg>],
+    groups: [usize; 3],
+    threads: [usize; 3],
+    order: u64,
+    check_up_to: usize,
+) -> Result<()> {
     if !available() {
         return Err(Error("not built for this target".into()));
     }
@@ -177,7 +206,7 @@ pub fn dispatch(name: &str, args: &[Option<Arg>], groups: [usize; 3], threads: [
                         buffer.len
                     )));
                 }
-                if !writable {
+                if !writable && buffer.len <= check_up_to {
                     read_only.push((index, *buffer, buffer.read()));
                 }
                 // SAFETY: offset <= len, so the pointer stays inside the
@@ -254,8 +283,9 @@ fn kernel_function(_: &CStr) -> Option<String> {
 }
 
 /// The sources as compiled (build.rs), searched for kernel signatures.
-const SOURCES: [&str; 3] = [
+const SOURCES: [&str; 4] = [
     include_str!(concat!(env!("OUT_DIR"), "/metal/cache.metal")),
+    include_str!(concat!(env!("OUT_DIR"), "/metal/model.metal")),
     include_str!(concat!(env!("OUT_DIR"), "/metal/paged_attention.metal")),
     include_str!(concat!(env!("OUT_DIR"), "/metal/prefill_attention.metal")),
 ];

@@ -98,7 +98,7 @@ fn has_bfloat(device: &MetalDevice) -> Result<bool> {
 
 /// The pipelines of `kernels`, compiled on first use, each checked to run
 /// its threads per threadgroup.
-fn pipelines<'k>(
+pub(super) fn pipelines<'k>(
     device: &MetalDevice,
     kernels: impl IntoIterator<Item = &'k Kernel>,
 ) -> Result<HashMap<String, ComputePipeline>> {

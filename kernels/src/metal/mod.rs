@@ -13,11 +13,17 @@
 //! planning code drives the CPU emulator in kernels/metal-emu
 //! (tests/metal.rs), and tools/check_metal_syntax.sh parses the sources.
 
+#[cfg(feature = "metal-emulated")]
+pub mod emulated;
+pub mod model;
 pub mod plan;
+pub mod step;
 
 pub use plan::{HEAD_DIMS, PARTITION_SIZE};
 
 #[cfg(target_os = "macos")]
 mod device;
+#[cfg(target_os = "macos")]
+pub mod gpu;
 #[cfg(target_os = "macos")]
 pub use device::{paged_attention, reshape_and_cache, supports, supports_dtype};

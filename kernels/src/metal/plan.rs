@@ -71,6 +71,8 @@ pub enum Source {
     Cache,
     Decode,
     Prefill,
+    /// The dense model step besides attention (step.rs).
+    Model,
 }
 
 impl Source {
@@ -79,6 +81,7 @@ impl Source {
             Source::Cache => include_str!("cache.metal"),
             Source::Decode => include_str!("paged_attention.metal"),
             Source::Prefill => include_str!("prefill_attention.metal"),
+            Source::Model => include_str!("model.metal"),
         }
     }
 }
@@ -394,6 +397,12 @@ impl AttentionPlan {
     pub fn kernels(&self) -> Vec<&Kernel> {
         let decode = self.decode.iter().flat_map(|d| std::iter::once(&d.decode).chain(&d.reduce));
         decode.chain(self.prefill.iter().map(|p| &p.prefill)).collect()
+    }
+
+    /// The metadata to upload (or write) before encoding, every region
+    /// 16-byte aligned.
+    pub fn upload_bytes(&self) -> &[u8] {
+        &self.upload
     }
 
     /// Bytes of decode scratch the call needs (0: none).

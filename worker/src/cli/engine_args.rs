@@ -9,7 +9,7 @@ use engine_core::{SchedulingPolicy, SpecMethod, SpeculativeConfig};
 use kernels::KvCacheDtype;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::pipeline::stage::StageConfig;
-use worker::runner::device::DeviceChoice;
+use worker::runner::device::{DeviceChoice, PlanTarget};
 use worker::runner::kv_cache::KvBudget;
 use worker::{Engine, EngineConfig, Quantization};
 
@@ -49,6 +49,9 @@ pub enum DeviceArg {
     Auto,
     Cpu,
     Metal,
+    /// The Metal step plan in the CPU emulator of our Metal kernels (Linux
+    /// tests of what a Mac runs; slow).
+    MetalEmulated,
 }
 
 #[derive(Args)]
@@ -61,7 +64,8 @@ pub struct EngineArgs {
     /// on CPUs other than x86-64; random presets use f16).
     #[arg(long, value_enum, default_value = "auto")]
     dtype: DTypeArg,
-    /// Where the model runs: auto is Metal on Apple Silicon with macOS 15 or newer, else the CPU.
+    /// Where the model runs: auto is Metal on Apple Silicon with macOS 15 or newer, else the CPU;
+    /// metal-emulated runs the Metal step in the CPU emulator of our kernels (for tests).
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
     /// KV cache size in bytes (default: a quarter of the available memory).
@@ -181,6 +185,8 @@ pub struct Resolved {
     pub device: Device,
     pub description: String,
     pub dtype: DType,
+    /// The step as a plan of our GPU kernels (`metal-emulated`).
+    pub plan: Option<PlanTarget>,
 }
 
 /// Finds the model's files and picks the device and dtype.
@@ -197,11 +203,12 @@ pub fn resolve(args: &EngineArgs) -> anyhow::Result<Resolved> {
         DeviceArg::Auto => DeviceChoice::Auto,
         DeviceArg::Cpu => DeviceChoice::Cpu,
         DeviceArg::Metal => DeviceChoice::Metal,
+        DeviceArg::MetalEmulated => DeviceChoice::MetalEmulated,
     })?;
     tracing::info!("device: {}", selected.description);
     let device = selected.device.clone();
     let dtype = resolve_dtype(args.dtype, &files, &device);
-    Ok(Resolved { files, device, description: selected.description, dtype })
+    Ok(Resolved { files, device, description: selected.description, dtype, plan: selected.plan })
 }
 
 /// The loaded engine, its model's files, and the device in words.
@@ -215,7 +222,7 @@ pub fn build_engine_from(
     resolved: Resolved,
     layers: Option<LayerRange>,
 ) -> anyhow::Result<(Engine, ModelFiles, String)> {
-    let Resolved { files, device, description, dtype } = resolved;
+    let Resolved { files, device, description, dtype, plan } = resolved;
     let config = EngineConfig {
         device,
         dtype,
@@ -240,6 +247,7 @@ pub fn build_engine_from(
             None => None,
         },
         kv_cache_dtype: args.kv_cache_dtype.format(),
+        plan,
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;

@@ -2,12 +2,59 @@
 //! (quantized, packed), and the draft model of speculative decoding, which
 //! must fit the target and shares its KV-cache budget.
 
+use candle_core::DType;
+use common::pipeline::LayerRange;
 use kernels::KvCacheDtype;
+use kernels::metal::step::StepLimits;
 
-use super::EngineConfig;
+use super::{EngineConfig, MAX_PROMPT_LOGPROB_LOGITS};
 use crate::error::{Result, WorkerError};
 use crate::models::{CausalLm, ModelConfig, ModelFiles};
+use crate::runner::device::PlanTarget;
 use crate::runner::kv_cache::{self, KvBudget};
+use crate::runner::plan::{self, StepExecutor};
+
+/// The KV pools of `--device metal-emulated` unless `--kv-cache-memory`
+/// says otherwise: the emulator is for tests, and fills what it maps.
+pub(super) const EMULATED_KV_BYTES: u64 = 64 << 20;
+
+/// The step plan of `files` on `target`, its buffers sized for the engine's
+/// limits: the step's token budget, its sequences, the rows of logits a
+/// step can want (each sequence's sampled rows and proposals, plus the
+/// prompt-logprob rows the scheduler allows) and the longest context.
+pub(super) fn build_plan(
+    target: PlanTarget,
+    files: &ModelFiles,
+    config: &EngineConfig,
+    kv_format: KvCacheDtype,
+    num_blocks: usize,
+    max_model_len: usize,
+    layers: LayerRange,
+) -> Result<Box<dyn StepExecutor>> {
+    if layers != LayerRange::full(files.config.num_layers) {
+        return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
+    }
+    if config.quantization.is_some() {
+        return Err(WorkerError::Unsupported("--quantize does not run on the Metal step plan yet".into()));
+    }
+    let cache = match kv_format {
+        KvCacheDtype::F32 => DType::F32,
+        KvCacheDtype::F16 => DType::F16,
+        other => return Err(WorkerError::Unsupported(format!("a {other} KV cache on the Metal step plan"))),
+    };
+    let vocab = files.config.vocab_size.max(1);
+    let sampled = config.max_num_seqs * (1 + config.speculative.num_speculative_tokens);
+    let prompt = (MAX_PROMPT_LOGPROB_LOGITS / vocab).max(1);
+    let limits = StepLimits {
+        max_tokens: config.max_num_batched_tokens,
+        max_seqs: config.max_num_seqs,
+        max_logit_rows: (sampled + prompt).min(config.max_num_batched_tokens),
+        max_model_len,
+        num_blocks,
+        block_size: config.block_size,
+    };
+    plan::build(target, &config.device, files, config.dtype, cache, limits)
+}
 
 /// Quantizes (`--quantize`) and lays out a loaded model's weights for the
 /// device: packed for the CPU kernels, in huge pages.

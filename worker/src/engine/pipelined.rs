@@ -47,7 +47,7 @@ impl Engine {
     /// stage). The pipeline has the least block count of its stages, so a
     /// larger cache here shrinks to it (before any request arrives).
     pub fn attach_next_stage(&mut self, next: Downstream, micro_batches: Option<usize>) -> Result<()> {
-        if self.runner.model().layer_range().is_last() {
+        if self.runner.layer_range().is_last() {
             return Err(WorkerError::Unsupported("this engine holds every layer: there is no next stage".into()));
         }
         let chain = usize::try_from(next.num_blocks).unwrap_or(usize::MAX);

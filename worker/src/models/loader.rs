@@ -47,6 +47,26 @@ pub fn load_stage(files: &ModelFiles, dtype: DType, device: &Device, range: Laye
     })
 }
 
+/// The weights of `files` under Hugging Face names, in `dtype` on the CPU,
+/// read lazily (safetensors stay memory-mapped): what the Metal step plan
+/// uploads from. GGUF files are not read this way.
+pub fn host_weights(files: &ModelFiles, dtype: DType) -> Result<VarBuilder<'static>> {
+    if files.gguf.is_some() {
+        return Err(WorkerError::Unsupported(format!(
+            "{}: GGUF weights do not run on the Metal step plan yet (use the safetensors checkpoint)",
+            files.name
+        )));
+    }
+    if files.random_weights {
+        let weights = random_weights(&files.config, dtype, &Device::Cpu, 0)?;
+        return Ok(VarBuilder::from_tensors(weights, dtype, &Device::Cpu));
+    }
+    let source_desc = files.weights.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+    // SAFETY: as in `load_stage`: mapped read-only, nobody truncates them.
+    unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, &Device::Cpu) }
+        .map_err(|error| WorkerError::Weights { source_desc, error })
+}
+
 /// Seeded random weights under HF names at `cfg`'s shapes. Linear weights are
 /// uniform with std 1/sqrt(fan_in) so activations stay O(1) through the
 /// layers; norms are 1; embeddings have std 0.02 as in HF's initialiser.

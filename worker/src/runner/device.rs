@@ -1,5 +1,10 @@
-//! Which device the engine runs on (`--device auto|cpu|metal`), and how we
-//! describe it in logs and the coordinator's `/v1/workers`.
+//! Which device the engine runs on (`--device auto|cpu|metal|metal-emulated`),
+//! and how we describe it in logs and the coordinator's `/v1/workers`.
+//!
+//! `metal-emulated` runs the Metal step plan (`kernels::metal::step`) in the
+//! CPU emulator of our Metal kernels (cargo feature `metal-emulated`, on by
+//! default; the emulator builds on Linux): the code a Mac runs, executed on
+//! Linux, for tests. It is slow by design.
 //!
 //! Metal support is compiled only on macOS (candle's `metal` feature is a
 //! macOS-only dependency), so Linux builds never need anything Apple. `auto`
@@ -15,14 +20,27 @@ pub enum DeviceChoice {
     Auto,
     Cpu,
     Metal,
+    MetalEmulated,
+}
+
+/// A step that runs as one plan of our own kernels rather than candle ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanTarget {
+    /// The Metal step plan on the Apple GPU (`--device metal`).
+    Metal,
+    /// The Metal step plan in the CPU emulator (`--device metal-emulated`).
+    MetalEmulated,
 }
 
 /// The device and its description ("cpu (avx512+vnni, 2 threads)", "metal
 /// (Apple GPU 0)", "cpu (metal unavailable: ...)").
 #[derive(Clone, Debug)]
 pub struct SelectedDevice {
+    /// candle's device: where the model's candle tensors live.
     pub device: Device,
     pub description: String,
+    /// Where the step runs when it is a plan of our kernels.
+    pub plan: Option<PlanTarget>,
 }
 
 pub fn select(choice: DeviceChoice) -> Result<SelectedDevice> {
@@ -32,9 +50,18 @@ pub fn select(choice: DeviceChoice) -> Result<SelectedDevice> {
             Some(note) => format!("{} ({note})", cpu_description()),
             None => cpu_description(),
         },
+        plan: None,
     };
     match choice {
         DeviceChoice::Cpu => Ok(cpu(None)),
+        DeviceChoice::MetalEmulated => {
+            metal_emulated_available().map_err(WorkerError::Unsupported)?;
+            Ok(SelectedDevice {
+                device: Device::Cpu,
+                description: "metal-emulated (the Metal step plan in the CPU emulator)".into(),
+                plan: Some(PlanTarget::MetalEmulated),
+            })
+        }
         DeviceChoice::Metal => open_metal().map_err(WorkerError::Unsupported),
         DeviceChoice::Auto if cfg!(all(target_os = "macos", target_arch = "aarch64")) => match open_metal() {
             Ok(metal) => Ok(metal),
@@ -95,7 +122,12 @@ fn open_metal() -> std::result::Result<SelectedDevice, String> {
     }
     // candle panics instead of failing on some machines without a GPU.
     match std::panic::catch_unwind(|| Device::new_metal(0)) {
-        Ok(Ok(device)) => Ok(SelectedDevice { device, description: "metal (Apple GPU 0)".into() }),
+        // The step runs as one plan of our kernels (kernels::metal::step);
+        // TINYVLLM_METAL_PLAN=0 keeps candle's composed ops instead.
+        Ok(Ok(device)) => {
+            let plan = (std::env::var("TINYVLLM_METAL_PLAN").as_deref() != Ok("0")).then_some(PlanTarget::Metal);
+            Ok(SelectedDevice { device, description: "metal (Apple GPU 0)".into(), plan })
+        }
         Ok(Err(e)) => Err(format!("no Metal device: {e}")),
         Err(_) => Err("no Metal device (candle panicked opening it)".into()),
     }
@@ -104,6 +136,18 @@ fn open_metal() -> std::result::Result<SelectedDevice, String> {
 #[cfg(not(target_os = "macos"))]
 fn open_metal() -> std::result::Result<SelectedDevice, String> {
     Err("this build has no Metal support (Metal workers need a macOS build on Apple Silicon)".into())
+}
+
+/// Why `--device metal-emulated` cannot run in this build, if it cannot.
+fn metal_emulated_available() -> std::result::Result<(), String> {
+    #[cfg(feature = "metal-emulated")]
+    {
+        kernels::metal::emulated::EmulatedGpu::new().map(|_| ()).map_err(|e| e.to_string())
+    }
+    #[cfg(not(feature = "metal-emulated"))]
+    {
+        Err("this build has no metal-emulated device (build the worker with the cargo feature metal-emulated)".into())
+    }
 }
 
 fn cpu_description() -> String {

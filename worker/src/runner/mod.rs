@@ -10,6 +10,7 @@ pub mod grammar;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod model_runner;
+pub mod plan;
 pub mod sampler;
 
 pub use model_runner::{BatchInputs, ModelRunner};

@@ -10,22 +10,34 @@ use common::RequestId;
 use kernels::{AttentionMetadata, KvCacheDtype};
 
 use crate::error::{Result, WorkerError};
-use crate::models::CausalLm;
 use crate::models::llama::{StageInput, StageOutput};
+use crate::models::{CausalLm, ModelConfig};
 use crate::runner::device_sampler;
 use crate::runner::kv_cache::stage_kv_config;
 use crate::runner::kv_cache::{self, LayerKvCache};
 use crate::runner::logprobs::LogprobsMode;
+use crate::runner::plan::StepExecutor;
 use crate::runner::sampler::SamplingRow;
 use common::SampledToken;
+use common::pipeline::LayerRange;
 use engine_core::{Request, SchedulerOutput};
 
 pub struct ModelRunner {
-    model: CausalLm,
-    kv_caches: Vec<LayerKvCache>,
+    step: Step,
+    config: ModelConfig,
+    range: LayerRange,
     block_size: usize,
     device: Device,
     kv_format: KvCacheDtype,
+}
+
+/// What runs the forward pass.
+enum Step {
+    /// candle's ops (and the CPU's fused kernels) over these KV pools.
+    Candle { model: Box<CausalLm>, kv_caches: Vec<LayerKvCache> },
+    /// One plan of our GPU kernels (Metal, or its emulator), holding its
+    /// own weights and KV pools: no candle model is loaded beside it.
+    Plan(Box<dyn StepExecutor>),
 }
 
 /// The flattened inputs of one step, on the host.
@@ -50,11 +62,54 @@ impl ModelRunner {
         device: Device,
         kv_format: KvCacheDtype,
     ) -> Self {
-        Self { model, kv_caches, block_size, device, kv_format }
+        let (config, range) = (model.config().clone(), model.layer_range());
+        Self { step: Step::Candle { model: Box::new(model), kv_caches }, config, range, block_size, device, kv_format }
     }
 
-    pub fn model(&self) -> &CausalLm {
-        &self.model
+    /// A runner whose steps run as `plan` (which holds weights and KV pools)
+    /// for the whole model of `config`.
+    pub fn with_plan(
+        plan: Box<dyn StepExecutor>,
+        config: ModelConfig,
+        block_size: usize,
+        device: Device,
+        kv_format: KvCacheDtype,
+    ) -> Self {
+        let range = LayerRange::full(config.num_layers);
+        Self { step: Step::Plan(plan), config, range, block_size, device, kv_format }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The decoder layers this runner holds.
+    pub fn layer_range(&self) -> LayerRange {
+        self.range
+    }
+
+    /// Rows the CPU step's reused activation buffers hold (0 elsewhere).
+    pub fn workspace_rows(&self) -> usize {
+        match &self.step {
+            Step::Candle { model, .. } => model.workspace_rows(),
+            Step::Plan(_) => 0,
+        }
+    }
+
+    /// Bytes of weights held for the step.
+    pub fn resident_weight_bytes(&self) -> usize {
+        match &self.step {
+            Step::Candle { model, .. } => model.resident_weight_bytes(),
+            Step::Plan(plan) => plan.weight_bytes(),
+        }
+    }
+
+    /// Bytes of weights one decode step reads.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        match &self.step {
+            Step::Candle { model, .. } => model.weight_bytes_per_token(),
+            Step::Plan(plan) => plan.weight_bytes(),
+        }
     }
 
     /// How the KV cache stores its values.
@@ -73,7 +128,7 @@ impl ModelRunner {
             meta: AttentionMetadata {
                 query_start_loc: vec![0],
                 block_size: bs,
-                sliding_window: self.model.config().sliding_window,
+                sliding_window: self.config.sliding_window,
                 ..AttentionMetadata::default()
             },
             ..BatchInputs::default()
@@ -106,6 +161,16 @@ impl ModelRunner {
     /// sampled rows, then of the prompt-logprob rows, row-major
     /// [logits_indices.len() + prompt_logprob_rows.len(), vocab] in f32.
     pub fn execute(&mut self, batch: &BatchInputs) -> Result<Vec<f32>> {
+        if let Step::Plan(plan) = &mut self.step {
+            if batch.input_ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            let mut rows = batch.logits_indices.clone();
+            rows.extend_from_slice(&batch.prompt_logprob_rows);
+            // A step of prompt chunks only fills the KV cache: the plan then
+            // skips the final norm and lm_head.
+            return plan.logits(batch, &rows);
+        }
         match self.forward(batch)? {
             Some(logits) => Ok(logits.flatten_all()?.to_vec1::<f32>()?),
             None => Ok(Vec::new()),
@@ -140,18 +205,15 @@ impl ModelRunner {
     /// The first pipeline stage's step: the hidden states `[T, hidden]` its
     /// layers leave for the next stage.
     pub fn execute_first_stage(&mut self, batch: &BatchInputs) -> Result<Tensor> {
+        let Step::Candle { model, kv_caches } = &mut self.step else {
+            return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
+        };
         let t = batch.input_ids.len();
         let input_ids = Tensor::from_slice(&batch.input_ids, t, &self.device)?;
         let positions = Tensor::from_slice(&batch.positions, t, &self.device)?;
         // Only the last stage computes logits; this stage reads no rows.
         let rows = Tensor::zeros(0, DType::U32, &self.device)?;
-        match self.model.forward_stage(
-            StageInput::Tokens(&input_ids),
-            &positions,
-            &self.kv_caches,
-            &batch.meta,
-            &rows,
-        )? {
+        match model.forward_stage(StageInput::Tokens(&input_ids), &positions, kv_caches, &batch.meta, &rows)? {
             StageOutput::Hidden(hidden) => Ok(hidden),
             StageOutput::Logits(_) => Err(WorkerError::Unsupported("the whole model runs here: no next stage".into())),
         }
@@ -160,15 +222,21 @@ impl ModelRunner {
     /// Bytes of the KV cache's block pools.
     pub fn kv_cache_bytes(&self) -> u64 {
         let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-        self.kv_caches.iter().map(|c| bytes(&c.k) + bytes(&c.v)).sum()
+        match &self.step {
+            Step::Candle { kv_caches, .. } => kv_caches.iter().map(|c| bytes(&c.k) + bytes(&c.v)).sum(),
+            Step::Plan(plan) => plan.kv_bytes() as u64,
+        }
     }
 
     /// Replaces the KV cache with one of `num_blocks` blocks (a pipeline
     /// runs with its smallest stage's count).
     pub fn reallocate_kv(&mut self, num_blocks: usize) -> Result<()> {
-        let cfg = stage_kv_config(self.model.config(), self.model.layer_range());
-        self.kv_caches.clear(); // before allocating the new ones
-        self.kv_caches = kv_cache::allocate(&cfg, num_blocks, self.block_size, self.kv_format, &self.device)?;
+        let Step::Candle { kv_caches, .. } = &mut self.step else {
+            return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
+        };
+        let cfg = stage_kv_config(&self.config, self.range);
+        kv_caches.clear(); // before allocating the new ones
+        *kv_caches = kv_cache::allocate(&cfg, num_blocks, self.block_size, self.kv_format, &self.device)?;
         Ok(())
     }
 
@@ -190,7 +258,10 @@ impl ModelRunner {
             wanted.push(t as u32 - 1);
         }
         let logits_indices = Tensor::from_slice(&wanted, wanted.len(), &self.device)?;
-        let logits = self.model.forward(&input_ids, &positions, &self.kv_caches, &batch.meta, &logits_indices)?;
+        let Step::Candle { model, kv_caches } = &self.step else {
+            return Err(WorkerError::Unsupported("the step plan brings its logits to the host".into()));
+        };
+        let logits = model.forward(&input_ids, &positions, kv_caches, &batch.meta, &logits_indices)?;
         Ok((!none_wanted).then_some(logits))
     }
 }

@@ -1,0 +1,18 @@
+// model.metal, unmodified, compiled for the emulator; registers every
+// instantiation under its [[host_name]].
+#include "invoke.h"
+#include "model.metal"
+
+#define TVM_WEIGHT_KERNELS(W, NAME)                                                              \
+  tvm::add_kernel("embed_rows_" #NAME, "embed_rows", &tvm::invoke<embed_rows<W>>);              \
+  tvm::add_kernel("matmul_" #NAME, "matmul", &tvm::invoke<matmul<W>>);
+
+void tvm_register_model() {
+  TVM_WEIGHT_KERNELS(float, f32)
+  TVM_WEIGHT_KERNELS(half, f16)
+  TVM_WEIGHT_KERNELS(bfloat, bf16)
+  tvm::add_kernel("rms_norm", "rms_norm", &tvm::invoke<rms_norm>);
+  tvm::add_kernel("argmax_rows", "argmax_rows", &tvm::invoke<argmax_rows>);
+  tvm::add_kernel("rope_qkv_cache_f32", "rope_qkv_cache", &tvm::invoke<rope_qkv_cache<float>>);
+  tvm::add_kernel("rope_qkv_cache_f16", "rope_qkv_cache", &tvm::invoke<rope_qkv_cache<half>>);
+}

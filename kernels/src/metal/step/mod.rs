@@ -1,0 +1,472 @@
+//! A dense model's whole step on the GPU as one plan (the issue's "Metal
+//! step"), free of any GPU API like [`super::plan`]: a Mac's Metal device
+//! and the Linux emulator (kernels/metal-emu) run this same code through
+//! the [`Gpu`] trait.
+//!
+//! At load, [`StepPlan::new`] allocates every buffer once, at its exact
+//! size: the weights (given), the KV pools, the activations for the step's
+//! token budget, the inputs, the attention metadata and the decode scratch
+//! at their bounds. A step ([`StepPlan::run`]) writes its inputs into those
+//! buffers, encodes a fixed sequence of dispatches into one command buffer
+//! and waits once, for the logits of the wanted rows or the greedy tokens.
+//! It allocates nothing on the GPU.
+//!
+//! Dispatches per decoder layer (model.metal says what each fuses):
+//! `rms_norm`, `matmul` (qkv, bias in its epilogue), `rope_qkv_cache` (RoPE,
+//! Qwen3's head norm and the KV write), attention (one dispatch, a second for
+//! the partition reduce past 512 keys and one more when a step mixes prefill
+//! and decode), `matmul` (o_proj, adding into the residual stream),
+//! `rms_norm`, `matmul` (gate/up with SwiGLU's product), `matmul`
+//! (down_proj, adding into the residual stream): 8 at decode. Per step
+//! besides: the embedding, the final norm of the wanted rows, lm_head and,
+//! for greedy rows, the argmax.
+
+use candle_core::DType;
+
+use super::plan::{
+    Access, Allocator, At, AttentionBuffers, AttentionPlan, Encoder, HEAD_DIMS, Kernel, PARTITION_SIZE, Source,
+};
+use crate::{AttentionMetadata, Dims, KernelError, Result};
+
+mod encode;
+pub use encode::dispatches_per_step;
+
+pub use super::model::{LayerWeights, Linear, Matrix, ModelShape, ModelWeights, pad_columns, padded_head_dim};
+
+/// Threads of the row kernels (`kRowThreads` in model.metal).
+const ROW_THREADS: usize = 256;
+/// SIMD groups per matmul threadgroup, output rows per SIMD group and
+/// tokens per threadgroup (`kMatmulSimds`, `kMatmulRowsPerSimd`, `kMatmulTokens`).
+const MATMUL_SIMDS: usize = 4;
+const MATMUL_ROWS: usize = MATMUL_SIMDS * 4;
+const MATMUL_TOKENS: usize = 8;
+/// Rows of the attention metadata's prefill work items (`kRows` in
+/// prefill_attention.metal), for the metadata's bound.
+const PREFILL_ROWS: usize = 16;
+const REGION_ALIGN: usize = 16;
+
+/// A GPU the plan runs on: buffers, host access to them, command buffers.
+pub trait Gpu: Allocator {
+    /// One command buffer's compute encoder.
+    type Commands: Encoder<Buffer = Self::Buffer>;
+    /// Copies `bytes` into `buffer` at `offset` (no GPU work may be reading
+    /// it: the plan writes only between its waits).
+    fn write(&mut self, buffer: &Self::Buffer, offset: usize, bytes: &[u8]) -> Result<()>;
+    /// Copies `out.len()` bytes of `buffer` from `offset`.
+    fn read(&mut self, buffer: &Self::Buffer, offset: usize, out: &mut [u8]) -> Result<()>;
+    /// A new command buffer.
+    fn begin(&mut self) -> Self::Commands;
+    /// Commits it and waits for the GPU to finish it.
+    fn commit_and_wait(&mut self, commands: Self::Commands) -> Result<()>;
+}
+
+fn invalid<T>(message: String) -> Result<T> {
+    Err(KernelError::Invalid(message))
+}
+
+fn to_u32(x: usize, what: &str) -> Result<u32> {
+    u32::try_from(x)
+        .map_err(|_| KernelError::Invalid(format!("{what}: {x} is past the Metal kernels' 32-bit indexing")))
+}
+
+fn words(values: &[u32]) -> Vec<u8> {
+    values.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn weight_name(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        other => invalid(format!("the Metal step plan takes f32, f16 or bf16 weights, not {other:?}")),
+    }
+}
+
+/// What one step may hold, fixed at load: the buffers' sizes come from here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepLimits {
+    /// Tokens per step (the scheduler's `max_num_batched_tokens`).
+    pub max_tokens: usize,
+    pub max_seqs: usize,
+    /// Rows of logits per step (sampled rows and prompt-logprob rows).
+    pub max_logit_rows: usize,
+    /// Longest context, for the block tables and the decode scratch.
+    pub max_model_len: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+/// One step's inputs (the model runner's flattened batch).
+#[derive(Clone, Copy, Debug)]
+pub struct StepInputs<'a> {
+    pub input_ids: &'a [u32],
+    pub positions: &'a [u32],
+    pub meta: &'a AttentionMetadata,
+    /// The rows whose logits are wanted.
+    pub logit_rows: &'a [u32],
+}
+
+/// What a step brings back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readback {
+    /// The wanted rows' logits, `[rows, vocab]` f32.
+    Logits,
+    /// Each wanted row's argmax.
+    Greedy,
+}
+
+/// Byte offsets of the step inputs inside their buffer.
+#[derive(Clone, Copy, Debug)]
+struct InputLayout {
+    ids: usize,
+    positions: usize,
+    slots: usize,
+    rows: usize,
+    len: usize,
+}
+
+impl InputLayout {
+    fn new(limits: &StepLimits) -> Self {
+        let region = |n: usize| (n.max(1) * 4).next_multiple_of(REGION_ALIGN);
+        let ids = 0;
+        let positions = ids + region(limits.max_tokens);
+        let slots = positions + region(limits.max_tokens);
+        let rows = slots + region(limits.max_tokens);
+        Self { ids, positions, slots, rows, len: rows + region(limits.max_logit_rows) }
+    }
+}
+
+/// The activation buffers, each for `max_tokens` rows (f32).
+#[derive(Debug)]
+struct Activations<B> {
+    hidden: B,
+    normed: B,
+    qkv: B,
+    q: B,
+    attn: B,
+    act: B,
+    head_in: B,
+    logits: B,
+    tokens: B,
+}
+
+/// The model's step on a GPU: its buffers and kernels, built once.
+#[derive(Debug)]
+pub struct StepPlan<B> {
+    shape: ModelShape,
+    limits: StepLimits,
+    weights: ModelWeights<B>,
+    /// Each layer's K and V pools, `[num_blocks, block_size, KVH, D]`.
+    kv: Vec<(B, B)>,
+    cache_dtype: DType,
+    inputs: B,
+    layout: InputLayout,
+    acts: Activations<B>,
+    meta: B,
+    meta_capacity: usize,
+    scratch: Option<B>,
+    scratch_capacity: usize,
+    kernels: Kernels,
+}
+
+#[derive(Debug)]
+struct Kernels {
+    /// The attention kernels a step may dispatch (decode, reduce, prefill).
+    attention: Vec<Kernel>,
+    embed: Kernel,
+    norm: Kernel,
+    matmuls: Vec<(DType, Kernel)>,
+    rope: Kernel,
+    argmax: Kernel,
+}
+
+impl Kernels {
+    fn matmul(&self, dtype: DType) -> &Kernel {
+        &self.matmuls.iter().find(|(d, _)| *d == dtype).expect("every weight's matmul is planned at load").1
+    }
+}
+
+fn model_kernel(name: String, threads: usize) -> Kernel {
+    Kernel { source: Source::Model, name, threads }
+}
+
+/// Bytes of the attention metadata upload at most (see `AttentionPlan::new`).
+fn meta_bound(shape: &ModelShape, limits: &StepLimits) -> usize {
+    let region = |n: usize| (n.max(1) * 4).next_multiple_of(REGION_ALIGN);
+    let seqs = limits.max_seqs;
+    let max_blocks = limits.max_model_len.div_ceil(limits.block_size).max(1);
+    let group = shape.heads / shape.kv_heads.max(1);
+    let items = 2 * (limits.max_tokens * group / PREFILL_ROWS + seqs);
+    region(seqs + 1) + region(seqs) + region(seqs * max_blocks) + region(seqs) + region(items)
+}
+
+/// Bytes of decode scratch at most: every sequence at the longest context.
+fn scratch_bound(shape: &ModelShape, limits: &StepLimits) -> usize {
+    if limits.max_model_len <= PARTITION_SIZE {
+        return 0;
+    }
+    let rows = limits.max_seqs * shape.heads * limits.max_model_len.div_ceil(PARTITION_SIZE);
+    let f32_bytes = |n: usize| (n * 4).next_multiple_of(REGION_ALIGN);
+    let head_dim = padded_head_dim(shape.head_dim).unwrap_or(shape.head_dim);
+    f32_bytes(rows * head_dim) + 2 * f32_bytes(rows)
+}
+
+impl<B: Clone> StepPlan<B> {
+    /// Checks the weights against `shape` and allocates the KV pools and
+    /// every per-step buffer, at their bounds under `limits`.
+    pub fn new<A: Allocator<Buffer = B>>(
+        alloc: &mut A,
+        shape: ModelShape,
+        weights: ModelWeights<B>,
+        limits: StepLimits,
+        cache_dtype: DType,
+    ) -> Result<Self> {
+        let ModelShape { hidden, intermediate, heads, kv_heads, head_dim, vocab, .. } = shape;
+        let Some(padded) = padded_head_dim(head_dim).filter(|_| head_dim.is_multiple_of(2)) else {
+            return invalid(format!(
+                "the Metal step has no attention kernel for head_dim {head_dim} (it takes even head dims up to {})",
+                HEAD_DIMS[HEAD_DIMS.len() - 1]
+            ));
+        };
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return invalid(format!("{heads} query heads are not a multiple of {kv_heads} kv heads"));
+        }
+        let cache_name = match cache_dtype {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            other => return invalid(format!("the Metal step's KV cache is f32 or f16, not {other:?}")),
+        };
+        let qkv_rows = (heads + 2 * kv_heads) * head_dim;
+        let check = |m: &Matrix<B>, rows: usize, cols: usize, what: &str| -> Result<()> {
+            weight_name(m.dtype)?;
+            if (m.rows, m.cols) != (rows, cols) {
+                return invalid(format!("{what} is [{}, {}], the model needs [{rows}, {cols}]", m.rows, m.cols));
+            }
+            to_u32(rows * cols, what).map(|_| ())
+        };
+        check(&weights.embed, vocab, hidden, "the embedding")?;
+        check(&weights.lm_head, vocab, hidden, "lm_head")?;
+        for (l, layer) in weights.layers.iter().enumerate() {
+            check(&layer.qkv.weight, qkv_rows, hidden, &format!("layer {l}'s qkv projection"))?;
+            check(&layer.o_proj.weight, hidden, heads * padded, &format!("layer {l}'s o_proj (padded heads)"))?;
+            check(&layer.gate_up.weight, 2 * intermediate, hidden, &format!("layer {l}'s gate/up projection"))?;
+            check(&layer.down.weight, hidden, intermediate, &format!("layer {l}'s down_proj"))?;
+        }
+        let StepLimits { max_tokens, max_logit_rows, num_blocks, block_size, .. } = limits;
+        if max_tokens == 0 || max_logit_rows == 0 || limits.max_seqs == 0 || block_size == 0 {
+            return invalid(format!("a step plan needs room for a token, a row and a sequence: {limits:?}"));
+        }
+        let f32s = |alloc: &mut A, n: usize| alloc.scratch(n.max(1) * 4);
+        let row = kv_heads * padded;
+        to_u32(num_blocks * block_size * row, "KV cache elements")?;
+        to_u32(max_tokens * qkv_rows.max(2 * intermediate), "activation elements")?;
+        to_u32(max_logit_rows * vocab, "logits")?;
+        let kv = (0..weights.layers.len())
+            .map(|_| {
+                let bytes = num_blocks * block_size * row * cache_dtype.size_in_bytes();
+                Ok((alloc.scratch(bytes.max(1))?, alloc.scratch(bytes.max(1))?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let acts = Activations {
+            hidden: f32s(alloc, max_tokens * hidden)?,
+            normed: f32s(alloc, max_tokens * hidden)?,
+            qkv: f32s(alloc, max_tokens * qkv_rows)?,
+            q: f32s(alloc, max_tokens * heads * padded)?,
+            attn: f32s(alloc, max_tokens * heads * padded)?,
+            act: f32s(alloc, max_tokens * intermediate)?,
+            head_in: f32s(alloc, max_logit_rows * hidden)?,
+            logits: f32s(alloc, max_logit_rows * vocab)?,
+            tokens: f32s(alloc, max_logit_rows)?,
+        };
+        let layout = InputLayout::new(&limits);
+        let inputs = alloc.scratch(layout.len)?;
+        let meta_capacity = meta_bound(&shape, &limits);
+        let meta = alloc.scratch(meta_capacity)?;
+        let scratch_capacity = scratch_bound(&shape, &limits);
+        let scratch = if scratch_capacity == 0 { None } else { Some(alloc.scratch(scratch_capacity)?) };
+
+        let mut dtypes = vec![weights.lm_head.dtype];
+        for layer in &weights.layers {
+            for d in
+                [layer.qkv.weight.dtype, layer.o_proj.weight.dtype, layer.gate_up.weight.dtype, layer.down.weight.dtype]
+            {
+                if !dtypes.contains(&d) {
+                    dtypes.push(d);
+                }
+            }
+        }
+        let matmuls = dtypes
+            .iter()
+            .map(|&d| Ok((d, model_kernel(format!("matmul_{}", weight_name(d)?), MATMUL_SIMDS * 32))))
+            .collect::<Result<Vec<_>>>()?;
+        let attention_kernel = |source, name: &str, dtypes: &str| Kernel {
+            source,
+            name: format!("{name}_{dtypes}_hd{padded}"),
+            threads: super::plan::ATTENTION_THREADS,
+        };
+        let kv_name = if cache_dtype == DType::F16 { "f32_kvf16" } else { "f32" };
+        let kernels = Kernels {
+            attention: vec![
+                attention_kernel(Source::Decode, "paged_attention_decode", kv_name),
+                attention_kernel(Source::Decode, "paged_attention_reduce", "f32"),
+                attention_kernel(Source::Prefill, "paged_attention_prefill", kv_name),
+            ],
+            embed: model_kernel(format!("embed_rows_{}", weight_name(weights.embed.dtype)?), ROW_THREADS),
+            norm: model_kernel("rms_norm".into(), ROW_THREADS),
+            matmuls,
+            rope: model_kernel(format!("rope_qkv_cache_{cache_name}"), 32),
+            argmax: model_kernel("argmax_rows".into(), ROW_THREADS),
+        };
+        Ok(Self {
+            shape,
+            limits,
+            weights,
+            kv,
+            cache_dtype,
+            inputs,
+            layout,
+            acts,
+            meta,
+            meta_capacity,
+            scratch,
+            scratch_capacity,
+            kernels,
+        })
+    }
+
+    pub fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+
+    pub fn limits(&self) -> &StepLimits {
+        &self.limits
+    }
+
+    /// Every kernel a step may dispatch (to compile at load).
+    pub fn kernels(&self) -> Vec<&Kernel> {
+        let k = &self.kernels;
+        let mut all = vec![&k.embed, &k.norm, &k.rope, &k.argmax];
+        all.extend(k.matmuls.iter().map(|(_, m)| m));
+        all.extend(&k.attention);
+        all
+    }
+
+    /// Bytes of weights one step reads (every matrix and vector once).
+    pub fn weight_bytes(&self) -> usize {
+        let w = &self.weights;
+        let s = &self.shape;
+        let linear = |l: &Linear<B>| l.weight.size_in_bytes() + l.bias.as_ref().map_or(0, |_| l.weight.rows * 4);
+        let per_layer: usize = w
+            .layers
+            .iter()
+            .map(|l| {
+                linear(&l.qkv)
+                    + linear(&l.o_proj)
+                    + linear(&l.gate_up)
+                    + linear(&l.down)
+                    + 2 * s.hidden * 4
+                    + l.head_norm.as_ref().map_or(0, |_| 2 * s.head_dim * 4)
+            })
+            .sum();
+        per_layer + w.lm_head.size_in_bytes() + s.hidden * 4
+    }
+
+    /// The attention kernels' head dim (the model's, or padded).
+    fn padded(&self) -> usize {
+        padded_head_dim(self.shape.head_dim).unwrap_or(self.shape.head_dim)
+    }
+
+    /// Bytes of the KV pools.
+    pub fn kv_bytes(&self) -> usize {
+        let l = &self.limits;
+        2 * self.kv.len()
+            * l.num_blocks
+            * l.block_size
+            * self.shape.kv_heads
+            * self.padded()
+            * self.cache_dtype.size_in_bytes()
+    }
+
+    /// Runs one step: writes its inputs, encodes every dispatch into one
+    /// command buffer, waits, and reads back the wanted rows' logits
+    /// (`[rows, vocab]`, as f32 bytes) or greedy tokens (u32 bytes).
+    pub fn run<G: Gpu<Buffer = B>>(&self, gpu: &mut G, step: &StepInputs, readback: Readback) -> Result<Vec<u8>> {
+        let t = step.input_ids.len();
+        let rows = step.logit_rows.len();
+        let (s, l) = (&self.shape, &self.limits);
+        if t == 0 || t > l.max_tokens {
+            return invalid(format!("a step of {t} tokens (this plan holds 1 to {})", l.max_tokens));
+        }
+        if rows > l.max_logit_rows {
+            return invalid(format!("{rows} rows of logits (this plan holds {})", l.max_logit_rows));
+        }
+        if step.positions.len() != t || step.meta.slot_mapping.len() != t {
+            return invalid(format!(
+                "{t} tokens with {} positions and {} slots",
+                step.positions.len(),
+                step.meta.slot_mapping.len()
+            ));
+        }
+        if let Some(id) = step.input_ids.iter().find(|&&id| id as usize >= s.vocab) {
+            return invalid(format!("token id {id} is outside the vocabulary of {}", s.vocab));
+        }
+        if let Some(p) = step.positions.iter().find(|&&p| p as usize >= s.max_positions) {
+            return invalid(format!("position {p} is past the model's {} positions", s.max_positions));
+        }
+        if let Some(r) = step.logit_rows.iter().find(|&&r| r as usize >= t) {
+            return invalid(format!("logits row {r} of a step of {t} tokens"));
+        }
+        let num_slots = l.num_blocks * l.block_size;
+        if let Some(slot) = step.meta.slot_mapping.iter().find(|&&x| x as usize >= num_slots) {
+            return invalid(format!("slot {slot} is past the cache's {num_slots} slots"));
+        }
+        if step.meta.num_seqs() > l.max_seqs {
+            return invalid(format!("{} sequences (this plan holds {})", step.meta.num_seqs(), l.max_seqs));
+        }
+        if let Some(ctx) = step.meta.context_lens.iter().find(|&&c| c as usize > l.max_model_len) {
+            return invalid(format!("a context of {ctx} tokens (this plan holds {})", l.max_model_len));
+        }
+        step.meta.check(t, l.num_blocks)?;
+        let dims = Dims {
+            num_tokens: t,
+            num_heads: s.heads,
+            num_kv_heads: s.kv_heads,
+            head_dim: self.padded(),
+            num_blocks: l.num_blocks,
+            block_size: l.block_size,
+        };
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let attention = AttentionPlan::new(step.meta, dims, (DType::F32, self.cache_dtype), scale)?;
+        let upload = attention.upload_bytes();
+        if upload.len() > self.meta_capacity || attention.scratch_len() > self.scratch_capacity {
+            return invalid(format!(
+                "the step's attention needs {} bytes of metadata and {} of scratch, over the plan's {} and {}",
+                upload.len(),
+                attention.scratch_len(),
+                self.meta_capacity,
+                self.scratch_capacity
+            ));
+        }
+
+        let lay = self.layout;
+        gpu.write(&self.inputs, lay.ids, &words(step.input_ids))?;
+        gpu.write(&self.inputs, lay.positions, &words(step.positions))?;
+        gpu.write(&self.inputs, lay.slots, &words(&step.meta.slot_mapping))?;
+        gpu.write(&self.inputs, lay.rows, &words(step.logit_rows))?;
+        gpu.write(&self.meta, 0, upload)?;
+
+        let mut enc = gpu.begin();
+        self.encode(&mut enc, t, rows, &attention, readback)?;
+        gpu.commit_and_wait(enc)?;
+
+        let out = match readback {
+            Readback::Logits => (&self.acts.logits, rows * s.vocab * 4),
+            Readback::Greedy => (&self.acts.tokens, rows * 4),
+        };
+        let mut bytes = vec![0u8; out.1];
+        if !bytes.is_empty() {
+            gpu.read(out.0, 0, &mut bytes)?;
+        }
+        Ok(bytes)
+    }
+}

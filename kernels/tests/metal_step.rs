@@ -1,0 +1,344 @@
+//! The Metal step plan (`kernels::metal::step`) run whole by the CPU
+//! emulator, against a naive f32 reference of the same model written out
+//! here: a prefill of several sequences (one split into chunks), then
+//! decode steps, with and without Qwen3's head norm, biases, and f16 or
+//! bf16 weights. It also holds the plan to its promises: no allocation
+//! after load, one command buffer per step, and the dispatch count
+//! docs/ARCHITECTURE.md states.
+#![cfg(feature = "metal-emulated")]
+
+use candle_core::DType;
+use kernels::AttentionMetadata;
+use kernels::metal::emulated::EmulatedGpu;
+use kernels::metal::plan::Allocator;
+use kernels::metal::step::{
+    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, Readback, StepInputs, StepLimits, StepPlan,
+    dispatches_per_step,
+};
+
+mod common;
+
+/// A deterministic pseudo-random stream in [-a, a].
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, a: f32) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+    }
+    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next(a)).collect()
+    }
+}
+
+/// Rounds like the weight dtype does, so the reference sees the same weights.
+fn round(dtype: DType, v: &[f32]) -> Vec<f32> {
+    match dtype {
+        DType::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+        DType::BF16 => v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+        _ => v.to_vec(),
+    }
+}
+
+fn bytes(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes()).collect(),
+        DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes()).collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+#[derive(Clone)]
+struct RefLinear {
+    w: Vec<f32>,
+    b: Option<Vec<f32>>,
+    out: usize,
+    inp: usize,
+}
+
+impl RefLinear {
+    fn new(rng: &mut Rng, out: usize, inp: usize, bias: bool, dtype: DType) -> Self {
+        let w = round(dtype, &rng.vec(out * inp, 1.0 / (inp as f32).sqrt()));
+        Self { w, b: bias.then(|| rng.vec(out, 0.1)), out, inp }
+    }
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        (0..self.out)
+            .map(|n| {
+                let dot: f32 = (0..self.inp).map(|k| self.w[n * self.inp + k] * x[k]).sum();
+                dot + self.b.as_ref().map_or(0.0, |b| b[n])
+            })
+            .collect()
+    }
+}
+
+struct RefLayer {
+    input_norm: Vec<f32>,
+    qkv: RefLinear,
+    head_norm: Option<(Vec<f32>, Vec<f32>)>,
+    o: RefLinear,
+    post_norm: Vec<f32>,
+    gate_up: RefLinear,
+    down: RefLinear,
+}
+
+struct RefModel {
+    shape: ModelShape,
+    embed: Vec<f32>,
+    layers: Vec<RefLayer>,
+    final_norm: Vec<f32>,
+    lm_head: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    dtype: DType,
+}
+
+fn rms(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt();
+    x.iter().zip(w).map(|(v, w)| v * inv * w).collect()
+}
+
+impl RefModel {
+    fn new(shape: ModelShape, layers: usize, head_norm: bool, bias: bool, dtype: DType, seed: u64) -> Self {
+        let mut rng = Rng(seed);
+        let ModelShape { hidden, intermediate, heads, kv_heads, head_dim, vocab, .. } = shape;
+        let norm = |rng: &mut Rng, n: usize| (0..n).map(|_| 1.0 + rng.next(0.2)).collect::<Vec<_>>();
+        let layers = (0..layers)
+            .map(|_| RefLayer {
+                input_norm: norm(&mut rng, hidden),
+                qkv: RefLinear::new(&mut rng, (heads + 2 * kv_heads) * head_dim, hidden, bias, dtype),
+                head_norm: head_norm.then(|| (norm(&mut rng, head_dim), norm(&mut rng, head_dim))),
+                o: RefLinear::new(&mut rng, hidden, heads * head_dim, false, dtype),
+                post_norm: norm(&mut rng, hidden),
+                gate_up: RefLinear::new(&mut rng, 2 * intermediate, hidden, false, dtype),
+                down: RefLinear::new(&mut rng, hidden, intermediate, false, dtype),
+            })
+            .collect();
+        let half = head_dim / 2;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pos in 0..shape.max_positions {
+            for i in 0..half {
+                let angle = pos as f64 / 10000f64.powf(2.0 * i as f64 / head_dim as f64);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Self {
+            shape,
+            embed: round(dtype, &rng.vec(vocab * hidden, 1.0)),
+            layers,
+            final_norm: norm(&mut rng, hidden),
+            lm_head: round(dtype, &rng.vec(vocab * hidden, 1.0 / (hidden as f32).sqrt())),
+            cos,
+            sin,
+            dtype,
+        }
+    }
+
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let half = x.len() / 2;
+        for j in 0..half {
+            let (c, s) = (self.cos[pos * half + j], self.sin[pos * half + j]);
+            let (a, b) = (x[j], x[j + half]);
+            x[j] = a * c - b * s;
+            x[j + half] = b * c + a * s;
+        }
+    }
+
+    /// Logits after each token of `tokens` (positions 0..), by full causal attention.
+    fn logits(&self, tokens: &[u32]) -> Vec<Vec<f32>> {
+        let s = &self.shape;
+        let (h, kvh, d) = (s.heads, s.kv_heads, s.head_dim);
+        let mut hidden: Vec<Vec<f32>> =
+            tokens.iter().map(|&t| self.embed[t as usize * s.hidden..][..s.hidden].to_vec()).collect();
+        for layer in &self.layers {
+            let mut qs = Vec::new();
+            let mut ks = Vec::new();
+            let mut vs = Vec::new();
+            for (pos, x) in hidden.iter().enumerate() {
+                let qkv = layer.qkv.apply(&rms(x, &layer.input_norm, s.eps));
+                let head = |i: usize| qkv[i * d..][..d].to_vec();
+                let norm = |v: Vec<f32>, w: Option<&Vec<f32>>| w.map_or(v.clone(), |w| rms(&v, w, s.eps));
+                let mut q: Vec<Vec<f32>> =
+                    (0..h).map(|i| norm(head(i), layer.head_norm.as_ref().map(|n| &n.0))).collect();
+                let mut k: Vec<Vec<f32>> =
+                    (h..h + kvh).map(|i| norm(head(i), layer.head_norm.as_ref().map(|n| &n.1))).collect();
+                q.iter_mut().chain(k.iter_mut()).for_each(|x| self.rope(x, pos));
+                qs.push(q);
+                ks.push(k);
+                vs.push((h + kvh..h + 2 * kvh).map(head).collect::<Vec<_>>());
+            }
+            for (pos, x) in hidden.iter_mut().enumerate() {
+                let mut attn = Vec::new();
+                for (head, q) in qs[pos].iter().enumerate() {
+                    let g = head / (h / kvh);
+                    let scores: Vec<f32> = (0..=pos)
+                        .map(|j| q.iter().zip(&ks[j][g]).map(|(a, b)| a * b).sum::<f32>() / (d as f32).sqrt())
+                        .collect();
+                    let m = scores.iter().cloned().fold(f32::MIN, f32::max);
+                    let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let z: f32 = e.iter().sum();
+                    attn.extend((0..d).map(|i| (0..=pos).map(|j| e[j] / z * vs[j][g][i]).sum::<f32>()));
+                }
+                let o = layer.o.apply(&attn);
+                x.iter_mut().zip(o).for_each(|(x, o)| *x += o);
+                let gu = layer.gate_up.apply(&rms(x, &layer.post_norm, s.eps));
+                let i = s.intermediate;
+                let act: Vec<f32> = (0..i).map(|n| gu[n] / (1.0 + (-gu[n]).exp()) * gu[i + n]).collect();
+                let down = layer.down.apply(&act);
+                x.iter_mut().zip(down).for_each(|(x, o)| *x += o);
+            }
+        }
+        hidden
+            .iter()
+            .map(|x| {
+                let n = rms(x, &self.final_norm, s.eps);
+                (0..s.vocab).map(|v| (0..s.hidden).map(|k| self.lm_head[v * s.hidden + k] * n[k]).sum()).collect()
+            })
+            .collect()
+    }
+
+    fn upload(&self, gpu: &mut EmulatedGpu) -> ModelWeights<kernels::metal::emulated::EmuBuffer> {
+        let f32s = |gpu: &mut EmulatedGpu, v: &[f32]| gpu.upload(&bytes(DType::F32, v)).unwrap();
+        let matrix = |gpu: &mut EmulatedGpu, v: &[f32], rows: usize, cols: usize| Matrix {
+            buffer: gpu.upload(&bytes(self.dtype, v)).unwrap(),
+            dtype: self.dtype,
+            rows,
+            cols,
+        };
+        let linear = |gpu: &mut EmulatedGpu, l: &RefLinear| Linear {
+            weight: matrix(gpu, &l.w, l.out, l.inp),
+            bias: l.b.as_ref().map(|b| f32s(gpu, b)),
+        };
+        let s = &self.shape;
+        ModelWeights {
+            embed: matrix(gpu, &self.embed, s.vocab, s.hidden),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    input_norm: f32s(gpu, &l.input_norm),
+                    qkv: linear(gpu, &l.qkv),
+                    head_norm: l.head_norm.as_ref().map(|(q, k)| (f32s(gpu, q), f32s(gpu, k))),
+                    o_proj: linear(gpu, &l.o),
+                    post_norm: f32s(gpu, &l.post_norm),
+                    gate_up: linear(gpu, &l.gate_up),
+                    down: linear(gpu, &l.down),
+                })
+                .collect(),
+            final_norm: f32s(gpu, &self.final_norm),
+            lm_head: matrix(gpu, &self.lm_head, s.vocab, s.hidden),
+            rope_cos: f32s(gpu, &self.cos),
+            rope_sin: f32s(gpu, &self.sin),
+        }
+    }
+}
+
+const BLOCK: usize = 4;
+
+/// A step over `seqs`: (sequence index, tokens computed before, new tokens).
+fn step_inputs(seqs: &[(usize, usize, &[u32])]) -> (Vec<u32>, Vec<u32>, AttentionMetadata, Vec<u32>) {
+    let mut meta = AttentionMetadata { query_start_loc: vec![0], block_size: BLOCK, ..AttentionMetadata::default() };
+    let (mut ids, mut positions, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    for &(seq, done, new) in seqs {
+        // Sequence s owns blocks s*16.. in reverse order: scattered, not contiguous.
+        let table: Vec<u32> = (0..16).map(|b| (seq * 16 + 15 - b) as u32).collect();
+        for (i, &t) in new.iter().enumerate() {
+            let pos = done + i;
+            ids.push(t);
+            positions.push(pos as u32);
+            meta.slot_mapping.push(table[pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32);
+        }
+        meta.query_start_loc.push(ids.len() as u32);
+        meta.context_lens.push((done + new.len()) as u32);
+        meta.block_tables.push(table);
+        rows.push(ids.len() as u32 - 1);
+    }
+    (ids, positions, meta, rows)
+}
+
+fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}: logit {i}: {g} vs reference {w}");
+    }
+}
+
+fn check_model(head_norm: bool, bias: bool, dtype: DType, cache: DType) {
+    if !metal_emu::available() {
+        return common::metal_unavailable("the Metal emulator is not built for this target");
+    }
+    let shape = ModelShape {
+        hidden: 64,
+        intermediate: 96,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        vocab: 50,
+        eps: 1e-6,
+        max_positions: 64,
+    };
+    let model = RefModel::new(shape, 2, head_norm, bias, dtype, 7);
+    let mut gpu = EmulatedGpu::new().unwrap();
+    let limits = StepLimits {
+        max_tokens: 16,
+        max_seqs: 4,
+        max_logit_rows: 4,
+        max_model_len: 64,
+        num_blocks: 64,
+        block_size: BLOCK,
+    };
+    let weights = model.upload(&mut gpu);
+    let plan = StepPlan::new(&mut gpu, shape, weights, limits, cache).unwrap();
+    gpu.prepare(plan.kernels()).unwrap();
+    let loaded = gpu.counters();
+
+    let a: Vec<u32> = vec![3, 17, 4, 42, 8, 8, 1, 30, 22, 5];
+    let b: Vec<u32> = vec![9, 2, 33];
+    let want_a = model.logits(&a);
+    let want_b = model.logits(&b);
+    let tol = if cache == DType::F16 { 2e-2 } else { 2e-4 };
+    let vocab = shape.vocab;
+    let logits = |bytes: Vec<u8>| -> Vec<f32> {
+        bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    };
+    let run = |gpu: &mut EmulatedGpu, seqs: &[(usize, usize, &[u32])], readback| {
+        let (ids, positions, meta, rows) = step_inputs(seqs);
+        let inputs = StepInputs { input_ids: &ids, positions: &positions, meta: &meta, logit_rows: &rows };
+        plan.run(gpu, &inputs, readback).unwrap()
+    };
+    // Step 1: a's first 6 tokens (a chunk) beside all of b.
+    let out = logits(run(&mut gpu, &[(0, 0, &a[..6]), (1, 0, &b)], Readback::Logits));
+    close("a chunk", &out[..vocab], &want_a[5], tol);
+    close("b prompt", &out[vocab..], &want_b[2], tol);
+    // Step 2: the rest of a's prompt; step 3 on: decode a token at a time.
+    let out = logits(run(&mut gpu, &[(0, 6, &a[6..9])], Readback::Logits));
+    close("a rest", &out, &want_a[8], tol);
+    let before = gpu.counters();
+    let out = logits(run(&mut gpu, &[(0, 9, &a[9..])], Readback::Logits));
+    close("a decode", &out, &want_a[9], tol);
+    let after = gpu.counters();
+    assert_eq!(after.allocations, loaded.allocations, "a step allocated");
+    assert_eq!(after.command_buffers - before.command_buffers, 1, "one command buffer per step");
+    assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits));
+    // Greedy rows: the argmax of the same logits.
+    let greedy = run(&mut gpu, &[(0, 9, &a[9..])], Readback::Greedy);
+    let token = u32::from_le_bytes([greedy[0], greedy[1], greedy[2], greedy[3]]);
+    let best = (0..vocab).max_by(|&i, &j| out[i].total_cmp(&out[j]).then(j.cmp(&i))).unwrap();
+    assert_eq!(token as usize, best);
+}
+
+#[test]
+fn the_step_plan_matches_a_naive_model() {
+    check_model(false, false, DType::F32, DType::F32);
+}
+
+#[test]
+fn the_step_plan_matches_with_head_norms_biases_and_an_f16_cache() {
+    check_model(true, true, DType::F32, DType::F16);
+}
+
+#[test]
+fn the_step_plan_matches_with_f16_and_bf16_weights() {
+    check_model(false, true, DType::F16, DType::F32);
+    check_model(true, false, DType::BF16, DType::F32);
+}
