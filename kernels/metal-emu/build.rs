@@ -45,6 +45,8 @@ fn main() {
         .warnings(false)
         .include(&cpp)
         .include(&out)
+        // Metal's `char` is signed, as the Q8_0 kernels assume.
+        .flag_if_supported("-fsigned-char")
         .flag_if_supported("-Wno-attributes")
         .flag_if_supported("-Wno-unknown-attributes")
         .flag_if_supported("-Wno-ignored-attributes");

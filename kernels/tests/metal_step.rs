@@ -10,9 +10,10 @@
 use candle_core::DType;
 use kernels::AttentionMetadata;
 use kernels::metal::emulated::EmulatedGpu;
+use kernels::metal::model::quantize;
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{
-    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, Readback, StepInputs, StepLimits, StepPlan,
+    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, Readback, StepInputs, StepLimits, StepPlan, WeightFormat,
     dispatches_per_step,
 };
 
@@ -50,16 +51,26 @@ fn bytes(dtype: DType, v: &[f32]) -> Vec<u8> {
 
 #[derive(Clone)]
 struct RefLinear {
+    /// The weights as the GPU sees them (rounded or dequantized).
     w: Vec<f32>,
+    /// What is uploaded, in `format`.
+    bytes: Vec<u8>,
+    format: WeightFormat,
     b: Option<Vec<f32>>,
     out: usize,
     inp: usize,
 }
 
 impl RefLinear {
-    fn new(rng: &mut Rng, out: usize, inp: usize, bias: bool, dtype: DType) -> Self {
-        let w = round(dtype, &rng.vec(out * inp, 1.0 / (inp as f32).sqrt()));
-        Self { w, b: bias.then(|| rng.vec(out, 0.1)), out, inp }
+    fn new(rng: &mut Rng, out: usize, inp: usize, bias: bool, format: WeightFormat) -> Self {
+        let raw = rng.vec(out * inp, 1.0 / (inp as f32).sqrt());
+        let (bytes, w) = match format {
+            WeightFormat::F32 => (bytes(DType::F32, &raw), raw),
+            WeightFormat::F16 => (bytes(DType::F16, &raw), round(DType::F16, &raw)),
+            WeightFormat::BF16 => (bytes(DType::BF16, &raw), round(DType::BF16, &raw)),
+            blocks => quantize(blocks, &raw, out, inp).unwrap(),
+        };
+        Self { w, bytes, format, b: bias.then(|| rng.vec(out, 0.1)), out, inp }
     }
     fn apply(&self, x: &[f32]) -> Vec<f32> {
         (0..self.out)
@@ -73,7 +84,9 @@ impl RefLinear {
 
 struct RefLayer {
     input_norm: Vec<f32>,
-    qkv: RefLinear,
+    /// q and k stacked, then v (which a GGUF file may store apart).
+    qk: RefLinear,
+    v: RefLinear,
     head_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: RefLinear,
     post_norm: Vec<f32>,
@@ -92,25 +105,45 @@ struct RefModel {
     dtype: DType,
 }
 
+/// The formats of a test model's weights.
+#[derive(Clone, Copy)]
+struct Formats {
+    /// Embedding and lm_head.
+    dense: DType,
+    /// qk, gate/up and down.
+    linear: WeightFormat,
+    /// v and o_proj.
+    v_o: WeightFormat,
+}
+
+impl Formats {
+    fn all(dtype: DType) -> Self {
+        let f = WeightFormat::of_dtype(dtype).unwrap();
+        Self { dense: dtype, linear: f, v_o: f }
+    }
+}
+
 fn rms(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt();
     x.iter().zip(w).map(|(v, w)| v * inv * w).collect()
 }
 
 impl RefModel {
-    fn new(shape: ModelShape, layers: usize, head_norm: bool, bias: bool, dtype: DType, seed: u64) -> Self {
+    fn new(shape: ModelShape, layers: usize, head_norm: bool, bias: bool, formats: Formats, seed: u64) -> Self {
+        let dtype = formats.dense;
         let mut rng = Rng(seed);
         let ModelShape { hidden, intermediate, heads, kv_heads, head_dim, vocab, .. } = shape;
         let norm = |rng: &mut Rng, n: usize| (0..n).map(|_| 1.0 + rng.next(0.2)).collect::<Vec<_>>();
         let layers = (0..layers)
             .map(|_| RefLayer {
                 input_norm: norm(&mut rng, hidden),
-                qkv: RefLinear::new(&mut rng, (heads + 2 * kv_heads) * head_dim, hidden, bias, dtype),
+                qk: RefLinear::new(&mut rng, (heads + kv_heads) * head_dim, hidden, bias, formats.linear),
+                v: RefLinear::new(&mut rng, kv_heads * head_dim, hidden, bias, formats.v_o),
                 head_norm: head_norm.then(|| (norm(&mut rng, head_dim), norm(&mut rng, head_dim))),
-                o: RefLinear::new(&mut rng, hidden, heads * head_dim, false, dtype),
+                o: RefLinear::new(&mut rng, hidden, heads * head_dim, false, formats.v_o),
                 post_norm: norm(&mut rng, hidden),
-                gate_up: RefLinear::new(&mut rng, 2 * intermediate, hidden, false, dtype),
-                down: RefLinear::new(&mut rng, hidden, intermediate, false, dtype),
+                gate_up: RefLinear::new(&mut rng, 2 * intermediate, hidden, false, formats.linear),
+                down: RefLinear::new(&mut rng, hidden, intermediate, false, formats.linear),
             })
             .collect();
         let half = head_dim / 2;
@@ -155,7 +188,9 @@ impl RefModel {
             let mut ks = Vec::new();
             let mut vs = Vec::new();
             for (pos, x) in hidden.iter().enumerate() {
-                let qkv = layer.qkv.apply(&rms(x, &layer.input_norm, s.eps));
+                let normed = rms(x, &layer.input_norm, s.eps);
+                let mut qkv = layer.qk.apply(&normed);
+                qkv.extend(layer.v.apply(&normed));
                 let head = |i: usize| qkv[i * d..][..d].to_vec();
                 let norm = |v: Vec<f32>, w: Option<&Vec<f32>>| w.map_or(v.clone(), |w| rms(&v, w, s.eps));
                 let mut q: Vec<Vec<f32>> =
@@ -201,12 +236,12 @@ impl RefModel {
         let f32s = |gpu: &mut EmulatedGpu, v: &[f32]| gpu.upload(&bytes(DType::F32, v)).unwrap();
         let matrix = |gpu: &mut EmulatedGpu, v: &[f32], rows: usize, cols: usize| Matrix {
             buffer: gpu.upload(&bytes(self.dtype, v)).unwrap(),
-            dtype: self.dtype,
+            format: WeightFormat::of_dtype(self.dtype).unwrap(),
             rows,
             cols,
         };
         let linear = |gpu: &mut EmulatedGpu, l: &RefLinear| Linear {
-            weight: matrix(gpu, &l.w, l.out, l.inp),
+            weight: Matrix { buffer: gpu.upload(&l.bytes).unwrap(), format: l.format, rows: l.out, cols: l.inp },
             bias: l.b.as_ref().map(|b| f32s(gpu, b)),
         };
         let s = &self.shape;
@@ -217,7 +252,7 @@ impl RefModel {
                 .iter()
                 .map(|l| LayerWeights {
                     input_norm: f32s(gpu, &l.input_norm),
-                    qkv: linear(gpu, &l.qkv),
+                    qkv: vec![linear(gpu, &l.qk), linear(gpu, &l.v)],
                     head_norm: l.head_norm.as_ref().map(|(q, k)| (f32s(gpu, q), f32s(gpu, k))),
                     o_proj: linear(gpu, &l.o),
                     post_norm: f32s(gpu, &l.post_norm),
@@ -264,12 +299,22 @@ fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
 }
 
 fn check_model(head_norm: bool, bias: bool, dtype: DType, cache: DType) {
+    check_model_with(head_norm, bias, Formats::all(dtype), cache, 64)
+}
+
+fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType, hidden: usize) {
     if !metal_emu::available() {
         return common::metal_unavailable("the Metal emulator is not built for this target");
     }
     let shape = ModelShape {
-        hidden: 64,
-        intermediate: 96,
+        hidden,
+        // Float rows of a length past whole 32-weight chunks (the tail);
+        // whole blocks otherwise.
+        intermediate: match formats.linear {
+            f if f.is_float() => hidden + 40,
+            WeightFormat::Q4K | WeightFormat::Q6K => hidden,
+            _ => hidden + 32,
+        },
         heads: 4,
         kv_heads: 2,
         head_dim: 32,
@@ -277,7 +322,7 @@ fn check_model(head_norm: bool, bias: bool, dtype: DType, cache: DType) {
         eps: 1e-6,
         max_positions: 64,
     };
-    let model = RefModel::new(shape, 2, head_norm, bias, dtype, 7);
+    let model = RefModel::new(shape, 2, head_norm, bias, formats, 7);
     let mut gpu = EmulatedGpu::new().unwrap();
     let limits = StepLimits {
         max_tokens: 16,
@@ -319,7 +364,8 @@ fn check_model(head_norm: bool, bias: bool, dtype: DType, cache: DType) {
     let after = gpu.counters();
     assert_eq!(after.allocations, loaded.allocations, "a step allocated");
     assert_eq!(after.command_buffers - before.command_buffers, 1, "one command buffer per step");
-    assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits));
+    // q and k apart from v: one more matmul per layer than a stacked qkv.
+    assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits) + 2);
     // Greedy rows: the argmax of the same logits.
     let greedy = run(&mut gpu, &[(0, 9, &a[9..])], Readback::Greedy);
     let token = u32::from_le_bytes([greedy[0], greedy[1], greedy[2], greedy[3]]);
@@ -341,4 +387,20 @@ fn the_step_plan_matches_with_head_norms_biases_and_an_f16_cache() {
 fn the_step_plan_matches_with_f16_and_bf16_weights() {
     check_model(false, true, DType::F16, DType::F32);
     check_model(true, false, DType::BF16, DType::F32);
+}
+
+#[test]
+fn the_step_plan_reads_q8_0_and_q4_0_blocks() {
+    let f = |linear, v_o| Formats { dense: DType::F32, linear, v_o };
+    check_model_with(false, true, f(WeightFormat::Q8_0, WeightFormat::Q4_0), DType::F32, 64);
+    check_model_with(true, false, f(WeightFormat::Q4_0, WeightFormat::Q8_0), DType::F16, 64);
+}
+
+#[test]
+fn the_step_plan_reads_q4_k_and_q6_k_blocks() {
+    // As in a Q4_K_M file: Q4_K mostly, Q6_K for v (o_proj's 128 inputs are
+    // not a whole super-block: Q8_0, as llama.cpp falls back).
+    let f = |linear, v_o| Formats { dense: DType::F16, linear, v_o };
+    check_model_with(false, false, f(WeightFormat::Q4K, WeightFormat::Q8_0), DType::F32, 256);
+    check_model_with(true, true, f(WeightFormat::Q6K, WeightFormat::Q8_0), DType::F32, 256);
 }

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use common::model::ModelConfig;
-use support::{greedy, shared};
+use support::{dequantized_copy, greedy, shared};
 use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
@@ -51,26 +51,6 @@ fn agreement(f32_path: &Path, q_path: &Path, prompts: &[(Vec<u32>, usize)]) -> (
 fn export(path: &Path, cfg: &ModelConfig, tensors: &HashMap<String, candle_core::Tensor>, ty: Quantization) {
     let vocab = Vocab::from_tokenizer_json(None, cfg.vocab_size, 1, 2).unwrap();
     worker::models::gguf::write(path, cfg, tensors, ty, &vocab).unwrap();
-}
-
-/// A copy of a GGUF file with every tensor dequantized to f32 by candle
-/// (GGML's reference decoding), names and metadata unchanged.
-fn dequantized_copy(src: &Path, dst: &Path) {
-    use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
-    let mut reader = std::io::BufReader::new(std::fs::File::open(src).unwrap());
-    let content = gguf_file::Content::read(&mut reader).unwrap();
-    let tensors: Vec<(String, QTensor)> = content
-        .tensor_infos
-        .keys()
-        .map(|name| {
-            let q = content.tensor(&mut reader, name, &Device::Cpu).unwrap();
-            let t = q.dequantize(&Device::Cpu).unwrap();
-            (name.clone(), QTensor::quantize(&t, GgmlDType::F32).unwrap())
-        })
-        .collect();
-    let md: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut std::fs::File::create(dst).unwrap(), &md, &ts).unwrap();
 }
 
 fn temp_dir(name: &str) -> PathBuf {

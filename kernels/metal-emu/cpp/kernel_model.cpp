@@ -11,6 +11,10 @@ void tvm_register_model() {
   TVM_WEIGHT_KERNELS(float, f32)
   TVM_WEIGHT_KERNELS(half, f16)
   TVM_WEIGHT_KERNELS(bfloat, bf16)
+  tvm::add_kernel("matmul_q8_0", "matmul", &tvm::invoke<matmul<BlockQ8_0>>);
+  tvm::add_kernel("matmul_q4_0", "matmul", &tvm::invoke<matmul<BlockQ4_0>>);
+  tvm::add_kernel("matmul_q4_k", "matmul", &tvm::invoke<matmul<BlockQ4K>>);
+  tvm::add_kernel("matmul_q6_k", "matmul", &tvm::invoke<matmul<BlockQ6K>>);
   tvm::add_kernel("rms_norm", "rms_norm", &tvm::invoke<rms_norm>);
   tvm::add_kernel("argmax_rows", "argmax_rows", &tvm::invoke<argmax_rows>);
   tvm::add_kernel("rope_qkv_cache_f32", "rope_qkv_cache", &tvm::invoke<rope_qkv_cache<float>>);

@@ -120,9 +120,135 @@ static constant constexpr const uint kModeSwiglu = 2;      // y = silu(x G^T) * 
 struct MatmulParams {
   uint tokens;
   uint in_features;   // K
-  uint out_features;  // N (the width of y; W has 2N rows under kModeSwiglu)
+  uint out_features;  // N (W has 2N rows under kModeSwiglu)
   uint mode;
   uint has_bias;
+  uint y_stride;  // elements per row of y (N, or more when y holds several outputs side by side)
+  uint y_offset;  // this output's first column in y
+};
+
+// Weights in GGML's block formats, read by 32-weight chunks: a chunk is a
+// Q8_0 or Q4_0 block, or an eighth of a Q4_K or Q6_K super-block. Each
+// `chunk` widens one chunk into w (the CPU's kernels::cpu::{quant, kquant}
+// dequantize the same way).
+struct BlockQ8_0 {
+  half d;
+  char qs[32];
+};
+struct BlockQ4_0 {
+  half d;
+  uchar qs[16];
+};
+struct BlockQ4K {
+  half d;
+  half dmin;
+  uchar scales[12];
+  uchar qs[128];
+};
+struct BlockQ6K {
+  uchar ql[128];
+  uchar qh[64];
+  char scales[16];
+  half d;
+};
+
+template <typename T>
+struct Chunks;
+
+template <>
+struct Chunks<float> {
+  static uint per_block() { return 1; }
+  static bool dense() { return true; }
+  static float element(device const float* b, uint i) { return float(b[i]); }
+  static void chunk(device const float* b, uint, thread float* w) {
+    for (uint i = 0; i < 32; ++i) w[i] = b[i];
+  }
+};
+template <>
+struct Chunks<half> {
+  static uint per_block() { return 1; }
+  static bool dense() { return true; }
+  static float element(device const half* b, uint i) { return float(b[i]); }
+  static void chunk(device const half* b, uint, thread float* w) {
+    for (uint i = 0; i < 32; ++i) w[i] = float(b[i]);
+  }
+};
+#if defined(__HAVE_BFLOAT__)
+template <>
+struct Chunks<bfloat> {
+  static uint per_block() { return 1; }
+  static bool dense() { return true; }
+  static float element(device const bfloat* b, uint i) { return float(b[i]); }
+  static void chunk(device const bfloat* b, uint, thread float* w) {
+    for (uint i = 0; i < 32; ++i) w[i] = float(b[i]);
+  }
+};
+#endif
+template <>
+struct Chunks<BlockQ8_0> {
+  static uint per_block() { return 1; }
+  static bool dense() { return false; }
+  static float element(device const BlockQ8_0*, uint) { return 0.0f; }  // blocks have no tail
+  static void chunk(device const BlockQ8_0* b, uint, thread float* w) {
+    const float d = float(b->d);
+    for (uint i = 0; i < 32; ++i) w[i] = d * float(b->qs[i]);
+  }
+};
+template <>
+struct Chunks<BlockQ4_0> {
+  static uint per_block() { return 1; }
+  static bool dense() { return false; }
+  static float element(device const BlockQ4_0*, uint) { return 0.0f; }  // blocks have no tail
+  static void chunk(device const BlockQ4_0* b, uint, thread float* w) {
+    const float d = float(b->d);
+    for (uint i = 0; i < 16; ++i) {
+      w[i] = d * float(int(b->qs[i] & 15) - 8);
+      w[i + 16] = d * float(int(b->qs[i] >> 4) - 8);
+    }
+  }
+};
+template <>
+struct Chunks<BlockQ4K> {
+  static uint per_block() { return 8; }
+  static bool dense() { return false; }
+  static float element(device const BlockQ4K*, uint) { return 0.0f; }  // blocks have no tail
+  static void chunk(device const BlockQ4K* b, uint j, thread float* w) {
+    // GGML's get_scale_min_k4: 6-bit scale and min of sub-block j.
+    device const uchar* q = b->scales;
+    uint sc;
+    uint m;
+    if (j < 4) {
+      sc = q[j] & 63;
+      m = q[j + 4] & 63;
+    } else {
+      sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+      m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+    const float d = float(b->d) * float(sc);
+    const float dmin = float(b->dmin) * float(m);
+    device const uchar* codes = b->qs + 32 * (j / 2);
+    const uint shift = (j % 2) * 4;
+    for (uint i = 0; i < 32; ++i) w[i] = d * float((codes[i] >> shift) & 15) - dmin;
+  }
+};
+template <>
+struct Chunks<BlockQ6K> {
+  static uint per_block() { return 8; }
+  static bool dense() { return false; }
+  static float element(device const BlockQ6K*, uint) { return 0.0f; }  // blocks have no tail
+  static void chunk(device const BlockQ6K* b, uint c, thread float* w) {
+    // GGML's dequantize_row_q6_K: half n of the block, quarter q of it.
+    const uint n = c / 4;
+    const uint q = c % 4;
+    device const uchar* ql = b->ql + 64 * n + (q % 2) * 32;
+    device const uchar* qh = b->qh + 32 * n;
+    const uint low_shift = (q / 2) * 4;
+    const float d = float(b->d);
+    for (uint i = 0; i < 32; ++i) {
+      const int code = int(((ql[i] >> low_shift) & 15) | (((qh[i] >> (2 * q)) & 3) << 4)) - 32;
+      w[i] = d * float(b->scales[8 * n + i / 16 + 2 * q]) * float(code);
+    }
+  }
 };
 
 // Grid: (ceil(N / (kMatmulSimds * kMatmulRowsPerSimd)), ceil(T /
@@ -135,9 +261,9 @@ struct MatmulParams {
 template <typename W>
 [[kernel]] void matmul(
     device const float* x [[buffer(0)]],     // [T, K]
-    device const W* w [[buffer(1)]],         // [N, K] (or [2N, K])
+    device const W* w [[buffer(1)]],         // [N, K] (or [2N, K]) in elements or blocks
     device const float* bias [[buffer(2)]],  // [N] (or [2N]) when has_bias
-    device float* y [[buffer(3)]],           // [T, N]
+    device float* y [[buffer(3)]],           // [T, y_stride]
     constant MatmulParams& p [[buffer(4)]],
     uint2 group [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
@@ -151,6 +277,12 @@ template <typename W>
   const uint nt = min(kMatmulTokens, p.tokens - t0);
   const bool glu = p.mode == kModeSwiglu;
   const uint k = p.in_features;
+  // A row holds k elements of a float type (read 32 at a time, then a
+  // tail), or k / 32 / per_block blocks (k a multiple of the block).
+  const bool dense = Chunks<W>::dense();
+  const uint per_block = Chunks<W>::per_block();
+  const uint chunks = k / 32;
+  const uint row_blocks = dense ? k : chunks / per_block;
   device const float* xs = x + t0 * k;
   float acc[kMatmulRowsPerSimd][kMatmulTokens];
   float up[kMatmulRowsPerSimd][kMatmulTokens];
@@ -160,21 +292,41 @@ template <typename W>
       up[r][t] = 0.0f;
     }
   }
-  for (uint i = lane; i < k; i += kModelSimdWidth) {
-    float xv[kMatmulTokens];
-    for (uint t = 0; t < nt; ++t) {
-      xv[t] = xs[t * k + i];
-    }
+  // Lane c takes chunks c, c + 32, ...: 32 consecutive weights of each row.
+  for (uint c = lane; c < chunks; c += kModelSimdWidth) {
+    // The block holding chunk c, in W's units from a row's start.
+    const uint at = dense ? c * 32 : c / per_block;
+    const uint part = c % per_block;
     for (uint r = 0; r < rows; ++r) {
-      const float wv = float(w[(n0 + r) * k + i]);
-      for (uint t = 0; t < nt; ++t) {
-        acc[r][t] += wv * xv[t];
-      }
+      float wv[32];
+      Chunks<W>::chunk(w + (n0 + r) * row_blocks + at, part, wv);
+      float uv[32];
       if (glu) {
-        const float uv = float(w[(n0 + r + p.out_features) * k + i]);
-        for (uint t = 0; t < nt; ++t) {
-          up[r][t] += uv * xv[t];
+        Chunks<W>::chunk(w + (n0 + r + p.out_features) * row_blocks + at, part, uv);
+      }
+      for (uint t = 0; t < nt; ++t) {
+        device const float* xc = xs + t * k + c * 32;
+        float dot = 0.0f;
+        float up_dot = 0.0f;
+        for (uint i = 0; i < 32; ++i) {
+          dot += wv[i] * xc[i];
+          if (glu) {
+            up_dot += uv[i] * xc[i];
+          }
         }
+        acc[r][t] += dot;
+        up[r][t] += up_dot;
+      }
+    }
+  }
+  // The tail of a float row past its last whole chunk, an element a lane.
+  for (uint i = chunks * 32 + lane; dense && i < k; i += kModelSimdWidth) {
+    for (uint r = 0; r < rows; ++r) {
+      const float wv = Chunks<W>::element(w + (n0 + r) * k, i);
+      const float uv = glu ? Chunks<W>::element(w + (n0 + r + p.out_features) * k, i) : 0.0f;
+      for (uint t = 0; t < nt; ++t) {
+        acc[r][t] += wv * xs[t * k + i];
+        up[r][t] += uv * xs[t * k + i];
       }
     }
   }
@@ -186,7 +338,7 @@ template <typename W>
       if (lane != 0) {
         continue;
       }
-      device float* out = y + (t0 + t) * p.out_features + n;
+      device float* out = y + (t0 + t) * p.y_stride + p.y_offset + n;
       if (p.has_bias != 0) {
         dot += bias[n];
       }
@@ -362,6 +514,10 @@ INSTANTIATE_WEIGHT_KERNELS(half, f16)
 #if defined(__HAVE_BFLOAT__)
 INSTANTIATE_WEIGHT_KERNELS(bfloat, bf16)
 #endif
+template TINYVLLM_KERNEL("matmul_q8_0") decltype(matmul<BlockQ8_0>) matmul<BlockQ8_0>;
+template TINYVLLM_KERNEL("matmul_q4_0") decltype(matmul<BlockQ4_0>) matmul<BlockQ4_0>;
+template TINYVLLM_KERNEL("matmul_q4_k") decltype(matmul<BlockQ4K>) matmul<BlockQ4K>;
+template TINYVLLM_KERNEL("matmul_q6_k") decltype(matmul<BlockQ6K>) matmul<BlockQ6K>;
 
 template TINYVLLM_KERNEL("rope_qkv_cache_f32") decltype(rope_qkv_cache<float>) rope_qkv_cache<float>;
 template TINYVLLM_KERNEL("rope_qkv_cache_f16") decltype(rope_qkv_cache<half>) rope_qkv_cache<half>;

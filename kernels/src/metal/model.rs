@@ -6,18 +6,79 @@ use candle_core::DType;
 
 use super::plan::HEAD_DIMS;
 
-/// A weight matrix `[rows, cols]`, row-major, in the checkpoint's dtype.
+/// How a weight matrix stores its rows: a float type, or one of GGML's
+/// block formats (each row `cols / weights_per_block` blocks, as GGUF files
+/// and `--quantize` lay them out). The GPU reads them as stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+    Q4K,
+    Q6K,
+}
+
+impl WeightFormat {
+    pub fn of_dtype(dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::F32 => Some(Self::F32),
+            DType::F16 => Some(Self::F16),
+            DType::BF16 => Some(Self::BF16),
+            _ => None,
+        }
+    }
+
+    /// The kernels' suffix (`matmul_q4_k`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+            Self::Q4K => "q4_k",
+            Self::Q6K => "q6_k",
+        }
+    }
+
+    /// Weights and bytes per block (a float type's block is one element).
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            Self::F32 => (1, 4),
+            Self::F16 | Self::BF16 => (1, 2),
+            Self::Q8_0 => (32, 34),
+            Self::Q4_0 => (32, 18),
+            Self::Q4K => (256, 144),
+            Self::Q6K => (256, 210),
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        self.block().0 == 1
+    }
+
+    /// Bytes of a row of `cols` weights; None when `cols` is not a whole
+    /// number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        let (weights, bytes) = self.block();
+        cols.is_multiple_of(weights).then_some(cols / weights * bytes)
+    }
+}
+
+/// A weight matrix `[rows, cols]`, row-major, in `format`.
 #[derive(Clone, Debug)]
 pub struct Matrix<B> {
     pub buffer: B,
-    pub dtype: DType,
+    pub format: WeightFormat,
     pub rows: usize,
     pub cols: usize,
 }
 
 impl<B> Matrix<B> {
     pub fn size_in_bytes(&self) -> usize {
-        self.rows * self.cols * self.dtype.size_in_bytes()
+        self.rows * self.format.row_bytes(self.cols).unwrap_or(0)
     }
 }
 
@@ -32,8 +93,10 @@ pub struct Linear<B> {
 #[derive(Clone, Debug)]
 pub struct LayerWeights<B> {
     pub input_norm: B,
-    /// q, k and v stacked: `[(H + 2 KVH) * D, hidden]`.
-    pub qkv: Linear<B>,
+    /// q, k and v: one stacked `[(H + 2 KVH) * D, hidden]`, or parts whose
+    /// rows add up to it, each written beside the previous (a GGUF file may
+    /// store v in another format than q and k).
+    pub qkv: Vec<Linear<B>>,
     /// Qwen3's per-head norms of q and k, `[D]` each.
     pub head_norm: Option<(B, B)>,
     pub o_proj: Linear<B>,
@@ -90,4 +153,53 @@ pub struct ModelShape {
     pub vocab: usize,
     pub eps: f32,
     pub max_positions: usize,
+}
+
+/// `[rows, cols]` f32 weights quantized to a block `format`, as GGML's bytes
+/// (what a GGUF file stores and the GPU reads), with the weights they
+/// dequantize to (for references and checks).
+pub fn quantize(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> crate::Result<(Vec<u8>, Vec<f32>)> {
+    use crate::cpu::{kquant, quant};
+    let err = |e: quant::QuantError| crate::KernelError::Invalid(format!("quantizing to {format:?}: {e}"));
+    let mut back = vec![0f32; rows * cols];
+    let bytes = match format {
+        WeightFormat::Q8_0 => {
+            let blocks = quant::quantize_matrix::<quant::BlockQ8_0>(w, rows, cols).map_err(err)?;
+            quant::dequantize_row(&blocks, &mut back);
+            blocks.iter().flat_map(|b| b.d.to_le_bytes().into_iter().chain(b.qs.iter().map(|&q| q as u8))).collect()
+        }
+        WeightFormat::Q4_0 => {
+            let blocks = quant::quantize_matrix::<quant::BlockQ4_0>(w, rows, cols).map_err(err)?;
+            quant::dequantize_row(&blocks, &mut back);
+            blocks.iter().flat_map(|b| b.d.to_le_bytes().into_iter().chain(b.qs)).collect()
+        }
+        WeightFormat::Q4K => {
+            let blocks = kquant::quantize_matrix::<kquant::BlockQ4K>(w, rows, cols).map_err(err)?;
+            kquant::dequantize_row(&blocks, &mut back);
+            let bytes = |b: &kquant::BlockQ4K| {
+                let mut v = Vec::with_capacity(144);
+                v.extend(b.d.to_le_bytes());
+                v.extend(b.dmin.to_le_bytes());
+                v.extend(b.scales);
+                v.extend(b.qs);
+                v
+            };
+            blocks.iter().flat_map(bytes).collect()
+        }
+        WeightFormat::Q6K => {
+            let blocks = kquant::quantize_matrix::<kquant::BlockQ6K>(w, rows, cols).map_err(err)?;
+            kquant::dequantize_row(&blocks, &mut back);
+            let bytes = |b: &kquant::BlockQ6K| {
+                let mut v = Vec::with_capacity(210);
+                v.extend(b.ql);
+                v.extend(b.qh);
+                v.extend(b.scales.iter().map(|&s| s as u8));
+                v.extend(b.d.to_le_bytes());
+                v
+            };
+            blocks.iter().flat_map(bytes).collect()
+        }
+        float => return Err(crate::KernelError::Invalid(format!("{float:?} is not a block format"))),
+    };
+    Ok((bytes, back))
 }

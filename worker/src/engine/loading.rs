@@ -5,11 +5,11 @@
 use candle_core::DType;
 use common::pipeline::LayerRange;
 use kernels::KvCacheDtype;
-use kernels::metal::step::StepLimits;
+use kernels::metal::step::{StepLimits, WeightFormat};
 
 use super::{EngineConfig, MAX_PROMPT_LOGPROB_LOGITS};
 use crate::error::{Result, WorkerError};
-use crate::models::{CausalLm, ModelConfig, ModelFiles};
+use crate::models::{CausalLm, ModelConfig, ModelFiles, Quantization};
 use crate::runner::device::PlanTarget;
 use crate::runner::kv_cache::{self, KvBudget};
 use crate::runner::plan::{self, StepExecutor};
@@ -34,9 +34,17 @@ pub(super) fn build_plan(
     if layers != LayerRange::full(files.config.num_layers) {
         return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
     }
-    if config.quantization.is_some() {
-        return Err(WorkerError::Unsupported("--quantize does not run on the Metal step plan yet".into()));
-    }
+    let quantize = match config.quantization {
+        None => None,
+        Some(Quantization::Q8_0) => Some(WeightFormat::Q8_0),
+        Some(Quantization::Q4_0) => Some(WeightFormat::Q4_0),
+        Some(Quantization::Q4K) => Some(WeightFormat::Q4K),
+        Some(q) => {
+            return Err(WorkerError::Unsupported(format!(
+                "--quantize {q:?} on the Metal step plan (q8_0, q4_0, q4_k)"
+            )));
+        }
+    };
     let cache = match kv_format {
         KvCacheDtype::F32 => DType::F32,
         KvCacheDtype::F16 => DType::F16,
@@ -53,7 +61,7 @@ pub(super) fn build_plan(
         num_blocks,
         block_size: config.block_size,
     };
-    plan::build(target, &config.device, files, config.dtype, cache, limits)
+    plan::build(target, &config.device, files, (config.dtype, quantize), cache, limits)
 }
 
 /// Quantizes (`--quantize`) and lays out a loaded model's weights for the

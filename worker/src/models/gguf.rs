@@ -38,11 +38,11 @@ use super::linear::{Prequantized, Weight};
 use super::llama::CausalLm;
 use crate::error::{Result, WorkerError};
 
-fn err(path: &Path, message: impl Into<String>) -> WorkerError {
+pub(super) fn err(path: &Path, message: impl Into<String>) -> WorkerError {
     WorkerError::ModelFile { path: path.to_path_buf(), message: message.into() }
 }
 
-fn open(path: &Path) -> Result<(gguf_file::Content, BufReader<File>)> {
+pub(super) fn open(path: &Path) -> Result<(gguf_file::Content, BufReader<File>)> {
     let mut reader = BufReader::new(File::open(path).map_err(|e| err(path, e.to_string()))?);
     let content = gguf_file::Content::read(&mut reader).map_err(|e| err(path, format!("not a GGUF file: {e}")))?;
     Ok((content, reader))
@@ -98,7 +98,7 @@ fn rename(name: &str, from: usize) -> Option<String> {
 }
 
 /// HF tensor name for a GGUF one.
-fn hf_name(gguf: &str) -> Option<String> {
+pub(super) fn hf_name(gguf: &str) -> Option<String> {
     rename(gguf, 0)
 }
 
@@ -110,7 +110,7 @@ fn gguf_name(hf: &str) -> Option<String> {
 /// Row order llama.cpp's converter gives q/k of the `llama` architecture:
 /// within each head, row (j * d/2 + i) of HF moves to row (2i + j).
 /// `result[r] = hf[perm[r]]`.
-fn llama_qk_permutation(rows: usize, heads: usize) -> Vec<usize> {
+pub(super) fn llama_qk_permutation(rows: usize, heads: usize) -> Vec<usize> {
     let hd = rows / heads;
     let half = hd / 2;
     let mut perm = vec![0; rows];
@@ -124,7 +124,7 @@ fn llama_qk_permutation(rows: usize, heads: usize) -> Vec<usize> {
     perm
 }
 
-fn invert(perm: &[usize]) -> Vec<usize> {
+pub(super) fn invert(perm: &[usize]) -> Vec<usize> {
     let mut inv = vec![0; perm.len()];
     for (r, &p) in perm.iter().enumerate() {
         inv[p] = r;
@@ -133,7 +133,7 @@ fn invert(perm: &[usize]) -> Vec<usize> {
 }
 
 /// Heads to permute by, for a tensor that needs llama's q/k permutation.
-fn qk_heads(cfg: &ModelConfig, hf: &str) -> Option<usize> {
+pub(super) fn qk_heads(cfg: &ModelConfig, hf: &str) -> Option<usize> {
     if gguf_architecture(cfg.architecture) != "llama" {
         return None;
     }
@@ -147,7 +147,7 @@ fn qk_heads(cfg: &ModelConfig, hf: &str) -> Option<usize> {
 }
 
 /// Reorders the rows (dim 0) of a tensor.
-fn permute_tensor_rows(t: &Tensor, perm: &[usize]) -> candle_core::Result<Tensor> {
+pub(super) fn permute_tensor_rows(t: &Tensor, perm: &[usize]) -> candle_core::Result<Tensor> {
     let idx: Vec<u32> = perm.iter().map(|&p| p as u32).collect();
     t.index_select(&Tensor::from_vec(idx, perm.len(), t.device())?, 0)
 }
@@ -256,7 +256,7 @@ const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// The config with the file's `rope_freqs.weight` applied, as llama.cpp
 /// applies it: each pair's inverse frequency divided by its factor.
-fn with_rope_freqs(
+pub(super) fn with_rope_freqs(
     cfg: ModelConfig,
     content: &gguf_file::Content,
     reader: &mut BufReader<File>,

@@ -6,6 +6,7 @@
 
 pub mod format;
 pub mod gguf;
+pub mod gguf_blocks;
 mod layers;
 pub mod linear;
 pub mod llama;

@@ -11,6 +11,7 @@ pub mod kv_cache;
 pub mod logprobs;
 pub mod model_runner;
 pub mod plan;
+mod plan_weights;
 pub mod sampler;
 
 pub use model_runner::{BatchInputs, ModelRunner};

@@ -53,3 +53,24 @@ pub fn truncated_model(dir: &Path, layers: usize) -> PathBuf {
     }
     out
 }
+
+/// A copy of a GGUF file with every tensor dequantized to f32 by candle
+/// (GGML's reference decoding), names and metadata unchanged.
+pub fn dequantized_copy(src: &Path, dst: &Path) {
+    use candle_core::Device;
+    use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+    let mut reader = std::io::BufReader::new(std::fs::File::open(src).unwrap());
+    let content = gguf_file::Content::read(&mut reader).unwrap();
+    let tensors: Vec<(String, QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            let q = content.tensor(&mut reader, name, &Device::Cpu).unwrap();
+            let t = q.dequantize(&Device::Cpu).unwrap();
+            (name.clone(), QTensor::quantize(&t, GgmlDType::F32).unwrap())
+        })
+        .collect();
+    let md: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(dst).unwrap(), &md, &ts).unwrap();
+}

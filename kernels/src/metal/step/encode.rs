@@ -43,7 +43,13 @@ impl<B: Clone> StepPlan<B> {
         let (qkv_rows, q_dim) = ((s.heads + 2 * s.kv_heads) * s.head_dim, s.heads * self.padded());
         for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(&self.kv) {
             norm(enc, &layer.input_norm, &a.normed);
-            self.matmul(enc, &layer.qkv, &a.normed, &a.qkv, (t, s.hidden, qkv_rows), MatmulMode::Store);
+            let mut column = 0;
+            for part in &layer.qkv {
+                let rows = part.weight.rows;
+                let out = Output { y: &a.qkv, stride: qkv_rows, offset: column };
+                self.matmul(enc, part, &a.normed, out, (t, s.hidden, rows), MatmulMode::Store);
+                column += rows;
+            }
 
             enc.set_kernel(&k.rope);
             enc.set_buffer(0, &a.qkv, 0, Access::Read);
@@ -78,10 +84,31 @@ impl<B: Clone> StepPlan<B> {
                     scratch: self.scratch.as_ref(),
                 },
             );
-            self.matmul(enc, &layer.o_proj, &a.attn, &a.hidden, (t, q_dim, s.hidden), MatmulMode::Accumulate);
+            self.matmul(
+                enc,
+                &layer.o_proj,
+                &a.attn,
+                Output::whole(&a.hidden, s.hidden),
+                (t, q_dim, s.hidden),
+                MatmulMode::Accumulate,
+            );
             norm(enc, &layer.post_norm, &a.normed);
-            self.matmul(enc, &layer.gate_up, &a.normed, &a.act, (t, s.hidden, s.intermediate), MatmulMode::Swiglu);
-            self.matmul(enc, &layer.down, &a.act, &a.hidden, (t, s.intermediate, s.hidden), MatmulMode::Accumulate);
+            self.matmul(
+                enc,
+                &layer.gate_up,
+                &a.normed,
+                Output::whole(&a.act, s.intermediate),
+                (t, s.hidden, s.intermediate),
+                MatmulMode::Swiglu,
+            );
+            self.matmul(
+                enc,
+                &layer.down,
+                &a.act,
+                Output::whole(&a.hidden, s.hidden),
+                (t, s.intermediate, s.hidden),
+                MatmulMode::Accumulate,
+            );
         }
         if rows == 0 {
             return Ok(());
@@ -96,7 +123,14 @@ impl<B: Clone> StepPlan<B> {
         enc.set_bytes(4, &norm_params(true));
         enc.dispatch([rows, 1, 1], [ROW_THREADS, 1, 1]);
         let head = Linear { weight: self.weights.lm_head.clone(), bias: None };
-        self.matmul(enc, &head, &a.head_in, &a.logits, (rows, s.hidden, s.vocab), MatmulMode::Store);
+        self.matmul(
+            enc,
+            &head,
+            &a.head_in,
+            Output::whole(&a.logits, s.vocab),
+            (rows, s.hidden, s.vocab),
+            MatmulMode::Store,
+        );
 
         if readback == Readback::Greedy {
             enc.set_kernel(&k.argmax);
@@ -114,19 +148,33 @@ impl<B: Clone> StepPlan<B> {
         enc: &mut E,
         linear: &Linear<B>,
         x: &B,
-        y: &B,
+        y: Output<'_, B>,
         (t, inp, out): (usize, usize, usize),
         mode: MatmulMode,
     ) {
-        enc.set_kernel(self.kernels.matmul(linear.weight.dtype));
+        enc.set_kernel(self.kernels.matmul(linear.weight.format));
         enc.set_buffer(0, x, 0, Access::Read);
         enc.set_buffer(1, &linear.weight.buffer, 0, Access::Read);
         // Unread without a bias; bound to x then (f32, aligned).
         enc.set_buffer(2, linear.bias.as_ref().unwrap_or(x), 0, Access::Read);
-        enc.set_buffer(3, y, 0, Access::Write);
+        enc.set_buffer(3, y.y, 0, Access::Write);
         let has_bias = u32::from(linear.bias.is_some());
-        enc.set_bytes(4, &words(&[t as u32, inp as u32, out as u32, mode as u32, has_bias]));
+        let (stride, offset) = (y.stride as u32, y.offset as u32);
+        enc.set_bytes(4, &words(&[t as u32, inp as u32, out as u32, mode as u32, has_bias, stride, offset]));
         enc.dispatch([out.div_ceil(MATMUL_ROWS), t.div_ceil(MATMUL_TOKENS), 1], [MATMUL_SIMDS * 32, 1, 1]);
+    }
+}
+
+/// Where a matmul writes: columns `offset..offset + out` of rows of `stride`.
+struct Output<'a, B> {
+    y: &'a B,
+    stride: usize,
+    offset: usize,
+}
+
+impl<'a, B> Output<'a, B> {
+    fn whole(y: &'a B, width: usize) -> Self {
+        Self { y, stride: width, offset: 0 }
     }
 }
 

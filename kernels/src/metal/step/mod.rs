@@ -31,7 +31,9 @@ use crate::{AttentionMetadata, Dims, KernelError, Result};
 mod encode;
 pub use encode::dispatches_per_step;
 
-pub use super::model::{LayerWeights, Linear, Matrix, ModelShape, ModelWeights, pad_columns, padded_head_dim};
+pub use super::model::{
+    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, WeightFormat, pad_columns, padded_head_dim,
+};
 
 /// Threads of the row kernels (`kRowThreads` in model.metal).
 const ROW_THREADS: usize = 256;
@@ -71,15 +73,6 @@ fn to_u32(x: usize, what: &str) -> Result<u32> {
 
 fn words(values: &[u32]) -> Vec<u8> {
     values.iter().flat_map(|w| w.to_le_bytes()).collect()
-}
-
-fn weight_name(dtype: DType) -> Result<&'static str> {
-    match dtype {
-        DType::F32 => Ok("f32"),
-        DType::F16 => Ok("f16"),
-        DType::BF16 => Ok("bf16"),
-        other => invalid(format!("the Metal step plan takes f32, f16 or bf16 weights, not {other:?}")),
-    }
 }
 
 /// What one step may hold, fixed at load: the buffers' sizes come from here.
@@ -175,14 +168,14 @@ struct Kernels {
     attention: Vec<Kernel>,
     embed: Kernel,
     norm: Kernel,
-    matmuls: Vec<(DType, Kernel)>,
+    matmuls: Vec<(WeightFormat, Kernel)>,
     rope: Kernel,
     argmax: Kernel,
 }
 
 impl Kernels {
-    fn matmul(&self, dtype: DType) -> &Kernel {
-        &self.matmuls.iter().find(|(d, _)| *d == dtype).expect("every weight's matmul is planned at load").1
+    fn matmul(&self, format: WeightFormat) -> &Kernel {
+        &self.matmuls.iter().find(|(f, _)| *f == format).expect("every weight's matmul is planned at load").1
     }
 }
 
@@ -238,16 +231,31 @@ impl<B: Clone> StepPlan<B> {
         };
         let qkv_rows = (heads + 2 * kv_heads) * head_dim;
         let check = |m: &Matrix<B>, rows: usize, cols: usize, what: &str| -> Result<()> {
-            weight_name(m.dtype)?;
             if (m.rows, m.cols) != (rows, cols) {
                 return invalid(format!("{what} is [{}, {}], the model needs [{rows}, {cols}]", m.rows, m.cols));
             }
+            // Block rows are read by 32-weight chunks.
+            if m.format.row_bytes(cols).is_none() || (!m.format.is_float() && !cols.is_multiple_of(32)) {
+                return invalid(format!("{what}: rows of {cols} weights are not whole {:?} blocks", m.format));
+            }
             to_u32(rows * cols, what).map(|_| ())
         };
+        if !weights.embed.format.is_float() {
+            return invalid(format!(
+                "the embedding is {:?}; the Metal step reads f32, f16 or bf16",
+                weights.embed.format
+            ));
+        }
         check(&weights.embed, vocab, hidden, "the embedding")?;
         check(&weights.lm_head, vocab, hidden, "lm_head")?;
         for (l, layer) in weights.layers.iter().enumerate() {
-            check(&layer.qkv.weight, qkv_rows, hidden, &format!("layer {l}'s qkv projection"))?;
+            for part in &layer.qkv {
+                check(&part.weight, part.weight.rows, hidden, &format!("layer {l}'s qkv projection"))?;
+            }
+            let rows: usize = layer.qkv.iter().map(|p| p.weight.rows).sum();
+            if rows != qkv_rows {
+                return invalid(format!("layer {l}'s q, k and v have {rows} rows, the model needs {qkv_rows}"));
+            }
             check(&layer.o_proj.weight, hidden, heads * padded, &format!("layer {l}'s o_proj (padded heads)"))?;
             check(&layer.gate_up.weight, 2 * intermediate, hidden, &format!("layer {l}'s gate/up projection"))?;
             check(&layer.down.weight, hidden, intermediate, &format!("layer {l}'s down_proj"))?;
@@ -285,20 +293,17 @@ impl<B: Clone> StepPlan<B> {
         let scratch_capacity = scratch_bound(&shape, &limits);
         let scratch = if scratch_capacity == 0 { None } else { Some(alloc.scratch(scratch_capacity)?) };
 
-        let mut dtypes = vec![weights.lm_head.dtype];
+        let mut formats = vec![weights.lm_head.format];
         for layer in &weights.layers {
-            for d in
-                [layer.qkv.weight.dtype, layer.o_proj.weight.dtype, layer.gate_up.weight.dtype, layer.down.weight.dtype]
-            {
-                if !dtypes.contains(&d) {
-                    dtypes.push(d);
+            let parts = layer.qkv.iter().chain([&layer.o_proj, &layer.gate_up, &layer.down]);
+            for f in parts.map(|l| l.weight.format) {
+                if !formats.contains(&f) {
+                    formats.push(f);
                 }
             }
         }
-        let matmuls = dtypes
-            .iter()
-            .map(|&d| Ok((d, model_kernel(format!("matmul_{}", weight_name(d)?), MATMUL_SIMDS * 32))))
-            .collect::<Result<Vec<_>>>()?;
+        let matmuls =
+            formats.iter().map(|&f| (f, model_kernel(format!("matmul_{}", f.name()), MATMUL_SIMDS * 32))).collect();
         let attention_kernel = |source, name: &str, dtypes: &str| Kernel {
             source,
             name: format!("{name}_{dtypes}_hd{padded}"),
@@ -311,7 +316,7 @@ impl<B: Clone> StepPlan<B> {
                 attention_kernel(Source::Decode, "paged_attention_reduce", "f32"),
                 attention_kernel(Source::Prefill, "paged_attention_prefill", kv_name),
             ],
-            embed: model_kernel(format!("embed_rows_{}", weight_name(weights.embed.dtype)?), ROW_THREADS),
+            embed: model_kernel(format!("embed_rows_{}", weights.embed.format.name()), ROW_THREADS),
             norm: model_kernel("rms_norm".into(), ROW_THREADS),
             matmuls,
             rope: model_kernel(format!("rope_qkv_cache_{cache_name}"), 32),
@@ -360,7 +365,7 @@ impl<B: Clone> StepPlan<B> {
             .layers
             .iter()
             .map(|l| {
-                linear(&l.qkv)
+                l.qkv.iter().map(linear).sum::<usize>()
                     + linear(&l.o_proj)
                     + linear(&l.gate_up)
                     + linear(&l.down)

@@ -1,0 +1,113 @@
+//! A GGUF file's tensors as the GPU step plan takes them: GGML blocks as
+//! stored (Q8_0, Q4_0, Q4_K, Q6_K; rows still un-permuted for the llama
+//! architecture as `gguf::load` does), everything else as tensors.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+use common::model::ModelConfig;
+use kernels::metal::step::WeightFormat;
+
+use super::gguf::{
+    err, hf_name, invert, llama_qk_permutation, open, permute_tensor_rows, qk_heads, read_info, with_rope_freqs,
+};
+use crate::error::Result;
+
+/// A weight on the host, as the plan will upload it.
+#[derive(Clone, Debug)]
+pub enum HostTensor {
+    /// A float tensor (f32, f16 or bf16).
+    Dense(Tensor),
+    /// `[rows, cols]` in a block format, GGML's bytes.
+    Blocks { format: WeightFormat, bytes: Vec<u8>, rows: usize, cols: usize },
+}
+
+impl HostTensor {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Self::Dense(t) => t.dims().to_vec(),
+            Self::Blocks { rows, cols, .. } => vec![*rows, *cols],
+        }
+    }
+
+    /// As a float tensor of `dtype` (blocks dequantized).
+    pub fn to_dense(&self, dtype: DType) -> Result<Tensor> {
+        match self {
+            Self::Dense(t) => Ok(t.to_dtype(dtype)?),
+            Self::Blocks { format, bytes, rows, cols } => {
+                let q = candle_core::quantized::QTensor::new(
+                    candle_core::quantized::QStorage::from_data(
+                        std::borrow::Cow::Borrowed(bytes),
+                        &Device::Cpu,
+                        ggml_type(*format),
+                    )?,
+                    (*rows, *cols),
+                )?;
+                Ok(q.dequantize(&Device::Cpu)?.to_dtype(dtype)?)
+            }
+        }
+    }
+}
+
+fn ggml_type(format: WeightFormat) -> GgmlDType {
+    match format {
+        WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q4_0 => GgmlDType::Q4_0,
+        WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q6K => GgmlDType::Q6K,
+        WeightFormat::F16 => GgmlDType::F16,
+        WeightFormat::BF16 => GgmlDType::BF16,
+        WeightFormat::F32 => GgmlDType::F32,
+    }
+}
+
+fn block_format(t: GgmlDType) -> Option<WeightFormat> {
+    match t {
+        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+        GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
+        GgmlDType::Q4K => Some(WeightFormat::Q4K),
+        GgmlDType::Q6K => Some(WeightFormat::Q6K),
+        _ => None,
+    }
+}
+
+/// The config and every tensor of the GGUF file at `path` under Hugging
+/// Face names: linear weights in a block format as blocks, the rest as
+/// `dtype` tensors.
+pub fn host_tensors(path: &Path, dtype: DType) -> Result<(ModelConfig, HashMap<String, HostTensor>)> {
+    let info = read_info(path)?;
+    let (content, mut reader) = open(path)?;
+    let cfg = with_rope_freqs(info.config, &content, &mut reader, path)?;
+    let mut out = HashMap::new();
+    for gguf in content.tensor_infos.keys() {
+        let Some(hf) = hf_name(gguf) else { continue };
+        let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
+        let perm = qk_heads(&cfg, &hf).map(|heads| invert(&llama_qk_permutation(q.shape().dims()[0], heads)));
+        let is_linear = hf.ends_with("_proj.weight") || hf == "lm_head.weight";
+        let tensor = match block_format(q.dtype()).filter(|_| is_linear) {
+            Some(format) => {
+                let (rows, cols) = q.shape().dims2().map_err(|e| err(path, format!("{gguf}: {e}")))?;
+                let data = q.data().map_err(|e| err(path, format!("{gguf}: {e}")))?;
+                let row_bytes = data.len() / rows.max(1);
+                let bytes = match &perm {
+                    Some(p) => p.iter().flat_map(|&r| data[r * row_bytes..][..row_bytes].iter().copied()).collect(),
+                    None => data.to_vec(),
+                };
+                HostTensor::Blocks { format, bytes, rows, cols }
+            }
+            None => {
+                let t = q.dequantize(&Device::Cpu).and_then(|t| t.to_dtype(dtype));
+                let t = t.map_err(|e| err(path, format!("{gguf}: {e}")))?;
+                let t = match &perm {
+                    Some(p) => permute_tensor_rows(&t, p).map_err(|e| err(path, e.to_string()))?,
+                    None => t,
+                };
+                HostTensor::Dense(t)
+            }
+        };
+        out.insert(hf, tensor);
+    }
+    Ok((cfg, out))
+}

@@ -1,0 +1,291 @@
+//! The weights of a step plan, from a model's files to GPU buffers, each
+//! uploaded once in the format it runs in: safetensors (f32, f16, bf16, or
+//! quantized at load with `--quantize q8_0|q4_0|q4_k`), or a GGUF file's
+//! blocks as stored (Q8_0, Q4_0, Q4_K, Q6_K stay quantized: a Q4_K_M file
+//! takes about its size on the GPU). Linear layers that read the same input
+//! are stacked when their formats allow (q/k/v, gate/up), as on the CPU.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use candle_nn::VarBuilder;
+use kernels::metal::model::quantize;
+use kernels::metal::step::{
+    Gpu, LayerWeights, Linear, Matrix, ModelWeights, WeightFormat, pad_columns, padded_head_dim,
+};
+
+use crate::error::{Result, WorkerError};
+use crate::models::gguf_blocks::{self, HostTensor};
+use crate::models::{ModelConfig, ModelFiles};
+
+/// Where the plan's tensors come from, by Hugging Face name.
+pub(super) enum Source {
+    /// Safetensors (or seeded random weights), read lazily; linear weights
+    /// quantized to `quantize` where their rows are whole blocks.
+    Files { vb: VarBuilder<'static>, quantize: Option<WeightFormat> },
+    /// A GGUF file's tensors, block formats as stored.
+    Gguf(HashMap<String, HostTensor>),
+}
+
+impl Source {
+    /// The source of `files` with dense tensors in `dtype`; and the model's
+    /// config (a GGUF file's carries its RoPE factors).
+    pub(super) fn open(
+        files: &ModelFiles,
+        dtype: DType,
+        quantize: Option<WeightFormat>,
+    ) -> Result<(Self, ModelConfig)> {
+        match &files.gguf {
+            Some(path) => {
+                if quantize.is_some() {
+                    return Err(WorkerError::Unsupported("--quantize applies to safetensors, not GGUF".into()));
+                }
+                let (cfg, tensors) = gguf_blocks::host_tensors(path, dtype)?;
+                Ok((Self::Gguf(tensors), cfg))
+            }
+            None => {
+                let vb = crate::models::loader::host_weights(files, dtype)?;
+                Ok((Self::Files { vb, quantize }, files.config.clone()))
+            }
+        }
+    }
+
+    fn tensor(&self, name: &str, dims: &[usize]) -> Result<HostTensor> {
+        match self {
+            Self::Files { vb, .. } => Ok(HostTensor::Dense(vb.get(dims, name)?)),
+            Self::Gguf(map) => {
+                let t = map.get(name).ok_or_else(|| missing(name))?;
+                if t.dims() != dims {
+                    return Err(WorkerError::Unsupported(format!(
+                        "{name} is {:?}, the model needs {dims:?}",
+                        t.dims()
+                    )));
+                }
+                Ok(t.clone())
+            }
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match self {
+            Self::Files { vb, .. } => vb.contains_tensor(name),
+            Self::Gguf(map) => map.contains_key(name),
+        }
+    }
+
+    fn vector(&self, name: &str, n: usize) -> Result<Tensor> {
+        match self.tensor(name, &[n])? {
+            HostTensor::Dense(t) => Ok(t),
+            HostTensor::Blocks { .. } => Err(WorkerError::Unsupported(format!("{name}: a quantized vector"))),
+        }
+    }
+
+    /// A linear weight, quantized when asked and possible.
+    fn linear_weight(&self, name: &str, rows: usize, cols: usize) -> Result<HostTensor> {
+        let t = self.tensor(name, &[rows, cols])?;
+        match (self, &t) {
+            (Self::Files { quantize: Some(format), .. }, HostTensor::Dense(dense))
+                if cols.is_multiple_of(format.block().0) =>
+            {
+                let w = dense.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let (bytes, _) = quantize(*format, &w, rows, cols)?;
+                Ok(HostTensor::Blocks { format: *format, bytes, rows, cols })
+            }
+            _ => Ok(t),
+        }
+    }
+}
+
+fn missing(name: &str) -> WorkerError {
+    WorkerError::Unsupported(format!("the model has no tensor {name}"))
+}
+
+/// A tensor's elements as little-endian bytes (f32, f16 or bf16).
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F16 => t.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        other => return Err(WorkerError::Unsupported(format!("{other:?} weights on the Metal step plan"))),
+    })
+}
+
+fn float_format(t: &Tensor) -> Result<WeightFormat> {
+    WeightFormat::of_dtype(t.dtype())
+        .ok_or_else(|| WorkerError::Unsupported(format!("{:?} weights on the Metal step plan", t.dtype())))
+}
+
+fn upload_matrix<G: Gpu>(gpu: &mut G, t: &HostTensor) -> Result<Matrix<G::Buffer>> {
+    Ok(match t {
+        HostTensor::Dense(t) => {
+            let (rows, cols) = t.dims2()?;
+            Matrix { buffer: gpu.upload(&tensor_bytes(t)?)?, format: float_format(t)?, rows, cols }
+        }
+        HostTensor::Blocks { format, bytes, rows, cols } => {
+            Matrix { buffer: gpu.upload(bytes)?, format: *format, rows: *rows, cols: *cols }
+        }
+    })
+}
+
+fn upload_f32<G: Gpu>(gpu: &mut G, t: &Tensor) -> Result<G::Buffer> {
+    Ok(gpu.upload(&tensor_bytes(&t.to_dtype(DType::F32)?)?)?)
+}
+
+/// Tensors with the same columns stacked by rows, when they share a format.
+fn stack(parts: &[HostTensor]) -> Result<Option<HostTensor>> {
+    match parts {
+        [one] => Ok(Some(one.clone())),
+        _ if parts.iter().all(|p| matches!(p, HostTensor::Dense(_))) => {
+            let dense: Vec<Tensor> = parts
+                .iter()
+                .filter_map(|p| if let HostTensor::Dense(t) = p { Some(t.clone()) } else { None })
+                .collect();
+            let dtype = dense[0].dtype();
+            let dense = dense.iter().map(|t| t.to_dtype(dtype)).collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Some(HostTensor::Dense(Tensor::cat(&dense, 0)?)))
+        }
+        [HostTensor::Blocks { format, cols, .. }, ..] => {
+            let (mut bytes, mut rows) = (Vec::new(), 0);
+            for p in parts {
+                match p {
+                    HostTensor::Blocks { format: f, bytes: b, rows: r, cols: c } if f == format && c == cols => {
+                        bytes.extend_from_slice(b);
+                        rows += r;
+                    }
+                    _ => return Ok(None),
+                }
+            }
+            Ok(Some(HostTensor::Blocks { format: *format, bytes, rows, cols: *cols }))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Linear layers reading the same input (`prefix.name`, `out` rows each),
+/// stacked where their formats allow, else side by side; with their
+/// biases when `bias`.
+fn linears<G: Gpu>(
+    gpu: &mut G,
+    src: &Source,
+    prefix: &str,
+    names: &[(&str, usize)],
+    inp: usize,
+    bias: bool,
+) -> Result<Vec<Linear<G::Buffer>>> {
+    let weights = names
+        .iter()
+        .map(|(n, out)| src.linear_weight(&format!("{prefix}.{n}.weight"), *out, inp))
+        .collect::<Result<Vec<_>>>()?;
+    let biases = if bias {
+        Some(names.iter().map(|(n, out)| src.vector(&format!("{prefix}.{n}.bias"), *out)).collect::<Result<Vec<_>>>()?)
+    } else {
+        None
+    };
+    if let Some(stacked) = stack(&weights)? {
+        let bias = match &biases {
+            Some(b) => Some(upload_f32(gpu, &Tensor::cat(b, 0)?)?),
+            None => None,
+        };
+        return Ok(vec![Linear { weight: upload_matrix(gpu, &stacked)?, bias }]);
+    }
+    weights
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let bias = match &biases {
+                Some(b) => Some(upload_f32(gpu, &b[i])?),
+                None => None,
+            };
+            Ok(Linear { weight: upload_matrix(gpu, w)?, bias })
+        })
+        .collect()
+}
+
+fn one<B>(mut parts: Vec<Linear<B>>, what: &str) -> Result<Linear<B>> {
+    match parts.len() {
+        1 => Ok(parts.remove(0)),
+        _ => Err(WorkerError::Unsupported(format!("{what} in two formats (the Metal step stacks them)"))),
+    }
+}
+
+/// o_proj with each head's columns zero-padded to the attention kernels'
+/// head dim ([`padded_head_dim`]; stories260K's heads of 8 run as 32). A
+/// padded o_proj is uploaded as floats: zero columns do not fit into blocks.
+fn o_proj<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) -> Result<Linear<G::Buffer>> {
+    let (h, heads, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
+    let padded = padded_head_dim(d).unwrap_or(d);
+    let name = format!("{prefix}.o_proj.weight");
+    let weight = if padded == d {
+        upload_matrix(gpu, &src.linear_weight(&name, h, heads * d)?)?
+    } else {
+        let dense = src.tensor(&name, &[h, heads * d])?.to_dense(DType::F32)?;
+        let elem = dense.dtype().size_in_bytes();
+        let bytes = pad_columns(&tensor_bytes(&dense)?, h, heads, d, padded, elem);
+        Matrix { buffer: gpu.upload(&bytes)?, format: float_format(&dense)?, rows: h, cols: heads * padded }
+    };
+    let bias =
+        if cfg.o_bias { Some(upload_f32(gpu, &src.vector(&format!("{prefix}.o_proj.bias"), h)?)?) } else { None };
+    Ok(Linear { weight, bias })
+}
+
+/// Every weight of the model of `cfg` from `src`, and the RoPE tables for
+/// `max_positions`, uploaded to `gpu`.
+pub(super) fn upload<G: Gpu>(
+    gpu: &mut G,
+    cfg: &ModelConfig,
+    src: &Source,
+    max_positions: usize,
+) -> Result<ModelWeights<G::Buffer>> {
+    let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q, kv) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+    let embed_t = src.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+    // The embedding is gathered by row on the GPU in a float type: blocks
+    // are widened to f32 at load (exactly what they dequantize to).
+    let embed_t = match embed_t {
+        dense @ HostTensor::Dense(_) => dense,
+        blocks => HostTensor::Dense(blocks.to_dense(DType::F32)?),
+    };
+    let embed = upload_matrix(gpu, &embed_t)?;
+    let lm_head = if cfg.tie_word_embeddings || !src.has("lm_head.weight") {
+        embed.clone()
+    } else {
+        upload_matrix(gpu, &src.linear_weight("lm_head.weight", cfg.vocab_size, h)?)?
+    };
+    let norm = |gpu: &mut G, name: String, dim: usize| upload_f32(gpu, &src.vector(&name, dim)?);
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        let attn = format!("{p}.self_attn");
+        let mlp = format!("{p}.mlp");
+        let head_norm = if cfg.qk_norm {
+            Some((norm(gpu, format!("{attn}.q_norm.weight"), d)?, norm(gpu, format!("{attn}.k_norm.weight"), d)?))
+        } else {
+            None
+        };
+        let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)];
+        layers.push(LayerWeights {
+            input_norm: norm(gpu, format!("{p}.input_layernorm.weight"), h)?,
+            qkv: linears(gpu, src, &attn, &qkv, h, cfg.qkv_bias)?,
+            head_norm,
+            o_proj: o_proj(gpu, src, &attn, cfg)?,
+            post_norm: norm(gpu, format!("{p}.post_attention_layernorm.weight"), h)?,
+            gate_up: one(linears(gpu, src, &mlp, &[("gate_proj", i), ("up_proj", i)], h, cfg.mlp_bias)?, "gate/up")?,
+            down: one(linears(gpu, src, &mlp, &[("down_proj", h)], i, cfg.mlp_bias)?, "down_proj")?,
+        });
+    }
+    let final_norm = norm(gpu, "model.norm.weight".into(), h)?;
+    // The same tables as the CPU path's (`RotaryEmbedding`), in f32.
+    let inv_freq = cfg.rope_inv_freq();
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for pos in 0..max_positions {
+        for &f in &inv_freq {
+            let angle = pos as f64 * f;
+            cos.extend((angle.cos() as f32).to_le_bytes());
+            sin.extend((angle.sin() as f32).to_le_bytes());
+        }
+    }
+    let rope_cos = gpu.upload(&cos)?;
+    let rope_sin = gpu.upload(&sin)?;
+    Ok(ModelWeights { embed, layers, final_norm, lm_head, rope_cos, rope_sin })
+}
