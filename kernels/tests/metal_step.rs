@@ -404,3 +404,67 @@ fn the_step_plan_reads_q4_k_and_q6_k_blocks() {
     check_model_with(false, false, f(WeightFormat::Q4K, WeightFormat::Q8_0), DType::F32, 256);
     check_model_with(true, true, f(WeightFormat::Q6K, WeightFormat::Q8_0), DType::F32, 256);
 }
+
+/// A batch-1 decode step over a 600-token context (two attention
+/// partitions) touches about what it must read: every weight and every K/V
+/// of the context once, plus the activations. `bench --profile` prints the
+/// same figure for a whole model.
+#[test]
+fn a_decode_step_reads_weights_and_kv_about_once() {
+    if !metal_emu::available() {
+        return common::metal_unavailable("the Metal emulator is not built for this target");
+    }
+    let shape = ModelShape {
+        hidden: 256,
+        intermediate: 768,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 1024,
+        eps: 1e-6,
+        max_positions: 640,
+    };
+    let model = RefModel::new(shape, 2, true, false, Formats::all(DType::F16), 5);
+    let mut gpu = EmulatedGpu::new().unwrap();
+    let limits = StepLimits {
+        max_tokens: 128,
+        max_seqs: 2,
+        max_logit_rows: 2,
+        max_model_len: 640,
+        num_blocks: 160,
+        block_size: BLOCK,
+    };
+    let weights = model.upload(&mut gpu);
+    let plan = StepPlan::new(&mut gpu, shape, weights, limits, DType::F32).unwrap();
+    gpu.prepare(plan.kernels()).unwrap();
+    let tokens: Vec<u32> = (0..601).map(|i| (i * 7 % 1024) as u32).collect();
+    let table: Vec<u32> = (0..160).rev().collect();
+    let step = |gpu: &mut EmulatedGpu, done: usize, new: &[u32]| {
+        let mut meta =
+            AttentionMetadata { query_start_loc: vec![0, new.len() as u32], block_size: BLOCK, ..Default::default() };
+        let positions: Vec<u32> = (done..done + new.len()).map(|p| p as u32).collect();
+        meta.slot_mapping =
+            positions.iter().map(|&p| table[p as usize / BLOCK] * BLOCK as u32 + p % BLOCK as u32).collect();
+        meta.context_lens = vec![(done + new.len()) as u32];
+        meta.block_tables = vec![table.clone()];
+        let rows = [new.len() as u32 - 1];
+        let inputs = StepInputs { input_ids: new, positions: &positions, meta: &meta, logit_rows: &rows };
+        plan.run(gpu, &inputs, Readback::Greedy).unwrap();
+        plan.kv_read_bytes(&meta)
+    };
+    for start in (0..600).step_by(120) {
+        step(&mut gpu, start, &tokens[start..start + 120]);
+    }
+    use kernels::metal::step::Gpu;
+    gpu.count_traffic(true);
+    let kv = step(&mut gpu, 600, &tokens[600..]);
+    let touched = gpu.traffic_bytes().unwrap();
+    let must = plan.weight_bytes() + kv;
+    let ratio = touched as f64 / must as f64;
+    eprintln!(
+        "decode step: {touched} bytes touched, {must} must be read (weights {}, KV {kv}): {ratio:.3}x",
+        plan.weight_bytes()
+    );
+    assert!(ratio <= 1.15, "{ratio:.3}x");
+    assert!(ratio >= 0.99, "less than the weights and KV: {ratio:.3}x");
+}

@@ -31,6 +31,39 @@ fn generate_json_reproduces_the_golden_tokens() {
     assert_eq!(result["text"], case["generated_text"]);
 }
 
+/// `generate --device metal-emulated`: the Metal step plan, every dispatch
+/// run in the emulator, from the command line. Two cases of each family
+/// here; worker/tests/golden.rs runs every case on the same device.
+#[test]
+fn generate_on_metal_emulated_reproduces_the_golden_tokens() {
+    for file in ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-chat"] {
+        let golden = golden(&format!("{file}.json"));
+        let model = model_dir(golden["model"].as_str().unwrap());
+        for case in golden["cases"].as_array().unwrap().iter().take(2) {
+            let ids: Vec<String> =
+                case["prompt_ids"].as_array().unwrap().iter().map(|id| id.as_u64().unwrap().to_string()).collect();
+            let n = case["generated_ids"].as_array().unwrap().len().to_string();
+            let out = generate(&[
+                "--model",
+                model.to_str().unwrap(),
+                "--device",
+                "metal-emulated",
+                "--prompt-token-ids",
+                &ids.join(","),
+                "--max-tokens",
+                &n,
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--json",
+            ]);
+            assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
+            let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(result["token_ids"], case["generated_ids"], "{file} case {}", case["id"]);
+        }
+    }
+}
+
 #[test]
 fn generate_streams_text_from_token_ids() {
     let model = model_dir("stories260K");

@@ -99,6 +99,9 @@ pub struct BenchReport {
     pub spec_decoding: engine_core::SpecDecodingStats,
     /// Set with `BenchArgs::profile`.
     pub profile: Option<StepProfile>,
+    /// Set with `BenchArgs::profile` on a step plan that counts device
+    /// memory (`--device metal-emulated`): a batch-1 decode step's traffic.
+    pub traffic: Option<crate::runner::plan::Traffic>,
     /// Set with `BenchArgs::profile` on the CPU: how close batch-1 decode
     /// comes to what memory bandwidth allows.
     pub bandwidth: Option<BandwidthLimit>,
@@ -332,14 +335,54 @@ impl std::fmt::Display for BenchReport {
         if let Some(p) = &self.profile {
             write!(f, "\n{p}")?;
         }
+        if let Some(t) = &self.traffic {
+            write!(
+                f,
+                "\nGPU memory traffic of a batch-1 decode step: {} bytes touched / {} bytes of weights and KV it \
+                 must read = {:.2}x",
+                t.touched,
+                t.must_read,
+                t.ratio()
+            )?;
+        }
         Ok(())
     }
+}
+
+/// The device-memory traffic of one batch-1 decode step after a prompt of
+/// the run's input length, on a step plan that counts it.
+fn decode_traffic(engine: &mut Engine, args: &BenchArgs) -> Result<Option<crate::runner::plan::Traffic>> {
+    let vocab = engine.model_config().vocab_size as u64;
+    let mut state = args.seed ^ 0x7472_6166;
+    let prompt = random_prompt(&mut state, args.input_len, vocab);
+    let id = RequestId(u64::MAX);
+    engine.add_request(id, prompt, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2) }, 0)?;
+    // The prefill (in chunks) until the first token, then the decode step.
+    let mut decoding = false;
+    let mut traffic = None;
+    while engine.has_unfinished() {
+        if decoding {
+            engine.count_plan_traffic(true);
+        }
+        let outputs = engine.step()?;
+        if decoding {
+            traffic = engine.last_plan_traffic();
+            engine.count_plan_traffic(false);
+            engine.abort(id);
+            break;
+        }
+        decoding = outputs.iter().any(|o| o.id == id && !o.new_token_ids.is_empty());
+    }
+    Ok(traffic)
 }
 
 /// Runs the benchmark on `engine`, which should be idle.
 pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
     let vocab = engine.model_config().vocab_size as u64;
-    let read_before = (args.profile && engine.device().is_cpu()).then(kernels::cpu::measure_read_bandwidth);
+    // The CPU's bandwidth limit means nothing to a step plan (a GPU's, or
+    // the emulator's).
+    let on_cpu = engine.device().is_cpu() && !engine.runs_plan();
+    let read_before = (args.profile && on_cpu).then(kernels::cpu::measure_read_bandwidth);
     let mut state = args.seed;
     // Random ids from 3 upwards (skip the usual unk/bos/eos ids).
     let mut prompts: Vec<Vec<u32>> =
@@ -407,6 +450,7 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         Some(b) => Some(paired_shares(engine, args, b.weight_bytes)?),
         None => None,
     };
+    let traffic = if args.profile && engine.count_plan_traffic(false) { decode_traffic(engine, args)? } else { None };
     let ttft: Vec<Duration> = first_token.iter().map(|t| t.map_or(elapsed, |t| t - start)).collect();
     let tpot: Vec<Duration> = (0..args.num_prompts)
         .filter(|&i| made[i] > 1)
@@ -432,6 +476,7 @@ pub fn run(engine: &mut Engine, args: &BenchArgs) -> Result<BenchReport> {
         steps,
         spec_decoding,
         profile: args.profile.then_some(profile),
+        traffic,
         bandwidth,
         paired,
     })

@@ -146,6 +146,13 @@ impl Engine {
                 "an engine runs the first stage; layers {layers} are a later stage's"
             )));
         }
+        // A pipeline stage on a Mac keeps candle's composed Metal ops (the
+        // plan runs whole models); the emulator, a test device, refuses it.
+        let mut config = config;
+        if config.plan == Some(PlanTarget::Metal) && layers != LayerRange::full(files.config.num_layers) {
+            tracing::info!("layers {layers}: a pipeline stage runs candle's Metal ops, not the step plan");
+            config.plan = None;
+        }
         // A step plan uploads the weights itself: no candle model beside it.
         let model = match config.plan {
             Some(_) => None,
@@ -397,6 +404,23 @@ impl Engine {
     }
 
     /// Bytes of weights a decode step streams (see `CausalLm`).
+    /// Whether a plan of our GPU kernels runs the step (`--device metal`,
+    /// `metal-emulated`) rather than candle's ops.
+    pub fn runs_plan(&mut self) -> bool {
+        self.runner.plan_mut().is_some()
+    }
+
+    /// Starts or stops measuring the step plan's device-memory traffic
+    /// (`bench --profile`); false without a plan that can count.
+    pub fn count_plan_traffic(&mut self, on: bool) -> bool {
+        self.runner.plan_mut().is_some_and(|p| p.count_traffic(on))
+    }
+
+    /// The last step's device-memory traffic, while counting.
+    pub fn last_plan_traffic(&mut self) -> Option<crate::runner::plan::Traffic> {
+        self.runner.plan_mut().and_then(|p| p.last_traffic())
+    }
+
     pub fn weight_bytes_per_token(&self) -> usize {
         self.runner.weight_bytes_per_token()
     }

@@ -404,7 +404,55 @@ void run_threadgroup(Run& r, uint3 tg, uint32_t num_threads) {
 struct sigaction g_previous_segv;
 struct sigaction g_previous_bus;
 
+// ---------------------------------------------------------------------------
+// Traffic: the bytes a dispatch touches in device memory, each once (as if
+// a cache held everything one dispatch touches). While a dispatch runs with
+// counting on, its device buffers are mapped with no access; the first
+// touch of each page faults, is counted (the page's bytes inside the
+// buffer) and opens the page. Page granularity: a buffer's partly touched
+// page counts whole, a small over-count next to weights and KV.
+
+struct Tracked {
+  char* start;
+  char* end;
+};
+std::vector<Tracked> g_tracked;
+uint64_t g_traffic = 0;
+bool g_counting = false;
+
+size_t page_size() {
+  static const size_t size = size_t(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+char* page_floor(char* p) { return reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(p) & ~(page_size() - 1)); }
+
+// Opens the tracked page holding `addr` and counts it; false when `addr`
+// is in no tracked buffer.
+bool count_touch(char* addr) {
+  const Tracked* widest = nullptr;
+  for (const Tracked& t : g_tracked) {
+    if (addr >= t.start && addr < t.end && (widest == nullptr || t.start < widest->start)) widest = &t;
+  }
+  if (widest == nullptr) return false;
+  char* page = page_floor(addr);
+  mprotect(page, page_size(), PROT_READ | PROT_WRITE);
+  char* lo = std::max(page, widest->start);
+  char* hi = std::min(page + page_size(), widest->end);
+  g_traffic += uint64_t(hi - lo);
+  return true;
+}
+
+void protect_tracked(int prot) {
+  for (const Tracked& t : g_tracked) {
+    char* lo = page_floor(t.start);
+    char* hi = page_floor(t.end + page_size() - 1);
+    if (hi > lo) mprotect(lo, size_t(hi - lo), prot);
+  }
+}
+
 void on_fault(int sig, siginfo_t* info, void*) {
+  if (g_counting && count_touch(static_cast<char*>(info->si_addr))) return;
   char msg[200];
   const int len = snprintf(msg, sizeof msg,
                            "\nmetal emulator: a kernel thread touched %p, outside every buffer it was given "
@@ -512,9 +560,11 @@ void tvm_buffer_free(void* p, size_t len) {
 // Runs kernel `host_name` over `groups` threadgroups of `threads` threads,
 // its parameters given by `specs` (one per parameter, from the source) and
 // the host's `bindings` (by buffer index). Returns 0, or -1 with a message.
+// With `traffic` non-null, counts the bytes of the device buffers
+// (bindings whose `is_device` flag is set) the dispatch touches into it.
 int tvm_dispatch(const char* host_name, const tvm::ArgSpec* specs, size_t num_specs, const tvm::Binding* bindings,
                  size_t num_bindings, const uint32_t groups[3], const uint32_t threads[3], uint64_t order_seed,
-                 char* err, size_t err_len) {
+                 const uint8_t* is_device, uint64_t* traffic, char* err, size_t err_len) {
   register_all();
   auto it = tvm::registry().find(host_name);
   if (it == tvm::registry().end()) {
@@ -564,10 +614,27 @@ int tvm_dispatch(const char* host_name, const tvm::ArgSpec* specs, size_t num_sp
   sigaction(SIGSEGV, &on_fault, &tvm::g_previous_segv);
   sigaction(SIGBUS, &on_fault, &tvm::g_previous_bus);
   tvm::g_run = &run;
+  if (traffic != nullptr) {
+    tvm::g_tracked.clear();
+    for (size_t b = 0; b < num_bindings; ++b) {
+      if (is_device[b] != 0 && bindings[b].ptr != nullptr && bindings[b].len > 0) {
+        char* start = static_cast<char*>(bindings[b].ptr);
+        tvm::g_tracked.push_back({start, start + bindings[b].len});
+      }
+    }
+    tvm::g_traffic = 0;
+    tvm::g_counting = true;
+    tvm::protect_tracked(PROT_NONE);
+  }
   for (uint32_t i = 0; i < total && !run.failed; ++i) {
     const uint32_t g = order[i];
     const uint3 tg = {g % groups[0], (g / groups[0]) % groups[1], g / (groups[0] * groups[1])};
     tvm::run_threadgroup(run, tg, num_threads);
+  }
+  if (traffic != nullptr) {
+    tvm::protect_tracked(PROT_READ | PROT_WRITE);
+    tvm::g_counting = false;
+    *traffic = tvm::g_traffic;
   }
   tvm::g_run = nullptr;
   sigaction(SIGSEGV, &tvm::g_previous_segv, nullptr);

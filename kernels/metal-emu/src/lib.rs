@@ -65,6 +65,8 @@ unsafe extern "C" {
         groups: *const u32,
         threads: *const u32,
         order_seed: u64,
+        is_device: *const u8,
+        traffic: *mut u64,
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
@@ -173,20 +175,38 @@ pub enum Arg<'a> {
 /// each (0: natural, 1: reversed, others: random); a correct kernel gives
 /// bit-identical results under every order.
 pub fn dispatch(name: &str, args: &[Option<Arg>], groups: [usize; 3], threads: [usize; 3], order: u64) -> Result<()> {
-    dispatch_checking(name, args, groups, threads, order, usize::MAX)
+    dispatch_with(name, args, groups, threads, order, Options::default()).map(|_| ())
 }
 
-/// [`dispatch`], comparing before and after only the read-only buffers of
-/// at most `check_up_to` bytes (a model's weights and KV pools are too big
-/// to copy twice per dispatch).
-pub fn dispatch_checking(
+/// How [`dispatch_with`] watches a dispatch.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Read-only buffers of at most this many bytes are compared before
+    /// and after (a model's weights and KV pools are too big to copy twice
+    /// per dispatch).
+    pub check_read_only_up_to: usize,
+    /// Count the bytes of device buffers the dispatch touches, each once
+    /// (page granularity; see runtime.cpp).
+    pub count_traffic: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { check_read_only_up_to: usize::MAX, count_traffic: false }
+    }
+}
+
+/// [`dispatch`] under `options`; the bytes of device memory it touched
+/// when counting (0 otherwise).
+pub fn dispatch_with(
     name: &str,
     args: &[Option<Arg>],
     groups: [usize; 3],
     threads: [usize; 3],
     order: u64,
-    check_up_to: usize,
-) -> Result<()> {
+    options: Options,
+) -> Result<u64> {
+    let check_up_to = options.check_read_only_up_to;
     if !available() {
         return Err(Error("not built for this target".into()));
     }
@@ -223,7 +243,8 @@ pub fn dispatch_checking(
     let to_u32 = |x: usize, what: &str| u32::try_from(x).map_err(|_| Error(format!("{what} {x} past 32 bits")));
     let g = [to_u32(groups[0], "grid")?, to_u32(groups[1], "grid")?, to_u32(groups[2], "grid")?];
     let t = [to_u32(threads[0], "threads")?, to_u32(threads[1], "threads")?, to_u32(threads[2], "threads")?];
-    run(&c_name, &specs, &bindings, g, t, order)?;
+    let is_device: Vec<u8> = args.iter().map(|a| u8::from(matches!(a, Some(Arg::Buffer { .. })))).collect();
+    let traffic = run(&c_name, &specs, &bindings, (g, t), order, options.count_traffic.then_some(&is_device))?;
     for (index, buffer, before) in read_only {
         if buffer.read() != before {
             return Err(Error(format!("{name} wrote into buffer {index}, which the host bound read-only")));
@@ -231,17 +252,31 @@ pub fn dispatch_checking(
     }
     // The set_bytes copies lived until here, as the bindings point into them.
     drop(bytes_args);
-    Ok(())
+    Ok(traffic)
 }
 
 #[cfg(metal_emu)]
-fn run(name: &CStr, specs: &[ArgSpec], bindings: &[RawBinding], g: [u32; 3], t: [u32; 3], order: u64) -> Result<()> {
+fn run(
+    name: &CStr,
+    specs: &[ArgSpec],
+    bindings: &[RawBinding],
+    (g, t): ([u32; 3], [u32; 3]),
+    order: u64,
+    is_device: Option<&Vec<u8>>,
+) -> Result<u64> {
     let mut err = vec![0u8; 1024];
+    let mut traffic = 0u64;
+    let (flags, traffic_out) = match is_device {
+        // One flag per binding (is_device has args.len() entries).
+        Some(flags) => (flags.as_ptr(), &mut traffic as *mut u64),
+        None => (std::ptr::null(), std::ptr::null_mut()),
+    };
     // SAFETY: every pointer is valid for the length passed with it: specs
     // and bindings are live slices, each binding points into a live buffer
     // mapping or set_bytes vector with `len` bytes from there, g and t hold
-    // three u32s, err holds err.len() bytes. The runtime serialises
-    // dispatches and reads nothing after returning.
+    // three u32s, flags is null or holds one byte per binding, traffic_out
+    // is null or points to a live u64, err holds err.len() bytes. The
+    // runtime serialises dispatches and reads nothing after returning.
     let rc = unsafe {
         tvm_dispatch(
             name.as_ptr(),
@@ -252,19 +287,21 @@ fn run(name: &CStr, specs: &[ArgSpec], bindings: &[RawBinding], g: [u32; 3], t: 
             g.as_ptr(),
             t.as_ptr(),
             order,
+            flags,
+            traffic_out,
             err.as_mut_ptr().cast(),
             err.len(),
         )
     };
     if rc == 0 {
-        return Ok(());
+        return Ok(traffic);
     }
     let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
     Err(Error(format!("{}: {}", name.to_string_lossy(), String::from_utf8_lossy(&err[..end]))))
 }
 
 #[cfg(not(metal_emu))]
-fn run(_: &CStr, _: &[ArgSpec], _: &[RawBinding], _: [u32; 3], _: [u32; 3], _: u64) -> Result<()> {
+fn run(_: &CStr, _: &[ArgSpec], _: &[RawBinding], _: ([u32; 3], [u32; 3]), _: u64, _: Option<&Vec<u8>>) -> Result<u64> {
     Err(Error("not built for this target".into()))
 }
 

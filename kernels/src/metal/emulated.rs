@@ -33,6 +33,9 @@ pub struct Counters {
     pub allocated_bytes: usize,
     pub command_buffers: usize,
     pub dispatches: usize,
+    /// Bytes of device memory the dispatches touched, each byte once per
+    /// dispatch (while [`EmulatedGpu::count_traffic`] is on).
+    pub traffic_bytes: u64,
 }
 
 /// The emulator as a GPU.
@@ -45,6 +48,7 @@ pub struct EmulatedGpu {
     counters: Counters,
     /// The order seed of every dispatch (threadgroups and lanes shuffled).
     order: u64,
+    count_traffic: bool,
 }
 
 impl EmulatedGpu {
@@ -55,7 +59,13 @@ impl EmulatedGpu {
                 "the Metal emulator is not built for this target (it needs Linux and a C++ compiler)".into(),
             ));
         }
-        Ok(Self { buffers: Vec::new(), prepared: Default::default(), counters: Counters::default(), order: 2 })
+        Ok(Self {
+            buffers: Vec::new(),
+            prepared: Default::default(),
+            counters: Counters::default(),
+            order: 2,
+            count_traffic: false,
+        })
     }
 
     /// Marks `kernels` as compiled: a step may dispatch only these.
@@ -188,6 +198,15 @@ impl Gpu for EmulatedGpu {
         Ok(())
     }
 
+    fn count_traffic(&mut self, on: bool) -> bool {
+        self.count_traffic = on;
+        true
+    }
+
+    fn traffic_bytes(&self) -> Option<u64> {
+        Some(self.counters.traffic_bytes)
+    }
+
     fn begin(&mut self) -> Commands {
         Commands::default()
     }
@@ -216,8 +235,11 @@ impl Gpu for EmulatedGpu {
                     })
                 })
                 .collect();
-            metal_emu::dispatch_checking(&d.kernel, &args, d.groups, d.threads, self.order, CHECK_READ_ONLY_UP_TO)
+            let options =
+                metal_emu::Options { check_read_only_up_to: CHECK_READ_ONLY_UP_TO, count_traffic: self.count_traffic };
+            let traffic = metal_emu::dispatch_with(&d.kernel, &args, d.groups, d.threads, self.order, options)
                 .map_err(emu_err)?;
+            self.counters.traffic_bytes += traffic;
         }
         Ok(())
     }

@@ -83,6 +83,14 @@ impl ModelRunner {
         &self.config
     }
 
+    /// The step plan, when one runs the step.
+    pub fn plan_mut(&mut self) -> Option<&mut (dyn StepExecutor + 'static)> {
+        match &mut self.step {
+            Step::Plan(plan) => Some(plan.as_mut()),
+            Step::Candle { .. } => None,
+        }
+    }
+
     /// The decoder layers this runner holds.
     pub fn layer_range(&self) -> LayerRange {
         self.range

@@ -25,11 +25,40 @@ pub trait StepExecutor: Send {
     fn weight_bytes(&self) -> usize;
     /// Bytes of the KV pools.
     fn kv_bytes(&self) -> usize;
+    /// Starts or stops measuring each step's device-memory traffic; false
+    /// where the GPU cannot count (only the emulator can).
+    fn count_traffic(&mut self, on: bool) -> bool;
+    /// The last step's traffic, while counting.
+    fn last_traffic(&self) -> Option<Traffic>;
+}
+
+/// What one step did to device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes the step's dispatches touched, each byte once per dispatch.
+    pub touched: u64,
+    /// Bytes it must read: weights, and K and V of every context token.
+    pub must_read: u64,
+}
+
+impl Traffic {
+    /// touched / must_read: 1.0 when no dispatch reads what another did.
+    pub fn ratio(&self) -> f64 {
+        self.touched as f64 / self.must_read.max(1) as f64
+    }
 }
 
 struct PlanExecutor<G: Gpu> {
     gpu: G,
     plan: StepPlan<G::Buffer>,
+    counting: bool,
+    last_traffic: Option<Traffic>,
+}
+
+impl<G: Gpu> PlanExecutor<G> {
+    fn new(gpu: G, plan: StepPlan<G::Buffer>) -> Self {
+        Self { gpu, plan, counting: false, last_traffic: None }
+    }
 }
 
 impl<G> StepExecutor for PlanExecutor<G>
@@ -44,8 +73,25 @@ where
             meta: &batch.meta,
             logit_rows: rows,
         };
+        let before = self.gpu.traffic_bytes();
         let bytes = self.plan.run(&mut self.gpu, &inputs, Readback::Logits)?;
+        if self.counting
+            && let (Some(before), Some(after)) = (before, self.gpu.traffic_bytes())
+        {
+            let must_read = self.plan.weight_bytes() + self.plan.kv_read_bytes(&batch.meta);
+            self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
+        }
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    fn count_traffic(&mut self, on: bool) -> bool {
+        let can = self.gpu.count_traffic(on);
+        self.counting = on && can;
+        can
+    }
+
+    fn last_traffic(&self) -> Option<Traffic> {
+        self.last_traffic
     }
 
     fn weight_bytes(&self) -> usize {
@@ -74,7 +120,7 @@ pub fn build(
                 let mut gpu = kernels::metal::gpu::MetalGpu::new(device.as_metal_device()?.clone())?;
                 let plan = plan_for(&mut gpu, files, (dtype, quantize), cache, limits)?;
                 gpu.prepare(plan.kernels())?;
-                Ok(Box::new(PlanExecutor { gpu, plan }))
+                Ok(Box::new(PlanExecutor::new(gpu, plan)))
             }
             #[cfg(not(target_os = "macos"))]
             {
@@ -95,7 +141,7 @@ pub fn build(
                     counters.allocations,
                     counters.allocated_bytes
                 );
-                Ok(Box::new(PlanExecutor { gpu, plan }))
+                Ok(Box::new(PlanExecutor::new(gpu, plan)))
             }
             #[cfg(not(feature = "metal-emulated"))]
             {

@@ -60,6 +60,16 @@ pub trait Gpu: Allocator {
     fn begin(&mut self) -> Self::Commands;
     /// Commits it and waits for the GPU to finish it.
     fn commit_and_wait(&mut self, commands: Self::Commands) -> Result<()>;
+    /// Starts or stops counting the device memory dispatches touch; false
+    /// where this GPU cannot (only the emulator can).
+    fn count_traffic(&mut self, _on: bool) -> bool {
+        false
+    }
+    /// Bytes of device memory touched since counting began, each byte once
+    /// per dispatch; None where this GPU does not count.
+    fn traffic_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 fn invalid<T>(message: String) -> Result<T> {
@@ -379,6 +389,13 @@ impl<B: Clone> StepPlan<B> {
     /// The attention kernels' head dim (the model's, or padded).
     fn padded(&self) -> usize {
         padded_head_dim(self.shape.head_dim).unwrap_or(self.shape.head_dim)
+    }
+
+    /// Bytes of K and V a step over `meta` must read: every context's
+    /// tokens, in every layer.
+    pub fn kv_read_bytes(&self, meta: &AttentionMetadata) -> usize {
+        let tokens: usize = meta.context_lens.iter().map(|&c| c as usize).sum();
+        2 * self.kv.len() * tokens * self.shape.kv_heads * self.padded() * self.cache_dtype.size_in_bytes()
     }
 
     /// Bytes of the KV pools.
