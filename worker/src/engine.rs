@@ -8,6 +8,7 @@ mod loading;
 mod logprobs;
 mod on_device;
 mod pipelined;
+mod plan;
 
 use std::borrow::Cow;
 
@@ -404,23 +405,6 @@ impl Engine {
     }
 
     /// Bytes of weights a decode step streams (see `CausalLm`).
-    /// Whether a plan of our GPU kernels runs the step (`--device metal`,
-    /// `metal-emulated`) rather than candle's ops.
-    pub fn runs_plan(&mut self) -> bool {
-        self.runner.plan_mut().is_some()
-    }
-
-    /// Starts or stops measuring the step plan's device-memory traffic
-    /// (`bench --profile`); false without a plan that can count.
-    pub fn count_plan_traffic(&mut self, on: bool) -> bool {
-        self.runner.plan_mut().is_some_and(|p| p.count_traffic(on))
-    }
-
-    /// The last step's device-memory traffic, while counting.
-    pub fn last_plan_traffic(&mut self) -> Option<crate::runner::plan::Traffic> {
-        self.runner.plan_mut().and_then(|p| p.last_traffic())
-    }
-
     pub fn weight_bytes_per_token(&self) -> usize {
         self.runner.weight_bytes_per_token()
     }
