@@ -1,6 +1,6 @@
 //! The Metal kernels against `reference`, on the cases of
 //! tests/attention.rs: scattered and shuffled block tables, ragged lengths,
-//! decode and chunked prefill on a cached prefix, GQA ratios 1 to 8, sliding
+//! decode and chunked prefill on a cached prefix, GQA ratios 1 to 16, sliding
 //! windows, contexts crossing decode partitions, f32/f16/bf16 (and f16
 //! caches under f32 queries, `--kv-cache-dtype f16`), buffer
 //! offsets, NaN in unused cache slots, and bad inputs. Cases are built on
@@ -55,8 +55,9 @@ fn compare(gpu: &Gpu, case: &Case, tol: f32, what: &str) {
 fn matches_reference_across_shapes_in_f32() {
     let Some(gpu) = Gpu::get() else { return };
     let mut rng = StdRng::seed_from_u64(7);
-    // GQA ratios 1, 2, 4, 8.
-    for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2)] {
+    // GQA ratios 1, 2, 4, 8, and 12 and 16 (a decode threadgroup serves up
+    // to 8 heads of a group: larger groups take several, the last partial).
+    for &(heads, kv_heads) in &[(4, 4), (4, 2), (8, 2), (8, 1), (16, 2), (24, 2), (16, 1)] {
         for &head_dim in &[32, 64, 128] {
             for &block_size in &[8, 16] {
                 for (m, seqs) in common::MIXES.iter().enumerate() {
@@ -77,6 +78,9 @@ fn every_head_dim_and_odd_block_sizes() {
         for &block_size in &[1, 5, 16, 32] {
             let case = make_case(&mut rng, &[(1, 37), (9, 50), (2, 2)], Geometry::new(8, 2, head_dim, block_size));
             compare(&gpu, &case, F32_TOL, &format!("hd {head_dim} bs {block_size}"));
+            // A group of 6 (hd 256 serves 4 heads a threadgroup: 4 + 2).
+            let case = make_case(&mut rng, &[(1, 37), (1, 50)], Geometry::new(12, 2, head_dim, block_size));
+            compare(&gpu, &case, F32_TOL, &format!("group 6 hd {head_dim} bs {block_size}"));
         }
     }
 }

@@ -3,8 +3,9 @@
 // (`[num_blocks, block_size, kv_heads, head_dim]`) through each sequence's
 // block table, with an online softmax accumulated in float.
 //
-// Grid: (query head, decode sequence, partition); threadgroup: 4 simdgroups
-// of 32 lanes. A context longer than kPartitionSize keys is split into
+// Grid: (kv head x slices of its GQA group, decode sequence, partition);
+// threadgroup: 4 simdgroups of 32 lanes, serving the query heads of one kv
+// head (up to 8) so each K/V row is read once for all of them. A context longer than kPartitionSize keys is split into
 // partitions that run in parallel and write an unnormalised partial result
 // with its max and sum; `paged_attention_reduce` then merges the partitions.
 // A context that fits in one partition is finished in a single pass.
@@ -79,8 +80,21 @@ inline float decode_reduce_sum(float x, threadgroup float* scratch, uint lane, u
   return r;
 }
 
-// T: the queries' and output's type; C: the caches' (T, or half under
-// float queries: an f16 KV cache widened as it is read).
+// Query heads one decode threadgroup serves: all heads of a GQA group up to
+// this many (the host's `decode_heads_per_group`), so each K and V row is
+// read once for them. Bounded so the per-simdgroup accumulators fit 16 KiB
+// of threadgroup memory.
+template <uint HEAD_DIM>
+constexpr uint decode_max_heads() {
+  return HEAD_DIM <= 128 ? 8 : 4;
+}
+
+// Grid: (kv head x ceil(group / heads per threadgroup), decode sequence,
+// partition). A threadgroup serves `heads` query heads of one kv head: every
+// K row of its keys is read once and scored against each of them, every V
+// row read once and accumulated into each (vLLM's and llama.cpp's GQA
+// decode do the same). T: the queries' and output's type; C: the caches'
+// (T, or half under float queries: an f16 KV cache widened as it is read).
 template <typename T, typename C, uint HEAD_DIM>
 [[kernel]] void paged_attention_decode(
     device const T* q [[buffer(0)]],                  // [num_tokens, num_heads, HEAD_DIM]
@@ -100,16 +114,20 @@ template <typename T, typename C, uint HEAD_DIM>
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kPerLane = HEAD_DIM / kSimdWidth;
-  // Per-simdgroup softmax state, merged at the end (threadgroup variables
-  // live at kernel scope).
-  threadgroup float sg_max[kNumSimds];
-  threadgroup float sg_sum[kNumSimds];
-  threadgroup float sg_acc[kNumSimds * HEAD_DIM];
+  constexpr uint kMaxHeads = decode_max_heads<HEAD_DIM>();
+  // Per-simdgroup softmax state of each head, merged at the end
+  // (threadgroup variables live at kernel scope).
+  threadgroup float sg_max[kNumSimds * kMaxHeads];
+  threadgroup float sg_sum[kNumSimds * kMaxHeads];
+  threadgroup float sg_acc[kNumSimds * kMaxHeads * HEAD_DIM];
 
-  const uint head = tg.x;
+  const uint group = p.num_heads / p.num_kv_heads;
+  const uint slices = (group + kMaxHeads - 1) / kMaxHeads;
+  const uint kv_head = tg.x / slices;
+  const uint first_head = kv_head * group + (tg.x % slices) * kMaxHeads;
+  const uint heads = min(kMaxHeads, kv_head * group + group - first_head);
   const uint seq = decode_seqs[tg.y];
   const uint part = tg.z;
-  const uint kv_head = head / (p.num_heads / p.num_kv_heads);
   const uint ctx = context_lens[seq];
   const bool partitioned = p.max_partitions != 0;
 
@@ -126,112 +144,145 @@ template <typename T, typename C, uint HEAD_DIM>
     end = min(end, (part + 1) * kPartitionSize);
   }
 
-  // The query, pre-scaled. Lane l holds elements l, l + 32, ..., so that a
-  // simdgroup reads each K or V row in coalesced runs of 32 elements.
+  // The queries, pre-scaled. Lane l holds elements l, l + 32, ..., so that
+  // a simdgroup reads each K or V row in coalesced runs of 32 elements.
   const uint row = query_start_loc[seq];
-  device const T* q_row = q + (row * p.num_heads + head) * HEAD_DIM;
-  float qv[kPerLane];
-  float acc[kPerLane];
-  for (uint i = 0; i < kPerLane; ++i) {
-    qv[i] = float(q_row[lane + i * kSimdWidth]) * p.scale;
-    acc[i] = 0.0f;
+  float qv[kMaxHeads][kPerLane];
+  float acc[kMaxHeads][kPerLane];
+  float run_max[kMaxHeads];
+  float run_sum[kMaxHeads];
+  for (uint h = 0; h < kMaxHeads; ++h) {
+    device const T* q_row = q + (row * p.num_heads + first_head + min(h, heads - 1)) * HEAD_DIM;
+    for (uint i = 0; i < kPerLane; ++i) {
+      qv[h][i] = h < heads ? float(q_row[lane + i * kSimdWidth]) * p.scale : 0.0f;
+      acc[h][i] = 0.0f;
+    }
+    run_max[h] = kNoScore;
+    run_sum[h] = 0.0f;
   }
-  float run_max = kNoScore;
-  float run_sum = 0.0f;
 
   device const uint* table = block_tables + seq * p.max_blocks;
   const uint slot_stride = p.num_kv_heads * HEAD_DIM;  // elements per slot
   const uint head_offset = kv_head * HEAD_DIM + lane;
 
   // Simdgroups take chunks of 32 keys in turn. Lane j looks up the slot of
-  // key j of the chunk; the simdgroup then scores the keys one row at a
-  // time and lane j keeps key j's score, so the softmax update costs one
-  // exp per lane per chunk rather than one per key.
+  // key j of the chunk; the simdgroup then reads the keys one row at a time,
+  // scores each against every head, and lane j keeps key j's scores, so the
+  // softmax update costs one exp per lane per head per chunk.
   for (uint c0 = begin + sg * kSimdWidth; c0 < end; c0 += kThreads) {
     const uint n = min(kSimdWidth, end - c0);
     const bool has_key = lane < n;
     const uint my_slot = has_key ? decode_slot(table, c0 + lane, p.block_size) : 0;
-    float score = kNoScore;
+    float score[kMaxHeads];
+    for (uint h = 0; h < kMaxHeads; ++h) {
+      score[h] = kNoScore;
+    }
     for (uint j = 0; j < n; ++j) {
       device const C* k_row = k_cache + simd_shuffle(my_slot, ushort(j)) * slot_stride + head_offset;
-      float d = 0.0f;
+      float k[kPerLane];
       for (uint i = 0; i < kPerLane; ++i) {
-        d += qv[i] * float(k_row[i * kSimdWidth]);
+        k[i] = float(k_row[i * kSimdWidth]);
       }
-      d = simd_sum(d);
-      if (lane == j) {
-        score = d;
+      for (uint h = 0; h < heads; ++h) {
+        float d = 0.0f;
+        for (uint i = 0; i < kPerLane; ++i) {
+          d += qv[h][i] * k[i];
+        }
+        d = simd_sum(d);
+        if (lane == j) {
+          score[h] = d;
+        }
       }
     }
-    // Online softmax: rescale what was accumulated to the new running max.
-    const float new_max = max(run_max, simd_max(score));
-    const float correction = fast::exp(run_max - new_max);
-    const float weight = has_key ? fast::exp(score - new_max) : 0.0f;
-    run_sum = run_sum * correction + simd_sum(weight);
-    run_max = new_max;
-    for (uint i = 0; i < kPerLane; ++i) {
-      acc[i] *= correction;
+    // Online softmax per head: rescale what was accumulated to the new max.
+    float weight[kMaxHeads];
+    for (uint h = 0; h < kMaxHeads; ++h) {
+      weight[h] = 0.0f;
+    }
+    for (uint h = 0; h < heads; ++h) {
+      const float new_max = max(run_max[h], simd_max(score[h]));
+      const float correction = fast::exp(run_max[h] - new_max);
+      weight[h] = has_key ? fast::exp(score[h] - new_max) : 0.0f;
+      run_sum[h] = run_sum[h] * correction + simd_sum(weight[h]);
+      run_max[h] = new_max;
+      for (uint i = 0; i < kPerLane; ++i) {
+        acc[h][i] *= correction;
+      }
     }
     for (uint j = 0; j < n; ++j) {
-      const float w = simd_shuffle(weight, ushort(j));
       device const C* v_row = v_cache + simd_shuffle(my_slot, ushort(j)) * slot_stride + head_offset;
+      float v[kPerLane];
       for (uint i = 0; i < kPerLane; ++i) {
-        acc[i] += w * float(v_row[i * kSimdWidth]);
+        v[i] = float(v_row[i * kSimdWidth]);
+      }
+      for (uint h = 0; h < heads; ++h) {
+        const float w = simd_shuffle(weight[h], ushort(j));
+        for (uint i = 0; i < kPerLane; ++i) {
+          acc[h][i] += w * v[i];
+        }
       }
     }
   }
 
   // Merge the simdgroups' partial softmaxes; each has its own running max.
   // A simdgroup that saw no key has sum 0 and is left out.
-  if (lane == 0) {
-    sg_max[sg] = run_max;
-    sg_sum[sg] = run_sum;
-  }
-  for (uint i = 0; i < kPerLane; ++i) {
-    sg_acc[sg * HEAD_DIM + lane + i * kSimdWidth] = acc[i];
+  for (uint h = 0; h < heads; ++h) {
+    if (lane == 0) {
+      sg_max[h * kNumSimds + sg] = run_max[h];
+      sg_sum[h * kNumSimds + sg] = run_sum[h];
+    }
+    for (uint i = 0; i < kPerLane; ++i) {
+      sg_acc[(h * kNumSimds + sg) * HEAD_DIM + lane + i * kSimdWidth] = acc[h][i];
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  float total_max = kNoScore;
-  for (uint s = 0; s < kNumSimds; ++s) {
-    if (sg_sum[s] > 0.0f) {
-      total_max = max(total_max, sg_max[s]);
+  for (uint h = 0; h < heads; ++h) {
+    const uint head = first_head + h;
+    threadgroup const float* maxes = sg_max + h * kNumSimds;
+    threadgroup const float* sums = sg_sum + h * kNumSimds;
+    float total_max = kNoScore;
+    for (uint s = 0; s < kNumSimds; ++s) {
+      if (sums[s] > 0.0f) {
+        total_max = max(total_max, maxes[s]);
+      }
     }
-  }
-  float rescale[kNumSimds];
-  float total_sum = 0.0f;
-  for (uint s = 0; s < kNumSimds; ++s) {
-    rescale[s] = sg_sum[s] > 0.0f ? fast::exp(sg_max[s] - total_max) : 0.0f;
-    total_sum += sg_sum[s] * rescale[s];
-  }
+    float rescale[kNumSimds];
+    float total_sum = 0.0f;
+    for (uint s = 0; s < kNumSimds; ++s) {
+      rescale[s] = sums[s] > 0.0f ? fast::exp(maxes[s] - total_max) : 0.0f;
+      total_sum += sums[s] * rescale[s];
+    }
+    threadgroup const float* accs = sg_acc + h * kNumSimds * HEAD_DIM;
 
-  if (!partitioned) {
-    const float inv = total_sum > 0.0f ? 1.0f / total_sum : 0.0f;
-    device T* o = out + (row * p.num_heads + head) * HEAD_DIM;
+    if (!partitioned) {
+      const float inv = total_sum > 0.0f ? 1.0f / total_sum : 0.0f;
+      device T* o = out + (row * p.num_heads + head) * HEAD_DIM;
+      for (uint e = tid; e < HEAD_DIM; e += kThreads) {
+        float x = 0.0f;
+        for (uint s = 0; s < kNumSimds; ++s) {
+          x += rescale[s] * accs[s * HEAD_DIM + e];
+        }
+        o[e] = static_cast<T>(x * inv);
+      }
+      continue;
+    }
+
+    // One partition of several: keep the unnormalised accumulator with its
+    // max and sum (an empty partition, before the window, writes sum 0).
+    const uint idx = (tg.y * p.num_heads + head) * p.max_partitions + part;
+    device float* o = part_acc + idx * HEAD_DIM;
     for (uint e = tid; e < HEAD_DIM; e += kThreads) {
       float x = 0.0f;
       for (uint s = 0; s < kNumSimds; ++s) {
-        x += rescale[s] * sg_acc[s * HEAD_DIM + e];
+        x += rescale[s] * accs[s * HEAD_DIM + e];
       }
-      o[e] = static_cast<T>(x * inv);
+      o[e] = x;
     }
-    return;
-  }
-
-  // One partition of several: keep the unnormalised accumulator with its max
-  // and sum (an empty partition, before the window, writes sum 0).
-  const uint idx = (tg.y * p.num_heads + head) * p.max_partitions + part;
-  device float* o = part_acc + idx * HEAD_DIM;
-  for (uint e = tid; e < HEAD_DIM; e += kThreads) {
-    float x = 0.0f;
-    for (uint s = 0; s < kNumSimds; ++s) {
-      x += rescale[s] * sg_acc[s * HEAD_DIM + e];
+    if (tid == 0) {
+      part_max[idx] = total_max;
+      part_sum[idx] = total_sum;
     }
-    o[e] = x;
-  }
-  if (tid == 0) {
-    part_max[idx] = total_max;
-    part_sum[idx] = total_sum;
   }
 }
 

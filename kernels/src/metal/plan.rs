@@ -24,6 +24,13 @@ use crate::{AttentionMetadata, Dims, KernelError, Result};
 pub const HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
 /// Keys per decode partition (`kPartitionSize` in paged_attention.metal).
 pub const PARTITION_SIZE: usize = 512;
+
+/// Query heads one decode threadgroup serves, all of one kv head
+/// (`decode_max_heads` in paged_attention.metal): its K/V rows are read
+/// once for them.
+fn decode_heads_per_threadgroup(head_dim: usize) -> usize {
+    if head_dim <= 128 { 8 } else { 4 }
+}
 /// Flattened (query, head) rows per prefill work item (`kRows`).
 const PREFILL_ROWS: usize = 16;
 /// Threads per threadgroup of the attention kernels: 4 SIMD groups of 32,
@@ -435,7 +442,10 @@ impl AttentionPlan {
         let partitioned = self.decode.as_ref().filter(|p| p.max_partitions > 0);
         debug_assert!(partitioned.is_none() || b.scratch.is_some(), "a partitioned decode without scratch");
         let partitioned = partitioned.zip(b.scratch);
-        let decode_grid = |p: &DecodePlan| [d.num_heads, p.seqs, p.max_partitions.max(1)];
+        // One threadgroup per kv head (and slice of its group's query heads).
+        let group = d.num_heads / d.num_kv_heads;
+        let slices = group.div_ceil(decode_heads_per_threadgroup(d.head_dim));
+        let decode_grid = |p: &DecodePlan| [d.num_kv_heads * slices, p.seqs, p.max_partitions.max(1)];
 
         if let Some((plan, scratch)) = partitioned {
             let part = |offset| At { buffer: scratch, offset };
@@ -577,5 +587,59 @@ impl<B: Clone> StepCache<B> {
             }
         };
         Ok((plan, upload, scratch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the grids of the dispatches encoded.
+    #[derive(Default)]
+    struct Grids(Vec<(String, [usize; 3])>, Option<String>);
+
+    impl Encoder for Grids {
+        type Buffer = ();
+        fn set_kernel(&mut self, kernel: &Kernel) {
+            self.1 = Some(kernel.name.clone());
+        }
+        fn set_buffer(&mut self, _: usize, _: &(), _: usize, _: Access) {}
+        fn set_bytes(&mut self, _: usize, _: &[u8]) {}
+        fn dispatch(&mut self, threadgroups: [usize; 3], _: [usize; 3]) {
+            self.0.push((self.1.clone().unwrap_or_default(), threadgroups));
+        }
+    }
+
+    /// Under GQA a decode threadgroup serves the query heads of one kv head
+    /// (up to 8, 4 at head dim 256), so each K/V row is read once for them.
+    #[test]
+    fn decode_has_a_threadgroup_per_kv_head_not_per_query_head() {
+        for (heads, kv_heads, head_dim, want_x) in
+            [(32, 8, 128, 8), (16, 8, 64, 8), (8, 1, 64, 1), (16, 1, 64, 2), (12, 2, 256, 4), (4, 4, 32, 4)]
+        {
+            let meta = AttentionMetadata {
+                query_start_loc: vec![0, 1, 2],
+                context_lens: vec![5, 600],
+                block_tables: vec![vec![0], (1..40).collect()],
+                block_size: 16,
+                slot_mapping: vec![4, 16 * 38 + 7],
+                sliding_window: None,
+            };
+            let dims = Dims {
+                num_tokens: 2,
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim,
+                num_blocks: 40,
+                block_size: 16,
+            };
+            let plan = AttentionPlan::new(&meta, dims, (DType::F32, DType::F32), 0.125).unwrap();
+            let mut grids = Grids::default();
+            let at = At { buffer: &(), offset: 0 };
+            let b = AttentionBuffers { q: at, k_cache: at, v_cache: at, out: at, meta: &(), scratch: Some(&()) };
+            plan.encode(&mut grids, b);
+            let decode = grids.0.iter().find(|(name, _)| name.starts_with("paged_attention_decode")).unwrap();
+            assert_eq!(decode.1, [want_x, 2, 2], "{heads}/{kv_heads} hd {head_dim}");
+        }
     }
 }
