@@ -170,8 +170,12 @@ impl Engine {
         let max_model_len =
             config.max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let max_useful = 2 * config.max_num_seqs * max_model_len.div_ceil(config.block_size);
-        // The cache holds this stage's layers only.
-        let kv_cfg = stage_kv_config(&cfg, layers);
+        // The cache holds this stage's layers only; a plan pads small head
+        // dims to its attention kernels' (their rows take that room).
+        let mut kv_cfg = stage_kv_config(&cfg, layers);
+        if config.plan.is_some() {
+            kv_cfg.head_dim = kernels::metal::step::padded_head_dim(cfg.head_dim).unwrap_or(cfg.head_dim);
+        }
         let draft_model = match &config.draft_model {
             Some(draft_files) => Some(loading::load_draft(draft_files, &config, files, max_model_len)?),
             None => None,
