@@ -454,6 +454,10 @@ impl Engine {
             return self.step_sampling_on_device(&step, &batch);
         }
         let outputs = sampling_rows(&self.scheduler, &step);
+        if let Some(sampled) = plan::greedy_on_plan(&mut self.runner, &self.grammars, &batch, &outputs)? {
+            drop(outputs);
+            return Ok(self.finish_step(&step, per_request(&step, sampled), &[]));
+        }
         let (logits, masks) = {
             let _t = profile::scope(Section::Forward);
             let runner = &mut self.runner;

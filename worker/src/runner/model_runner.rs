@@ -83,6 +83,15 @@ impl ModelRunner {
         &self.config
     }
 
+    /// Runs the step on the plan and draws every sampled row
+    /// (`logits_indices`) greedily on the GPU; None without a plan.
+    pub fn execute_greedy(&mut self, batch: &BatchInputs) -> Option<Result<Vec<u32>>> {
+        match &mut self.step {
+            Step::Plan(plan) => Some(plan.greedy(batch, &batch.logits_indices)),
+            Step::Candle { .. } => None,
+        }
+    }
+
     /// The step plan, when one runs the step.
     pub fn plan_mut(&mut self) -> Option<&mut (dyn StepExecutor + 'static)> {
         match &mut self.step {

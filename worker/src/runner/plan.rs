@@ -21,6 +21,9 @@ use crate::runner::plan_weights::{self, Source};
 pub trait StepExecutor: Send {
     /// Runs a step; the logits of `rows` (`[rows, vocab]`), or nothing for no rows.
     fn logits(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<f32>>;
+    /// Runs a step and draws each of `rows` greedily on the GPU (one argmax
+    /// dispatch): only the token ids come back.
+    fn greedy(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<u32>>;
     /// Bytes of weights the GPU holds.
     fn weight_bytes(&self) -> usize;
     /// Bytes of the KV pools.
@@ -82,6 +85,17 @@ where
             self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
         }
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    fn greedy(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<u32>> {
+        let inputs = StepInputs {
+            input_ids: &batch.input_ids,
+            positions: &batch.positions,
+            meta: &batch.meta,
+            logit_rows: rows,
+        };
+        let bytes = self.plan.run(&mut self.gpu, &inputs, Readback::Greedy)?;
+        Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
     fn count_traffic(&mut self, on: bool) -> bool {

@@ -134,12 +134,20 @@ struct Scratch {
     ids: Vec<u32>,
 }
 
+/// Whether a row's token is the plain argmax of its logits: greedy, with
+/// nothing that changes the logits first (no `min_tokens` ban, penalty,
+/// bias or grammar mask). A GPU step plan draws such rows itself.
+pub fn is_plain_argmax(p: &SamplingParams, num_output_tokens: usize, constrained: bool) -> bool {
+    let masks_stops = num_output_tokens < p.min_tokens as usize;
+    let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+    p.is_greedy() && !masks_stops && !penalises && p.logit_bias.is_empty() && !constrained
+}
+
 fn sample_row(raw: &[f32], seq: &SamplingRow, s: &mut Scratch) -> Draw {
     let p = seq.params;
     let masks_stops = seq.num_output_tokens < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
-    let biases = !p.logit_bias.is_empty();
-    let token = if p.is_greedy() && !masks_stops && !penalises && !biases && seq.allowed.is_none() {
+    let token = if is_plain_argmax(p, seq.num_output_tokens, seq.allowed.is_some()) {
         argmax(raw)
     } else {
         s.row.clear();
