@@ -62,6 +62,25 @@ impl<G: Gpu> PlanExecutor<G> {
     fn new(gpu: G, plan: StepPlan<G::Buffer>) -> Self {
         Self { gpu, plan, counting: false, last_traffic: None }
     }
+
+    /// One step, its traffic recorded while counting.
+    fn run(&mut self, batch: &BatchInputs, rows: &[u32], readback: Readback) -> Result<Vec<u8>> {
+        let inputs = StepInputs {
+            input_ids: &batch.input_ids,
+            positions: &batch.positions,
+            meta: &batch.meta,
+            logit_rows: rows,
+        };
+        let before = self.gpu.traffic_bytes();
+        let bytes = self.plan.run(&mut self.gpu, &inputs, readback)?;
+        if self.counting
+            && let (Some(before), Some(after)) = (before, self.gpu.traffic_bytes())
+        {
+            let must_read = self.plan.weight_bytes() + self.plan.kv_read_bytes(&batch.meta);
+            self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
+        }
+        Ok(bytes)
+    }
 }
 
 impl<G> StepExecutor for PlanExecutor<G>
@@ -70,31 +89,12 @@ where
     G::Buffer: Send,
 {
     fn logits(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<f32>> {
-        let inputs = StepInputs {
-            input_ids: &batch.input_ids,
-            positions: &batch.positions,
-            meta: &batch.meta,
-            logit_rows: rows,
-        };
-        let before = self.gpu.traffic_bytes();
-        let bytes = self.plan.run(&mut self.gpu, &inputs, Readback::Logits)?;
-        if self.counting
-            && let (Some(before), Some(after)) = (before, self.gpu.traffic_bytes())
-        {
-            let must_read = self.plan.weight_bytes() + self.plan.kv_read_bytes(&batch.meta);
-            self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
-        }
+        let bytes = self.run(batch, rows, Readback::Logits)?;
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
     fn greedy(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<u32>> {
-        let inputs = StepInputs {
-            input_ids: &batch.input_ids,
-            positions: &batch.positions,
-            meta: &batch.meta,
-            logit_rows: rows,
-        };
-        let bytes = self.plan.run(&mut self.gpu, &inputs, Readback::Greedy)?;
+        let bytes = self.run(batch, rows, Readback::Greedy)?;
         Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
