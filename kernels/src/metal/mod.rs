@@ -1,10 +1,15 @@
-//! Paged attention and the KV write on Apple GPUs, with our own Metal
-//! kernels beside this file: `cache.metal` (reshape_and_cache),
-//! `paged_attention.metal` (decode, partitioned like vLLM's
-//! paged_attention_v2, plus its reduce) and `prefill_attention.metal`
-//! (flash-attention-style chunked prefill).
+//! Our kernels for Apple GPUs, beside this file: `cache.metal`
+//! (reshape_and_cache), `paged_attention.metal` (decode, one threadgroup per
+//! KV head, partitioned like vLLM's paged_attention_v2, plus its reduce),
+//! `prefill_attention.metal` (flash-attention-style chunked prefill) and
+//! `model.metal` (the rest of a dense model's step: embedding, RMSNorm,
+//! matmuls over float and GGML block weights, RoPE with the KV write,
+//! argmax).
 //!
-//! The host side is split in two. [`plan`] is platform-neutral: it checks
+//! [`step`] runs a whole model step as one plan through the [`step::Gpu`]
+//! trait: `gpu.rs` on macOS, `emulated.rs` (the CPU emulator) on Linux.
+//! For candle's composed path (pipeline stages, `TINYVLLM_METAL_PLAN=0`)
+//! the host side of attention is split in two. [`plan`] is platform-neutral: it checks
 //! and plans each call (metadata uploads, bindings, grids, scratch) and
 //! encodes it through a small encoder trait, once per step for the
 //! metadata. `device.rs` (macOS only) implements that trait with candle's

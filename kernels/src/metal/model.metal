@@ -13,7 +13,7 @@
 // - RoPE, the head norm and the cache write are one pass over the qkv row
 //   (`rope_qkv_cache`), which leaves q for attention and K/V in their slots.
 //
-// The host side is kernels/src/metal/step.rs.
+// The host side is kernels/src/metal/step/.
 
 #include <metal_stdlib>
 using namespace metal;

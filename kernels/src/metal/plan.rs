@@ -78,7 +78,7 @@ pub enum Source {
     Cache,
     Decode,
     Prefill,
-    /// The dense model step besides attention (step.rs).
+    /// The dense model step besides attention (step/).
     Model,
 }
 
