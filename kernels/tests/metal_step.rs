@@ -272,11 +272,16 @@ const BLOCK: usize = 4;
 
 /// A step over `seqs`: (sequence index, tokens computed before, new tokens).
 fn step_inputs(seqs: &[(usize, usize, &[u32])]) -> (Vec<u32>, Vec<u32>, AttentionMetadata, Vec<u32>) {
+    step_inputs_in(seqs, 16)
+}
+
+/// As [`step_inputs`], each sequence owning `blocks` blocks.
+fn step_inputs_in(seqs: &[(usize, usize, &[u32])], blocks: usize) -> (Vec<u32>, Vec<u32>, AttentionMetadata, Vec<u32>) {
     let mut meta = AttentionMetadata { query_start_loc: vec![0], block_size: BLOCK, ..AttentionMetadata::default() };
     let (mut ids, mut positions, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     for &(seq, done, new) in seqs {
-        // Sequence s owns blocks s*16.. in reverse order: scattered, not contiguous.
-        let table: Vec<u32> = (0..16).map(|b| (seq * 16 + 15 - b) as u32).collect();
+        // Sequence s owns blocks s*blocks.. in reverse order: scattered, not contiguous.
+        let table: Vec<u32> = (0..blocks).map(|b| (seq * blocks + blocks - 1 - b) as u32).collect();
         for (i, &t) in new.iter().enumerate() {
             let pos = done + i;
             ids.push(t);
@@ -438,17 +443,9 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
     let plan = StepPlan::new(&mut gpu, shape, weights, limits, DType::F32).unwrap();
     gpu.prepare(plan.kernels()).unwrap();
     let tokens: Vec<u32> = (0..601).map(|i| (i * 7 % 1024) as u32).collect();
-    let table: Vec<u32> = (0..160).rev().collect();
     let step = |gpu: &mut EmulatedGpu, done: usize, new: &[u32]| {
-        let mut meta =
-            AttentionMetadata { query_start_loc: vec![0, new.len() as u32], block_size: BLOCK, ..Default::default() };
-        let positions: Vec<u32> = (done..done + new.len()).map(|p| p as u32).collect();
-        meta.slot_mapping =
-            positions.iter().map(|&p| table[p as usize / BLOCK] * BLOCK as u32 + p % BLOCK as u32).collect();
-        meta.context_lens = vec![(done + new.len()) as u32];
-        meta.block_tables = vec![table.clone()];
-        let rows = [new.len() as u32 - 1];
-        let inputs = StepInputs { input_ids: new, positions: &positions, meta: &meta, logit_rows: &rows };
+        let (ids, positions, meta, rows) = step_inputs_in(&[(0, done, new)], 160);
+        let inputs = StepInputs { input_ids: &ids, positions: &positions, meta: &meta, logit_rows: &rows };
         plan.run(gpu, &inputs, Readback::Greedy).unwrap();
         plan.kv_read_bytes(&meta)
     };

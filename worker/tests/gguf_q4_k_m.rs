@@ -74,18 +74,8 @@ fn q4_k_m_small_llama_agrees_with_f32() {
     export(&q_path, &cfg, &tensors, Quantization::Q4KM);
     // Seeded prompts of 3 to 40 tokens.
     let mut state = 1u64;
-    let prompts: Vec<(Vec<u32>, usize)> = (0..8)
-        .map(|p| {
-            let len = 3 + 5 * p;
-            let ids = (0..len)
-                .map(|_| {
-                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    (state >> 33) as u32 % 512
-                })
-                .collect();
-            (ids, 16)
-        })
-        .collect();
+    let prompts: Vec<(Vec<u32>, usize)> =
+        (0..8).map(|p| (support::seeded_ids(&mut state, 3 + 5 * p, 512), 16)).collect();
     // The block kernels on the file against dense f32 copies of the very
     // weights in it: only the activations' Q8_K rounding differs.
     let dequantized = dir.join("dequantized.gguf");

@@ -45,16 +45,7 @@ fn agreement(reference: &mut Engine, other: &mut Engine, prompts: &[Vec<u32>], n
 
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {
     let mut state = 3u64;
-    (0..6)
-        .map(|p| {
-            (0..4 + 6 * p)
-                .map(|_| {
-                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    (state >> 33) as u32 % vocab
-                })
-                .collect()
-        })
-        .collect()
+    (0..6).map(|p| support::seeded_ids(&mut state, 4 + 6 * p, vocab)).collect()
 }
 
 #[test]

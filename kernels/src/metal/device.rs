@@ -166,13 +166,8 @@ impl Encoder for CandleEncoder<'_> {
         }
     }
 
-    /// Inputs and outputs are told apart so candle's encoder puts a barrier
-    /// only before a dispatch that reads or rewrites what an earlier one wrote.
     fn set_buffer(&mut self, index: usize, buffer: &Buffer, offset: usize, access: Access) {
-        match access {
-            Access::Read => self.enc.set_input_buffer(index, Some(buffer), offset),
-            Access::Write => self.enc.set_output_buffer(index, Some(buffer), offset),
-        }
+        set_buffer(self.enc, index, buffer, offset, access);
     }
 
     fn set_bytes(&mut self, index: usize, bytes: &[u8]) {
@@ -180,9 +175,23 @@ impl Encoder for CandleEncoder<'_> {
     }
 
     fn dispatch(&mut self, threadgroups: [usize; 3], threads: [usize; 3]) {
-        let size = |s: [usize; 3]| MTLSize { width: s[0], height: s[1], depth: s[2] };
-        self.enc.dispatch_thread_groups(size(threadgroups), size(threads));
+        dispatch(self.enc, threadgroups, threads);
     }
+}
+
+/// Binds `buffer` as an input or an output: candle's encoder tells them
+/// apart to put a barrier only before a dispatch that reads or rewrites
+/// what an earlier one wrote.
+pub(super) fn set_buffer(enc: &ComputeCommandEncoder, index: usize, buffer: &Buffer, offset: usize, access: Access) {
+    match access {
+        Access::Read => enc.set_input_buffer(index, Some(buffer), offset),
+        Access::Write => enc.set_output_buffer(index, Some(buffer), offset),
+    }
+}
+
+pub(super) fn dispatch(enc: &ComputeCommandEncoder, threadgroups: [usize; 3], threads: [usize; 3]) {
+    let size = |s: [usize; 3]| MTLSize { width: s[0], height: s[1], depth: s[2] };
+    enc.dispatch_thread_groups(size(threadgroups), size(threads));
 }
 
 /// Runs `f` on `device`'s step cache. Keyed by candle's DeviceId: the cached

@@ -104,6 +104,14 @@ impl Allocator for EmulatedGpu {
     }
 }
 
+/// An error unless `len` bytes from `offset` lie inside `b`.
+fn in_range(b: &metal_emu::Buffer, offset: usize, len: usize, what: &str) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > b.len()) {
+        return Err(KernelError::Invalid(format!("a {what} of {len} bytes at {offset} past a buffer of {}", b.len())));
+    }
+    Ok(())
+}
+
 enum Bound {
     Buffer(EmuBuffer, usize, Access),
     Bytes(Vec<u8>),
@@ -174,26 +182,14 @@ impl Gpu for EmulatedGpu {
 
     fn write(&mut self, buffer: &EmuBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
         let b = self.buffer(*buffer);
-        if offset.checked_add(bytes.len()).is_none_or(|end| end > b.len()) {
-            return Err(KernelError::Invalid(format!(
-                "a write of {} bytes at {offset} past a buffer of {}",
-                bytes.len(),
-                b.len()
-            )));
-        }
+        in_range(b, offset, bytes.len(), "write")?;
         b.write(offset, bytes);
         Ok(())
     }
 
     fn read(&mut self, buffer: &EmuBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
         let b = self.buffer(*buffer);
-        if offset.checked_add(out.len()).is_none_or(|end| end > b.len()) {
-            return Err(KernelError::Invalid(format!(
-                "a read of {} bytes at {offset} past a buffer of {}",
-                out.len(),
-                b.len()
-            )));
-        }
+        in_range(b, offset, out.len(), "read")?;
         b.read_at(offset, out);
         Ok(())
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::MetalDevice;
 use candle_metal_kernels::metal::{Buffer, CommandBuffer, CommandQueue, ComputeCommandEncoder, ComputePipeline};
-use objc2_metal::{MTLCommandQueue, MTLResourceOptions, MTLSize};
+use objc2_metal::{MTLCommandQueue, MTLResourceOptions};
 
 use super::plan::{Access, Allocator, Encoder, Kernel};
 use super::step::Gpu;
@@ -94,13 +94,8 @@ impl Encoder for MetalCommands {
         }
     }
 
-    /// Inputs and outputs are told apart so the encoder puts a barrier only
-    /// before a dispatch that reads or rewrites what an earlier one wrote.
     fn set_buffer(&mut self, index: usize, buffer: &Arc<Buffer>, offset: usize, access: Access) {
-        match access {
-            Access::Read => self.encoder.set_input_buffer(index, Some(buffer), offset),
-            Access::Write => self.encoder.set_output_buffer(index, Some(buffer), offset),
-        }
+        super::device::set_buffer(&self.encoder, index, buffer, offset, access);
     }
 
     fn set_bytes(&mut self, index: usize, bytes: &[u8]) {
@@ -111,8 +106,7 @@ impl Encoder for MetalCommands {
         if self.missing.is_some() {
             return;
         }
-        let size = |s: [usize; 3]| MTLSize { width: s[0], height: s[1], depth: s[2] };
-        self.encoder.dispatch_thread_groups(size(threadgroups), size(threads));
+        super::device::dispatch(&self.encoder, threadgroups, threads);
     }
 }
 

@@ -4,7 +4,7 @@
 
 use candle_core::DType;
 
-use super::plan::HEAD_DIMS;
+pub use super::plan::padded_head_dim;
 
 /// How a weight matrix stores its rows: a float type, or one of GGML's
 /// block formats (each row `cols / weights_per_block` blocks, as GGUF files
@@ -89,6 +89,13 @@ pub struct Linear<B> {
     pub bias: Option<B>,
 }
 
+impl<B> Linear<B> {
+    /// The weight and the bias, borrowed.
+    pub fn parts(&self) -> (&Matrix<B>, Option<&B>) {
+        (&self.weight, self.bias.as_ref())
+    }
+}
+
 /// One decoder layer's weights; norms and biases are f32 vectors.
 #[derive(Clone, Debug)]
 pub struct LayerWeights<B> {
@@ -118,14 +125,6 @@ pub struct ModelWeights<B> {
     /// RoPE tables `[max_positions, D / 2]`, f32.
     pub rope_cos: B,
     pub rope_sin: B,
-}
-
-/// The attention kernels' head dim for a model's `head_dim`: the smallest
-/// of [`HEAD_DIMS`] at least as large. Below it, q and the KV cache rows are
-/// zero-padded, and o_proj's weight must come with matching zero columns
-/// (`[hidden, heads * padded]`; see [`pad_columns`]).
-pub fn padded_head_dim(head_dim: usize) -> Option<usize> {
-    HEAD_DIMS.iter().copied().find(|&d| d >= head_dim)
 }
 
 /// A row-major `[rows, heads * head_dim]` matrix of `elem`-byte elements

@@ -41,6 +41,17 @@ const CACHE_WRITE_THREADS: usize = 256;
 /// Alignment of each region inside an upload or the scratch buffer.
 const REGION_ALIGN: usize = 16;
 
+/// The attention kernels' head dim for a model's `head_dim`: the smallest
+/// of [`HEAD_DIMS`] at least as large (an even head dim below it runs
+/// zero-padded: q and the cache rows get zeros, o_proj's weight zero
+/// columns). None for an odd head dim or one past the largest.
+pub fn padded_head_dim(head_dim: usize) -> Option<usize> {
+    if !head_dim.is_multiple_of(2) {
+        return None;
+    }
+    HEAD_DIMS.iter().copied().find(|&d| d >= head_dim)
+}
+
 /// The kernels' name for a dtype (f32, f16, bf16), None for the others.
 pub fn dtype_name(dtype: DType) -> Option<&'static str> {
     match dtype {
@@ -62,12 +73,12 @@ pub fn kernel_dtypes_name(x: DType, cache: DType) -> Option<&'static str> {
     }
 }
 
-fn invalid<T>(message: String) -> Result<T> {
+pub(super) fn invalid<T>(message: String) -> Result<T> {
     Err(KernelError::Invalid(message))
 }
 
 /// The kernels index with 32-bit integers; larger sizes are refused.
-fn to_u32(x: usize, what: &str) -> Result<u32> {
+pub(super) fn to_u32(x: usize, what: &str) -> Result<u32> {
     u32::try_from(x)
         .map_err(|_| KernelError::Invalid(format!("{what}: {x} is past the Metal kernels' 32-bit indexing")))
 }
@@ -139,12 +150,12 @@ impl<B: ?Sized> Clone for At<'_, B> {
 }
 impl<B: ?Sized> Copy for At<'_, B> {}
 
-fn bind<E: Encoder>(enc: &mut E, index: usize, at: At<'_, E::Buffer>, access: Access) {
+pub(super) fn bind<E: Encoder>(enc: &mut E, index: usize, at: At<'_, E::Buffer>, access: Access) {
     enc.set_buffer(index, at.buffer, at.offset, access);
 }
 
 /// Little-endian words, as the kernels' parameter structs lay them out.
-fn words(values: &[u32]) -> Vec<u8> {
+pub(super) fn words(values: &[u32]) -> Vec<u8> {
     values.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 

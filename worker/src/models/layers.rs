@@ -117,17 +117,8 @@ impl RotaryEmbedding {
         device: &Device,
         path: ExecutionPath,
     ) -> Result<Self> {
-        let inv_freq = cfg.rope_inv_freq();
-        let half = inv_freq.len();
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
-        for pos in 0..max_positions {
-            for &f in &inv_freq {
-                let angle = pos as f64 * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
+        let (cos, sin) = rope_tables(cfg, max_positions);
+        let half = cos.len() / max_positions.max(1);
         if path == ExecutionPath::FusedCpu {
             return Ok(Self::Host { cos, sin });
         }
@@ -135,6 +126,23 @@ impl RotaryEmbedding {
         let sin = Tensor::from_vec(sin, (max_positions, half), device)?.to_dtype(dtype)?;
         Ok(Self::Device { cos, sin })
     }
+}
+
+/// cos and sin of every position's angle for every rotation pair,
+/// `[max_positions, head_dim / 2]` in f32: the tables every device's RoPE
+/// reads (the CPU's, candle's, the Metal step plan's).
+pub fn rope_tables(cfg: &ModelConfig, max_positions: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv_freq = cfg.rope_inv_freq();
+    let mut cos = Vec::with_capacity(max_positions * inv_freq.len());
+    let mut sin = Vec::with_capacity(max_positions * inv_freq.len());
+    for pos in 0..max_positions {
+        for &f in &inv_freq {
+            let angle = pos as f64 * f;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
 }
 
 /// A CPU step's rotation: the host tables and each row's position.

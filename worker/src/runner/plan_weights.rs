@@ -16,7 +16,7 @@ use kernels::metal::step::{
 
 use crate::error::{Result, WorkerError};
 use crate::models::gguf_blocks::{self, HostTensor};
-use crate::models::{ModelConfig, ModelFiles};
+use crate::models::{ModelConfig, ModelFiles, rope_tables};
 
 /// Where the plan's tensors come from, by Hugging Face name.
 pub(super) enum Source {
@@ -275,17 +275,10 @@ pub(super) fn upload<G: Gpu>(
         });
     }
     let final_norm = norm(gpu, "model.norm.weight".into(), h)?;
-    // The same tables as the CPU path's (`RotaryEmbedding`), in f32.
-    let inv_freq = cfg.rope_inv_freq();
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for pos in 0..max_positions {
-        for &f in &inv_freq {
-            let angle = pos as f64 * f;
-            cos.extend((angle.cos() as f32).to_le_bytes());
-            sin.extend((angle.sin() as f32).to_le_bytes());
-        }
-    }
-    let rope_cos = gpu.upload(&cos)?;
-    let rope_sin = gpu.upload(&sin)?;
+    // The CPU path's tables.
+    let (cos, sin) = rope_tables(cfg, max_positions);
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let rope_cos = gpu.upload(&bytes(&cos))?;
+    let rope_sin = gpu.upload(&bytes(&sin))?;
     Ok(ModelWeights { embed, layers, final_norm, lm_head, rope_cos, rope_sin })
 }

@@ -74,3 +74,13 @@ pub fn dequantized_copy(src: &Path, dst: &Path) {
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut std::fs::File::create(dst).unwrap(), &md, &ts).unwrap();
 }
+
+/// `len` token ids below `vocab` from a seeded stream (an LCG on `state`).
+pub fn seeded_ids(state: &mut u64, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len)
+        .map(|_| {
+            *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (*state >> 33) as u32 % vocab
+        })
+        .collect()
+}

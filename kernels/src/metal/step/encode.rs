@@ -1,7 +1,10 @@
 //! The dispatches of one step, in order (the list in the parent module's
 //! documentation): what the plan encodes into the step's command buffer.
 
-use super::*;
+use super::{
+    Access, At, AttentionBuffers, AttentionPlan, Encoder, MATMUL_ROWS, MATMUL_SIMDS, MATMUL_TOKENS, Matrix,
+    ROW_THREADS, Readback, Result, StepPlan, bind, words,
+};
 
 impl<B: Clone> StepPlan<B> {
     /// The dispatches of one step (checked inputs, written to the GPU).
@@ -40,15 +43,15 @@ impl<B: Clone> StepPlan<B> {
             enc.set_bytes(4, &norm_params(false));
             enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
         };
-        let (qkv_rows, q_dim) = ((s.heads + 2 * s.kv_heads) * s.head_dim, s.heads * self.padded());
+        let qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim;
         for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(&self.kv) {
             norm(enc, &layer.input_norm, &a.normed);
+            // q, k and v side by side in each qkv row, from one matmul or several.
             let mut column = 0;
             for part in &layer.qkv {
-                let rows = part.weight.rows;
-                let out = Output { y: &a.qkv, stride: qkv_rows, offset: column };
-                self.matmul(enc, part, &a.normed, out, (t, s.hidden, rows), MatmulMode::Store);
-                column += rows;
+                let out = Output { y: &a.qkv, stride: Some(qkv_rows), offset: column };
+                self.matmul(enc, part.parts(), &a.normed, out, t, MatmulMode::Store);
+                column += part.weight.rows;
             }
 
             enc.set_kernel(&k.rope);
@@ -84,31 +87,10 @@ impl<B: Clone> StepPlan<B> {
                     scratch: self.scratch.as_ref(),
                 },
             );
-            self.matmul(
-                enc,
-                &layer.o_proj,
-                &a.attn,
-                Output::whole(&a.hidden, s.hidden),
-                (t, q_dim, s.hidden),
-                MatmulMode::Accumulate,
-            );
+            self.matmul(enc, layer.o_proj.parts(), &a.attn, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
             norm(enc, &layer.post_norm, &a.normed);
-            self.matmul(
-                enc,
-                &layer.gate_up,
-                &a.normed,
-                Output::whole(&a.act, s.intermediate),
-                (t, s.hidden, s.intermediate),
-                MatmulMode::Swiglu,
-            );
-            self.matmul(
-                enc,
-                &layer.down,
-                &a.act,
-                Output::whole(&a.hidden, s.hidden),
-                (t, s.intermediate, s.hidden),
-                MatmulMode::Accumulate,
-            );
+            self.matmul(enc, layer.gate_up.parts(), &a.normed, Output::whole(&a.act), t, MatmulMode::Swiglu);
+            self.matmul(enc, layer.down.parts(), &a.act, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
         }
         if rows == 0 {
             return Ok(());
@@ -122,15 +104,8 @@ impl<B: Clone> StepPlan<B> {
         enc.set_buffer(3, &a.head_in, 0, Access::Write);
         enc.set_bytes(4, &norm_params(true));
         enc.dispatch([rows, 1, 1], [ROW_THREADS, 1, 1]);
-        let head = Linear { weight: self.weights.lm_head.clone(), bias: None };
-        self.matmul(
-            enc,
-            &head,
-            &a.head_in,
-            Output::whole(&a.logits, s.vocab),
-            (rows, s.hidden, s.vocab),
-            MatmulMode::Store,
-        );
+        let head = (&self.weights.lm_head, None);
+        self.matmul(enc, head, &a.head_in, Output::whole(&a.logits), rows, MatmulMode::Store);
 
         if readback == Readback::Greedy {
             enc.set_kernel(&k.argmax);
@@ -142,39 +117,44 @@ impl<B: Clone> StepPlan<B> {
         Ok(())
     }
 
-    /// `y (+)= x W^T (+ b)` over `t` tokens, `(t, in, out)`.
+    /// `y (+)= x W^T (+ b)` over `t` tokens; the widths come from W
+    /// (`[out, in]`, or `[2 out, in]` under SwiGLU).
     fn matmul<E: Encoder<Buffer = B>>(
         &self,
         enc: &mut E,
-        linear: &Linear<B>,
+        (weight, bias): (&Matrix<B>, Option<&B>),
         x: &B,
         y: Output<'_, B>,
-        (t, inp, out): (usize, usize, usize),
+        t: usize,
         mode: MatmulMode,
     ) {
-        enc.set_kernel(self.kernels.matmul(linear.weight.format));
+        let inp = weight.cols;
+        let out = if mode == MatmulMode::Swiglu { weight.rows / 2 } else { weight.rows };
+        enc.set_kernel(self.kernels.matmul(weight.format));
         enc.set_buffer(0, x, 0, Access::Read);
-        enc.set_buffer(1, &linear.weight.buffer, 0, Access::Read);
+        enc.set_buffer(1, &weight.buffer, 0, Access::Read);
         // Unread without a bias; bound to x then (f32, aligned).
-        enc.set_buffer(2, linear.bias.as_ref().unwrap_or(x), 0, Access::Read);
+        enc.set_buffer(2, bias.unwrap_or(x), 0, Access::Read);
         enc.set_buffer(3, y.y, 0, Access::Write);
-        let has_bias = u32::from(linear.bias.is_some());
-        let (stride, offset) = (y.stride as u32, y.offset as u32);
+        let has_bias = u32::from(bias.is_some());
+        // A whole output is `out` wide.
+        let (stride, offset) = (y.stride.unwrap_or(out) as u32, y.offset as u32);
         enc.set_bytes(4, &words(&[t as u32, inp as u32, out as u32, mode as u32, has_bias, stride, offset]));
         enc.dispatch([out.div_ceil(MATMUL_ROWS), t.div_ceil(MATMUL_TOKENS), 1], [MATMUL_SIMDS * 32, 1, 1]);
     }
 }
 
-/// Where a matmul writes: columns `offset..offset + out` of rows of `stride`.
+/// Where a matmul writes: columns `offset..offset + out` of rows of
+/// `stride` (None: rows of `out`, the whole of `y`).
 struct Output<'a, B> {
     y: &'a B,
-    stride: usize,
+    stride: Option<usize>,
     offset: usize,
 }
 
 impl<'a, B> Output<'a, B> {
-    fn whole(y: &'a B, width: usize) -> Self {
-        Self { y, stride: width, offset: 0 }
+    fn whole(y: &'a B) -> Self {
+        Self { y, stride: None, offset: 0 }
     }
 }
 
@@ -184,10 +164,6 @@ enum MatmulMode {
     Store = 0,
     Accumulate = 1,
     Swiglu = 2,
-}
-
-fn bind<E: Encoder>(enc: &mut E, index: usize, at: At<'_, E::Buffer>, access: Access) {
-    enc.set_buffer(index, at.buffer, at.offset, access);
 }
 
 /// The dispatches of a step of `layers` layers whose attention takes

@@ -24,9 +24,10 @@
 use candle_core::DType;
 
 use super::plan::{
-    Access, Allocator, At, AttentionBuffers, AttentionPlan, Encoder, HEAD_DIMS, Kernel, PARTITION_SIZE, Source,
+    Access, Allocator, At, AttentionBuffers, AttentionPlan, Encoder, HEAD_DIMS, Kernel, PARTITION_SIZE, Source, bind,
+    invalid, to_u32, words,
 };
-use crate::{AttentionMetadata, Dims, KernelError, Result};
+use crate::{AttentionMetadata, Dims, Result};
 
 mod encode;
 pub use encode::dispatches_per_step;
@@ -70,19 +71,6 @@ pub trait Gpu: Allocator {
     fn traffic_bytes(&self) -> Option<u64> {
         None
     }
-}
-
-fn invalid<T>(message: String) -> Result<T> {
-    Err(KernelError::Invalid(message))
-}
-
-fn to_u32(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x)
-        .map_err(|_| KernelError::Invalid(format!("{what}: {x} is past the Metal kernels' 32-bit indexing")))
-}
-
-fn words(values: &[u32]) -> Vec<u8> {
-    values.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
 /// What one step may hold, fixed at load: the buffers' sizes come from here.
@@ -225,7 +213,7 @@ impl<B: Clone> StepPlan<B> {
         cache_dtype: DType,
     ) -> Result<Self> {
         let ModelShape { hidden, intermediate, heads, kv_heads, head_dim, vocab, .. } = shape;
-        let Some(padded) = padded_head_dim(head_dim).filter(|_| head_dim.is_multiple_of(2)) else {
+        let Some(padded) = padded_head_dim(head_dim) else {
             return invalid(format!(
                 "the Metal step has no attention kernel for head_dim {head_dim} (it takes even head dims up to {})",
                 HEAD_DIMS[HEAD_DIMS.len() - 1]
