@@ -4,7 +4,7 @@
 
 use candle_core::DType;
 
-pub use super::plan::padded_head_dim;
+use super::plan::HEAD_DIMS;
 
 /// How a weight matrix stores its rows: a float type, or one of GGML's
 /// block formats (each row `cols / weights_per_block` blocks, as GGUF files
@@ -152,6 +152,17 @@ pub struct ModelShape {
     pub vocab: usize,
     pub eps: f32,
     pub max_positions: usize,
+}
+
+/// The attention kernels' head dim for a model's `head_dim`: the smallest
+/// of [`HEAD_DIMS`] at least as large (an even head dim below it runs
+/// zero-padded: q and the cache rows get zeros, o_proj's weight zero
+/// columns). None for an odd head dim or one past the largest.
+pub fn padded_head_dim(head_dim: usize) -> Option<usize> {
+    if !head_dim.is_multiple_of(2) {
+        return None;
+    }
+    HEAD_DIMS.iter().copied().find(|&d| d >= head_dim)
 }
 
 /// `[rows, cols]` f32 weights quantized to a block `format`, as GGML's bytes

@@ -41,17 +41,6 @@ const CACHE_WRITE_THREADS: usize = 256;
 /// Alignment of each region inside an upload or the scratch buffer.
 const REGION_ALIGN: usize = 16;
 
-/// The attention kernels' head dim for a model's `head_dim`: the smallest
-/// of [`HEAD_DIMS`] at least as large (an even head dim below it runs
-/// zero-padded: q and the cache rows get zeros, o_proj's weight zero
-/// columns). None for an odd head dim or one past the largest.
-pub fn padded_head_dim(head_dim: usize) -> Option<usize> {
-    if !head_dim.is_multiple_of(2) {
-        return None;
-    }
-    HEAD_DIMS.iter().copied().find(|&d| d >= head_dim)
-}
-
 /// The kernels' name for a dtype (f32, f16, bf16), None for the others.
 pub fn dtype_name(dtype: DType) -> Option<&'static str> {
     match dtype {
