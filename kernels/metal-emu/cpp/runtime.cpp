@@ -150,6 +150,10 @@ struct Run {
   std::vector<uint32_t> rank_to_fiber;
   std::vector<uint32_t> fiber_rank;
   std::vector<uint64_t> ready;  // bit per rank
+  // Per SIMD group: lanes stopped (waiting or returned) since its last
+  // release, so the group is examined once all of them have stopped rather
+  // than at every lane's stop.
+  std::vector<uint32_t> stopped;
   std::vector<void*> seen_threadgroup_memory;
   Context scheduler;
   Fiber* current = nullptr;
@@ -316,6 +320,7 @@ void settle_simdgroup(Run& r, uint32_t sg, uint32_t num_threads) {
     return;
   }
   resolve(r, first, last);
+  r.stopped[sg] = 0;
   for (uint32_t t = first; t < last; ++t) {
     r.fibers[t].state = State::Ready;
     set_ready(r, t);
@@ -349,6 +354,7 @@ bool settle_threadgroup(Run& r) {
     fail_run(r, "a barrier (line " + std::to_string(line) + ") waits for threads that have returned");
     return false;
   }
+  std::fill(r.stopped.begin(), r.stopped.end(), 0);
   for (uint32_t t = 0; t < r.fibers.size(); ++t) {
     r.fibers[t].state = State::Ready;
     set_ready(r, t);
@@ -375,6 +381,7 @@ void run_threadgroup(Run& r, uint3 tg, uint32_t num_threads) {
   r.base.tg = tg;
   r.seen_threadgroup_memory.clear();
   std::fill(r.ready.begin(), r.ready.end(), 0);
+  r.stopped.assign((num_threads + kSimdWidth - 1) / kSimdWidth, 0);
   for (uint32_t t = 0; t < num_threads; ++t) {
     Fiber& f = r.fibers[t];
     f.state = State::Ready;
@@ -393,7 +400,10 @@ void run_threadgroup(Run& r, uint3 tg, uint32_t num_threads) {
     r.current = &f;
     switch_to(r.scheduler, f.ctx);
     if (r.failed) return;
-    settle_simdgroup(r, f.tid / kSimdWidth, num_threads);
+    const uint32_t sg = f.tid / kSimdWidth;
+    const uint32_t lanes = std::min(kSimdWidth, num_threads - sg * kSimdWidth);
+    if (++r.stopped[sg] < lanes) continue;
+    settle_simdgroup(r, sg, num_threads);
     if (r.failed) return;
   }
 }
