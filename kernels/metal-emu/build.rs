@@ -15,7 +15,8 @@
 use std::path::{Path, PathBuf};
 use std::{env, fs};
 
-const SOURCES: [&str; 4] = ["cache.metal", "paged_attention.metal", "prefill_attention.metal", "model.metal"];
+const SOURCES: [&str; 5] =
+    ["cache.metal", "paged_attention.metal", "prefill_attention.metal", "model.metal", "sample.metal"];
 
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(metal_emu)");
@@ -54,7 +55,14 @@ fn main() {
         build.flag("-fsanitize=address").flag("-fno-omit-frame-pointer");
         println!("cargo:rustc-link-lib=dylib=asan");
     }
-    for file in ["runtime.cpp", "kernel_cache.cpp", "kernel_decode.cpp", "kernel_prefill.cpp", "kernel_model.cpp"] {
+    for file in [
+        "runtime.cpp",
+        "kernel_cache.cpp",
+        "kernel_decode.cpp",
+        "kernel_prefill.cpp",
+        "kernel_model.cpp",
+        "kernel_sample.cpp",
+    ] {
         build.file(cpp.join(file));
     }
     match build.try_compile("tinyvllm_metal_emu") {

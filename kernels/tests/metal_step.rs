@@ -13,8 +13,8 @@ use kernels::metal::emulated::EmulatedGpu;
 use kernels::metal::model::quantize;
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{
-    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, Readback, StepInputs, StepLimits, StepPlan, WeightFormat,
-    dispatches_per_step,
+    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, Readback, SampleRow, StepInputs, StepLimits, StepOutput,
+    StepPlan, TokenEdit, WeightFormat, dispatches_per_step,
 };
 
 mod common;
@@ -333,6 +333,7 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
         max_tokens: 16,
         max_seqs: 4,
         max_logit_rows: 4,
+        max_sampled_rows: 4,
         max_model_len: 64,
         num_blocks: 64,
         block_size: BLOCK,
@@ -348,9 +349,25 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
     let want_b = model.logits(&b);
     let tol = if cache == DType::F16 { 2e-2 } else { 2e-4 };
     let vocab = shape.vocab;
-    let logits = |bytes: Vec<u8>| -> Vec<f32> {
-        bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    let logits = |out: StepOutput| -> Vec<f32> {
+        let StepOutput::Logits(logits) = out else { panic!("logits were asked for") };
+        logits
     };
+    let edits = [TokenEdit { token: 3, banned: false, bias: Some(2.0), seen: true, count: 2 }];
+    let nucleus = SampleRow {
+        temperature: 0.7,
+        top_k: 9,
+        top_p: 0.8,
+        min_p: 0.05,
+        repetition_penalty: 1.2,
+        frequency_penalty: 0.5,
+        presence_penalty: 0.1,
+        uniform: 0.4,
+        top_logprobs: Some(5),
+        allowed: Some(&[u32::MAX, 0xff]),
+        edits: &edits,
+    };
+    let sample_rows = [[SampleRow::GREEDY], [nucleus]];
     let run = |gpu: &mut EmulatedGpu, seqs: &[(usize, usize, &[u32])], readback| {
         let (ids, positions, meta, rows) = step_inputs(seqs);
         let inputs = StepInputs { input_ids: &ids, positions: &positions, meta: &meta, logit_rows: &rows };
@@ -371,11 +388,29 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
     assert_eq!(after.command_buffers - before.command_buffers, 1, "one command buffer per step");
     // q and k apart from v: one more matmul per layer than a stacked qkv.
     assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits) + 2);
-    // Greedy rows: the argmax of the same logits.
-    let greedy = run(&mut gpu, &[(0, 9, &a[9..])], Readback::Greedy);
-    let token = u32::from_le_bytes([greedy[0], greedy[1], greedy[2], greedy[3]]);
+    // Sampled on the GPU: greedy, the argmax of the same logits; one more
+    // dispatch whatever the parameters (what the draws are is
+    // worker/tests/metal_sampling.rs's).
     let best = (0..vocab).max_by(|&i, &j| out[i].total_cmp(&out[j]).then(j.cmp(&i))).unwrap();
-    assert_eq!(token as usize, best);
+    for rows in &sample_rows {
+        let params = rows[0];
+        let before = gpu.counters();
+        let StepOutput::Sampled(sampled) = run(&mut gpu, &[(0, 9, &a[9..])], Readback::Sample(rows)) else {
+            panic!("draws were asked for")
+        };
+        let after = gpu.counters();
+        assert_eq!(after.allocations, loaded.allocations, "a sampling step allocated");
+        assert_eq!(after.command_buffers - before.command_buffers, 1, "one command buffer per sampling step");
+        let sample = dispatches_per_step(2, 1, 1, Readback::Sample(rows)) + 2;
+        assert_eq!(after.dispatches - before.dispatches, sample);
+        assert_eq!(sample, dispatches_per_step(2, 1, 1, Readback::Logits) + 3);
+        if params.temperature == 0.0 {
+            assert_eq!(sampled[0].token as usize, best);
+        } else {
+            assert!(sampled[0].token < 40, "a token the mask allows: {}", sampled[0].token);
+            assert_eq!(sampled[0].logprobs.as_ref().map(|l| l.top.len()), Some(5));
+        }
+    }
 }
 
 #[test]
@@ -435,6 +470,7 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
         max_tokens: 128,
         max_seqs: 2,
         max_logit_rows: 2,
+        max_sampled_rows: 2,
         max_model_len: 640,
         num_blocks: 160,
         block_size: BLOCK,
@@ -446,7 +482,7 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
     let step = |gpu: &mut EmulatedGpu, done: usize, new: &[u32]| {
         let (ids, positions, meta, rows) = step_inputs_in(&[(0, done, new)], 160);
         let inputs = StepInputs { input_ids: &ids, positions: &positions, meta: &meta, logit_rows: &rows };
-        plan.run(gpu, &inputs, Readback::Greedy).unwrap();
+        plan.run(gpu, &inputs, Readback::Sample(&[SampleRow::GREEDY])).unwrap();
         plan.kv_read_bytes(&meta)
     };
     for start in (0..600).step_by(120) {

@@ -136,6 +136,8 @@ impl StepBackend {
 pub struct StepInfo {
     pub scheduled: Vec<RequestId>,
     pub num_batched_tokens: usize,
+    /// Rows a step plan's GPU sampler drew (0: the host sampler drew).
+    pub drawn_on_plan: usize,
 }
 
 impl Engine {
@@ -454,14 +456,16 @@ impl Engine {
             return self.step_sampling_on_device(&step, &batch);
         }
         let outputs = sampling_rows(&self.scheduler, &step);
-        if let Some(sampled) = plan::greedy_on_plan(&mut self.runner, &self.grammars, &batch, &outputs)? {
+        let sampling = (&self.eos_token_ids[..], self.logprobs_mode);
+        if let Some(sampled) = plan::sample_on_plan(&mut self.runner, &mut self.grammars, &batch, &outputs, sampling)? {
             drop(outputs);
+            self.last_step.drawn_on_plan = sampled.len();
             return Ok(self.finish_step(&step, per_request(&step, sampled), &[]));
         }
         let (logits, masks) = {
             let _t = profile::scope(Section::Forward);
             let runner = &mut self.runner;
-            with_masks(&mut self.grammars, &outputs, || runner.execute(&batch))?
+            self.grammars.masks_beside(&grammar_rows(&outputs), || runner.execute(&batch))?
         };
         let sampling_timer = profile::scope(Section::Sampling);
         let rows = rows_of(&outputs, &masks, &self.eos_token_ids);
@@ -481,6 +485,7 @@ impl Engine {
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));
         self.last_step.num_batched_tokens = step.num_batched_tokens;
+        self.last_step.drawn_on_plan = 0;
         Ok(step)
     }
 
@@ -546,6 +551,13 @@ fn sampling_rows<'a>(scheduler: &'a Scheduler, step: &'a SchedulerOutput) -> Vec
     rows
 }
 
+/// Each sampling row's request and output, as the grammars read them: a
+/// request verifying proposals has several rows (never a constrained one:
+/// it does not speculate).
+fn grammar_rows<'a>(outputs: &'a [(&'a Request, Cow<'a, [u32]>)]) -> Vec<(RequestId, &'a [u32])> {
+    outputs.iter().map(|(req, output)| (req.id, &output[..])).collect()
+}
+
 /// The step's sampling rows, built once from [`sampling_rows`]' outputs and
 /// the structured-output masks, for whichever sampler draws.
 fn rows_of<'a>(
@@ -566,30 +578,6 @@ fn rows_of<'a>(
             allowed: mask.as_ref().map(|m| m.as_slice()),
         })
         .collect()
-}
-
-/// Runs `forward` (the model) on this thread while another computes the
-/// step's structured-output masks, one per sampling row (`None` for
-/// unconstrained rows); joins both before sampling. A step with no
-/// constrained request runs `forward` alone.
-fn with_masks<T>(
-    grammars: &mut Grammars,
-    outputs: &[(&Request, Cow<[u32]>)],
-    forward: impl FnOnce() -> Result<T>,
-) -> Result<(T, Vec<Option<common::structured::TokenMask>>)> {
-    // One row per sampling row: a request verifying proposals has several
-    // (never a constrained one: it does not speculate).
-    let rows: Vec<(RequestId, &[u32])> = outputs.iter().map(|(req, output)| (req.id, &output[..])).collect();
-    if !grammars.any_constrained(rows.iter().map(|r| r.0)) {
-        return Ok((forward()?, vec![None; rows.len()]));
-    }
-    std::thread::scope(|s| {
-        let masker = s.spawn(|| grammars.masks(&rows));
-        let out = forward();
-        let masks =
-            masker.join().map_err(|_| WorkerError::Unsupported("the structured-output masker panicked".into()))?;
-        Ok((out?, masks))
-    })
 }
 
 /// A seed for requests that gave none: different per request and per run.

@@ -16,7 +16,6 @@ void tvm_register_model() {
   tvm::add_kernel("matmul_q4_k", "matmul", &tvm::invoke<matmul<BlockQ4K>>);
   tvm::add_kernel("matmul_q6_k", "matmul", &tvm::invoke<matmul<BlockQ6K>>);
   tvm::add_kernel("rms_norm", "rms_norm", &tvm::invoke<rms_norm>);
-  tvm::add_kernel("argmax_rows", "argmax_rows", &tvm::invoke<argmax_rows>);
   tvm::add_kernel("rope_qkv_cache_f32", "rope_qkv_cache", &tvm::invoke<rope_qkv_cache<float>>);
   tvm::add_kernel("rope_qkv_cache_f16", "rope_qkv_cache", &tvm::invoke<rope_qkv_cache<half>>);
 }

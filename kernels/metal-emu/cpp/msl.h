@@ -178,7 +178,24 @@ inline T min(T a, T b) {
 inline float max(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
 inline float min(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
 
+template <typename T>
+inline T clamp(T x, T lo, T hi) {
+  return min(max(x, lo), hi);
+}
+// Reinterprets the bits (Metal's as_type; sizes must match).
+template <typename To, typename From>
+inline To as_type(From x) {
+  static_assert(sizeof(To) == sizeof(From), "as_type between types of one size");
+  To y;
+  std::memcpy(&y, &x, sizeof(To));
+  return y;
+}
+
 inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+inline float floor(float x) { return std::floor(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float ceil(float x) { return std::ceil(x); }
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline bool isnan(float x) { return std::isnan(x); }

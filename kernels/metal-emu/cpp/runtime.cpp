@@ -36,6 +36,7 @@ void tvm_register_decode();
 void tvm_register_prefill();
 void tvm_register_cache();
 void tvm_register_model();
+void tvm_register_sample();
 
 namespace tvm {
 namespace {
@@ -525,6 +526,7 @@ void register_all() {
     tvm_register_prefill();
     tvm_register_cache();
     tvm_register_model();
+    tvm_register_sample();
   });
 }
 void set_error(char* err, size_t len, const std::string& msg) {

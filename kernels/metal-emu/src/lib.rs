@@ -320,11 +320,12 @@ fn kernel_function(_: &CStr) -> Option<String> {
 }
 
 /// The sources as compiled (build.rs), searched for kernel signatures.
-const SOURCES: [&str; 4] = [
+const SOURCES: [&str; 5] = [
     include_str!(concat!(env!("OUT_DIR"), "/metal/cache.metal")),
     include_str!(concat!(env!("OUT_DIR"), "/metal/model.metal")),
     include_str!(concat!(env!("OUT_DIR"), "/metal/paged_attention.metal")),
     include_str!(concat!(env!("OUT_DIR"), "/metal/prefill_attention.metal")),
+    include_str!(concat!(env!("OUT_DIR"), "/metal/sample.metal")),
 ];
 
 /// The attribute of every parameter of kernel template `function`, in

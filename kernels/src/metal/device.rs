@@ -16,7 +16,7 @@ use candle_core::{
     CpuStorage, CustomOp3, DType, Layout, MetalDevice, MetalError, MetalStorage, Shape, Storage, Tensor,
 };
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
-use objc2_metal::MTLSize;
+use objc2_metal::{MTLCompileOptions, MTLMathMode, MTLSize};
 
 use super::plan::{
     Access, Allocator, At, AttentionBuffers, AttentionPlan, CacheWriteBuffers, CacheWritePlan, Encoder, HEAD_DIMS,
@@ -84,7 +84,15 @@ fn library(device: &MetalDevice, compiled: &mut Compiled, source: Source) -> Res
     if let Some(library) = compiled.libraries.get(&source) {
         return Ok(library.clone());
     }
-    let library = device.metal_device().new_library_with_source(source.code(), None).map_err(metal_error)?;
+    // The sampler compares against -inf and reads NaN logits as -inf, which
+    // fast math (Metal's default) may assume away.
+    let options = (source == Source::Sample).then(|| {
+        let options = MTLCompileOptions::new();
+        options.setMathMode(MTLMathMode::Safe);
+        options
+    });
+    let library =
+        device.metal_device().new_library_with_source(source.code(), options.as_deref()).map_err(metal_error)?;
     compiled.libraries.insert(source, library.clone());
     Ok(library)
 }

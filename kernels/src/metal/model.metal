@@ -26,7 +26,7 @@ using namespace metal;
 #endif
 
 static constant constexpr const uint kModelSimdWidth = 32;
-// Threads per threadgroup of the row kernels (embed, rms_norm, argmax).
+// Threads per threadgroup of the row kernels (embed, rms_norm).
 static constant constexpr const uint kRowThreads = 256;
 static constant constexpr const uint kRowSimds = kRowThreads / kModelSimdWidth;
 // SIMD groups per matmul threadgroup, and output rows per SIMD group.
@@ -454,51 +454,6 @@ template <typename C>
     }
     dst[j] = static_cast<C>(a * c[j] - b * s[j]);
     dst[j + half_d] = static_cast<C>(b * c[j] + a * s[j]);
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Greedy sampling
-
-// One threadgroup per row: the index of the row's largest logit, the lowest
-// index among equals (as the host sampler's argmax).
-[[kernel]] void argmax_rows(
-    device const float* logits [[buffer(0)]],  // [R, vocab]
-    device uint* out [[buffer(1)]],            // [R]
-    constant uint& vocab [[buffer(2)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float best_values[kRowSimds];
-  threadgroup uint best_indices[kRowSimds];
-  device const float* l = logits + row * vocab;
-  float best = -3.402823466e38f;  // finite: the library is built with fast math
-  uint best_index = 0xffffffffu;
-  for (uint i = tid; i < vocab; i += kRowThreads) {
-    const float v = l[i];
-    if (v > best || (v == best && i < best_index)) {
-      best = v;
-      best_index = i;
-    }
-  }
-  const float simd_best = simd_max(best);
-  const uint simd_index = simd_min(best == simd_best ? best_index : 0xffffffffu);
-  if (lane == 0) {
-    best_values[sg] = simd_best;
-    best_indices[sg] = simd_index;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid == 0) {
-    float v = best_values[0];
-    uint index = best_indices[0];
-    for (uint s = 1; s < kRowSimds; ++s) {
-      if (best_values[s] > v || (best_values[s] == v && best_indices[s] < index)) {
-        v = best_values[s];
-        index = best_indices[s];
-      }
-    }
-    out[row] = index == 0xffffffffu ? 0 : index;
   }
 }
 

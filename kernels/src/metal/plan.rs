@@ -80,6 +80,8 @@ pub enum Source {
     Prefill,
     /// The dense model step besides attention (step/).
     Model,
+    /// Sampling (step/sample.rs), compiled without fast math.
+    Sample,
 }
 
 impl Source {
@@ -89,6 +91,7 @@ impl Source {
             Source::Decode => include_str!("paged_attention.metal"),
             Source::Prefill => include_str!("prefill_attention.metal"),
             Source::Model => include_str!("model.metal"),
+            Source::Sample => include_str!("sample.metal"),
         }
     }
 }

@@ -57,6 +57,7 @@ pub(super) fn build_plan(
         max_tokens: config.max_num_batched_tokens,
         max_seqs: config.max_num_seqs,
         max_logit_rows: (sampled + prompt).min(config.max_num_batched_tokens),
+        max_sampled_rows: sampled.min(config.max_num_batched_tokens),
         max_model_len,
         num_blocks,
         block_size: config.block_size,

@@ -1,7 +1,7 @@
 //! The step of an engine that samples on its model's device (GPUs): only
 //! token ids and the requested logprobs come back to the host.
 
-use super::{Engine, per_request, rows_of, sampling_rows, with_masks};
+use super::{Engine, grammar_rows, per_request, rows_of, sampling_rows};
 use crate::error::Result;
 use crate::profile::{self, Section};
 use crate::runner::model_runner::BatchInputs;
@@ -21,7 +21,8 @@ impl Engine {
         let forward_timer = profile::scope(Section::Forward);
         let outputs = sampling_rows(&self.scheduler, step);
         let runner = &mut self.runner;
-        let (logits, masks) = with_masks(&mut self.grammars, &outputs, || runner.forward_on_device(batch))?;
+        let (logits, masks) =
+            self.grammars.masks_beside(&grammar_rows(&outputs), || runner.forward_on_device(batch))?;
         let rows = rows_of(&outputs, &masks, &self.eos_token_ids);
         let (sampled, prompt_logits) = self.runner.sample_on_device(logits, batch, &rows, self.logprobs_mode)?;
         drop(forward_timer);

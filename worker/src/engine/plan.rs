@@ -6,14 +6,16 @@ use std::borrow::Cow;
 
 use common::SampledToken;
 use engine_core::Request;
+use kernels::metal::step::{SampleRow, TokenEdit};
 
-use super::Engine;
+use super::{Engine, grammar_rows, rows_of};
 use crate::error::Result;
 use crate::profile::{self, Section};
 use crate::runner::grammar::Grammars;
+use crate::runner::logprobs::LogprobsMode;
 use crate::runner::model_runner::{BatchInputs, ModelRunner};
 use crate::runner::plan::Traffic;
-use crate::runner::sampler::is_plain_argmax;
+use crate::runner::plan_sampling;
 
 impl Engine {
     /// Whether a plan of our GPU kernels runs the step (`--device metal`,
@@ -34,27 +36,33 @@ impl Engine {
     }
 }
 
-/// A step whose every sampled row is a plain argmax (greedy, no
-/// logprobs, penalty, bias, ban or grammar) and that wants no prompt
-/// logprobs, run on the plan with the argmax on the GPU: only token ids
-/// come back. None when the step needs the host sampler.
-pub(super) fn greedy_on_plan(
+/// A step whose sampled rows the plan's GPU sampler takes (any sampling
+/// parameters, logprobs and grammar masks; not prompt logprobs, which need
+/// their rows' logits), run on the plan with the draws on the GPU: only
+/// the tokens, and what their logprobs need, come back. None when the step
+/// needs the host sampler. A constrained step computes its masks before the
+/// step (the host path computes them beside it).
+pub(super) fn sample_on_plan(
     runner: &mut ModelRunner,
-    grammars: &Grammars,
+    grammars: &mut Grammars,
     batch: &BatchInputs,
     outputs: &[(&Request, Cow<'_, [u32]>)],
+    (eos_token_ids, mode): (&[u32], LogprobsMode),
 ) -> Result<Option<Vec<SampledToken>>> {
-    let plain = |(req, output): &(&Request, Cow<'_, [u32]>)| {
-        req.params.logprobs.is_none() && is_plain_argmax(&req.params, output.len(), false)
-    };
-    if outputs.is_empty()
-        || !batch.prompt_logprob_rows.is_empty()
-        || grammars.any_constrained(outputs.iter().map(|(req, _)| req.id))
-        || !outputs.iter().all(plain)
-    {
+    if outputs.is_empty() || !batch.prompt_logprob_rows.is_empty() || runner.plan_mut().is_none() {
         return Ok(None);
     }
+    let unmasked = vec![None; outputs.len()];
+    let rows = rows_of(outputs, &unmasked, eos_token_ids);
+    let edits: Vec<Vec<TokenEdit>> = rows.iter().map(plan_sampling::edits_of).collect();
+    let params: Vec<SampleRow> = rows.iter().zip(&edits).map(|(r, e)| plan_sampling::sample_row(r, e)).collect();
+    if !runner.samples_on_plan(&params) {
+        return Ok(None);
+    }
+    let masks = grammars.masks_beside(&grammar_rows(outputs), || Ok(()))?.1;
+    let rows = rows_of(outputs, &masks, eos_token_ids);
+    let params: Vec<SampleRow> = rows.iter().zip(&edits).map(|(r, e)| plan_sampling::sample_row(r, e)).collect();
     let _t = profile::scope(Section::Forward);
-    let Some(tokens) = runner.execute_greedy(batch) else { return Ok(None) };
-    Ok(Some(tokens?.into_iter().map(|token_id| SampledToken { token_id, logprobs: None }).collect()))
+    let Some(sampled) = runner.execute_sampled(batch, &params) else { return Ok(None) };
+    Ok(Some(sampled?.into_iter().map(|s| plan_sampling::sampled_token(s, mode)).collect()))
 }

@@ -20,6 +20,8 @@ use std::sync::{Arc, OnceLock};
 use common::structured::{GrammarCompiler, GrammarMatcher, StructuredError, TokenMask};
 use common::{RequestId, StructuredOutput};
 
+use crate::error::WorkerError;
+
 /// The constrained requests of one engine and what compiles theirs.
 pub struct Grammars {
     vocabulary: Vocabulary,
@@ -103,6 +105,27 @@ impl Grammars {
     /// Whether any of `ids` is constrained (so a step needs masks).
     pub fn any_constrained(&self, mut ids: impl Iterator<Item = RequestId>) -> bool {
         !self.active.is_empty() && ids.any(|id| self.active.contains_key(&id))
+    }
+
+    /// Runs `forward` (the model) on this thread while another computes the
+    /// masks of `rows` (one per sampling row, `None` for unconstrained
+    /// ones); joins both before sampling. Without a constrained row,
+    /// `forward` runs alone.
+    pub fn masks_beside<T>(
+        &mut self,
+        rows: &[(RequestId, &[u32])],
+        forward: impl FnOnce() -> crate::error::Result<T>,
+    ) -> crate::error::Result<(T, Vec<Option<TokenMask>>)> {
+        if !self.any_constrained(rows.iter().map(|r| r.0)) {
+            return Ok((forward()?, vec![None; rows.len()]));
+        }
+        std::thread::scope(|s| {
+            let masker = s.spawn(|| self.masks(rows));
+            let out = forward();
+            let masks =
+                masker.join().map_err(|_| WorkerError::Unsupported("the structured-output masker panicked".into()))?;
+            Ok((out?, masks))
+        })
     }
 
     /// The mask of each sampling row, `rows[i] = (request, its output so

@@ -11,6 +11,7 @@ pub mod kv_cache;
 pub mod logprobs;
 pub mod model_runner;
 pub mod plan;
+pub mod plan_sampling;
 mod plan_weights;
 pub mod sampler;
 

@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use common::RequestId;
+use kernels::metal::step::{SampleRow, Sampled};
 use kernels::{AttentionMetadata, KvCacheDtype};
 
 use crate::error::{Result, WorkerError};
@@ -84,12 +85,18 @@ impl ModelRunner {
     }
 
     /// Runs the step on the plan and draws every sampled row
-    /// (`logits_indices`) greedily on the GPU; None without a plan.
-    pub fn execute_greedy(&mut self, batch: &BatchInputs) -> Option<Result<Vec<u32>>> {
+    /// (`logits_indices`, one of `params` each) on the GPU; None without a
+    /// plan, or where its sampler cannot hold `params`.
+    pub fn execute_sampled(&mut self, batch: &BatchInputs, params: &[SampleRow]) -> Option<Result<Vec<Sampled>>> {
         match &mut self.step {
-            Step::Plan(plan) => Some(plan.greedy(batch, &batch.logits_indices)),
-            Step::Candle { .. } => None,
+            Step::Plan(plan) if plan.samples(params) => Some(plan.sample(batch, &batch.logits_indices, params)),
+            _ => None,
         }
+    }
+
+    /// Whether [`execute_sampled`](Self::execute_sampled) would take `params`.
+    pub fn samples_on_plan(&self, params: &[SampleRow]) -> bool {
+        matches!(&self.step, Step::Plan(plan) if plan.samples(params))
     }
 
     /// The step plan, when one runs the step.

@@ -8,7 +8,8 @@
 
 use candle_core::DType;
 use kernels::metal::step::{
-    Gpu, ModelShape, Readback, StepInputs, StepLimits, StepPlan, WeightFormat, padded_head_dim,
+    Gpu, ModelShape, Readback, SampleRow, Sampled, StepInputs, StepLimits, StepOutput, StepPlan, WeightFormat,
+    padded_head_dim,
 };
 
 use crate::error::{Result, WorkerError};
@@ -21,9 +22,13 @@ use crate::runner::plan_weights::{self, Source};
 pub trait StepExecutor: Send {
     /// Runs a step; the logits of `rows` (`[rows, vocab]`), or nothing for no rows.
     fn logits(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<f32>>;
-    /// Runs a step and draws each of `rows` greedily on the GPU (one argmax
-    /// dispatch): only the token ids come back.
-    fn greedy(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<u32>>;
+    /// Whether [`sample`](Self::sample) takes these rows (the sampler's
+    /// buffers hold them).
+    fn samples(&self, params: &[SampleRow]) -> bool;
+    /// Runs a step and draws each of `rows` on the GPU with `params` (one
+    /// sampler dispatch in the step's command buffer): only the tokens, and
+    /// what their logprobs need, come back.
+    fn sample(&mut self, batch: &BatchInputs, rows: &[u32], params: &[SampleRow]) -> Result<Vec<Sampled>>;
     /// Bytes of weights the GPU holds.
     fn weight_bytes(&self) -> usize;
     /// Bytes of the KV pools.
@@ -64,7 +69,7 @@ impl<G: Gpu> PlanExecutor<G> {
     }
 
     /// One step, its traffic recorded while counting.
-    fn run(&mut self, batch: &BatchInputs, rows: &[u32], readback: Readback) -> Result<Vec<u8>> {
+    fn run(&mut self, batch: &BatchInputs, rows: &[u32], readback: Readback) -> Result<StepOutput> {
         let inputs = StepInputs {
             input_ids: &batch.input_ids,
             positions: &batch.positions,
@@ -72,14 +77,14 @@ impl<G: Gpu> PlanExecutor<G> {
             logit_rows: rows,
         };
         let before = self.gpu.traffic_bytes();
-        let bytes = self.plan.run(&mut self.gpu, &inputs, readback)?;
+        let out = self.plan.run(&mut self.gpu, &inputs, readback)?;
         if self.counting
             && let (Some(before), Some(after)) = (before, self.gpu.traffic_bytes())
         {
             let must_read = self.plan.weight_bytes() + self.plan.kv_read_bytes(&batch.meta);
             self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
         }
-        Ok(bytes)
+        Ok(out)
     }
 }
 
@@ -89,13 +94,23 @@ where
     G::Buffer: Send,
 {
     fn logits(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<f32>> {
-        let bytes = self.run(batch, rows, Readback::Logits)?;
-        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        match self.run(batch, rows, Readback::Logits)? {
+            StepOutput::Logits(logits) => Ok(logits),
+            StepOutput::Sampled(_) => Err(WorkerError::Unsupported("the plan sampled where logits were asked".into())),
+        }
     }
 
-    fn greedy(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<u32>> {
-        let bytes = self.run(batch, rows, Readback::Greedy)?;
-        Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    fn samples(&self, params: &[SampleRow]) -> bool {
+        self.plan.samples(params)
+    }
+
+    fn sample(&mut self, batch: &BatchInputs, rows: &[u32], params: &[SampleRow]) -> Result<Vec<Sampled>> {
+        match self.run(batch, rows, Readback::Sample(params))? {
+            StepOutput::Sampled(sampled) => Ok(sampled),
+            StepOutput::Logits(_) => {
+                Err(WorkerError::Unsupported("the plan read logits where draws were asked".into()))
+            }
+        }
     }
 
     fn count_traffic(&mut self, on: bool) -> bool {

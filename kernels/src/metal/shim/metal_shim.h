@@ -150,6 +150,7 @@ template <typename T> T clamp(T, T, T);
 template <typename T> T abs(T);
 template <typename T> T select(T, T, bool);
 template <typename T, int N> T dot(vec<T, N>, vec<T, N>);
+template <typename To, typename From> To as_type(From);
 
 #define TINYVLLM_SHIM_MATH(NAME)                   \
   float NAME(float);                               \

@@ -107,12 +107,8 @@ impl<B: Clone> StepPlan<B> {
         let head = (&self.weights.lm_head, None);
         self.matmul(enc, head, &a.head_in, Output::whole(&a.logits), rows, MatmulMode::Store);
 
-        if readback == Readback::Greedy {
-            enc.set_kernel(&k.argmax);
-            enc.set_buffer(0, &a.logits, 0, Access::Read);
-            enc.set_buffer(1, &a.tokens, 0, Access::Write);
-            enc.set_bytes(2, &words(&[u(s.vocab)]));
-            enc.dispatch([rows, 1, 1], [ROW_THREADS, 1, 1]);
+        if let Readback::Sample(_) = readback {
+            self.sampler.encode(enc, &a.logits, rows);
         }
         Ok(())
     }
@@ -169,6 +165,6 @@ enum MatmulMode {
 /// The dispatches of a step of `layers` layers whose attention takes
 /// `attention` dispatches per layer, with `rows` wanted rows.
 pub fn dispatches_per_step(layers: usize, attention: usize, rows: usize, readback: Readback) -> usize {
-    let head = if rows == 0 { 0 } else { 2 + usize::from(readback == Readback::Greedy) };
+    let head = if rows == 0 { 0 } else { 2 + usize::from(matches!(readback, Readback::Sample(_))) };
     1 + layers * (7 + attention) + head
 }

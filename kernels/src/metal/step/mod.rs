@@ -8,7 +8,7 @@
 //! token budget, the inputs, the attention metadata and the decode scratch
 //! at their bounds. A step ([`StepPlan::run`]) writes its inputs into those
 //! buffers, encodes a fixed sequence of dispatches into one command buffer
-//! and waits once, for the logits of the wanted rows or the greedy tokens.
+//! and waits once, for the logits of the wanted rows or their sampled tokens.
 //! It allocates nothing on the GPU.
 //!
 //! Dispatches per decoder layer (model.metal says what each fuses):
@@ -19,7 +19,8 @@
 //! `rms_norm`, `matmul` (gate/up with SwiGLU's product), `matmul`
 //! (down_proj, adding into the residual stream): 8 at decode. Per step
 //! besides: the embedding, the final norm of the wanted rows, lm_head and,
-//! for greedy rows, the argmax.
+//! when the step samples on the GPU, the sampler (sample.rs: one dispatch
+//! for every row, whatever its parameters).
 
 use candle_core::DType;
 
@@ -30,7 +31,9 @@ use super::plan::{
 use crate::{AttentionMetadata, Dims, Result};
 
 mod encode;
+mod sample;
 pub use encode::dispatches_per_step;
+pub use sample::{EDITS_PER_ROW, MAX_TOP_LOGPROBS, RawLogprobs, SampleRow, Sampled, Sampler, TokenEdit};
 
 pub use super::model::{
     LayerWeights, Linear, Matrix, ModelShape, ModelWeights, WeightFormat, pad_columns, padded_head_dim,
@@ -81,6 +84,8 @@ pub struct StepLimits {
     pub max_seqs: usize,
     /// Rows of logits per step (sampled rows and prompt-logprob rows).
     pub max_logit_rows: usize,
+    /// Rows a step samples on the GPU (the sampler's buffers).
+    pub max_sampled_rows: usize,
     /// Longest context, for the block tables and the decode scratch.
     pub max_model_len: usize,
     pub num_blocks: usize,
@@ -98,12 +103,21 @@ pub struct StepInputs<'a> {
 }
 
 /// What a step brings back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Readback {
+#[derive(Clone, Copy, Debug)]
+pub enum Readback<'a> {
     /// The wanted rows' logits, `[rows, vocab]` f32.
     Logits,
-    /// Each wanted row's argmax.
-    Greedy,
+    /// Each wanted row's token, drawn on the GPU with these parameters (one
+    /// per wanted row).
+    Sample(&'a [SampleRow<'a>]),
+}
+
+/// What a step brought back.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepOutput {
+    /// `[rows, vocab]`, row-major.
+    Logits(Vec<f32>),
+    Sampled(Vec<Sampled>),
 }
 
 /// Byte offsets of the step inputs inside their buffer.
@@ -138,7 +152,6 @@ struct Activations<B> {
     act: B,
     head_in: B,
     logits: B,
-    tokens: B,
 }
 
 /// The model's step on a GPU: its buffers and kernels, built once.
@@ -157,6 +170,7 @@ pub struct StepPlan<B> {
     meta_capacity: usize,
     scratch: Option<B>,
     scratch_capacity: usize,
+    sampler: Sampler<B>,
     kernels: Kernels,
 }
 
@@ -168,7 +182,6 @@ struct Kernels {
     norm: Kernel,
     matmuls: Vec<(WeightFormat, Kernel)>,
     rope: Kernel,
-    argmax: Kernel,
 }
 
 impl Kernels {
@@ -282,8 +295,8 @@ impl<B: Clone> StepPlan<B> {
             act: f32s(alloc, max_tokens * intermediate)?,
             head_in: f32s(alloc, max_logit_rows * hidden)?,
             logits: f32s(alloc, max_logit_rows * vocab)?,
-            tokens: f32s(alloc, max_logit_rows)?,
         };
+        let sampler = Sampler::new(alloc, vocab, limits.max_sampled_rows.clamp(1, max_logit_rows))?;
         let layout = InputLayout::new(&limits);
         let inputs = alloc.scratch(layout.len)?;
         let meta_capacity = meta_bound(&shape, &limits);
@@ -318,7 +331,6 @@ impl<B: Clone> StepPlan<B> {
             norm: model_kernel("rms_norm".into(), ROW_THREADS),
             matmuls,
             rope: model_kernel(format!("rope_qkv_cache_{cache_name}"), 32),
-            argmax: model_kernel("argmax_rows".into(), ROW_THREADS),
         };
         Ok(Self {
             shape,
@@ -333,6 +345,7 @@ impl<B: Clone> StepPlan<B> {
             meta_capacity,
             scratch,
             scratch_capacity,
+            sampler,
             kernels,
         })
     }
@@ -348,7 +361,7 @@ impl<B: Clone> StepPlan<B> {
     /// Every kernel a step may dispatch (to compile at load).
     pub fn kernels(&self) -> Vec<&Kernel> {
         let k = &self.kernels;
-        let mut all = vec![&k.embed, &k.norm, &k.rope, &k.argmax];
+        let mut all = vec![&k.embed, &k.norm, &k.rope, self.sampler.kernel()];
         all.extend(k.matmuls.iter().map(|(_, m)| m));
         all.extend(&k.attention);
         all
@@ -387,6 +400,11 @@ impl<B: Clone> StepPlan<B> {
     }
 
     /// Bytes of the KV pools.
+    /// Whether a step may sample `rows` on the GPU (see [`Sampler::fits`]).
+    pub fn samples(&self, rows: &[SampleRow]) -> bool {
+        self.sampler.fits(rows)
+    }
+
     pub fn kv_bytes(&self) -> usize {
         let l = &self.limits;
         2 * self.kv.len()
@@ -398,9 +416,9 @@ impl<B: Clone> StepPlan<B> {
     }
 
     /// Runs one step: writes its inputs, encodes every dispatch into one
-    /// command buffer, waits, and reads back the wanted rows' logits
-    /// (`[rows, vocab]`, as f32 bytes) or greedy tokens (u32 bytes).
-    pub fn run<G: Gpu<Buffer = B>>(&self, gpu: &mut G, step: &StepInputs, readback: Readback) -> Result<Vec<u8>> {
+    /// command buffer, waits, and reads back the wanted rows' logits or
+    /// their sampled tokens.
+    pub fn run<G: Gpu<Buffer = B>>(&self, gpu: &mut G, step: &StepInputs, readback: Readback) -> Result<StepOutput> {
         let t = step.input_ids.len();
         let rows = step.logit_rows.len();
         let (s, l) = (&self.shape, &self.limits);
@@ -458,7 +476,15 @@ impl<B: Clone> StepPlan<B> {
             ));
         }
 
+        if let Readback::Sample(params) = readback
+            && params.len() != rows
+        {
+            return invalid(format!("{} sampling rows for {rows} wanted rows", params.len()));
+        }
         let lay = self.layout;
+        if let Readback::Sample(params) = readback {
+            self.sampler.write(gpu, params)?;
+        }
         gpu.write(&self.inputs, lay.ids, &words(step.input_ids))?;
         gpu.write(&self.inputs, lay.positions, &words(step.positions))?;
         gpu.write(&self.inputs, lay.slots, &words(&step.meta.slot_mapping))?;
@@ -469,14 +495,16 @@ impl<B: Clone> StepPlan<B> {
         self.encode(&mut enc, t, rows, &attention, readback)?;
         gpu.commit_and_wait(enc)?;
 
-        let out = match readback {
-            Readback::Logits => (&self.acts.logits, rows * s.vocab * 4),
-            Readback::Greedy => (&self.acts.tokens, rows * 4),
-        };
-        let mut bytes = vec![0u8; out.1];
-        if !bytes.is_empty() {
-            gpu.read(out.0, 0, &mut bytes)?;
+        match readback {
+            Readback::Logits => {
+                let mut bytes = vec![0u8; rows * s.vocab * 4];
+                if !bytes.is_empty() {
+                    gpu.read(&self.acts.logits, 0, &mut bytes)?;
+                }
+                let floats = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                Ok(StepOutput::Logits(floats.collect()))
+            }
+            Readback::Sample(params) => Ok(StepOutput::Sampled(self.sampler.read(gpu, params)?)),
         }
-        Ok(bytes)
     }
 }
