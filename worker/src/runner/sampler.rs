@@ -136,7 +136,7 @@ struct Scratch {
 
 /// Whether a row's token is the plain argmax of its logits: greedy, with
 /// nothing that changes the logits first (no `min_tokens` ban, penalty,
-/// bias or grammar mask). A GPU step plan draws such rows itself.
+/// bias or grammar mask).
 pub fn is_plain_argmax(p: &SamplingParams, num_output_tokens: usize, constrained: bool) -> bool {
     let masks_stops = num_output_tokens < p.min_tokens as usize;
     let penalises = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
