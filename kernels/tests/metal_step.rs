@@ -13,8 +13,8 @@ use kernels::metal::emulated::EmulatedGpu;
 use kernels::metal::model::quantize;
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{
-    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, Readback, SampleRow, StepInputs, StepLimits, StepOutput,
-    StepPlan, TokenEdit, WeightFormat, dispatches_per_step,
+    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Readback, SampleRow, StepInput, StepInputs,
+    StepLimits, StepOutput, StepPlan, TokenEdit, WeightFormat, dispatches_per_step,
 };
 
 mod common;
@@ -246,7 +246,7 @@ impl RefModel {
         };
         let s = &self.shape;
         ModelWeights {
-            embed: matrix(gpu, &self.embed, s.vocab, s.hidden),
+            embed: Some(matrix(gpu, &self.embed, s.vocab, s.hidden)),
             layers: self
                 .layers
                 .iter()
@@ -260,8 +260,10 @@ impl RefModel {
                     down: linear(gpu, &l.down),
                 })
                 .collect(),
-            final_norm: f32s(gpu, &self.final_norm),
-            lm_head: matrix(gpu, &self.lm_head, s.vocab, s.hidden),
+            head: Some(OutputHead {
+                final_norm: f32s(gpu, &self.final_norm),
+                lm_head: matrix(gpu, &self.lm_head, s.vocab, s.hidden),
+            }),
             rope_cos: f32s(gpu, &self.cos),
             rope_sin: f32s(gpu, &self.sin),
         }
@@ -370,7 +372,8 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
     let sample_rows = [[SampleRow::GREEDY], [nucleus]];
     let run = |gpu: &mut EmulatedGpu, seqs: &[(usize, usize, &[u32])], readback| {
         let (ids, positions, meta, rows) = step_inputs(seqs);
-        let inputs = StepInputs { input_ids: &ids, positions: &positions, meta: &meta, logit_rows: &rows };
+        let inputs =
+            StepInputs { input: StepInput::Tokens(&ids), positions: &positions, meta: &meta, logit_rows: &rows };
         plan.run(gpu, &inputs, readback).unwrap()
     };
     // Step 1: a's first 6 tokens (a chunk) beside all of b.
@@ -481,7 +484,8 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
     let tokens: Vec<u32> = (0..601).map(|i| (i * 7 % 1024) as u32).collect();
     let step = |gpu: &mut EmulatedGpu, done: usize, new: &[u32]| {
         let (ids, positions, meta, rows) = step_inputs_in(&[(0, done, new)], 160);
-        let inputs = StepInputs { input_ids: &ids, positions: &positions, meta: &meta, logit_rows: &rows };
+        let inputs =
+            StepInputs { input: StepInput::Tokens(&ids), positions: &positions, meta: &meta, logit_rows: &rows };
         plan.run(gpu, &inputs, Readback::Sample(&[SampleRow::GREEDY])).unwrap();
         plan.kv_read_bytes(&meta)
     };
@@ -500,4 +504,70 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
     );
     assert!(ratio <= 1.15, "{ratio:.3}x");
     assert!(ratio >= 0.99, "less than the weights and KV: {ratio:.3}x");
+}
+
+/// A pipeline of two stage plans (layers 0 and 1: the embedding on the
+/// first, the head on the second) hands hidden states on and gives the
+/// whole plan's logits, bit for bit, over a prefill and a decode step.
+#[test]
+fn stage_plans_chained_give_the_whole_plans_logits() {
+    if !metal_emu::available() {
+        return common::metal_unavailable("the Metal emulator is not built for this target");
+    }
+    let shape = ModelShape {
+        hidden: 64,
+        intermediate: 96,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        vocab: 50,
+        eps: 1e-6,
+        max_positions: 64,
+    };
+    let model = RefModel::new(shape, 2, true, false, Formats::all(DType::F32), 3);
+    let mut gpu = EmulatedGpu::new().unwrap();
+    let limits = StepLimits {
+        max_tokens: 16,
+        max_seqs: 2,
+        max_logit_rows: 2,
+        max_sampled_rows: 2,
+        max_model_len: 64,
+        num_blocks: 32,
+        block_size: BLOCK,
+    };
+    let whole_weights = model.upload(&mut gpu);
+    let first = ModelWeights { layers: whole_weights.layers[..1].to_vec(), head: None, ..whole_weights.clone() };
+    let last = ModelWeights { embed: None, layers: whole_weights.layers[1..].to_vec(), ..whole_weights.clone() };
+    let whole = StepPlan::new(&mut gpu, shape, whole_weights, limits, DType::F32).unwrap();
+    let first = StepPlan::new(&mut gpu, shape, first, limits, DType::F32).unwrap();
+    let last = StepPlan::new(&mut gpu, shape, last, limits, DType::F32).unwrap();
+    for plan in [&whole, &first, &last] {
+        gpu.prepare(plan.kernels()).unwrap();
+    }
+    let a: Vec<u32> = vec![3, 17, 4, 42, 8, 8, 1];
+    for (done, new) in [(0, &a[..6]), (6, &a[6..])] {
+        let (ids, positions, meta, rows) = step_inputs(&[(0, done, new)]);
+        fn step<'a>(
+            input: StepInput<'a>,
+            positions: &'a [u32],
+            meta: &'a AttentionMetadata,
+            rows: &'a [u32],
+        ) -> StepInputs<'a> {
+            StepInputs { input, positions, meta, logit_rows: rows }
+        }
+        let step = |input, rows| step(input, &positions, &meta, rows);
+        let want = whole.run(&mut gpu, &step(StepInput::Tokens(&ids), &rows), Readback::Logits).unwrap();
+        // The first stage wants no rows: its hidden states go on.
+        let StepOutput::Hidden(hidden) =
+            first.run(&mut gpu, &step(StepInput::Tokens(&ids), &[]), Readback::Hidden).unwrap()
+        else {
+            panic!("hidden states were asked for")
+        };
+        assert_eq!(hidden.len(), ids.len() * shape.hidden);
+        let got = last.run(&mut gpu, &step(StepInput::Hidden(&hidden), &rows), Readback::Logits).unwrap();
+        assert_eq!(got, want, "a step from position {done}");
+        // A stage refuses what it cannot start from.
+        assert!(last.run(&mut gpu, &step(StepInput::Tokens(&ids), &rows), Readback::Logits).is_err());
+        assert!(first.run(&mut gpu, &step(StepInput::Tokens(&ids), &rows), Readback::Logits).is_err());
+    }
 }

@@ -78,6 +78,31 @@ fn two_speculating_stages_reproduce_every_models_goldens() {
     }
 }
 
+/// Both stages on the Metal step plan, in the CPU emulator: the first
+/// stage's plan holds the embedding and hands hidden states on, the last
+/// stage's holds the head. Tied embeddings (stories260K) and not
+/// (tiny-llama3); chunked prefill, prefix-cache hits and n-gram
+/// speculation verified on the last stage.
+#[test]
+fn two_metal_emulated_stages_reproduce_the_goldens() {
+    for model in ["stories260K", "tiny-llama3"] {
+        let mut extra = vec![
+            "--block-size",
+            "4",
+            "--worker-arg=--max-num-batched-tokens=8",
+            "--worker-arg=--device=metal-emulated",
+        ];
+        extra.extend(SPECULATE);
+        let cluster = Coordinator::start_pipelines(model, 1, 2, &extra);
+        let cached = check_goldens(&cluster, model);
+        assert!(cached > 0, "{model}: the repeated prompts hit the prefix cache");
+        let workers = cluster.workers();
+        assert!(workers.to_string().contains("metal-emulated"), "{workers}");
+        let stages = workers["data"][0]["stages"].as_array().expect("stages");
+        assert_eq!(stages.len(), 2, "{model}: {stages:?}");
+    }
+}
+
 /// The first stage's Prometheus text.
 fn worker_metrics_text(cluster: &Coordinator) -> String {
     let targets: Value =

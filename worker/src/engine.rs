@@ -35,7 +35,7 @@ use engine_core::{
 
 /// Most logits a step keeps for prompt logprobs (128 MiB of f32): 1,000
 /// rows of a 32k vocabulary, 220 of a 152k one.
-const MAX_PROMPT_LOGPROB_LOGITS: usize = 32 << 20;
+pub(crate) const MAX_PROMPT_LOGPROB_LOGITS: usize = 32 << 20;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -149,13 +149,6 @@ impl Engine {
                 "an engine runs the first stage; layers {layers} are a later stage's"
             )));
         }
-        // A pipeline stage on a Mac keeps candle's composed Metal ops (the
-        // plan runs whole models); the emulator, a test device, refuses it.
-        let mut config = config;
-        if config.plan == Some(PlanTarget::Metal) && layers != LayerRange::full(files.config.num_layers) {
-            tracing::info!("layers {layers}: a pipeline stage runs candle's Metal ops, not the step plan");
-            config.plan = None;
-        }
         // A step plan uploads the weights itself: no candle model beside it.
         let model = match config.plan {
             Some(_) => None,
@@ -183,14 +176,7 @@ impl Engine {
             None => None,
         };
         // The draft's pools use the target's cache format.
-        let kv_budget = match (config.plan, config.kv_budget) {
-            // The emulator touches every byte it maps: a fraction of the
-            // machine's memory would take minutes to fill.
-            (Some(PlanTarget::MetalEmulated), KvBudget::FractionOfAvailable(_)) => {
-                KvBudget::Bytes(loading::EMULATED_KV_BYTES)
-            }
-            (_, budget) => budget,
-        };
+        let kv_budget = crate::runner::plan::kv_budget(config.plan, config.kv_budget);
         let kv_budget = match &draft_model {
             Some(draft) => loading::target_share(kv_budget, &kv_cfg, kv_format, draft, config.block_size),
             None => kv_budget,
@@ -217,7 +203,7 @@ impl Engine {
         }
         let runner = match (plan, model) {
             (Some(plan), _) => {
-                ModelRunner::with_plan(plan, cfg.clone(), config.block_size, config.device.clone(), kv_format)
+                ModelRunner::with_plan(plan, (cfg.clone(), layers), config.block_size, config.device.clone(), kv_format)
             }
             (None, Some(model)) => {
                 let caches = kv_cache::allocate(&kv_cfg, num_blocks, config.block_size, kv_format, &config.device)?;

@@ -113,18 +113,26 @@ pub struct LayerWeights<B> {
     pub down: Linear<B>,
 }
 
-/// The model's weights on the GPU.
+/// The model's weights on the GPU: all of them, or a pipeline stage's (its
+/// layers; the embedding on the first stage, the head on the last).
 #[derive(Clone, Debug)]
 pub struct ModelWeights<B> {
-    /// `[vocab, hidden]`.
-    pub embed: Matrix<B>,
+    /// `[vocab, hidden]`, on the stage that holds layer 0.
+    pub embed: Option<Matrix<B>>,
     pub layers: Vec<LayerWeights<B>>,
-    pub final_norm: B,
-    /// `[vocab, hidden]` (the embedding's buffer when tied).
-    pub lm_head: Matrix<B>,
+    /// On the stage that holds the last layer.
+    pub head: Option<OutputHead<B>>,
     /// RoPE tables `[max_positions, D / 2]`, f32.
     pub rope_cos: B,
     pub rope_sin: B,
+}
+
+/// The final norm and lm_head.
+#[derive(Clone, Debug)]
+pub struct OutputHead<B> {
+    pub final_norm: B,
+    /// `[vocab, hidden]` (the embedding's buffer when tied).
+    pub lm_head: Matrix<B>,
 }
 
 /// A row-major `[rows, heads * head_dim]` matrix of `elem`-byte elements

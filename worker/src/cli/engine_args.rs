@@ -276,6 +276,9 @@ pub fn stage_config(args: &EngineArgs, resolved: &Resolved, layers: LayerRange) 
         max_model_len: args.max_model_len,
         quantization: args.quantize,
         kv_cache_dtype: args.kv_cache_dtype.format(),
+        plan: resolved.plan,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        num_speculative_tokens: args.speculative.num_speculative_tokens as usize,
     }
 }
 

@@ -2,26 +2,19 @@
 //! (quantized, packed), and the draft model of speculative decoding, which
 //! must fit the target and shares its KV-cache budget.
 
-use candle_core::DType;
 use common::pipeline::LayerRange;
 use kernels::KvCacheDtype;
-use kernels::metal::step::{StepLimits, WeightFormat};
 
 use super::{EngineConfig, MAX_PROMPT_LOGPROB_LOGITS};
 use crate::error::{Result, WorkerError};
-use crate::models::{CausalLm, ModelConfig, ModelFiles, Quantization};
+use crate::models::{CausalLm, ModelConfig, ModelFiles};
 use crate::runner::device::PlanTarget;
 use crate::runner::kv_cache::{self, KvBudget};
 use crate::runner::plan::{self, StepExecutor};
 
-/// The KV pools of `--device metal-emulated` unless `--kv-cache-memory`
-/// says otherwise: the emulator is for tests, and fills what it maps.
-pub(super) const EMULATED_KV_BYTES: u64 = 64 << 20;
-
-/// The step plan of `files` on `target`, its buffers sized for the engine's
-/// limits: the step's token budget, its sequences, the rows of logits a
-/// step can want (each sequence's sampled rows and proposals, plus the
-/// prompt-logprob rows the scheduler allows) and the longest context.
+/// The step plan of `files` on `target` for this engine's `layers` (the
+/// whole model, or a pipeline's first stage), its buffers sized for the
+/// engine's limits (see [`plan::PlanSizing`]).
 pub(super) fn build_plan(
     target: PlanTarget,
     files: &ModelFiles,
@@ -31,38 +24,18 @@ pub(super) fn build_plan(
     max_model_len: usize,
     layers: LayerRange,
 ) -> Result<Box<dyn StepExecutor>> {
-    if layers != LayerRange::full(files.config.num_layers) {
-        return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
-    }
-    let quantize = match config.quantization {
-        None => None,
-        Some(Quantization::Q8_0) => Some(WeightFormat::Q8_0),
-        Some(Quantization::Q4_0) => Some(WeightFormat::Q4_0),
-        Some(Quantization::Q4K) => Some(WeightFormat::Q4K),
-        Some(q) => {
-            return Err(WorkerError::Unsupported(format!(
-                "--quantize {q:?} on the Metal step plan (q8_0, q4_0, q4_k)"
-            )));
-        }
-    };
-    let cache = match kv_format {
-        KvCacheDtype::F32 => DType::F32,
-        KvCacheDtype::F16 => DType::F16,
-        other => return Err(WorkerError::Unsupported(format!("a {other} KV cache on the Metal step plan"))),
-    };
-    let vocab = files.config.vocab_size.max(1);
-    let sampled = config.max_num_seqs * (1 + config.speculative.num_speculative_tokens);
-    let prompt = (MAX_PROMPT_LOGPROB_LOGITS / vocab).max(1);
-    let limits = StepLimits {
-        max_tokens: config.max_num_batched_tokens,
-        max_seqs: config.max_num_seqs,
-        max_logit_rows: (sampled + prompt).min(config.max_num_batched_tokens),
-        max_sampled_rows: sampled.min(config.max_num_batched_tokens),
+    let limits = plan::PlanSizing {
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_num_seqs: config.max_num_seqs,
+        num_speculative_tokens: config.speculative.num_speculative_tokens,
+        max_prompt_logprob_rows: (MAX_PROMPT_LOGPROB_LOGITS / files.config.vocab_size.max(1)).max(1),
         max_model_len,
         num_blocks,
         block_size: config.block_size,
-    };
-    plan::build(target, &config.device, files, (config.dtype, quantize), cache, limits)
+    }
+    .limits();
+    let spec = plan::PlanSpec::new(config.dtype, config.quantization, kv_format, layers, limits)?;
+    plan::build(target, &config.device, files, spec)
 }
 
 /// Quantizes (`--quantize`) and lays out a loaded model's weights for the

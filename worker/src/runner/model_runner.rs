@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use common::RequestId;
-use kernels::metal::step::{SampleRow, Sampled};
+use kernels::metal::step::{Readback, SampleRow, Sampled, StepInput, StepInputs, StepOutput};
 use kernels::{AttentionMetadata, KvCacheDtype};
 
 use crate::error::{Result, WorkerError};
@@ -68,15 +68,15 @@ impl ModelRunner {
     }
 
     /// A runner whose steps run as `plan` (which holds weights and KV pools)
-    /// for the whole model of `config`.
+    /// for `range` of the model of `config` (the whole model, or a
+    /// pipeline's first stage).
     pub fn with_plan(
         plan: Box<dyn StepExecutor>,
-        config: ModelConfig,
+        (config, range): (ModelConfig, LayerRange),
         block_size: usize,
         device: Device,
         kv_format: KvCacheDtype,
     ) -> Self {
-        let range = LayerRange::full(config.num_layers);
         Self { step: Step::Plan(plan), config, range, block_size, device, kv_format }
     }
 
@@ -89,7 +89,13 @@ impl ModelRunner {
     /// plan, or where its sampler cannot hold `params`.
     pub fn execute_sampled(&mut self, batch: &BatchInputs, params: &[SampleRow]) -> Option<Result<Vec<Sampled>>> {
         match &mut self.step {
-            Step::Plan(plan) if plan.samples(params) => Some(plan.sample(batch, &batch.logits_indices, params)),
+            Step::Plan(plan) if plan.samples(params) => {
+                let inputs = plan_inputs(batch, &batch.logits_indices);
+                Some(plan.run(&inputs, Readback::Sample(params)).and_then(|out| match out {
+                    StepOutput::Sampled(sampled) => Ok(sampled),
+                    _ => Err(WorkerError::Unsupported("the plan did not sample".into())),
+                }))
+            }
             _ => None,
         }
     }
@@ -193,7 +199,10 @@ impl ModelRunner {
             rows.extend_from_slice(&batch.prompt_logprob_rows);
             // A step of prompt chunks only fills the KV cache: the plan then
             // skips the final norm and lm_head.
-            return plan.logits(batch, &rows);
+            return match plan.run(&plan_inputs(batch, &rows), Readback::Logits)? {
+                StepOutput::Logits(logits) => Ok(logits),
+                _ => Err(WorkerError::Unsupported("the plan brought no logits back".into())),
+            };
         }
         match self.forward(batch)? {
             Some(logits) => Ok(logits.flatten_all()?.to_vec1::<f32>()?),
@@ -229,8 +238,15 @@ impl ModelRunner {
     /// The first pipeline stage's step: the hidden states `[T, hidden]` its
     /// layers leave for the next stage.
     pub fn execute_first_stage(&mut self, batch: &BatchInputs) -> Result<Tensor> {
-        let Step::Candle { model, kv_caches } = &mut self.step else {
-            return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
+        let (model, kv_caches) = match &mut self.step {
+            Step::Candle { model, kv_caches } => (model, kv_caches),
+            Step::Plan(plan) => {
+                let t = batch.input_ids.len();
+                return match plan.run(&plan_inputs(batch, &[]), Readback::Hidden)? {
+                    StepOutput::Hidden(h) => Ok(Tensor::from_vec(h, (t, self.config.hidden_size), &Device::Cpu)?),
+                    _ => Err(WorkerError::Unsupported("the plan brought no hidden states back".into())),
+                };
+            }
         };
         let t = batch.input_ids.len();
         let input_ids = Tensor::from_slice(&batch.input_ids, t, &self.device)?;
@@ -254,10 +270,10 @@ impl ModelRunner {
 
     /// Replaces the KV cache with one of `num_blocks` blocks (a pipeline
     /// runs with its smallest stage's count).
+    /// A plan keeps its pools (sized at load): the scheduler uses their
+    /// first `num_blocks`.
     pub fn reallocate_kv(&mut self, num_blocks: usize) -> Result<()> {
-        let Step::Candle { kv_caches, .. } = &mut self.step else {
-            return Err(WorkerError::Unsupported("pipeline stages do not run on the Metal step plan yet".into()));
-        };
+        let Step::Candle { kv_caches, .. } = &mut self.step else { return Ok(()) };
         let cfg = stage_kv_config(&self.config, self.range);
         kv_caches.clear(); // before allocating the new ones
         *kv_caches = kv_cache::allocate(&cfg, num_blocks, self.block_size, self.kv_format, &self.device)?;
@@ -287,5 +303,15 @@ impl ModelRunner {
         };
         let logits = model.forward(&input_ids, &positions, kv_caches, &batch.meta, &logits_indices)?;
         Ok((!none_wanted).then_some(logits))
+    }
+}
+
+/// A step plan's inputs for `batch`, wanting `rows`.
+fn plan_inputs<'a>(batch: &'a BatchInputs, rows: &'a [u32]) -> StepInputs<'a> {
+    StepInputs {
+        input: StepInput::Tokens(&batch.input_ids),
+        positions: &batch.positions,
+        meta: &batch.meta,
+        logit_rows: rows,
     }
 }

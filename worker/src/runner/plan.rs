@@ -7,28 +7,27 @@
 //! runs it in the CPU emulator of our Metal kernels.
 
 use candle_core::DType;
+use common::pipeline::LayerRange;
+use kernels::KvCacheDtype;
 use kernels::metal::step::{
-    Gpu, ModelShape, Readback, SampleRow, Sampled, StepInputs, StepLimits, StepOutput, StepPlan, WeightFormat,
-    padded_head_dim,
+    Gpu, ModelShape, Readback, SampleRow, StepInputs, StepLimits, StepOutput, StepPlan, WeightFormat, padded_head_dim,
 };
 
 use crate::error::{Result, WorkerError};
-use crate::models::{ModelConfig, ModelFiles};
+use crate::models::{ModelConfig, ModelFiles, Quantization};
 use crate::runner::device::PlanTarget;
-use crate::runner::model_runner::BatchInputs;
+use crate::runner::kv_cache::KvBudget;
 use crate::runner::plan_weights::{self, Source};
 
 /// What a model runner needs of a plan, whatever its GPU.
 pub trait StepExecutor: Send {
-    /// Runs a step; the logits of `rows` (`[rows, vocab]`), or nothing for no rows.
-    fn logits(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<f32>>;
-    /// Whether [`sample`](Self::sample) takes these rows (the sampler's
-    /// buffers hold them).
+    /// Runs a step: one command buffer, one wait, and what `readback` asks
+    /// for (the wanted rows' logits, their tokens drawn on the GPU with one
+    /// sampler dispatch, or a pipeline stage's hidden states).
+    fn run(&mut self, inputs: &StepInputs, readback: Readback) -> Result<StepOutput>;
+    /// Whether a step may sample these rows on the GPU (a plan holding the
+    /// head, whose sampler's buffers hold them).
     fn samples(&self, params: &[SampleRow]) -> bool;
-    /// Runs a step and draws each of `rows` on the GPU with `params` (one
-    /// sampler dispatch in the step's command buffer): only the tokens, and
-    /// what their logprobs need, come back.
-    fn sample(&mut self, batch: &BatchInputs, rows: &[u32], params: &[SampleRow]) -> Result<Vec<Sampled>>;
     /// Bytes of weights the GPU holds.
     fn weight_bytes(&self) -> usize;
     /// Bytes of the KV pools.
@@ -67,25 +66,6 @@ impl<G: Gpu> PlanExecutor<G> {
     fn new(gpu: G, plan: StepPlan<G::Buffer>) -> Self {
         Self { gpu, plan, counting: false, last_traffic: None }
     }
-
-    /// One step, its traffic recorded while counting.
-    fn run(&mut self, batch: &BatchInputs, rows: &[u32], readback: Readback) -> Result<StepOutput> {
-        let inputs = StepInputs {
-            input_ids: &batch.input_ids,
-            positions: &batch.positions,
-            meta: &batch.meta,
-            logit_rows: rows,
-        };
-        let before = self.gpu.traffic_bytes();
-        let out = self.plan.run(&mut self.gpu, &inputs, readback)?;
-        if self.counting
-            && let (Some(before), Some(after)) = (before, self.gpu.traffic_bytes())
-        {
-            let must_read = self.plan.weight_bytes() + self.plan.kv_read_bytes(&batch.meta);
-            self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
-        }
-        Ok(out)
-    }
 }
 
 impl<G> StepExecutor for PlanExecutor<G>
@@ -93,24 +73,21 @@ where
     G: Gpu + Send,
     G::Buffer: Send,
 {
-    fn logits(&mut self, batch: &BatchInputs, rows: &[u32]) -> Result<Vec<f32>> {
-        match self.run(batch, rows, Readback::Logits)? {
-            StepOutput::Logits(logits) => Ok(logits),
-            StepOutput::Sampled(_) => Err(WorkerError::Unsupported("the plan sampled where logits were asked".into())),
+    /// One step, its traffic recorded while counting.
+    fn run(&mut self, inputs: &StepInputs, readback: Readback) -> Result<StepOutput> {
+        let before = self.gpu.traffic_bytes();
+        let out = self.plan.run(&mut self.gpu, inputs, readback)?;
+        if self.counting
+            && let (Some(before), Some(after)) = (before, self.gpu.traffic_bytes())
+        {
+            let must_read = self.plan.weight_bytes() + self.plan.kv_read_bytes(inputs.meta);
+            self.last_traffic = Some(Traffic { touched: after - before, must_read: must_read as u64 });
         }
+        Ok(out)
     }
 
     fn samples(&self, params: &[SampleRow]) -> bool {
         self.plan.samples(params)
-    }
-
-    fn sample(&mut self, batch: &BatchInputs, rows: &[u32], params: &[SampleRow]) -> Result<Vec<Sampled>> {
-        match self.run(batch, rows, Readback::Sample(params))? {
-            StepOutput::Sampled(sampled) => Ok(sampled),
-            StepOutput::Logits(_) => {
-                Err(WorkerError::Unsupported("the plan read logits where draws were asked".into()))
-            }
-        }
     }
 
     fn count_traffic(&mut self, on: bool) -> bool {
@@ -132,28 +109,115 @@ where
     }
 }
 
-/// Builds the plan of `files` on `target`: uploads the weights (in `dtype`)
-/// and allocates the KV pools (`cache` dtype) and the step's buffers.
+/// How a plan is built: the weights' dtype and block format, the KV
+/// cache's dtype, the layers it holds (a pipeline stage's share, with the
+/// embedding on the first stage and the head on the last) and the limits
+/// its buffers are sized for.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanSpec {
+    pub dtype: DType,
+    pub quantize: Option<WeightFormat>,
+    pub cache: DType,
+    pub layers: LayerRange,
+    pub limits: StepLimits,
+}
+
+impl PlanSpec {
+    /// A plan of `layers` in `dtype` (quantized at load to `quantization`,
+    /// when given), its KV cache in `kv_format`.
+    pub fn new(
+        dtype: DType,
+        quantization: Option<Quantization>,
+        kv_format: KvCacheDtype,
+        layers: LayerRange,
+        limits: StepLimits,
+    ) -> Result<Self> {
+        let quantize = match quantization {
+            None => None,
+            Some(Quantization::Q8_0) => Some(WeightFormat::Q8_0),
+            Some(Quantization::Q4_0) => Some(WeightFormat::Q4_0),
+            Some(Quantization::Q4K) => Some(WeightFormat::Q4K),
+            Some(q) => {
+                return Err(WorkerError::Unsupported(format!(
+                    "--quantize {q:?} on the Metal step plan (q8_0, q4_0, q4_k)"
+                )));
+            }
+        };
+        let cache = match kv_format {
+            KvCacheDtype::F32 => DType::F32,
+            KvCacheDtype::F16 => DType::F16,
+            other => return Err(WorkerError::Unsupported(format!("a {other} KV cache on the Metal step plan"))),
+        };
+        Ok(Self { dtype, quantize, cache, layers, limits })
+    }
+}
+
+/// What a plan's buffers are sized for: the scheduler it serves (an
+/// engine's own, or, for a later pipeline stage, the first stage's).
+#[derive(Clone, Copy, Debug)]
+pub struct PlanSizing {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub num_speculative_tokens: usize,
+    /// Rows of prompt logprobs a step may want.
+    pub max_prompt_logprob_rows: usize,
+    pub max_model_len: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+impl PlanSizing {
+    /// The step's token budget, its sequences, the rows of logits a step
+    /// can want (each sequence's sampled row and proposals, plus the
+    /// prompt-logprob rows) and the longest context.
+    pub fn limits(&self) -> StepLimits {
+        let sampled = self.max_num_seqs * (1 + self.num_speculative_tokens);
+        StepLimits {
+            max_tokens: self.max_num_batched_tokens,
+            max_seqs: self.max_num_seqs,
+            max_logit_rows: (sampled + self.max_prompt_logprob_rows).min(self.max_num_batched_tokens),
+            max_sampled_rows: sampled.min(self.max_num_batched_tokens),
+            max_model_len: self.max_model_len,
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+        }
+    }
+}
+
+/// The KV budget of a plan on `target`: as asked, except that the
+/// emulator, which touches every byte it maps, takes a fixed 64 MiB rather
+/// than a fraction of the machine's memory (minutes to fill).
+pub fn kv_budget(target: Option<PlanTarget>, budget: KvBudget) -> KvBudget {
+    match (target, budget) {
+        (Some(PlanTarget::MetalEmulated), KvBudget::FractionOfAvailable(_)) => KvBudget::Bytes(EMULATED_KV_BYTES),
+        (_, budget) => budget,
+    }
+}
+
+/// The KV pools of `--device metal-emulated` unless `--kv-cache-memory`
+/// says otherwise: the emulator is for tests.
+pub const EMULATED_KV_BYTES: u64 = 64 << 20;
+
+/// Builds the plan of `files` on `target`: uploads the weights and
+/// allocates the KV pools and the step's buffers.
 pub fn build(
     target: PlanTarget,
     device: &candle_core::Device,
     files: &ModelFiles,
-    (dtype, quantize): (DType, Option<WeightFormat>),
-    cache: DType,
-    limits: StepLimits,
+    spec: PlanSpec,
 ) -> Result<Box<dyn StepExecutor>> {
     match target {
         PlanTarget::Metal => {
             #[cfg(target_os = "macos")]
             {
                 let mut gpu = kernels::metal::gpu::MetalGpu::new(device.as_metal_device()?.clone())?;
-                let plan = plan_for(&mut gpu, files, (dtype, quantize), cache, limits)?;
+                let plan = plan_for(&mut gpu, files, spec)?;
                 gpu.prepare(plan.kernels())?;
                 Ok(Box::new(PlanExecutor::new(gpu, plan)))
             }
             #[cfg(not(target_os = "macos"))]
             {
-                let _ = (device, files, dtype, quantize, cache, limits);
+                let _ = (device, files, spec);
                 Err(WorkerError::Unsupported("the Metal step plan runs on macOS".into()))
             }
         }
@@ -162,7 +226,7 @@ pub fn build(
             {
                 let _ = device;
                 let mut gpu = kernels::metal::emulated::EmulatedGpu::new()?;
-                let plan = plan_for(&mut gpu, files, (dtype, quantize), cache, limits)?;
+                let plan = plan_for(&mut gpu, files, spec)?;
                 gpu.prepare(plan.kernels())?;
                 let counters = gpu.counters();
                 tracing::info!(
@@ -174,7 +238,7 @@ pub fn build(
             }
             #[cfg(not(feature = "metal-emulated"))]
             {
-                let _ = (device, files, dtype, quantize, cache, limits);
+                let _ = (device, files, spec);
                 Err(WorkerError::Unsupported("this build has no metal-emulated device".into()))
             }
         }
@@ -182,17 +246,12 @@ pub fn build(
 }
 
 /// The plan of `files` on `gpu`.
-pub fn plan_for<G: Gpu>(
-    gpu: &mut G,
-    files: &ModelFiles,
-    (dtype, quantize): (DType, Option<WeightFormat>),
-    cache: DType,
-    limits: StepLimits,
-) -> Result<StepPlan<G::Buffer>> {
+pub fn plan_for<G: Gpu>(gpu: &mut G, files: &ModelFiles, spec: PlanSpec) -> Result<StepPlan<G::Buffer>> {
     check_supported(&files.config)?;
+    let PlanSpec { dtype, quantize, cache, layers, limits } = spec;
     let (source, cfg) = Source::open(files, dtype, quantize)?;
     let cfg = &cfg;
-    let weights = plan_weights::upload(gpu, cfg, &source, limits.max_model_len)?;
+    let weights = plan_weights::upload(gpu, cfg, &source, limits.max_model_len, layers)?;
     let shape = ModelShape {
         hidden: cfg.hidden_size,
         intermediate: cfg.intermediate_size,

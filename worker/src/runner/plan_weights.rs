@@ -9,9 +9,10 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
+use common::pipeline::LayerRange;
 use kernels::metal::model::quantize;
 use kernels::metal::step::{
-    Gpu, LayerWeights, Linear, Matrix, ModelWeights, WeightFormat, pad_columns, padded_head_dim,
+    Gpu, LayerWeights, Linear, Matrix, ModelWeights, OutputHead, WeightFormat, pad_columns, padded_head_dim,
 };
 
 use crate::error::{Result, WorkerError};
@@ -229,32 +230,43 @@ fn o_proj<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) ->
     Ok(Linear { weight, bias })
 }
 
-/// Every weight of the model of `cfg` from `src`, and the RoPE tables for
-/// `max_positions`, uploaded to `gpu`.
+/// The weights of `layers` of the model of `cfg` from `src` (with the
+/// embedding if they start at layer 0 and the head if they end at the
+/// last), and the RoPE tables for `max_positions`, uploaded to `gpu`.
 pub(super) fn upload<G: Gpu>(
     gpu: &mut G,
     cfg: &ModelConfig,
     src: &Source,
     max_positions: usize,
+    layers: LayerRange,
 ) -> Result<ModelWeights<G::Buffer>> {
     let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (q, kv) = (cfg.num_heads * d, cfg.num_kv_heads * d);
-    let embed_t = src.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-    // The embedding is gathered by row on the GPU in a float type: blocks
-    // are widened to f32 at load (exactly what they dequantize to).
-    let embed_t = match embed_t {
-        dense @ HostTensor::Dense(_) => dense,
-        blocks => HostTensor::Dense(blocks.to_dense(DType::F32)?),
-    };
-    let embed = upload_matrix(gpu, &embed_t)?;
-    let lm_head = if cfg.tie_word_embeddings || !src.has("lm_head.weight") {
-        embed.clone()
+    let tied = cfg.tie_word_embeddings || !src.has("lm_head.weight");
+    let embed = if layers.is_first() || (layers.is_last() && tied) {
+        // Gathered by row on the GPU in a float type: blocks are widened to
+        // f32 at load (exactly what they dequantize to).
+        let embed_t = match src.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? {
+            dense @ HostTensor::Dense(_) => dense,
+            blocks => HostTensor::Dense(blocks.to_dense(DType::F32)?),
+        };
+        Some(upload_matrix(gpu, &embed_t)?)
     } else {
-        upload_matrix(gpu, &src.linear_weight("lm_head.weight", cfg.vocab_size, h)?)?
+        None
     };
     let norm = |gpu: &mut G, name: String, dim: usize| upload_f32(gpu, &src.vector(&name, dim)?);
-    let mut layers = Vec::with_capacity(cfg.num_layers);
-    for l in 0..cfg.num_layers {
+    let head = match (layers.is_last(), &embed) {
+        (false, _) => None,
+        (true, Some(embed)) if tied => Some((embed.clone(), norm(gpu, "model.norm.weight".into(), h)?)),
+        (true, _) => {
+            let lm_head = upload_matrix(gpu, &src.linear_weight("lm_head.weight", cfg.vocab_size, h)?)?;
+            Some((lm_head, norm(gpu, "model.norm.weight".into(), h)?))
+        }
+    };
+    let head = head.map(|(lm_head, final_norm)| OutputHead { final_norm, lm_head });
+    let embed = if layers.is_first() { embed } else { None };
+    let mut layer_weights = Vec::with_capacity(layers.len());
+    for l in layers.start..layers.end {
         let p = format!("model.layers.{l}");
         let attn = format!("{p}.self_attn");
         let mlp = format!("{p}.mlp");
@@ -264,7 +276,7 @@ pub(super) fn upload<G: Gpu>(
             None
         };
         let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)];
-        layers.push(LayerWeights {
+        layer_weights.push(LayerWeights {
             input_norm: norm(gpu, format!("{p}.input_layernorm.weight"), h)?,
             qkv: linears(gpu, src, &attn, &qkv, h, cfg.qkv_bias)?,
             head_norm,
@@ -274,11 +286,10 @@ pub(super) fn upload<G: Gpu>(
             down: one(linears(gpu, src, &mlp, &[("down_proj", h)], i, cfg.mlp_bias)?, "down_proj")?,
         });
     }
-    let final_norm = norm(gpu, "model.norm.weight".into(), h)?;
     // The CPU path's tables.
     let (cos, sin) = rope_tables(cfg, max_positions);
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let rope_cos = gpu.upload(&bytes(&cos))?;
     let rope_sin = gpu.upload(&bytes(&sin))?;
-    Ok(ModelWeights { embed, layers, final_norm, lm_head, rope_cos, rope_sin })
+    Ok(ModelWeights { embed, layers: layer_weights, head, rope_cos, rope_sin })
 }

@@ -20,13 +20,15 @@ impl<B: Clone> StepPlan<B> {
         let input = |offset| At { buffer: &self.inputs, offset };
         let u = |x: usize| x as u32; // every size was checked against 32 bits at load
 
-        // Embedding.
-        enc.set_kernel(&k.embed);
-        enc.set_buffer(0, &self.weights.embed.buffer, 0, Access::Read);
-        bind(enc, 1, input(self.layout.ids), Access::Read);
-        enc.set_buffer(2, &a.hidden, 0, Access::Write);
-        enc.set_bytes(3, &words(&[u(s.hidden), u(s.vocab)]));
-        enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
+        // Embedding (a later pipeline stage's hidden states were written).
+        if let (Some(kernel), Some(embed)) = (&k.embed, &self.weights.embed) {
+            enc.set_kernel(kernel);
+            enc.set_buffer(0, &embed.buffer, 0, Access::Read);
+            bind(enc, 1, input(self.layout.ids), Access::Read);
+            enc.set_buffer(2, &a.hidden, 0, Access::Write);
+            enc.set_bytes(3, &words(&[u(s.hidden), u(s.vocab)]));
+            enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
+        }
 
         let norm_params = |gather: bool| {
             let mut p = words(&[u(s.hidden), u32::from(gather)]);
@@ -92,23 +94,24 @@ impl<B: Clone> StepPlan<B> {
             self.matmul(enc, layer.gate_up.parts(), &a.normed, Output::whole(&a.act), t, MatmulMode::Swiglu);
             self.matmul(enc, layer.down.parts(), &a.act, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
         }
-        if rows == 0 {
+        let (Some(head), Some(weights)) = (&self.head, &self.weights.head) else { return Ok(()) };
+        if rows == 0 || matches!(readback, Readback::Hidden) {
             return Ok(());
         }
 
         // The final norm of the wanted rows only, then lm_head.
         enc.set_kernel(&k.norm);
         enc.set_buffer(0, &a.hidden, 0, Access::Read);
-        enc.set_buffer(1, &self.weights.final_norm, 0, Access::Read);
+        enc.set_buffer(1, &weights.final_norm, 0, Access::Read);
         bind(enc, 2, input(self.layout.rows), Access::Read);
-        enc.set_buffer(3, &a.head_in, 0, Access::Write);
+        enc.set_buffer(3, &head.head_in, 0, Access::Write);
         enc.set_bytes(4, &norm_params(true));
         enc.dispatch([rows, 1, 1], [ROW_THREADS, 1, 1]);
-        let head = (&self.weights.lm_head, None);
-        self.matmul(enc, head, &a.head_in, Output::whole(&a.logits), rows, MatmulMode::Store);
+        let lm_head = (&weights.lm_head, None);
+        self.matmul(enc, lm_head, &head.head_in, Output::whole(&head.logits), rows, MatmulMode::Store);
 
         if let Readback::Sample(_) = readback {
-            self.sampler.encode(enc, &a.logits, rows);
+            head.sampler.encode(enc, &head.logits, rows);
         }
         Ok(())
     }
@@ -162,9 +165,14 @@ enum MatmulMode {
     Swiglu = 2,
 }
 
-/// The dispatches of a step of `layers` layers whose attention takes
-/// `attention` dispatches per layer, with `rows` wanted rows.
+/// The dispatches of a whole model's step of `layers` layers whose
+/// attention takes `attention` dispatches per layer, with `rows` wanted rows.
 pub fn dispatches_per_step(layers: usize, attention: usize, rows: usize, readback: Readback) -> usize {
-    let head = if rows == 0 { 0 } else { 2 + usize::from(matches!(readback, Readback::Sample(_))) };
+    let head = match readback {
+        _ if rows == 0 => 0,
+        Readback::Hidden => 0,
+        Readback::Logits => 2,
+        Readback::Sample(_) => 3,
+    };
     1 + layers * (7 + attention) + head
 }

@@ -36,7 +36,7 @@ pub use encode::dispatches_per_step;
 pub use sample::{EDITS_PER_ROW, MAX_TOP_LOGPROBS, RawLogprobs, SampleRow, Sampled, Sampler, TokenEdit};
 
 pub use super::model::{
-    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, WeightFormat, pad_columns, padded_head_dim,
+    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, WeightFormat, pad_columns, padded_head_dim,
 };
 
 /// Threads of the row kernels (`kRowThreads` in model.metal).
@@ -92,14 +92,24 @@ pub struct StepLimits {
     pub block_size: usize,
 }
 
-/// One step's inputs (the model runner's flattened batch).
+/// One step's inputs (the model runner's flattened batch, or what the
+/// pipeline stage before sent).
 #[derive(Clone, Copy, Debug)]
 pub struct StepInputs<'a> {
-    pub input_ids: &'a [u32],
+    pub input: StepInput<'a>,
     pub positions: &'a [u32],
     pub meta: &'a AttentionMetadata,
     /// The rows whose logits are wanted.
     pub logit_rows: &'a [u32],
+}
+
+/// What a step starts from: token ids (the stage holding layer 0) or the
+/// stage before's hidden states.
+#[derive(Clone, Copy, Debug)]
+pub enum StepInput<'a> {
+    Tokens(&'a [u32]),
+    /// `[T, hidden]`, row-major.
+    Hidden(&'a [f32]),
 }
 
 /// What a step brings back.
@@ -110,6 +120,9 @@ pub enum Readback<'a> {
     /// Each wanted row's token, drawn on the GPU with these parameters (one
     /// per wanted row).
     Sample(&'a [SampleRow<'a>]),
+    /// The last layer's hidden states, `[T, hidden]` f32, for the next
+    /// pipeline stage.
+    Hidden,
 }
 
 /// What a step brought back.
@@ -118,6 +131,8 @@ pub enum StepOutput {
     /// `[rows, vocab]`, row-major.
     Logits(Vec<f32>),
     Sampled(Vec<Sampled>),
+    /// `[T, hidden]`, row-major.
+    Hidden(Vec<f32>),
 }
 
 /// Byte offsets of the step inputs inside their buffer.
@@ -150,8 +165,15 @@ struct Activations<B> {
     q: B,
     attn: B,
     act: B,
+}
+
+/// The head's buffers (a plan holding the last layer): the wanted rows
+/// normed, their logits, and the sampler.
+#[derive(Debug)]
+struct HeadBuffers<B> {
     head_in: B,
     logits: B,
+    sampler: Sampler<B>,
 }
 
 /// The model's step on a GPU: its buffers and kernels, built once.
@@ -170,7 +192,7 @@ pub struct StepPlan<B> {
     meta_capacity: usize,
     scratch: Option<B>,
     scratch_capacity: usize,
-    sampler: Sampler<B>,
+    head: Option<HeadBuffers<B>>,
     kernels: Kernels,
 }
 
@@ -178,7 +200,7 @@ pub struct StepPlan<B> {
 struct Kernels {
     /// The attention kernels a step may dispatch (decode, reduce, prefill).
     attention: Vec<Kernel>,
-    embed: Kernel,
+    embed: Option<Kernel>,
     norm: Kernel,
     matmuls: Vec<(WeightFormat, Kernel)>,
     rope: Kernel,
@@ -251,14 +273,15 @@ impl<B: Clone> StepPlan<B> {
             }
             to_u32(rows * cols, what).map(|_| ())
         };
-        if !weights.embed.format.is_float() {
-            return invalid(format!(
-                "the embedding is {:?}; the Metal step reads f32, f16 or bf16",
-                weights.embed.format
-            ));
+        if let Some(embed) = &weights.embed {
+            if !embed.format.is_float() {
+                return invalid(format!("the embedding is {:?}; the Metal step reads f32, f16 or bf16", embed.format));
+            }
+            check(embed, vocab, hidden, "the embedding")?;
         }
-        check(&weights.embed, vocab, hidden, "the embedding")?;
-        check(&weights.lm_head, vocab, hidden, "lm_head")?;
+        if let Some(head) = &weights.head {
+            check(&head.lm_head, vocab, hidden, "lm_head")?;
+        }
         for (l, layer) in weights.layers.iter().enumerate() {
             for part in &layer.qkv {
                 check(&part.weight, part.weight.rows, hidden, &format!("layer {l}'s qkv projection"))?;
@@ -272,14 +295,17 @@ impl<B: Clone> StepPlan<B> {
             check(&layer.down.weight, hidden, intermediate, &format!("layer {l}'s down_proj"))?;
         }
         let StepLimits { max_tokens, max_logit_rows, num_blocks, block_size, .. } = limits;
-        if max_tokens == 0 || max_logit_rows == 0 || limits.max_seqs == 0 || block_size == 0 {
+        if max_tokens == 0 || (weights.head.is_some() && max_logit_rows == 0) || limits.max_seqs == 0 || block_size == 0
+        {
             return invalid(format!("a step plan needs room for a token, a row and a sequence: {limits:?}"));
         }
         let f32s = |alloc: &mut A, n: usize| alloc.scratch(n.max(1) * 4);
         let row = kv_heads * padded;
         to_u32(num_blocks * block_size * row, "KV cache elements")?;
         to_u32(max_tokens * qkv_rows.max(2 * intermediate), "activation elements")?;
-        to_u32(max_logit_rows * vocab, "logits")?;
+        if weights.head.is_some() {
+            to_u32(max_logit_rows * vocab, "logits")?;
+        }
         let kv = (0..weights.layers.len())
             .map(|_| {
                 let bytes = num_blocks * block_size * row * cache_dtype.size_in_bytes();
@@ -293,10 +319,15 @@ impl<B: Clone> StepPlan<B> {
             q: f32s(alloc, max_tokens * heads * padded)?,
             attn: f32s(alloc, max_tokens * heads * padded)?,
             act: f32s(alloc, max_tokens * intermediate)?,
-            head_in: f32s(alloc, max_logit_rows * hidden)?,
-            logits: f32s(alloc, max_logit_rows * vocab)?,
         };
-        let sampler = Sampler::new(alloc, vocab, limits.max_sampled_rows.clamp(1, max_logit_rows))?;
+        let head = match weights.head {
+            Some(_) => Some(HeadBuffers {
+                head_in: f32s(alloc, max_logit_rows * hidden)?,
+                logits: f32s(alloc, max_logit_rows * vocab)?,
+                sampler: Sampler::new(alloc, vocab, limits.max_sampled_rows.clamp(1, max_logit_rows))?,
+            }),
+            None => None,
+        };
         let layout = InputLayout::new(&limits);
         let inputs = alloc.scratch(layout.len)?;
         let meta_capacity = meta_bound(&shape, &limits);
@@ -304,7 +335,7 @@ impl<B: Clone> StepPlan<B> {
         let scratch_capacity = scratch_bound(&shape, &limits);
         let scratch = if scratch_capacity == 0 { None } else { Some(alloc.scratch(scratch_capacity)?) };
 
-        let mut formats = vec![weights.lm_head.format];
+        let mut formats: Vec<WeightFormat> = weights.head.iter().map(|h| h.lm_head.format).collect();
         for layer in &weights.layers {
             let parts = layer.qkv.iter().chain([&layer.o_proj, &layer.gate_up, &layer.down]);
             for f in parts.map(|l| l.weight.format) {
@@ -327,7 +358,7 @@ impl<B: Clone> StepPlan<B> {
                 attention_kernel(Source::Decode, "paged_attention_reduce", "f32"),
                 attention_kernel(Source::Prefill, "paged_attention_prefill", kv_name),
             ],
-            embed: model_kernel(format!("embed_rows_{}", weights.embed.format.name()), ROW_THREADS),
+            embed: weights.embed.as_ref().map(|e| model_kernel(format!("embed_rows_{}", e.format.name()), ROW_THREADS)),
             norm: model_kernel("rms_norm".into(), ROW_THREADS),
             matmuls,
             rope: model_kernel(format!("rope_qkv_cache_{cache_name}"), 32),
@@ -345,7 +376,7 @@ impl<B: Clone> StepPlan<B> {
             meta_capacity,
             scratch,
             scratch_capacity,
-            sampler,
+            head,
             kernels,
         })
     }
@@ -361,7 +392,9 @@ impl<B: Clone> StepPlan<B> {
     /// Every kernel a step may dispatch (to compile at load).
     pub fn kernels(&self) -> Vec<&Kernel> {
         let k = &self.kernels;
-        let mut all = vec![&k.embed, &k.norm, &k.rope, self.sampler.kernel()];
+        let mut all = vec![&k.norm, &k.rope];
+        all.extend(&k.embed);
+        all.extend(self.head.as_ref().map(|h| h.sampler.kernel()));
         all.extend(k.matmuls.iter().map(|(_, m)| m));
         all.extend(&k.attention);
         all
@@ -384,7 +417,7 @@ impl<B: Clone> StepPlan<B> {
                     + l.head_norm.as_ref().map_or(0, |_| 2 * s.head_dim * 4)
             })
             .sum();
-        per_layer + w.lm_head.size_in_bytes() + s.hidden * 4
+        per_layer + w.head.as_ref().map_or(0, |h| h.lm_head.size_in_bytes() + s.hidden * 4)
     }
 
     /// The attention kernels' head dim (the model's, or padded).
@@ -400,9 +433,10 @@ impl<B: Clone> StepPlan<B> {
     }
 
     /// Bytes of the KV pools.
-    /// Whether a step may sample `rows` on the GPU (see [`Sampler::fits`]).
+    /// Whether a step may sample `rows` on the GPU (see [`Sampler::fits`]):
+    /// only a plan holding the head samples.
     pub fn samples(&self, rows: &[SampleRow]) -> bool {
-        self.sampler.fits(rows)
+        self.head.as_ref().is_some_and(|h| h.sampler.fits(rows))
     }
 
     pub fn kv_bytes(&self) -> usize {
@@ -419,7 +453,7 @@ impl<B: Clone> StepPlan<B> {
     /// command buffer, waits, and reads back the wanted rows' logits or
     /// their sampled tokens.
     pub fn run<G: Gpu<Buffer = B>>(&self, gpu: &mut G, step: &StepInputs, readback: Readback) -> Result<StepOutput> {
-        let t = step.input_ids.len();
+        let t = step.positions.len();
         let rows = step.logit_rows.len();
         let (s, l) = (&self.shape, &self.limits);
         if t == 0 || t > l.max_tokens {
@@ -428,15 +462,34 @@ impl<B: Clone> StepPlan<B> {
         if rows > l.max_logit_rows {
             return invalid(format!("{rows} rows of logits (this plan holds {})", l.max_logit_rows));
         }
-        if step.positions.len() != t || step.meta.slot_mapping.len() != t {
-            return invalid(format!(
-                "{t} tokens with {} positions and {} slots",
-                step.positions.len(),
-                step.meta.slot_mapping.len()
-            ));
+        if step.meta.slot_mapping.len() != t {
+            return invalid(format!("{t} tokens with {} slots", step.meta.slot_mapping.len()));
         }
-        if let Some(id) = step.input_ids.iter().find(|&&id| id as usize >= s.vocab) {
-            return invalid(format!("token id {id} is outside the vocabulary of {}", s.vocab));
+        match (step.input, self.kernels.embed.is_some()) {
+            (StepInput::Tokens(ids), true) => {
+                if ids.len() != t {
+                    return invalid(format!("{} token ids for {t} positions", ids.len()));
+                }
+                if let Some(id) = ids.iter().find(|&&id| id as usize >= s.vocab) {
+                    return invalid(format!("token id {id} is outside the vocabulary of {}", s.vocab));
+                }
+            }
+            (StepInput::Hidden(h), false) => {
+                if h.len() != t * s.hidden {
+                    return invalid(format!("{} hidden values for {t} tokens of {}", h.len(), s.hidden));
+                }
+            }
+            (StepInput::Tokens(_), false) => return invalid("this stage starts from hidden states, not tokens".into()),
+            (StepInput::Hidden(_), true) => {
+                return invalid("this plan starts from token ids, not hidden states".into());
+            }
+        }
+        let wants_rows = !matches!(readback, Readback::Hidden);
+        if wants_rows && self.head.is_none() {
+            return invalid("this stage has no head: it hands hidden states on".into());
+        }
+        if !wants_rows && !step.logit_rows.is_empty() {
+            return invalid(format!("{rows} rows of logits from a step that hands hidden states on"));
         }
         if let Some(p) = step.positions.iter().find(|&&p| p as usize >= s.max_positions) {
             return invalid(format!("position {p} is past the model's {} positions", s.max_positions));
@@ -482,10 +535,16 @@ impl<B: Clone> StepPlan<B> {
             return invalid(format!("{} sampling rows for {rows} wanted rows", params.len()));
         }
         let lay = self.layout;
-        if let Readback::Sample(params) = readback {
-            self.sampler.write(gpu, params)?;
+        if let (Readback::Sample(params), Some(head)) = (readback, &self.head) {
+            head.sampler.write(gpu, params)?;
         }
-        gpu.write(&self.inputs, lay.ids, &words(step.input_ids))?;
+        match step.input {
+            StepInput::Tokens(ids) => gpu.write(&self.inputs, lay.ids, &words(ids))?,
+            StepInput::Hidden(h) => {
+                let bytes: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+                gpu.write(&self.acts.hidden, 0, &bytes)?;
+            }
+        }
         gpu.write(&self.inputs, lay.positions, &words(step.positions))?;
         gpu.write(&self.inputs, lay.slots, &words(&step.meta.slot_mapping))?;
         gpu.write(&self.inputs, lay.rows, &words(step.logit_rows))?;
@@ -495,16 +554,18 @@ impl<B: Clone> StepPlan<B> {
         self.encode(&mut enc, t, rows, &attention, readback)?;
         gpu.commit_and_wait(enc)?;
 
-        match readback {
-            Readback::Logits => {
-                let mut bytes = vec![0u8; rows * s.vocab * 4];
-                if !bytes.is_empty() {
-                    gpu.read(&self.acts.logits, 0, &mut bytes)?;
-                }
-                let floats = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-                Ok(StepOutput::Logits(floats.collect()))
+        let floats = |gpu: &mut G, buffer: &B, n: usize| -> Result<Vec<f32>> {
+            let mut bytes = vec![0u8; n * 4];
+            if n > 0 {
+                gpu.read(buffer, 0, &mut bytes)?;
             }
-            Readback::Sample(params) => Ok(StepOutput::Sampled(self.sampler.read(gpu, params)?)),
+            Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        };
+        match (readback, &self.head) {
+            (Readback::Hidden, _) => Ok(StepOutput::Hidden(floats(gpu, &self.acts.hidden, t * s.hidden)?)),
+            (Readback::Logits, Some(head)) => Ok(StepOutput::Logits(floats(gpu, &head.logits, rows * s.vocab)?)),
+            (Readback::Sample(params), Some(head)) => Ok(StepOutput::Sampled(head.sampler.read(gpu, params)?)),
+            (_, None) => invalid("this stage has no head".into()),
         }
     }
 }
