@@ -406,13 +406,24 @@ fn f16_and_q8_kv_caches_agree_with_f32_on_greedy_tokens() {
     }
 }
 
+/// Which passes over a golden file run on the emulator besides the batch.
+#[derive(Clone, Copy)]
+struct Passes {
+    /// In steps of 32 tokens: chunked prefill beside decodes.
+    chunked: bool,
+    /// In a cache too small for every case at once: preemption and recompute.
+    preempted: bool,
+}
+
+const BATCH_ONLY: Passes = Passes { chunked: false, preempted: false };
+
 /// Every case of `golden_file` on the Metal step plan in the emulator, as
-/// one batch (prefix-cache hits among the cases), then in a cache too small
-/// for all of them at once (preemption and recompute), and with `chunked`
-/// in steps of 32 tokens (chunked prefill beside decodes). The emulator is
-/// slow (tiny-qwen3's 32k-token lm_head most of all), so each case runs in
-/// these batches rather than alone too, as on the CPU.
-fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, chunked: bool) {
+/// one batch (prefix-cache hits among the cases), then in the `passes`
+/// asked. The emulator is slow (tiny-qwen3's 32k-token lm_head most of
+/// all), so each case runs in these batches rather than alone too, as on
+/// the CPU, and chunking and preemption each run on two families (the CPU
+/// runs them on all).
+fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, passes: Passes) {
     let plan = Some(PlanTarget::MetalEmulated);
     let golden = load_golden(golden_file);
     let model = golden.model.as_str();
@@ -425,11 +436,14 @@ fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, chunked: boo
         assert!(p.num_accepted_tokens < p.num_draft_tokens, "{model}: no proposal was rejected");
         return;
     }
-    if chunked {
+    if passes.chunked {
         let mut e = engine_on(model, 32, spec.clone(), plan, 512);
         assert!(golden.cases.iter().any(|c| c.prompt_ids.len() > 32));
         let run = run_cases(&mut e, &golden.cases);
         check(model, "chunked batch", &golden.cases, &run);
+    }
+    if !passes.preempted {
+        return;
     }
     let blocks_of = |c: &Case| (c.prompt_ids.len() + c.generated_ids.len()).div_ceil(16);
     let longest = golden.cases.iter().map(blocks_of).max().unwrap();
@@ -441,34 +455,34 @@ fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, chunked: boo
 
 #[test]
 fn stories260k_matches_transformers_on_metal_emulated() {
-    check_model_emulated("stories260K.json", SpeculativeConfig::default(), true);
+    check_model_emulated("stories260K.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: true });
 }
 
 #[test]
 fn tiny_qwen3_matches_transformers_on_metal_emulated() {
-    check_model_emulated("tiny-qwen3.json", SpeculativeConfig::default(), false);
-    check_model_emulated("tiny-qwen3-chat.json", SpeculativeConfig::default(), false);
+    check_model_emulated("tiny-qwen3.json", SpeculativeConfig::default(), BATCH_ONLY);
+    check_model_emulated("tiny-qwen3-chat.json", SpeculativeConfig::default(), BATCH_ONLY);
 }
 
 #[test]
 fn tiny_qwen2_matches_transformers_on_metal_emulated() {
-    check_model_emulated("tiny-qwen2.json", SpeculativeConfig::default(), true);
+    check_model_emulated("tiny-qwen2.json", SpeculativeConfig::default(), Passes { chunked: false, preempted: true });
 }
 
 #[test]
 fn tiny_llama3_matches_transformers_on_metal_emulated() {
-    check_model_emulated("tiny-llama3.json", SpeculativeConfig::default(), true);
+    check_model_emulated("tiny-llama3.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: false });
 }
 
 #[test]
 fn tiny_mistral_matches_transformers_on_metal_emulated() {
-    check_model_emulated("tiny-mistral.json", SpeculativeConfig::default(), true);
+    check_model_emulated("tiny-mistral.json", SpeculativeConfig::default(), BATCH_ONLY);
 }
 
 #[test]
 fn speculation_is_exact_on_metal_emulated() {
-    check_model_emulated("tiny-qwen2.json", speculative(), false);
-    check_model_emulated("stories260K.json", drafting(), false);
+    check_model_emulated("tiny-qwen2.json", speculative(), BATCH_ONLY);
+    check_model_emulated("stories260K.json", drafting(), BATCH_ONLY);
 }
 
 /// f16 weights on the Metal step plan (f32 activations, as the plan always
