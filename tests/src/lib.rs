@@ -47,6 +47,16 @@ pub fn binary(name: &str) -> PathBuf {
     target.join("debug").join(name)
 }
 
+/// The `--device` of the tests that run the Metal step plan: `metal` where
+/// tests run on Metal (`TINYVLLM_TEST_DEVICE=metal`, the macOS CI job),
+/// `metal-emulated` (the CPU emulator of our kernels) elsewhere.
+pub fn plan_device() -> &'static str {
+    match std::env::var("TINYVLLM_TEST_DEVICE").as_deref() {
+        Ok("metal") => "metal",
+        _ => "metal-emulated",
+    }
+}
+
 /// A golden file of ../shared/golden as JSON.
 pub fn golden(file: &str) -> serde_json::Value {
     let path = shared().join("golden").join(file);

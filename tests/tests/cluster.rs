@@ -5,7 +5,9 @@ use std::io::{BufRead, Read};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, TempDir, golden, post_json, post_sse, stream_completion_text, terminate};
+use tinyvllm_tests::{
+    Coordinator, TempDir, golden, plan_device, post_json, post_sse, stream_completion_text, terminate,
+};
 
 fn cases() -> Vec<Value> {
     golden("stories260K.json")["cases"].as_array().expect("cases").clone()
@@ -51,11 +53,11 @@ fn two_workers_reproduce_the_golden_tokens_streamed_or_not() {
 fn a_metal_emulated_worker_streams_the_golden_tokens() {
     let cluster = Coordinator::start("stories260K", 0, &[]);
     let mut worker =
-        cluster.start_worker_with("stories260K", "emulated-mac", &cluster.secret_file, &["--device", "metal-emulated"]);
+        cluster.start_worker_with("stories260K", "emulated-mac", &cluster.secret_file, &["--device", plan_device()]);
     cluster.wait_for_workers(1);
     let workers = cluster.workers();
     let listed = workers["data"].as_array().or_else(|| workers.as_array()).cloned().unwrap_or_default();
-    assert!(workers.to_string().contains("metal-emulated"), "the worker names its device: {listed:?}");
+    assert!(workers.to_string().contains(plan_device()), "the worker names its device: {listed:?}");
     for case in cases() {
         let prompt = case["prompt_text"].as_str().unwrap();
         let (status, out) = post_json(&cluster.url("/generate"), &greedy(prompt, 48));

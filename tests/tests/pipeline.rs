@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tinyvllm_tests::{
-    Coordinator, Log, TempDir, binary, golden, model_dir, post_json, signal, stream_completion_text, terminate,
+    Coordinator, Log, TempDir, binary, golden, model_dir, plan_device, post_json, signal, stream_completion_text,
+    terminate,
 };
 
 fn greedy(prompt: &str, max_tokens: u64) -> Value {
@@ -85,19 +86,15 @@ fn two_speculating_stages_reproduce_every_models_goldens() {
 /// speculation verified on the last stage.
 #[test]
 fn two_metal_emulated_stages_reproduce_the_goldens() {
+    let device = format!("--worker-arg=--device={}", plan_device());
     for model in ["stories260K", "tiny-llama3"] {
-        let mut extra = vec![
-            "--block-size",
-            "4",
-            "--worker-arg=--max-num-batched-tokens=8",
-            "--worker-arg=--device=metal-emulated",
-        ];
+        let mut extra = vec!["--block-size", "4", "--worker-arg=--max-num-batched-tokens=8", &device];
         extra.extend(SPECULATE);
         let cluster = Coordinator::start_pipelines(model, 1, 2, &extra);
         let cached = check_goldens(&cluster, model);
         assert!(cached > 0, "{model}: the repeated prompts hit the prefix cache");
         let workers = cluster.workers();
-        assert!(workers.to_string().contains("metal-emulated"), "{workers}");
+        assert!(workers.to_string().contains(plan_device()), "{workers}");
         let stages = workers["data"][0]["stages"].as_array().expect("stages");
         assert_eq!(stages.len(), 2, "{model}: {stages:?}");
         if model == "stories260K" {

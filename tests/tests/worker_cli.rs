@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use tinyvllm_tests::{binary, golden, model_dir};
+use tinyvllm_tests::{binary, golden, model_dir, plan_device};
 
 fn generate(args: &[&str]) -> std::process::Output {
     Command::new(binary("tinyvllm-worker")).arg("generate").args(args).output().expect("running tinyvllm-worker")
@@ -47,7 +47,7 @@ fn generate_on_metal_emulated_reproduces_the_golden_tokens() {
                 "--model",
                 model.to_str().unwrap(),
                 "--device",
-                "metal-emulated",
+                plan_device(),
                 "--prompt-token-ids",
                 &ids.join(","),
                 "--max-tokens",

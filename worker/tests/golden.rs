@@ -19,7 +19,7 @@ use serde::Deserialize;
 use support::shared;
 use worker::engine::LogprobsMode;
 use worker::models::{ModelFiles, ModelSource, Need};
-use worker::runner::device::PlanTarget;
+use worker::runner::device::test_plan;
 use worker::{Engine, EngineConfig};
 
 #[derive(Deserialize)]
@@ -73,16 +73,23 @@ fn drafting() -> SpeculativeConfig {
 }
 
 fn engine_with(model: &str, max_num_batched_tokens: usize, speculative: SpeculativeConfig) -> Engine {
-    engine_on(model, max_num_batched_tokens, speculative, None, 512)
+    engine_on(model, max_num_batched_tokens, speculative, false, 512)
 }
 
 fn engine_on(
     model: &str,
     max_num_batched_tokens: usize,
     speculative: SpeculativeConfig,
-    plan: Option<PlanTarget>,
+    on_plan: bool,
     num_blocks: usize,
 ) -> Engine {
+    let (plan, device) = match on_plan {
+        true => {
+            let (target, device) = test_plan();
+            (Some(target), device)
+        }
+        false => (None, worker::runner::device::test_device()),
+    };
     let dir = shared().join("models").join(model);
     let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
     let draft_model = (speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft).then(|| {
@@ -94,7 +101,7 @@ fn engine_on(
         num_blocks: Some(num_blocks),
         max_num_batched_tokens,
         logprobs_mode: LogprobsMode::RawLogits,
-        device: worker::runner::device::test_device(),
+        device,
         speculative,
         plan,
         ..EngineConfig::default()
@@ -424,7 +431,7 @@ const BATCH_ONLY: Passes = Passes { chunked: false, preempted: false };
 /// the CPU, and chunking and preemption each run on two families (the CPU
 /// runs them on all).
 fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, passes: Passes) {
-    let plan = Some(PlanTarget::MetalEmulated);
+    let plan = true;
     let golden = load_golden(golden_file);
     let model = golden.model.as_str();
     let mut e = engine_on(model, 2048, spec.clone(), plan, 512);
@@ -499,10 +506,12 @@ fn f16_weights_on_metal_emulated_agree_with_transformers() {
         let golden = load_golden(file);
         let files =
             ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(&golden.model)), Need::Weights).unwrap();
+        let (target, device) = test_plan();
         let config = EngineConfig {
             dtype: candle_core::DType::F16,
             num_blocks: Some(1024),
-            plan: Some(PlanTarget::MetalEmulated),
+            plan: Some(target),
+            device,
             ..EngineConfig::default()
         };
         let mut e = Engine::new(&files, config).unwrap();

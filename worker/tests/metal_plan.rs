@@ -19,13 +19,28 @@ use common::{RequestId, SamplingParams, StructuredOutput};
 use support::{dequantized_copy, greedy};
 use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
-use worker::runner::device::PlanTarget;
+use worker::runner::device::test_plan;
 use worker::{Engine, EngineConfig, Quantization};
 
-fn engine(source: &str, plan: Option<PlanTarget>, quantization: Option<Quantization>) -> Engine {
+/// An engine on the step plan (`on_plan`: the GPU, or its emulator; see
+/// `test_plan`) or on the CPU.
+fn engine(source: &str, on_plan: bool, quantization: Option<Quantization>) -> Engine {
     let files = ModelFiles::resolve(&ModelSource::parse(source).unwrap(), Need::Weights).unwrap();
-    let config =
-        EngineConfig { num_blocks: Some(128), dtype: DType::F32, plan, quantization, ..EngineConfig::default() };
+    let (plan, device) = match on_plan {
+        true => {
+            let (target, device) = test_plan();
+            (Some(target), device)
+        }
+        false => (None, Device::Cpu),
+    };
+    let config = EngineConfig {
+        num_blocks: Some(128),
+        dtype: DType::F32,
+        plan,
+        device,
+        quantization,
+        ..EngineConfig::default()
+    };
     Engine::new(&files, config).unwrap()
 }
 
@@ -68,8 +83,8 @@ fn gguf_blocks_stay_quantized_and_give_the_cpu_tokens_on_metal_emulated() {
         let f32_copy = dir.join(format!("{ty:?}-dequantized.gguf"));
         dequantized_copy(&path, &f32_copy);
         let as_str = |p: &Path| p.to_str().unwrap().to_string();
-        let mut gpu = engine(&as_str(&path), Some(PlanTarget::MetalEmulated), None);
-        let mut cpu = engine(&as_str(&f32_copy), None, None);
+        let mut gpu = engine(&as_str(&path), true, None);
+        let mut cpu = engine(&as_str(&f32_copy), false, None);
         let file = std::fs::metadata(&path).unwrap().len() as f64;
         let resident = gpu.resident_weight_bytes() as f64;
         eprintln!("{ty:?}: file {file} bytes, resident on the plan {resident} bytes");
@@ -88,9 +103,9 @@ fn gguf_blocks_stay_quantized_and_give_the_cpu_tokens_on_metal_emulated() {
 fn quantize_at_load_keeps_blocks_on_metal_emulated() {
     let model = support::shared().join("models/tiny-qwen2");
     let model = model.to_str().unwrap();
-    let dense = engine(model, Some(PlanTarget::MetalEmulated), None).resident_weight_bytes();
+    let dense = engine(model, true, None).resident_weight_bytes();
     for (q, ratio) in [(Quantization::Q8_0, 34.0 / 128.0), (Quantization::Q4_0, 18.0 / 128.0)] {
-        let mut e = engine(model, Some(PlanTarget::MetalEmulated), Some(q));
+        let mut e = engine(model, true, Some(q));
         let resident = e.resident_weight_bytes();
         // The linear layers shrink by the block format's ratio; the tied
         // lm_head (the embedding) and the norms stay f32.
@@ -156,8 +171,8 @@ fn seeded_sampling_on_metal_emulated_gives_the_cpu_tokens() {
         }
         (out, drawn_on_plan)
     };
-    let (on_gpu, drawn) = run(&mut engine(model, Some(PlanTarget::MetalEmulated), None));
-    let (on_cpu, _) = run(&mut engine(model, None, None));
+    let (on_gpu, drawn) = run(&mut engine(model, true, None));
+    let (on_cpu, _) = run(&mut engine(model, false, None));
     let tokens: usize = on_gpu.iter().map(|o| o.0.len()).sum();
     assert_eq!(drawn, tokens, "every token drawn by the plan's GPU sampler");
     for (i, (gpu, cpu)) in on_gpu.iter().zip(&on_cpu).enumerate() {

@@ -1,5 +1,6 @@
 //! The step plan's GPU sampler (kernels/src/metal/sample.metal), run in the
-//! CPU emulator, against its reference: the host sampler
+//! CPU emulator (on a Mac's GPU in the macOS workflow), against its
+//! reference: the host sampler
 //! (`runner::sampler::sample_batch`). Every parameter alone and together,
 //! seeded, over rows built to hit the edges (ties at the top-k and top-p
 //! boundaries, NaN, -inf and +inf logits, masks that forbid everything,
@@ -8,7 +9,6 @@
 //! logprobs equal to f32 rounding.
 
 use common::{SamplingParams, TokenLogprobs};
-use kernels::metal::emulated::EmulatedGpu;
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{SampleRow, Sampler, TokenEdit};
 use worker::runner::logprobs::LogprobsMode;
@@ -71,9 +71,26 @@ impl Logits {
     }
 }
 
-/// Samples `cases` over `logits` on the emulated GPU and on the host, and
-/// checks they agree, row by row.
-fn check(gpu: &mut EmulatedGpu, vocab: usize, logits: &[f32], cases: &[Case], mode: LogprobsMode) {
+/// The GPU of these tests: Apple's with `TINYVLLM_TEST_DEVICE=metal` (the
+/// macOS CI job), the CPU emulator of our kernels elsewhere.
+#[cfg(target_os = "macos")]
+type TestGpu = kernels::metal::gpu::MetalGpu;
+#[cfg(not(target_os = "macos"))]
+type TestGpu = kernels::metal::emulated::EmulatedGpu;
+
+fn test_gpu() -> TestGpu {
+    #[cfg(target_os = "macos")]
+    {
+        let device = worker::runner::device::test_device();
+        TestGpu::new(device.as_metal_device().expect("TINYVLLM_TEST_DEVICE=metal").clone()).unwrap()
+    }
+    #[cfg(not(target_os = "macos"))]
+    TestGpu::new().expect("the Metal emulator (metal-emulated) is built for this target")
+}
+
+/// Samples `cases` over `logits` on the GPU and on the host, and checks
+/// they agree, row by row.
+fn check(gpu: &mut TestGpu, vocab: usize, logits: &[f32], cases: &[Case], mode: LogprobsMode) {
     let rows: Vec<SamplingRow> = cases.iter().map(Case::row).collect();
     let edits: Vec<Vec<TokenEdit>> = rows.iter().map(edits_of).collect();
     let params: Vec<SampleRow> = rows.iter().zip(&edits).map(|(r, e)| sample_row(r, e)).collect();
@@ -113,7 +130,7 @@ fn random() -> SamplingParams {
 /// shapes of row, batched so each row's edits and mask sit elsewhere.
 #[test]
 fn seeded_draws_give_the_host_samplers_tokens() {
-    let mut gpu = EmulatedGpu::new().expect("the Metal emulator (metal-emulated) is built for this target");
+    let mut gpu = test_gpu();
     let vocab: usize = 1000;
     let greedy = SamplingParams::greedy(16);
     let sets: Vec<SamplingParams> = vec![
@@ -164,7 +181,7 @@ fn seeded_draws_give_the_host_samplers_tokens() {
 
 #[test]
 fn edge_rows_fall_back_as_the_host_does() {
-    let mut gpu = EmulatedGpu::new().expect("the Metal emulator (metal-emulated) is built for this target");
+    let mut gpu = test_gpu();
     let vocab = 40;
     let mut rows: Vec<f32> = Vec::new();
     let mut cases = Vec::new();
@@ -212,7 +229,7 @@ fn edge_rows_fall_back_as_the_host_does() {
 /// A vocabulary smaller than a row's threads and than its top logprobs.
 #[test]
 fn a_tiny_vocabulary_samples_too() {
-    let mut gpu = EmulatedGpu::new().expect("the Metal emulator (metal-emulated) is built for this target");
+    let mut gpu = test_gpu();
     let vocab = 5;
     let mut logits = Logits(3);
     let mut rows = Vec::new();

@@ -86,6 +86,16 @@ pub fn test_device() -> Device {
     }
 }
 
+/// Where tests run the Metal step plan, and the device it runs on: the
+/// GPU with `TINYVLLM_TEST_DEVICE=metal` (the macOS CI job), the CPU
+/// emulator of our kernels elsewhere.
+pub fn test_plan() -> (PlanTarget, Device) {
+    match std::env::var("TINYVLLM_TEST_DEVICE").as_deref() {
+        Ok("metal") => (PlanTarget::Metal, test_device()),
+        _ => (PlanTarget::MetalEmulated, Device::Cpu),
+    }
+}
+
 /// The oldest macOS on which candle 0.11's Metal device opens: it creates an
 /// `MTLResidencySet` (macOS 15 API) unconditionally, which aborts the
 /// process on macOS 14 rather than returning an error.
