@@ -218,6 +218,13 @@ fn tiny_qwen3_matches_transformers() {
     check_model("tiny-qwen3.json");
 }
 
+/// Qwen3 with YaRN ×4 (its long-context setting): the frequencies ramped
+/// between interpolation and extrapolation, cos and sin scaled.
+#[test]
+fn tiny_qwen3_yarn_matches_transformers() {
+    check_model("tiny-qwen3-yarn.json");
+}
+
 #[test]
 fn tiny_qwen3_chat_prompts_match_transformers() {
     check_model("tiny-qwen3-chat.json");
@@ -469,6 +476,7 @@ fn stories260k_matches_transformers_on_metal_emulated() {
 fn tiny_qwen3_matches_transformers_on_metal_emulated() {
     check_model_emulated("tiny-qwen3.json", SpeculativeConfig::default(), BATCH_ONLY);
     check_model_emulated("tiny-qwen3-chat.json", SpeculativeConfig::default(), BATCH_ONLY);
+    check_model_emulated("tiny-qwen3-yarn.json", SpeculativeConfig::default(), BATCH_ONLY);
 }
 
 #[test]

@@ -39,8 +39,9 @@ impl Architecture {
     }
 }
 
-/// `rope_scaling` as Hugging Face writes it. Only `llama3` changes the
-/// frequencies; `default` (or none) keeps them.
+/// `rope_scaling` as Hugging Face writes it: `llama3`, `yarn` and `linear`
+/// change the frequencies (YaRN scales cos and sin too); `default` (or
+/// none) keeps them.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 pub struct RopeScaling {
     #[serde(alias = "type")]
@@ -53,6 +54,34 @@ pub struct RopeScaling {
     pub high_freq_factor: Option<f64>,
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    /// YaRN's correction range, in rotations (32 and 1 by default).
+    #[serde(default)]
+    pub beta_fast: Option<f64>,
+    #[serde(default)]
+    pub beta_slow: Option<f64>,
+    /// YaRN: whether the correction range is rounded to whole dims (true
+    /// by default, as transformers reads a config without the key).
+    #[serde(default)]
+    pub truncate: Option<bool>,
+    /// YaRN's scale of cos and sin; derived from the factor (and `mscale`,
+    /// `mscale_all_dim`) when absent.
+    #[serde(default)]
+    pub attention_factor: Option<f64>,
+    #[serde(default)]
+    pub mscale: Option<f64>,
+    #[serde(default)]
+    pub mscale_all_dim: Option<f64>,
+}
+
+impl RopeScaling {
+    /// YaRN's factor, as transformers takes it: the ratio of the context to
+    /// the pretrained one when the config names the latter.
+    fn yarn_factor(&self, max_position_embeddings: usize) -> f64 {
+        match self.original_max_position_embeddings {
+            Some(original) if original > 0 => max_position_embeddings as f64 / original as f64,
+            _ => self.factor.unwrap_or(1.0),
+        }
+    }
 }
 
 /// The raw `config.json` fields we read (serde ignores the rest).
@@ -165,7 +194,7 @@ impl ModelConfig {
         }
         if let Some(scaling) = &hf.rope_scaling {
             let kind = scaling.rope_type.as_str();
-            if kind != "default" && kind != "llama3" {
+            if !["default", "llama3", "yarn", "linear"].contains(&kind) {
                 return Err(ModelError::InvalidConfig(format!("rope_scaling type {kind:?} is not supported")));
             }
         }
@@ -237,9 +266,13 @@ impl ModelConfig {
         if let Some(factors) = &self.rope_freq_factors {
             return base.iter().zip(factors).map(|(inv, factor)| inv / factor).collect();
         }
-        let Some(scaling) = self.rope_scaling.as_ref().filter(|s| s.rope_type == "llama3") else {
-            return base;
-        };
+        let Some(scaling) = &self.rope_scaling else { return base };
+        match scaling.rope_type.as_str() {
+            "llama3" => {}
+            "yarn" => return self.yarn_inv_freq(scaling, base),
+            "linear" => return base.iter().map(|inv| inv / scaling.factor.unwrap_or(1.0)).collect(),
+            _ => return base,
+        }
         let factor = scaling.factor.unwrap_or(8.0);
         let low = scaling.low_freq_factor.unwrap_or(1.0);
         let high = scaling.high_freq_factor.unwrap_or(4.0);
@@ -259,6 +292,48 @@ impl ModelConfig {
                 }
             })
             .collect()
+    }
+
+    /// YaRN (transformers' `_compute_yarn_parameters`): pairs rotating more
+    /// than `beta_fast` times over the pretrained context keep their
+    /// frequency, those under `beta_slow` are divided by the factor, and a
+    /// linear ramp blends the pairs between.
+    fn yarn_inv_freq(&self, s: &RopeScaling, base: Vec<f64>) -> Vec<f64> {
+        let dim = self.head_dim as f64;
+        let original = s.original_max_position_embeddings.unwrap_or(self.max_position_embeddings) as f64;
+        let factor = s.yarn_factor(self.max_position_embeddings);
+        let correction_dim = |rotations: f64| {
+            dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * self.rope_theta.ln())
+        };
+        let (mut low, mut high) =
+            (correction_dim(s.beta_fast.unwrap_or(32.0)), correction_dim(s.beta_slow.unwrap_or(1.0)));
+        if s.truncate.unwrap_or(true) {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+        let span = if low == high { 0.001 } else { high - low };
+        base.iter()
+            .enumerate()
+            .map(|(i, &inv)| {
+                let extrapolation = 1.0 - ((i as f64 - low) / span).clamp(0.0, 1.0);
+                inv / factor * (1.0 - extrapolation) + inv * extrapolation
+            })
+            .collect()
+    }
+
+    /// The factor cos and sin are scaled by: YaRN's attention factor, 1
+    /// for every other scaling.
+    pub fn rope_attention_factor(&self) -> f64 {
+        let Some(s) = self.rope_scaling.as_ref().filter(|s| s.rope_type == "yarn") else { return 1.0 };
+        if let Some(a) = s.attention_factor {
+            return a;
+        }
+        let factor = s.yarn_factor(self.max_position_embeddings);
+        let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+        match (s.mscale, s.mscale_all_dim) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
+            _ => mscale(factor, 1.0),
+        }
     }
 
     /// Inverse RoPE frequencies without any scaling: `theta^(-2i/d)`.
@@ -340,6 +415,36 @@ pub fn random_preset_json(name: &str) -> Result<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// gpt-oss's YaRN (its `rope_scaling`, theta 150000, head dim 32): the
+    /// figures ../shared/models/README.md derives for tiny-gpt-oss.
+    #[test]
+    fn yarn_ramps_the_frequencies_and_scales_cos_and_sin() {
+        let cfg = ModelConfig::from_json(
+            r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":64,"intermediate_size":64,"num_hidden_layers":1,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"vocab_size":8,"rms_norm_eps":1e-5,
+            "rope_theta":150000.0,"max_position_embeddings":131072,"rope_scaling":{"rope_type":"yarn","factor":32.0,
+            "beta_fast":32.0,"beta_slow":1.0,"original_max_position_embeddings":4096,"truncate":false}}"#,
+        )
+        .unwrap();
+        let kept: Vec<f64> = cfg.rope_freq_factors().unwrap().iter().map(|f| 1.0 / f).collect();
+        let want = [1.0, 1.0, 1.0, 1.0, 1.0, 0.801443, 0.593227, 0.385011, 0.176795];
+        for (i, w) in want.iter().chain(&[1.0 / 32.0; 7]).enumerate() {
+            assert!((kept[i] - w).abs() < 1e-6, "pair {i}: {} vs {w}", kept[i]);
+        }
+        assert!((cfg.rope_attention_factor() - (0.1 * 32f64.ln() + 1.0)).abs() < 1e-12);
+        // transformers' default rounds the correction range: pairs 4..9 ramp.
+        let mut rounded = cfg.clone();
+        if let Some(s) = &mut rounded.rope_scaling {
+            s.truncate = None;
+        }
+        let kept: Vec<f64> = rounded.rope_freq_factors().unwrap().iter().map(|f| 1.0 / f).collect();
+        assert_eq!(kept[4], 1.0);
+        assert!((kept[5] - (0.2 / 32.0 + 0.8)).abs() < 1e-12);
+        // Other scalings leave cos and sin alone.
+        let plain = ModelConfig { rope_scaling: None, ..cfg };
+        assert_eq!(plain.rope_attention_factor(), 1.0);
+    }
 
     fn shared(path: &str) -> String {
         let p = format!("{}/../../shared/models/{path}", env!("CARGO_MANIFEST_DIR"));

@@ -309,6 +309,10 @@ pub fn write(
     ty: Quantization,
     vocab: &Vocab,
 ) -> Result<()> {
+    // Frequency factors cannot carry YaRN's scale of cos and sin.
+    if cfg.rope_attention_factor() != 1.0 {
+        return Err(err(path, "YaRN RoPE scaling is not exported to GGUF yet"));
+    }
     let arch = gguf_architecture(cfg.architecture);
     let key = |k: &str| format!("{arch}.{k}");
     let u32v = |v: usize| Value::U32(v as u32);

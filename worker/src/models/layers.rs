@@ -133,13 +133,15 @@ impl RotaryEmbedding {
 /// reads (the CPU's, candle's, the Metal step plan's).
 pub fn rope_tables(cfg: &ModelConfig, max_positions: usize) -> (Vec<f32>, Vec<f32>) {
     let inv_freq = cfg.rope_inv_freq();
+    // YaRN scales q·k through cos and sin, as transformers does.
+    let scale = cfg.rope_attention_factor();
     let mut cos = Vec::with_capacity(max_positions * inv_freq.len());
     let mut sin = Vec::with_capacity(max_positions * inv_freq.len());
     for pos in 0..max_positions {
         for &f in &inv_freq {
             let angle = pos as f64 * f;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
+            cos.push((angle.cos() * scale) as f32);
+            sin.push((angle.sin() * scale) as f32);
         }
     }
     (cos, sin)
