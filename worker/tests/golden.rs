@@ -254,6 +254,7 @@ fn stories260k_matches_transformers_with_ngram_speculation() {
 fn tiny_qwen3_matches_transformers_with_ngram_speculation() {
     check_model_with("tiny-qwen3.json", speculative());
     check_model_with("tiny-qwen3-chat.json", speculative());
+    check_model_with("tiny-qwen3-yarn.json", speculative());
 }
 
 #[test]
