@@ -1,7 +1,10 @@
 //! A dense model's whole step on the GPU as one plan (the issue's "Metal
 //! step"), free of any GPU API like [`super::plan`]: a Mac's Metal device
 //! and the Linux emulator (kernels/metal-emu) run this same code through
-//! the [`Gpu`] trait.
+//! the [`Gpu`] trait. A pipeline stage's plan holds its share of the layers
+//! ([`ModelWeights`]): it starts from token ids or the stage before's
+//! hidden states ([`StepInput`]) and hands hidden states on or ends with
+//! the head ([`Readback`]).
 //!
 //! At load, [`StepPlan::new`] allocates every buffer once, at its exact
 //! size: the weights (given), the KV pools, the activations for the step's
