@@ -39,7 +39,17 @@ fn check_goldens(cluster: &Coordinator, model: &str) -> u64 {
 
 #[test]
 fn two_stages_reproduce_every_models_goldens_with_chunked_prefill_and_cache_hits() {
-    for model in ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-yarn"] {
+    let models = [
+        "stories260K",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-qwen3-yarn",
+        "tiny-mixtral",
+        "tiny-qwen3-moe",
+    ];
+    for model in models {
         // Blocks of 4 tokens, so short prompts have cached blocks; 8
         // tokens a step, so longer prompts are prefilled in chunks.
         let extra = ["--block-size", "4", "--worker-arg=--max-num-batched-tokens=8"];

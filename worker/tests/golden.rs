@@ -218,6 +218,18 @@ fn tiny_qwen3_matches_transformers() {
     check_model("tiny-qwen3.json");
 }
 
+/// Mixtral: 8 experts, the top 2 of a softmax router, renormalised.
+#[test]
+fn tiny_mixtral_matches_transformers() {
+    check_model("tiny-mixtral.json");
+}
+
+/// Qwen3-MoE: 16 experts, the top 4 (`norm_topk_prob`), q/k norms.
+#[test]
+fn tiny_qwen3_moe_matches_transformers() {
+    check_model("tiny-qwen3-moe.json");
+}
+
 /// Qwen3 with YaRN ×4 (its long-context setting): the frequencies ramped
 /// between interpolation and extrapolation, cos and sin scaled.
 #[test]
@@ -255,6 +267,8 @@ fn tiny_qwen3_matches_transformers_with_ngram_speculation() {
     check_model_with("tiny-qwen3.json", speculative());
     check_model_with("tiny-qwen3-chat.json", speculative());
     check_model_with("tiny-qwen3-yarn.json", speculative());
+    check_model_with("tiny-mixtral.json", speculative());
+    check_model_with("tiny-qwen3-moe.json", speculative());
 }
 
 #[test]

@@ -183,3 +183,14 @@ fn seeded_sampling_on_metal_emulated_gives_the_cpu_tokens() {
         }
     }
 }
+
+/// A family the step plan cannot run yet is refused by name, not run wrong.
+#[test]
+fn the_plan_refuses_mixtures_of_experts_by_name() {
+    let model = support::shared().join("models/tiny-mixtral");
+    let files = ModelFiles::resolve(&ModelSource::parse(model.to_str().unwrap()).unwrap(), Need::Weights).unwrap();
+    let (target, device) = test_plan();
+    let config = EngineConfig { num_blocks: Some(16), plan: Some(target), device, ..EngineConfig::default() };
+    let err = Engine::new(&files, config).err().expect("a mixture of experts on the plan is refused");
+    assert!(err.to_string().contains("mixtures of experts"), "{err}");
+}

@@ -16,6 +16,11 @@ pub enum Architecture {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Mistral's attention, a mixture of experts for every MLP.
+    Mixtral,
+    /// Qwen3's attention, mixtures of experts where `decoder_sparse_step`
+    /// and `mlp_only_layers` say.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -25,6 +30,8 @@ impl Architecture {
             "MistralForCausalLM" => Ok(Self::Mistral),
             "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "Qwen3ForCausalLM" => Ok(Self::Qwen3),
+            "MixtralForCausalLM" => Ok(Self::Mixtral),
+            "Qwen3MoeForCausalLM" => Ok(Self::Qwen3Moe),
             other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -35,6 +42,8 @@ impl Architecture {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 }
@@ -122,6 +131,21 @@ struct HfConfig {
     torch_dtype: Option<String>,
     #[serde(default)]
     dtype: Option<String>,
+    /// Mixtral's experts per MoE layer; Qwen3-MoE calls it `num_experts`.
+    #[serde(default)]
+    num_local_experts: Option<usize>,
+    #[serde(default)]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+    #[serde(default)]
+    decoder_sparse_step: Option<usize>,
 }
 
 fn default_rms_norm_eps() -> f64 {
@@ -165,6 +189,34 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// The dtype the checkpoint was saved in (`torch_dtype`), if given.
     pub weights_dtype: Option<String>,
+    /// Mixture of experts (all 0 or empty for a dense model).
+    pub moe: MoeConfig,
+}
+
+/// A mixture-of-experts MLP's shape and routing (Mixtral, Qwen3-MoE): a
+/// softmax router over `num_experts`, the `experts_per_token` largest kept.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer; 0 for a dense model.
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    /// Each expert's hidden width.
+    pub expert_intermediate_size: usize,
+    /// Renormalise the kept experts' weights to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Layers that keep a dense MLP, besides those `sparse_step` skips.
+    pub dense_layers: Vec<usize>,
+    /// Every `sparse_step`-th layer (counting from 1) is MoE.
+    pub sparse_step: usize,
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer` is a mixture of experts (Qwen3-MoE's rule).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.num_experts > 0
+            && !self.dense_layers.contains(&layer)
+            && (layer + 1).is_multiple_of(self.sparse_step.max(1))
+    }
 }
 
 impl ModelConfig {
@@ -200,14 +252,31 @@ impl ModelConfig {
         }
         // Qwen2 configs carry a sliding_window that only applies when
         // use_sliding_window is true; Mistral applies it whenever it is set.
-        let sliding_window = match architecture {
-            Architecture::Mistral => hf.sliding_window,
-            Architecture::Qwen2 | Architecture::Qwen3 => {
-                if hf.use_sliding_window == Some(true) {
-                    hf.sliding_window
-                } else {
-                    None
+        let num_experts = hf.num_local_experts.or(hf.num_experts).unwrap_or(0);
+        let moe = match architecture {
+            Architecture::Mixtral | Architecture::Qwen3Moe => {
+                let experts_per_token = hf.num_experts_per_tok.unwrap_or(2);
+                if num_experts == 0 || experts_per_token == 0 || experts_per_token > num_experts {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "{arch_name}: {experts_per_token} experts per token of {num_experts}"
+                    )));
                 }
+                MoeConfig {
+                    num_experts,
+                    experts_per_token,
+                    expert_intermediate_size: hf.moe_intermediate_size.unwrap_or(hf.intermediate_size),
+                    // Mixtral always renormalises; Qwen3-MoE as configured.
+                    norm_topk_prob: architecture == Architecture::Mixtral || hf.norm_topk_prob.unwrap_or(false),
+                    dense_layers: hf.mlp_only_layers.clone(),
+                    sparse_step: hf.decoder_sparse_step.unwrap_or(1).max(1),
+                }
+            }
+            _ => MoeConfig::default(),
+        };
+        let sliding_window = match architecture {
+            Architecture::Mistral | Architecture::Mixtral => hf.sliding_window,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+                if hf.use_sliding_window == Some(true) { hf.sliding_window } else { None }
             }
             Architecture::Llama => None,
         };
@@ -229,9 +298,10 @@ impl ModelConfig {
             qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
             o_bias: architecture != Architecture::Qwen2 && hf.attention_bias,
             mlp_bias: hf.mlp_bias,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
             sliding_window,
             weights_dtype: hf.torch_dtype.or(hf.dtype),
+            moe,
         })
     }
 
@@ -245,11 +315,14 @@ impl ModelConfig {
         let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
         let bias = |on: bool, n: u64| if on { n } else { 0 };
         let attention = h * (q + 2 * kv) + bias(self.qkv_bias, q + 2 * kv) + q * h + bias(self.o_bias, h);
-        let mlp = 3 * h * i + bias(self.mlp_bias, 2 * i + h);
+        let dense_mlp = 3 * h * i + bias(self.mlp_bias, 2 * i + h);
+        let m = &self.moe;
+        let moe_mlp = m.num_experts as u64 * (3 * h * m.expert_intermediate_size as u64 + h);
+        let mlps: u64 = (0..self.num_layers).map(|l| if m.is_moe_layer(l) { moe_mlp } else { dense_mlp }).sum();
         let norms = 2 * h + bias(self.qk_norm, 2 * self.head_dim as u64);
         let embed = (self.vocab_size as u64) * h;
         let lm_head = if self.tie_word_embeddings { 0 } else { embed };
-        embed + self.num_layers as u64 * (attention + mlp + norms) + h + lm_head
+        embed + self.num_layers as u64 * (attention + norms) + mlps + h + lm_head
     }
 
     /// Bytes of K and V for one token across all layers, at `dtype_size` bytes per element.

@@ -13,7 +13,7 @@ pub mod hub;
 
 use std::path::PathBuf;
 
-pub use config::{Architecture, ModelConfig, RopeScaling, random_preset, random_preset_json};
+pub use config::{Architecture, ModelConfig, MoeConfig, RopeScaling, random_preset, random_preset_json};
 pub use files::{ModelFiles, ModelSource, Need, default_served_name};
 pub use gguf::{GgufInfo, read_info};
 

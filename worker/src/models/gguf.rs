@@ -54,6 +54,9 @@ fn gguf_architecture(arch: Architecture) -> &'static str {
         Architecture::Llama | Architecture::Mistral => "llama",
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
+        // llama.cpp's names; `write` refuses experts for now.
+        Architecture::Mixtral => "llama",
+        Architecture::Qwen3Moe => "qwen3moe",
     }
 }
 
@@ -309,6 +312,9 @@ pub fn write(
     ty: Quantization,
     vocab: &Vocab,
 ) -> Result<()> {
+    if cfg.moe.num_experts > 0 {
+        return Err(err(path, "mixture-of-experts models are not exported to GGUF yet"));
+    }
     // Frequency factors cannot carry YaRN's scale of cos and sin.
     if cfg.rope_attention_factor() != 1.0 {
         return Err(err(path, "YaRN RoPE scaling is not exported to GGUF yet"));

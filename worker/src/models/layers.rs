@@ -354,13 +354,24 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let dims = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Self::with_names(dims, vb, pre, ["gate_proj", "up_proj", "down_proj"])
+    }
+
+    /// An MLP of `hidden -> intermediate -> hidden` (with biases or not)
+    /// whose gate, up and down projections are named `names` under `vb`.
+    pub fn with_names(
+        (h, i, bias): (usize, usize, bool),
+        vb: VarBuilder,
+        pre: &Prequantized,
+        [gate, up, down]: [&str; 3],
+    ) -> Result<Self> {
         Ok(Self {
             gate_up_proj: Projection::new(vec![
-                linear(h, i, cfg.mlp_bias, vb.pp("gate_proj"), pre)?,
-                linear(h, i, cfg.mlp_bias, vb.pp("up_proj"), pre)?,
+                linear(h, i, bias, vb.pp(gate), pre)?,
+                linear(h, i, bias, vb.pp(up), pre)?,
             ])?,
-            down_proj: linear(i, h, cfg.mlp_bias, vb.pp("down_proj"), pre)?,
+            down_proj: linear(i, h, bias, vb.pp(down), pre)?,
             intermediate: i,
         })
     }

@@ -25,9 +25,10 @@ use kernels::AttentionMetadata;
 
 use super::config::ModelConfig;
 use super::format::Quantization;
-use super::layers::{Attention, ExecutionPath, HostRope, Mlp, RmsNorm, RotaryEmbedding, activation_dtype, embed_into};
+use super::layers::{Attention, ExecutionPath, HostRope, RmsNorm, RotaryEmbedding, activation_dtype, embed_into};
 use super::linear::Prequantized;
 use super::linear::{Linear, linear};
+use super::moe::FeedForward;
 use super::workspace::{Buffers, Workspace};
 use crate::error::{Result, WorkerError};
 use crate::runner::kv_cache::LayerKvCache;
@@ -54,17 +55,18 @@ struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 impl DecoderLayer {
-    fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized, path: ExecutionPath) -> Result<Self> {
+    fn new(cfg: &ModelConfig, layer: usize, vb: VarBuilder, pre: &Prequantized, path: ExecutionPath) -> Result<Self> {
         let norm = |name: &str| RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, path, vb.pp(name));
+        let mlp = FeedForward::new(cfg, layer, &vb, pre)?;
         Ok(Self {
             input_layernorm: norm("input_layernorm")?,
             self_attn: Attention::new(cfg, vb.pp("self_attn"), pre, path)?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"), pre)?,
+            mlp,
         })
     }
 
@@ -170,7 +172,7 @@ impl CausalLm {
         let embed_weight = || model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight");
         let embed_tokens = if range.is_first() { Some(Embedding::new(embed_weight()?, cfg.hidden_size)) } else { None };
         let layers = (range.start..range.end)
-            .map(|i| DecoderLayer::new(cfg, model.pp(format!("layers.{i}")), pre, path))
+            .map(|i| DecoderLayer::new(cfg, i, model.pp(format!("layers.{i}")), pre, path))
             .collect::<Result<Vec<_>>>()?;
         let head = if range.is_last() {
             let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, path, model.pp("norm"))?;

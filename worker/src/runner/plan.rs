@@ -270,6 +270,9 @@ fn check_supported(cfg: &ModelConfig) -> Result<()> {
     let refuse = |what: &str| {
         Err(WorkerError::Unsupported(format!("the Metal step plan does not run {what} yet ({:?})", cfg.architecture)))
     };
+    if cfg.moe.num_experts > 0 {
+        return refuse("mixtures of experts");
+    }
     if padded_head_dim(cfg.head_dim).is_none() {
         return refuse(&format!("head_dim {} (it takes even head dims up to 256)", cfg.head_dim));
     }
