@@ -453,10 +453,9 @@ const BATCH_ONLY: Passes = Passes { chunked: false, preempted: false };
 /// the CPU, and chunking and preemption each run on two families (the CPU
 /// runs them on all).
 fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, passes: Passes) {
-    let plan = true;
     let golden = load_golden(golden_file);
     let model = golden.model.as_str();
-    let mut e = engine_on(model, 2048, spec.clone(), plan, 512);
+    let mut e = engine_on(model, 2048, spec.clone(), true, 512);
     let run = run_cases(&mut e, &golden.cases);
     check(model, "batched", &golden.cases, &run);
     if spec.enabled_by_default {
@@ -466,7 +465,7 @@ fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, passes: Pass
         return;
     }
     if passes.chunked {
-        let mut e = engine_on(model, 32, spec.clone(), plan, 512);
+        let mut e = engine_on(model, 32, spec.clone(), true, 512);
         assert!(golden.cases.iter().any(|c| c.prompt_ids.len() > 32));
         let run = run_cases(&mut e, &golden.cases);
         check(model, "chunked batch", &golden.cases, &run);
@@ -476,7 +475,7 @@ fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, passes: Pass
     }
     let blocks_of = |c: &Case| (c.prompt_ids.len() + c.generated_ids.len()).div_ceil(16);
     let longest = golden.cases.iter().map(blocks_of).max().unwrap();
-    let mut e = engine_on(model, 2048, spec, plan, longest + 2);
+    let mut e = engine_on(model, 2048, spec, true, longest + 2);
     let run = run_cases(&mut e, &golden.cases);
     check(model, "preempted", &golden.cases, &run);
     assert!(e.stats().num_preemptions > 0, "{model}: nothing was preempted");

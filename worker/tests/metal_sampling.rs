@@ -12,7 +12,7 @@ use common::{SamplingParams, TokenLogprobs};
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{SampleRow, Sampler, TokenEdit};
 use worker::runner::logprobs::LogprobsMode;
-use worker::runner::plan_sampling::{edits_of, sample_row, sampled_token};
+use worker::runner::plan_sampling::{edits_of, sample_rows, sampled_token};
 use worker::runner::sampler::{SamplingRow, sample_batch};
 
 const EOS: u32 = 2;
@@ -93,7 +93,7 @@ fn test_gpu() -> TestGpu {
 fn check(gpu: &mut TestGpu, vocab: usize, logits: &[f32], cases: &[Case], mode: LogprobsMode) {
     let rows: Vec<SamplingRow> = cases.iter().map(Case::row).collect();
     let edits: Vec<Vec<TokenEdit>> = rows.iter().map(edits_of).collect();
-    let params: Vec<SampleRow> = rows.iter().zip(&edits).map(|(r, e)| sample_row(r, e)).collect();
+    let params: Vec<SampleRow> = sample_rows(&rows, &edits);
     let sampler = Sampler::new(gpu, vocab, cases.len()).unwrap();
     gpu.prepare([sampler.kernel()]).unwrap();
     let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();

@@ -55,13 +55,13 @@ pub(super) fn sample_on_plan(
     let unmasked = vec![None; outputs.len()];
     let rows = rows_of(outputs, &unmasked, eos_token_ids);
     let edits: Vec<Vec<TokenEdit>> = rows.iter().map(plan_sampling::edits_of).collect();
-    let params: Vec<SampleRow> = rows.iter().zip(&edits).map(|(r, e)| plan_sampling::sample_row(r, e)).collect();
+    let params: Vec<SampleRow> = plan_sampling::sample_rows(&rows, &edits);
     if !runner.samples_on_plan(&params) {
         return Ok(None);
     }
     let masks = grammars.masks_beside(&grammar_rows(outputs), || Ok(()))?.1;
     let rows = rows_of(outputs, &masks, eos_token_ids);
-    let params: Vec<SampleRow> = rows.iter().zip(&edits).map(|(r, e)| plan_sampling::sample_row(r, e)).collect();
+    let params: Vec<SampleRow> = plan_sampling::sample_rows(&rows, &edits);
     let _t = profile::scope(Section::Forward);
     let Some(sampled) = runner.execute_sampled(batch, &params) else { return Ok(None) };
     Ok(Some(sampled?.into_iter().map(|s| plan_sampling::sampled_token(s, mode)).collect()))

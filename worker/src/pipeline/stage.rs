@@ -10,7 +10,7 @@ use common::SampledToken;
 use common::pipeline::LayerRange;
 use engine_core::spec;
 use kernels::KvCacheDtype;
-use kernels::metal::step::{Readback, SampleRow, StepInput, StepInputs, StepOutput, TokenEdit, padded_head_dim};
+use kernels::metal::step::{Readback, StepInput, StepInputs, StepOutput, TokenEdit, padded_head_dim};
 
 use super::wire::{
     StageInfo, StageShape, StepHeader, StepResult, f32_to_bytes, hidden_from_bytes, hidden_to_bytes,
@@ -232,8 +232,7 @@ impl StageRunner {
                     let outputs = sampled_outputs(&header);
                     let rows = sampling_rows(&header, &outputs, &self.eos_token_ids);
                     let edits: Vec<Vec<TokenEdit>> = rows.iter().map(plan_sampling::edits_of).collect();
-                    let params: Vec<SampleRow> =
-                        rows.iter().zip(&edits).map(|(r, e)| plan_sampling::sample_row(r, e)).collect();
+                    let params = plan_sampling::sample_rows(&rows, &edits);
                     if plan.samples(&params) {
                         let out = plan.run(&inputs(&header.logits_indices), Readback::Sample(&params))?;
                         let StepOutput::Sampled(drawn) = out else {

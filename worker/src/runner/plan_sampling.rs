@@ -52,8 +52,13 @@ pub fn edits_of(row: &SamplingRow) -> Vec<TokenEdit> {
     edits
 }
 
-/// `row` for the GPU sampler, with its edits (from [`edits_of`]).
-pub fn sample_row<'a>(row: &SamplingRow<'a>, edits: &'a [TokenEdit]) -> SampleRow<'a> {
+/// Each of `rows` for the GPU sampler, with its edits (`edits[i]` from
+/// [`edits_of`] of `rows[i]`).
+pub fn sample_rows<'a>(rows: &[SamplingRow<'a>], edits: &'a [Vec<TokenEdit>]) -> Vec<SampleRow<'a>> {
+    rows.iter().zip(edits).map(|(r, e)| sample_row(r, e)).collect()
+}
+
+fn sample_row<'a>(row: &SamplingRow<'a>, edits: &'a [TokenEdit]) -> SampleRow<'a> {
     let p = row.params;
     let greedy = p.is_greedy();
     SampleRow {
