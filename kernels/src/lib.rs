@@ -138,6 +138,9 @@ pub struct Attention<'a> {
     pub v_cache: &'a Tensor,
     pub meta: &'a AttentionMetadata,
     pub scale: f32,
+    /// gpt-oss: one logit per query head that joins each softmax (its
+    /// share of the mass is dropped), `[heads]`.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// One KV write: a step's new k/v `[T, kv_heads, head_dim]` into their slots
@@ -154,7 +157,7 @@ pub struct CacheWrite<'a> {
 impl Attention<'_> {
     /// Validates shapes and metadata so no implementation can index out of bounds.
     pub fn check(&self) -> Result<Dims> {
-        let Attention { q, k_cache, v_cache, meta, .. } = *self;
+        let Attention { q, k_cache, v_cache, meta, sinks, .. } = *self;
         let bad = |m: String| Err(KernelError::Invalid(m));
         let (num_tokens, num_heads, head_dim) = q.dims3()?;
         let (num_blocks, block_size, num_kv_heads, kd) = k_cache.dims4()?;
@@ -176,6 +179,9 @@ impl Attention<'_> {
         }
         check_pool(q, k_cache, v_cache)?;
         meta.check(num_tokens, num_blocks)?;
+        if let Some(sinks) = sinks.filter(|s| s.len() != num_heads) {
+            return bad(format!("{} attention sinks for {num_heads} heads", sinks.len()));
+        }
         Ok(Dims { num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size })
     }
 }
@@ -302,11 +308,15 @@ mod tests {
             block_size: 2,
             sliding_window: None,
         };
-        let d = Attention { q: &q, k_cache: &cache, v_cache: &cache, meta: &meta, scale: 1.0 }.check()?;
+        let d = Attention { q: &q, k_cache: &cache, v_cache: &cache, meta: &meta, scale: 1.0, sinks: None }.check()?;
         assert_eq!((d.num_tokens, d.num_heads, d.num_kv_heads, d.head_dim, d.num_blocks), (3, 4, 2, 8, 4));
         let empty = Tensor::zeros((4, 0, 2, 8), candle_core::DType::F32, &dev)?;
         let meta0 = AttentionMetadata { block_size: 0, ..meta };
-        assert!(Attention { q: &q, k_cache: &empty, v_cache: &empty, meta: &meta0, scale: 1.0 }.check().is_err());
+        assert!(
+            Attention { q: &q, k_cache: &empty, v_cache: &empty, meta: &meta0, scale: 1.0, sinks: None }
+                .check()
+                .is_err()
+        );
         Ok(())
     }
 }

@@ -9,9 +9,12 @@ use candle_core::{D, DType, Tensor};
 use crate::{Attention, CacheWrite, KernelError, Result};
 
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
-    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let d = a.check()?;
     refuse_q8(k_cache)?;
+    if sinks.is_some() {
+        return Err(KernelError::Invalid("attention sinks run on the CPU kernels only".into()));
+    }
     let device = q.device();
     let group = d.num_heads / d.num_kv_heads;
     let slots = d.num_blocks * d.block_size;

@@ -1,5 +1,5 @@
 //! Naive paged attention and KV write: host loops in f64 with a two-pass
-//! softmax, q8_0 rows (de)quantized one value at a time. Slow and
+//! softmax (a head's sink logit, where given, joining its sum), q8_0 rows (de)quantized one value at a time. Slow and
 //! obviously right; the other paths are tested against it.
 
 use candle_core::{DType, Tensor};
@@ -8,7 +8,7 @@ use crate::kv_dtype::{Q8_PARAM_BYTES, q8_step_and_min};
 use crate::{Attention, CacheWrite, Result};
 
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
-    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let d = a.check()?;
     let hd = d.head_dim;
     let (qv, kv, vv) = (host(q)?, cache_values(k_cache, hd)?, cache_values(v_cache, hd)?);
@@ -34,9 +34,10 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
                         qh.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
                     })
                     .collect();
-                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = sinks.map(|s| s[h] as f64);
+                let max = scores.iter().chain(&sink).cloned().fold(f64::NEG_INFINITY, f64::max);
                 let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
-                let total: f64 = weights.iter().sum();
+                let total: f64 = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
                 let o = &mut out[(row * d.num_heads + h) * hd..][..hd];
                 for (j, value) in o.iter_mut().enumerate() {
                     let acc: f64 = keys.iter().zip(&weights).map(|(&p, w)| w * vv[at(slot(p), kvh) + j] as f64).sum();
@@ -141,8 +142,24 @@ pub fn silu_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
         .collect()
 }
 
+/// GeGLU (GELU's tanh form, as PyTorch's `gelu(approximate="tanh")`)
+/// from a fused `[rows, 2 * inter]` gate/up output, in f64.
+pub fn gelu_tanh_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
+    gate_up
+        .chunks_exact(2 * inter)
+        .flat_map(|row| {
+            (0..inter).map(move |i| {
+                let (g, u) = (row[i] as f64, row[inter + i] as f64);
+                let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
+                (0.5 * g * (1.0 + inner.tanh()) * u) as f32
+            })
+        })
+        .collect()
+}
+
 /// Rotary embedding of heads `0..heads` of each `row_len` row, HF's
-/// `rotate_half` form, angles computed from `inv_freq` (not from tables), in
+/// `rotate_half` form over each head's first `2 * inv_freq.len()` dims (the
+/// rest pass through), angles computed from `inv_freq` (not from tables), in
 /// f64; with `head_norm = Some((q_heads, q_weight, k_weight, eps))` each head
 /// is RMS-normalised first.
 pub fn rope(
@@ -154,7 +171,7 @@ pub fn rope(
     inv_freq: &[f64],
     head_norm: Option<(usize, &[f32], &[f32], f64)>,
 ) -> Vec<f32> {
-    let half = head_dim / 2;
+    let half = inv_freq.len();
     let mut out = x.to_vec();
     for (row, &pos) in out.chunks_exact_mut(row_len).zip(positions) {
         for h in 0..heads {
@@ -167,6 +184,9 @@ pub fn rope(
                 }
                 None => head,
             };
+            for (i, v) in head.iter().enumerate().skip(2 * half) {
+                row[h * head_dim + i] = *v as f32;
+            }
             for i in 0..half {
                 let angle = pos as f64 * inv_freq[i];
                 let (c, s) = (angle.cos(), angle.sin());
@@ -202,7 +222,7 @@ mod tests {
             block_size: 2,
             sliding_window: None,
         };
-        let mut a = Attention { q: &q, k_cache: &k, v_cache: &v, meta: &meta, scale: 1.0 };
+        let mut a = Attention { q: &q, k_cache: &k, v_cache: &v, meta: &meta, scale: 1.0, sinks: None };
         let out: Vec<f32> = paged_attention(&a)?.flatten_all()?.to_vec1()?;
         let (e1, e2) = (1f32.exp(), 2f32.exp());
         let want = [10., (e1 * 10. + e2 * 20.) / (e1 + e2)];

@@ -1,7 +1,8 @@
 //! `cpu` and `portable` against `reference` on random inputs: scattered and
 //! shuffled block tables, ragged lengths, decode (q_len 1) and prefill /
 //! chunked prefill (q_len > 1 on a cached prefix), lengths on and across
-//! block boundaries, GQA ratios 1, 2, 3, 4, 7, 8, sliding windows, f32/f16/bf16.
+//! block boundaries, GQA ratios 1, 2, 3, 4, 7, 8, sliding windows, attention
+//! sinks, f32/f16/bf16.
 
 use candle_core::{DType, Device, Tensor};
 use kernels::{Attention, AttentionMetadata, CacheWrite, cpu, portable, reference};
@@ -29,7 +30,7 @@ fn compare(case: &Case, tol: f32, what: &str) {
         let view = buffer.narrow(0, 0, t).unwrap();
         let q = case.q.contiguous().unwrap();
         cpu::paged_attention_into(
-            &Attention { q: &q, k_cache: &case.k_cache, v_cache: &case.v_cache, meta: &case.meta, scale },
+            &Attention { q: &q, k_cache: &case.k_cache, v_cache: &case.v_cache, meta: &case.meta, scale, sinks: None },
             &view,
         )
         .unwrap();
@@ -65,6 +66,35 @@ fn sliding_window_matches_reference() {
             let g = Geometry { window: Some(window), ..Geometry::new(8, 2, 32, block_size) };
             compare(&make_case(&mut rng, &seqs, g), 1e-5, &format!("window {window} bs {block_size}"));
         }
+    }
+}
+
+/// gpt-oss's sinks: one logit per head joins each softmax. Sinks far below
+/// the scores (no effect), around them, and far above (they take almost all
+/// the mass, and move the online softmax's max), with windows and GQA, in
+/// the AVX2 lanes (head_dim 32) and the portable loops (head_dim 12).
+#[test]
+fn attention_sinks_match_reference() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let seqs = [(1, 50), (12, 60), (30, 30), (1, 1), (17, 33)];
+    for (heads, kv_heads, head_dim, window) in [(8, 2, 32, None), (4, 4, 12, Some(16)), (6, 2, 32, Some(5))] {
+        let case = make_case(&mut rng, &seqs, Geometry { window, ..Geometry::new(heads, kv_heads, head_dim, 8) });
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        for offset in [-60.0f32, 0.0, 8.0] {
+            let sinks: Vec<f32> = (0..heads).map(|h| offset + (h as f32 * 0.7).sin()).collect();
+            let a = Attention { sinks: Some(&sinks), ..case.attention(scale) };
+            let want = reference::paged_attention(&a).unwrap();
+            let got = cpu::paged_attention(&a).unwrap();
+            let what = format!("heads {heads}/{kv_heads} hd {head_dim} window {window:?} sinks {offset}");
+            assert!(max_rel_err(&got, &want) < 1e-5, "{what}: {}", max_rel_err(&got, &want));
+            let plain = reference::paged_attention(&case.attention(scale)).unwrap();
+            let moved = max_rel_err(&plain, &want);
+            assert!(if offset < -50.0 { moved < 1e-6 } else { moved > 1e-3 }, "{what}: sinks moved the output {moved}");
+        }
+        let wrong = vec![0f32; heads + 1];
+        assert!(cpu::paged_attention(&Attention { sinks: Some(&wrong), ..case.attention(scale) }).is_err());
+        let sinks = vec![0f32; heads];
+        assert!(portable::paged_attention(&Attention { sinks: Some(&sinks), ..case.attention(scale) }).is_err());
     }
 }
 
@@ -203,7 +233,7 @@ fn invalid_metadata_is_an_error_not_a_panic() {
     let mut rng = StdRng::seed_from_u64(9);
     let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 8, 8));
     let all_fail = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
-        let a = Attention { q, k_cache, v_cache, meta, scale: 1.0 };
+        let a = Attention { q, k_cache, v_cache, meta, scale: 1.0, sinks: None };
         cpu::paged_attention(&a).is_err()
             && portable::paged_attention(&a).is_err()
             && reference::paged_attention(&a).is_err()

@@ -4,8 +4,8 @@
 
 use candle_core::{Device, Tensor};
 use kernels::cpu::{
-    HeadNorm, Rope, add_in_place, add_in_place_op, add_rms_norm, add_rms_norm_op, rms_norm, rms_norm_into_op,
-    rope_in_place, rope_in_place_op, silu_mul, silu_mul_into_op,
+    Gate, HeadNorm, Rope, add_in_place, add_in_place_op, add_rms_norm, add_rms_norm_op, gated_mul, rms_norm,
+    rms_norm_into_op, rope_in_place, rope_in_place_op, silu_mul, silu_mul_into_op,
 };
 use kernels::reference;
 use rand::rngs::StdRng;
@@ -39,6 +39,23 @@ fn silu_mul_matches_reference() {
     let mut out = vec![f32::NAN; gate.len()];
     silu_mul(&gate_up, gate.len(), &mut out).unwrap();
     assert_close(&out, &reference::silu_mul(&gate_up, gate.len()), 1e-6, "tails");
+}
+
+#[test]
+fn gelu_tanh_mul_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (rows, inter) in [(1, 1), (2, 9), (5, 256), (40, 2000)] {
+        let gate_up = random(&mut rng, rows * 2 * inter, 6.0);
+        let mut out = vec![f32::NAN; rows * inter];
+        gated_mul(&gate_up, inter, Gate::GeluTanh, &mut out).unwrap();
+        assert_close(&out, &reference::gelu_tanh_mul(&gate_up, inter), 1e-5, &format!("{rows}x{inter}"));
+    }
+    // Tails: GELU is ~0 far left and ~g far right; the cubic overflows exp's range there.
+    let gate = [-1e4f32, -100.0, -12.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 12.0, 100.0, 1e4];
+    let gate_up: Vec<f32> = gate.iter().copied().chain(gate.iter().map(|g| 0.5 + g.abs().min(2.0))).collect();
+    let mut out = vec![f32::NAN; gate.len()];
+    gated_mul(&gate_up, gate.len(), Gate::GeluTanh, &mut out).unwrap();
+    assert_close(&out, &reference::gelu_tanh_mul(&gate_up, gate.len()), 1e-6, "tails");
 }
 
 #[test]
@@ -77,22 +94,24 @@ fn tables(max_pos: usize, inv_freq: &[f64]) -> (Vec<f32>, Vec<f32>) {
 fn rope_matches_reference_on_scattered_positions() {
     let mut rng = StdRng::seed_from_u64(3);
     // (rows, q heads, kv heads, head_dim): fused qkv rows hold q, k, then v.
-    for (rows, qh, kvh, hd) in [(1, 4, 2, 8), (5, 3, 1, 64), (33, 32, 4, 64), (300, 16, 8, 128), (7, 2, 2, 2)] {
+    // (rows, q heads, kv heads, head_dim, rotary_dim): partial rotary too.
+    let shapes = [(1, 4, 2, 8, 8), (5, 3, 1, 64, 64), (33, 32, 4, 64, 32), (300, 16, 8, 128, 128), (7, 2, 2, 2, 2)];
+    for (rows, qh, kvh, hd, rd) in shapes.into_iter().chain([(9, 4, 2, 32, 16), (40, 2, 1, 64, 2)]) {
         let row_len = (qh + 2 * kvh) * hd;
-        let freq = inv_freq(hd, 10_000.0);
+        let freq = inv_freq(rd, 10_000.0);
         let (cos, sin) = tables(4096, &freq);
         let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..4096)).collect();
         let x = random(&mut rng, rows * row_len, 2.0);
         for with_norm in [false, true] {
             let (qw, kw) = (random(&mut rng, hd, 1.5), random(&mut rng, hd, 1.5));
             let head_norm = with_norm.then_some(HeadNorm { q_heads: qh, q_weight: &qw, k_weight: &kw, eps: 1e-6 });
-            let rope =
-                Rope { head_dim: hd, heads: qh + kvh, row_len, positions: &positions, cos: &cos, sin: &sin, head_norm };
+            let (positions, cos, sin) = (&positions, &cos, &sin);
+            let rope = Rope { head_dim: hd, rotary_dim: rd, heads: qh + kvh, row_len, positions, cos, sin, head_norm };
             let mut got = x.clone();
             rope_in_place(&mut got, &rope).unwrap();
             let norm = with_norm.then_some((qh, &qw[..], &kw[..], 1e-6));
-            let want = reference::rope(&x, row_len, qh + kvh, hd, &positions, &freq, norm);
-            assert_close(&got, &want, 2e-4, &format!("rows {rows} heads {qh}/{kvh} hd {hd} norm {with_norm}"));
+            let want = reference::rope(&x, row_len, qh + kvh, hd, positions, &freq, norm);
+            assert_close(&got, &want, 2e-4, &format!("rows {rows} heads {qh}/{kvh} hd {hd}/{rd} norm {with_norm}"));
             // v, after the rotated heads, is untouched.
             for r in 0..rows {
                 let v = (r * row_len + (qh + kvh) * hd)..(r + 1) * row_len;
@@ -107,6 +126,7 @@ fn rope_rejects_bad_input() {
     let (cos, sin) = tables(8, &inv_freq(4, 10_000.0));
     let rope = |positions, heads, head_dim| Rope {
         head_dim,
+        rotary_dim: head_dim,
         heads,
         row_len: 8,
         positions,
@@ -120,6 +140,8 @@ fn rope_rejects_bad_input() {
     assert!(rope_in_place(&mut x, &rope(&[0], 2, 4)).is_err(), "rows and positions disagree");
     assert!(rope_in_place(&mut x, &rope(&[0, 1], 2, 3)).is_err(), "odd head_dim");
     assert!(rope_in_place(&mut x, &rope(&[0, 7], 2, 4)).is_ok());
+    let wider = Rope { rotary_dim: 6, ..rope(&[0, 1], 2, 4) };
+    assert!(rope_in_place(&mut x, &wider).is_err(), "more rotated dims than the head has");
 }
 
 #[test]
@@ -145,8 +167,16 @@ fn tensor_bindings_agree_with_slices() {
     let x = random(&mut rng, 2 * 24, 1.0);
     let t = Tensor::from_vec(x.clone(), (2, 24), &dev).unwrap();
     let positions = [5u32, 63];
-    let rope =
-        Rope { head_dim: 8, heads: 2, row_len: 24, positions: &positions, cos: &cos, sin: &sin, head_norm: None };
+    let rope = Rope {
+        head_dim: 8,
+        rotary_dim: 8,
+        heads: 2,
+        row_len: 24,
+        positions: &positions,
+        cos: &cos,
+        sin: &sin,
+        head_norm: None,
+    };
     rope_in_place_op(&t, rope).unwrap();
     let want = reference::rope(&x, 24, 2, 8, &positions, &freq, None);
     assert_close(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want, 1e-5, "rope_in_place_op");

@@ -165,7 +165,7 @@ fn mismatched_narrow_caches_are_errors() {
     let q8 = narrow_case(&case, KvCacheDtype::Q8_0);
     let f16 = narrow_case(&case, KvCacheDtype::F16);
     let fails = |q: &Tensor, k: &Tensor, v: &Tensor| {
-        let a = Attention { q, k_cache: k, v_cache: v, meta: &case.meta, scale: 1.0 };
+        let a = Attention { q, k_cache: k, v_cache: v, meta: &case.meta, scale: 1.0, sinks: None };
         cpu::paged_attention(&a).is_err() && reference::paged_attention(&a).is_err()
     };
     assert!(fails(&case.q, &q8.k_cache, &f16.v_cache), "k and v in different formats");

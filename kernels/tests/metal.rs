@@ -294,6 +294,7 @@ fn write_then_attend_matches_reference() {
         v_cache: &want_v,
         meta: &case.meta,
         scale: 0.25,
+        sinks: None,
     })
     .unwrap();
     let write = CacheWrite {
@@ -316,7 +317,7 @@ fn invalid_inputs_are_errors_not_panics() {
     let mut rng = StdRng::seed_from_u64(9);
     let case = make_case(&mut rng, &[(2, 20)], Geometry::new(4, 2, 32, 8));
     let fails = |q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMetadata| {
-        gpu.attention(&Attention { q, k_cache, v_cache, meta, scale: 1.0 }).is_err()
+        gpu.attention(&Attention { q, k_cache, v_cache, meta, scale: 1.0, sinks: None }).is_err()
     };
     common::assert_rejects_broken_inputs(&case, fails);
     let (kc, vc) = (&case.k_cache, &case.v_cache);
@@ -400,8 +401,14 @@ mod on_device {
         let (kc, vc) = (&case.k_cache, &case.v_cache);
         let k = Tensor::zeros((2, 2, 32), DType::F32, dev).unwrap();
         let q_cpu = case.q.to_device(&Device::Cpu).unwrap();
-        let on_cpu =
-            metal::paged_attention(&Attention { q: &q_cpu, k_cache: kc, v_cache: vc, meta: &case.meta, scale: 1.0 });
+        let on_cpu = metal::paged_attention(&Attention {
+            q: &q_cpu,
+            k_cache: kc,
+            v_cache: vc,
+            meta: &case.meta,
+            scale: 1.0,
+            sinks: None,
+        });
         assert!(on_cpu.is_err(), "q on another device");
         // One dispatch writes both pools, so they must not share memory, nor
         // may the new rows live in the pool they are written into.

@@ -103,7 +103,7 @@ pub fn truncated_model(name: &str, layers: usize) -> TempDir {
     let dir = model_dir(name);
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config.json")).unwrap();
-    config["num_hidden_layers"] = layers.into();
+    common::model::truncate_layers(&mut config, layers);
     std::fs::write(out.0.join("config.json"), config.to_string()).unwrap();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();

@@ -48,6 +48,9 @@ fn two_stages_reproduce_every_models_goldens_with_chunked_prefill_and_cache_hits
         "tiny-qwen3-yarn",
         "tiny-mixtral",
         "tiny-qwen3-moe",
+        "tiny-glm4-moe",
+        "tiny-gemma3",
+        "tiny-gpt-oss",
     ];
     for model in models {
         // Blocks of 4 tokens, so short prompts have cached blocks; 8

@@ -1,7 +1,8 @@
 //! The worker against Hugging Face transformers: every golden case of every
 //! model in ../shared/golden must give the same 48 greedy tokens, and the
 //! same top-5 logits (1e-3) at the recorded steps; alone, all cases of a
-//! model in one batch, and with prompts prefilled in chunks of 32 tokens;
+//! model in one batch, with prompts prefilled in chunks of 32 tokens, and
+//! in a KV cache so small that requests are preempted and recomputed;
 //! and all of that again with n-gram and with draft-model speculative
 //! decoding, which must not change a token. The same cases run again on the
 //! Metal step plan in the CPU emulator (`--device metal-emulated`): every
@@ -197,6 +198,13 @@ fn check_model_with(golden_file: &str, spec: SpeculativeConfig) {
     let run = run_cases(&mut e, &golden.cases);
     check(&model, "chunked batch", &golden.cases, &run);
     proposals.push(e.stats().spec_decoding);
+    // All cases in a cache that holds only the longest: preemption and recompute.
+    let blocks_of = |c: &Case| (c.prompt_ids.len() + c.generated_ids.len()).div_ceil(16);
+    let longest_blocks = golden.cases.iter().map(blocks_of).max().unwrap();
+    let mut e = engine_on(&model, 2048, spec.clone(), false, longest_blocks + 2);
+    let run = run_cases(&mut e, &golden.cases);
+    check(&model, "preempted", &golden.cases, &run);
+    assert!(e.stats().num_preemptions > 0, "{model}: nothing was preempted");
     if spec.enabled_by_default {
         // Exactness is only shown if guesses were verified, right and wrong.
         for (what, p) in ["alone", "batched", "chunked"].iter().zip(&proposals) {
@@ -228,6 +236,30 @@ fn tiny_mixtral_matches_transformers() {
 #[test]
 fn tiny_qwen3_moe_matches_transformers() {
     check_model("tiny-qwen3-moe.json");
+}
+
+/// GLM-4.5: a dense first layer, then sigmoid routing with a correction
+/// bias, routed scaling and a shared expert; q/k/v biases, half the head
+/// dims rotated.
+#[test]
+fn tiny_glm4_moe_matches_transformers() {
+    check_model("tiny-glm4-moe.json");
+}
+
+/// Gemma 3: sliding (16 keys) and global layers with their own RoPE,
+/// `(1 + w)` norms around each sublayer, GeGLU, scaled embeddings,
+/// `query_pre_attn_scalar`.
+#[test]
+fn tiny_gemma3_matches_transformers() {
+    check_model("tiny-gemma3.json");
+}
+
+/// gpt-oss: attention sinks, sliding (16 keys) and full layers
+/// alternating, YaRN, biases everywhere, experts with a clamped SwiGLU over
+/// interleaved gate/up columns, the router's softmax over its top 4.
+#[test]
+fn tiny_gpt_oss_matches_transformers() {
+    check_model("tiny-gpt-oss.json");
 }
 
 /// Qwen3 with YaRN ×4 (its long-context setting): the frequencies ramped
@@ -269,6 +301,16 @@ fn tiny_qwen3_matches_transformers_with_ngram_speculation() {
     check_model_with("tiny-qwen3-yarn.json", speculative());
     check_model_with("tiny-mixtral.json", speculative());
     check_model_with("tiny-qwen3-moe.json", speculative());
+    check_model_with("tiny-glm4-moe.json", speculative());
+    check_model_with("tiny-gemma3.json", speculative());
+}
+
+/// gpt-oss's greedy continuations of random weights do not repeat the way
+/// n-gram proposals need: its speculation is checked with a draft model
+/// (its own first layer), whose guesses are accepted and rejected.
+#[test]
+fn tiny_gpt_oss_matches_transformers_with_draft_speculation() {
+    check_model_with("tiny-gpt-oss.json", drafting());
 }
 
 #[test]

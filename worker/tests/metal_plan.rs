@@ -186,11 +186,19 @@ fn seeded_sampling_on_metal_emulated_gives_the_cpu_tokens() {
 
 /// A family the step plan cannot run yet is refused by name, not run wrong.
 #[test]
-fn the_plan_refuses_mixtures_of_experts_by_name() {
-    let model = support::shared().join("models/tiny-mixtral");
-    let files = ModelFiles::resolve(&ModelSource::parse(model.to_str().unwrap()).unwrap(), Need::Weights).unwrap();
-    let (target, device) = test_plan();
-    let config = EngineConfig { num_blocks: Some(16), plan: Some(target), device, ..EngineConfig::default() };
-    let err = Engine::new(&files, config).err().expect("a mixture of experts on the plan is refused");
-    assert!(err.to_string().contains("mixtures of experts"), "{err}");
+fn the_plan_refuses_what_it_cannot_run_by_name() {
+    let cases = [
+        ("tiny-mixtral", "mixtures of experts"),
+        ("tiny-glm4-moe", "mixtures of experts"),
+        ("tiny-gpt-oss", "mixtures of experts"),
+        ("tiny-gemma3", "layers with different attention windows"),
+    ];
+    for (model, what) in cases {
+        let model = support::shared().join("models").join(model);
+        let files = ModelFiles::resolve(&ModelSource::parse(model.to_str().unwrap()).unwrap(), Need::Weights).unwrap();
+        let (target, device) = test_plan();
+        let config = EngineConfig { num_blocks: Some(16), plan: Some(target), device, ..EngineConfig::default() };
+        let err = Engine::new(&files, config).err().expect("refused");
+        assert!(err.to_string().contains(what), "{err}");
+    }
 }

@@ -1,12 +1,13 @@
 //! A model's `config.json`, read into one normalised description of a
-//! Llama-family decoder. Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2 and Qwen3
-//! differ only in the flags below, so they share one implementation (as
-//! vLLM's `qwen2.py` and `mistral` reuse `llama.py`). Also the configs of
-//! the `random:<preset>` models: real models' shapes for benchmarks without
-//! weight files (the worker makes seeded random weights for them).
+//! decoder. Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2/3, the mixtures of
+//! experts (Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss) and Gemma 3 differ in the
+//! flags and shapes below, so they share one implementation (as vLLM's
+//! `qwen2.py` and `mistral` reuse `llama.py`). Their RoPE is in
+//! [`super::rope`].
 
 use serde::Deserialize;
 
+use super::rope::RopeScaling;
 use super::{ModelError, Result};
 
 /// The architectures we can run, from `config.json`'s `architectures[0]`.
@@ -21,6 +22,18 @@ pub enum Architecture {
     /// Qwen3's attention, mixtures of experts where `decoder_sparse_step`
     /// and `mlp_only_layers` say.
     Qwen3Moe,
+    /// GLM-4.5: GQA with q/k/v biases and partial rotary; after the first
+    /// `first_k_dense_replace` dense layers, DeepSeek-V3's routing (sigmoid
+    /// scores, a correction bias for the choice, groups) plus shared experts.
+    Glm4Moe,
+    /// Gemma 3 (text): `(1 + w)` RMSNorms before and after each sublayer,
+    /// GeGLU, scaled embeddings, q/k norms, `query_pre_attn_scalar`, and
+    /// sliding and global layers with their own RoPE.
+    Gemma3,
+    /// gpt-oss: attention sinks, sliding and full layers alternating,
+    /// biases everywhere, experts with a clamped SwiGLU, the router's
+    /// softmax over its top-k.
+    GptOss,
 }
 
 impl Architecture {
@@ -32,6 +45,9 @@ impl Architecture {
             "Qwen3ForCausalLM" => Ok(Self::Qwen3),
             "MixtralForCausalLM" => Ok(Self::Mixtral),
             "Qwen3MoeForCausalLM" => Ok(Self::Qwen3Moe),
+            "Glm4MoeForCausalLM" => Ok(Self::Glm4Moe),
+            "Gemma3ForCausalLM" => Ok(Self::Gemma3),
+            "GptOssForCausalLM" => Ok(Self::GptOss),
             other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -44,51 +60,9 @@ impl Architecture {
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
-        }
-    }
-}
-
-/// `rope_scaling` as Hugging Face writes it: `llama3`, `yarn` and `linear`
-/// change the frequencies (YaRN scales cos and sin too); `default` (or
-/// none) keeps them.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-pub struct RopeScaling {
-    #[serde(alias = "type")]
-    pub rope_type: String,
-    #[serde(default)]
-    pub factor: Option<f64>,
-    #[serde(default)]
-    pub low_freq_factor: Option<f64>,
-    #[serde(default)]
-    pub high_freq_factor: Option<f64>,
-    #[serde(default)]
-    pub original_max_position_embeddings: Option<usize>,
-    /// YaRN's correction range, in rotations (32 and 1 by default).
-    #[serde(default)]
-    pub beta_fast: Option<f64>,
-    #[serde(default)]
-    pub beta_slow: Option<f64>,
-    /// YaRN: whether the correction range is rounded to whole dims (true
-    /// by default, as transformers reads a config without the key).
-    #[serde(default)]
-    pub truncate: Option<bool>,
-    /// YaRN's scale of cos and sin; derived from the factor (and `mscale`,
-    /// `mscale_all_dim`) when absent.
-    #[serde(default)]
-    pub attention_factor: Option<f64>,
-    #[serde(default)]
-    pub mscale: Option<f64>,
-    #[serde(default)]
-    pub mscale_all_dim: Option<f64>,
-}
-
-impl RopeScaling {
-    /// YaRN's factor, as transformers takes it: the ratio of the context to
-    /// the pretrained one when the config names the latter.
-    fn yarn_factor(&self, max_position_embeddings: usize) -> f64 {
-        match self.original_max_position_embeddings {
-            Some(original) if original > 0 => max_position_embeddings as f64 / original as f64,
-            _ => self.factor.unwrap_or(1.0),
+            Self::Glm4Moe => "Glm4MoeForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
+            Self::GptOss => "GptOssForCausalLM",
         }
     }
 }
@@ -116,7 +90,7 @@ struct HfConfig {
     #[serde(default = "default_max_position_embeddings")]
     max_position_embeddings: usize,
     #[serde(default)]
-    tie_word_embeddings: bool,
+    tie_word_embeddings: Option<bool>,
     #[serde(default)]
     attention_bias: bool,
     #[serde(default)]
@@ -127,6 +101,9 @@ struct HfConfig {
     use_sliding_window: Option<bool>,
     #[serde(default)]
     hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act`.
+    #[serde(default)]
+    hidden_activation: Option<String>,
     #[serde(default)]
     torch_dtype: Option<String>,
     #[serde(default)]
@@ -146,6 +123,44 @@ struct HfConfig {
     mlp_only_layers: Vec<usize>,
     #[serde(default)]
     decoder_sparse_step: Option<usize>,
+    /// GLM-4.5 (DeepSeek-V3's names): routed and shared experts, the
+    /// dense layers in front, group-limited routing and its scale.
+    #[serde(default)]
+    n_routed_experts: Option<usize>,
+    #[serde(default)]
+    n_shared_experts: Option<usize>,
+    #[serde(default)]
+    first_k_dense_replace: Option<usize>,
+    #[serde(default)]
+    n_group: Option<usize>,
+    #[serde(default)]
+    topk_group: Option<usize>,
+    #[serde(default)]
+    routed_scaling_factor: Option<f64>,
+    /// The share of each head's dims that rotate (GLM: 0.5).
+    #[serde(default)]
+    partial_rotary_factor: Option<f64>,
+    #[serde(default)]
+    use_qk_norm: Option<bool>,
+    /// `sliding_attention` or `full_attention` per layer (Gemma 3, gpt-oss).
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    /// Gemma 3 without `layer_types`: every `sliding_window_pattern`-th
+    /// layer is global.
+    #[serde(default)]
+    sliding_window_pattern: Option<usize>,
+    /// Gemma 3: the sliding layers' RoPE base (unscaled).
+    #[serde(default)]
+    rope_local_base_freq: Option<f64>,
+    #[serde(default)]
+    query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    final_logit_softcapping: Option<f64>,
+    /// gpt-oss: the experts' SwiGLU clamp.
+    #[serde(default)]
+    swiglu_limit: Option<f64>,
 }
 
 fn default_rms_norm_eps() -> f64 {
@@ -168,6 +183,9 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The leading dims of each head that RoPE rotates (`head_dim` unless
+    /// `partial_rotary_factor` says less); the rest pass through.
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
@@ -185,16 +203,65 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
-    /// Mistral v0.1-style sliding-window attention.
+    /// The window of the layers that slide: a query at position p sees
+    /// the keys at positions > p - window.
     pub sliding_window: Option<usize>,
+    /// Which layers slide (all of Mistral's when it has a window; Gemma 3's
+    /// and gpt-oss's as `layer_types` says), one entry per layer.
+    pub layer_types: Vec<LayerAttention>,
+    /// The MLP's (and experts') gate activation.
+    pub activation: Activation,
+    /// Gemma 3: the sliding layers' RoPE base, unscaled (the global layers
+    /// use `rope_theta` and `rope_scaling`).
+    pub local_rope_theta: Option<f64>,
+    /// Attention scores are scaled by `1/sqrt(this)` (head_dim by default).
+    pub query_pre_attn_scalar: f64,
+    /// Gemma: embeddings times sqrt(hidden), `(1 + w)` RMSNorm weights and
+    /// a norm after each sublayer's output, before the residual add.
+    pub gemma_norms: bool,
+    /// gpt-oss: one learned logit per head joins each softmax and takes
+    /// its share of the attention mass.
+    pub attention_sinks: bool,
     /// The dtype the checkpoint was saved in (`torch_dtype`), if given.
     pub weights_dtype: Option<String>,
     /// Mixture of experts (all 0 or empty for a dense model).
     pub moe: MoeConfig,
 }
 
-/// A mixture-of-experts MLP's shape and routing (Mixtral, Qwen3-MoE): a
-/// softmax router over `num_experts`, the `experts_per_token` largest kept.
+/// Whether a layer attends to every earlier position or to a window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerAttention {
+    Full,
+    Sliding,
+}
+
+/// The gated MLP's activation.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up`.
+    #[default]
+    Silu,
+    /// GeGLU with GELU's tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+    /// gpt-oss: gate clamped to at most `limit`, up to ±`limit`, then
+    /// `(up + 1) * gate * sigmoid(1.702 * gate)`; gate and up interleaved.
+    ClampedSwiglu { limit: f32 },
+}
+
+/// How a router turns its logits into expert scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RouterScoring {
+    /// Softmax over all experts (Mixtral, Qwen3-MoE).
+    #[default]
+    Softmax,
+    /// An independent sigmoid per expert, the choice made on the scores
+    /// plus a learned correction bias (DeepSeek-V3, GLM-4.5).
+    SigmoidWithCorrection,
+}
+
+/// A mixture-of-experts MLP's shape and routing: scores over `num_experts`
+/// (optionally limited to the best `topk_group` of `num_groups` groups),
+/// the `experts_per_token` largest kept, weighted, plus shared experts.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MoeConfig {
     /// Routed experts per MoE layer; 0 for a dense model.
@@ -208,6 +275,17 @@ pub struct MoeConfig {
     pub dense_layers: Vec<usize>,
     /// Every `sparse_step`-th layer (counting from 1) is MoE.
     pub sparse_step: usize,
+    pub scoring: RouterScoring,
+    /// Experts fall in `num_groups` equal groups; a token's experts come
+    /// from its best `groups_per_token` (1 and 1: no limit).
+    pub num_groups: usize,
+    pub groups_per_token: usize,
+    /// The kept weights' scale, after any renormalisation.
+    pub routed_scaling_factor: f64,
+    /// Hidden width of the shared expert every token also runs (0: none).
+    pub shared_intermediate_size: usize,
+    /// gpt-oss: the router and the experts' projections have biases.
+    pub biases: bool,
 }
 
 impl MoeConfig {
@@ -227,8 +305,20 @@ impl ModelConfig {
             .first()
             .ok_or_else(|| ModelError::InvalidConfig("`architectures` is missing or empty".into()))?;
         let architecture = Architecture::from_hf_name(arch_name)?;
-        if let Some(act) = hf.hidden_act.as_ref().filter(|&act| act != "silu") {
-            return Err(ModelError::InvalidConfig(format!("hidden_act {act:?} is not supported (only silu)")));
+        let activation = match hf.hidden_activation.as_ref().or(hf.hidden_act.as_ref()).map(String::as_str) {
+            _ if architecture == Architecture::GptOss => {
+                Activation::ClampedSwiglu { limit: hf.swiglu_limit.unwrap_or(7.0) as f32 }
+            }
+            None | Some("silu") => Activation::Silu,
+            Some("gelu_pytorch_tanh") => Activation::GeluTanh,
+            Some(act) => {
+                return Err(ModelError::InvalidConfig(format!(
+                    "hidden_act {act:?} is not supported (silu, gelu_pytorch_tanh)"
+                )));
+            }
+        };
+        if let Some(cap) = hf.attn_logit_softcapping.or(hf.final_logit_softcapping) {
+            return Err(ModelError::InvalidConfig(format!("logit soft-capping ({cap}) is not supported")));
         }
         if hf.num_attention_heads == 0 || hf.num_hidden_layers == 0 || hf.hidden_size == 0 {
             return Err(ModelError::InvalidConfig("sizes must be positive".into()));
@@ -241,8 +331,14 @@ impl ModelConfig {
             )));
         }
         let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads);
-        if !head_dim.is_multiple_of(2) {
-            return Err(ModelError::InvalidConfig(format!("head_dim must be even for RoPE, got {head_dim}")));
+        let rotary_factor = hf.partial_rotary_factor.unwrap_or(1.0);
+        // transformers: `int(head_dim * partial_rotary_factor)`.
+        let rotary_dim = (head_dim as f64 * rotary_factor) as usize;
+        if !(rotary_factor > 0.0 && rotary_factor <= 1.0) || rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
+            return Err(ModelError::InvalidConfig(format!(
+                "RoPE needs an even number of rotated dims, got {rotary_dim} of head_dim {head_dim} \
+                 (partial_rotary_factor {rotary_factor})"
+            )));
         }
         if let Some(scaling) = &hf.rope_scaling {
             let kind = scaling.rope_type.as_str();
@@ -252,34 +348,21 @@ impl ModelConfig {
         }
         // Qwen2 configs carry a sliding_window that only applies when
         // use_sliding_window is true; Mistral applies it whenever it is set.
-        let num_experts = hf.num_local_experts.or(hf.num_experts).unwrap_or(0);
-        let moe = match architecture {
-            Architecture::Mixtral | Architecture::Qwen3Moe => {
-                let experts_per_token = hf.num_experts_per_tok.unwrap_or(2);
-                if num_experts == 0 || experts_per_token == 0 || experts_per_token > num_experts {
-                    return Err(ModelError::InvalidConfig(format!(
-                        "{arch_name}: {experts_per_token} experts per token of {num_experts}"
-                    )));
-                }
-                MoeConfig {
-                    num_experts,
-                    experts_per_token,
-                    expert_intermediate_size: hf.moe_intermediate_size.unwrap_or(hf.intermediate_size),
-                    // Mixtral always renormalises; Qwen3-MoE as configured.
-                    norm_topk_prob: architecture == Architecture::Mixtral || hf.norm_topk_prob.unwrap_or(false),
-                    dense_layers: hf.mlp_only_layers.clone(),
-                    sparse_step: hf.decoder_sparse_step.unwrap_or(1).max(1),
-                }
-            }
-            _ => MoeConfig::default(),
-        };
+        let moe = moe_config(&hf, architecture, arch_name)?;
         let sliding_window = match architecture {
-            Architecture::Mistral | Architecture::Mixtral => hf.sliding_window,
+            Architecture::Mistral | Architecture::Mixtral | Architecture::Gemma3 | Architecture::GptOss => {
+                hf.sliding_window
+            }
             Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 if hf.use_sliding_window == Some(true) { hf.sliding_window } else { None }
             }
-            Architecture::Llama => None,
+            Architecture::Llama | Architecture::Glm4Moe => None,
         };
+        if sliding_window == Some(0) {
+            return Err(ModelError::InvalidConfig("a sliding_window of 0 hides every key".into()));
+        }
+        let layer_types = layer_types(&hf, architecture, sliding_window)?;
+        let gemma = architecture == Architecture::Gemma3;
         Ok(Self {
             architecture,
             hidden_size: hf.hidden_size,
@@ -288,18 +371,32 @@ impl ModelConfig {
             num_heads: hf.num_attention_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim,
             vocab_size: hf.vocab_size,
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: hf.rope_theta,
             rope_scaling: hf.rope_scaling.filter(|s| s.rope_type != "default"),
             rope_freq_factors: None,
             max_position_embeddings: hf.max_position_embeddings,
-            tie_word_embeddings: hf.tie_word_embeddings,
+            // Gemma ties unless told otherwise.
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(gemma),
             qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
-            o_bias: architecture != Architecture::Qwen2 && hf.attention_bias,
+            // (gpt-oss's `attention_bias` covers o_proj too.)
+            // GLM's `attention_bias` is on q/k/v only, as Qwen2's.
+            o_bias: !matches!(architecture, Architecture::Qwen2 | Architecture::Glm4Moe) && hf.attention_bias,
             mlp_bias: hf.mlp_bias,
-            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            qk_norm: match architecture {
+                Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3 => true,
+                Architecture::Glm4Moe => hf.use_qk_norm.unwrap_or(false),
+                _ => false,
+            },
             sliding_window,
+            layer_types,
+            activation,
+            local_rope_theta: if gemma { Some(hf.rope_local_base_freq.unwrap_or(10_000.0)) } else { None },
+            query_pre_attn_scalar: hf.query_pre_attn_scalar.unwrap_or(head_dim as f64),
+            gemma_norms: gemma,
+            attention_sinks: architecture == Architecture::GptOss,
             weights_dtype: hf.torch_dtype.or(hf.dtype),
             moe,
         })
@@ -317,177 +414,137 @@ impl ModelConfig {
         let attention = h * (q + 2 * kv) + bias(self.qkv_bias, q + 2 * kv) + q * h + bias(self.o_bias, h);
         let dense_mlp = 3 * h * i + bias(self.mlp_bias, 2 * i + h);
         let m = &self.moe;
-        let moe_mlp = m.num_experts as u64 * (3 * h * m.expert_intermediate_size as u64 + h);
+        let correction = if m.scoring == RouterScoring::SigmoidWithCorrection { m.num_experts as u64 } else { 0 };
+        let ei = m.expert_intermediate_size as u64;
+        let moe_mlp = m.num_experts as u64 * (3 * h * ei + h + bias(m.biases, 1 + 2 * ei + h))
+            + correction
+            + 3 * h * m.shared_intermediate_size as u64;
         let mlps: u64 = (0..self.num_layers).map(|l| if m.is_moe_layer(l) { moe_mlp } else { dense_mlp }).sum();
-        let norms = 2 * h + bias(self.qk_norm, 2 * self.head_dim as u64);
+        let norms = if self.gemma_norms { 4 * h } else { 2 * h } + bias(self.qk_norm, 2 * self.head_dim as u64);
+        let sinks = bias(self.attention_sinks, self.num_heads as u64);
         let embed = (self.vocab_size as u64) * h;
         let lm_head = if self.tie_word_embeddings { 0 } else { embed };
-        embed + self.num_layers as u64 * (attention + norms) + mlps + h + lm_head
+        embed + self.num_layers as u64 * (attention + norms + sinks) + mlps + h + lm_head
+    }
+
+    /// The window of layer `layer` (None: it sees every earlier position).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        match self.layer_types.get(layer) {
+            Some(LayerAttention::Sliding) => self.sliding_window,
+            _ => None,
+        }
+    }
+
+    /// The window every layer shares, if they all slide: what a step's
+    /// attention metadata carries (a layer of another kind overrides it).
+    pub fn uniform_window(&self) -> Option<usize> {
+        self.layer_types.iter().all(|t| *t == LayerAttention::Sliding).then_some(self.sliding_window).flatten()
     }
 
     /// Bytes of K and V for one token across all layers, at `dtype_size` bytes per element.
     pub fn kv_bytes_per_token(&self, dtype_size: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
     }
+}
 
-    /// Inverse RoPE frequencies, one per rotated pair, with `llama3` scaling
-    /// applied as transformers' `_compute_llama3_parameters` does, or
-    /// divided by a GGUF file's frequency factors as llama.cpp's `rope`
-    /// divides them.
-    pub fn rope_inv_freq(&self) -> Vec<f64> {
-        let base = self.unscaled_rope_inv_freq();
-        if let Some(factors) = &self.rope_freq_factors {
-            return base.iter().zip(factors).map(|(inv, factor)| inv / factor).collect();
-        }
-        let Some(scaling) = &self.rope_scaling else { return base };
-        match scaling.rope_type.as_str() {
-            "llama3" => {}
-            "yarn" => return self.yarn_inv_freq(scaling, base),
-            "linear" => return base.iter().map(|inv| inv / scaling.factor.unwrap_or(1.0)).collect(),
-            _ => return base,
-        }
-        let factor = scaling.factor.unwrap_or(8.0);
-        let low = scaling.low_freq_factor.unwrap_or(1.0);
-        let high = scaling.high_freq_factor.unwrap_or(4.0);
-        let old_len = scaling.original_max_position_embeddings.unwrap_or(8192) as f64;
-        let low_freq_wavelen = old_len / low;
-        let high_freq_wavelen = old_len / high;
-        base.into_iter()
-            .map(|inv| {
-                let wavelen = 2.0 * std::f64::consts::PI / inv;
-                if wavelen < high_freq_wavelen {
-                    inv
-                } else if wavelen > low_freq_wavelen {
-                    inv / factor
-                } else {
-                    let smooth = (old_len / wavelen - low) / (high - low);
-                    (1.0 - smooth) * inv / factor + smooth * inv
-                }
-            })
-            .collect()
-    }
-
-    /// YaRN (transformers' `_compute_yarn_parameters`): pairs rotating more
-    /// than `beta_fast` times over the pretrained context keep their
-    /// frequency, those under `beta_slow` are divided by the factor, and a
-    /// linear ramp blends the pairs between.
-    fn yarn_inv_freq(&self, s: &RopeScaling, base: Vec<f64>) -> Vec<f64> {
-        let dim = self.head_dim as f64;
-        let original = s.original_max_position_embeddings.unwrap_or(self.max_position_embeddings) as f64;
-        let factor = s.yarn_factor(self.max_position_embeddings);
-        let correction_dim = |rotations: f64| {
-            dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * self.rope_theta.ln())
-        };
-        let (mut low, mut high) =
-            (correction_dim(s.beta_fast.unwrap_or(32.0)), correction_dim(s.beta_slow.unwrap_or(1.0)));
-        if s.truncate.unwrap_or(true) {
-            (low, high) = (low.floor(), high.ceil());
-        }
-        let (low, high) = (low.max(0.0), high.min(dim - 1.0));
-        let span = if low == high { 0.001 } else { high - low };
-        base.iter()
-            .enumerate()
-            .map(|(i, &inv)| {
-                let extrapolation = 1.0 - ((i as f64 - low) / span).clamp(0.0, 1.0);
-                inv / factor * (1.0 - extrapolation) + inv * extrapolation
-            })
-            .collect()
-    }
-
-    /// The factor cos and sin are scaled by: YaRN's attention factor, 1
-    /// for every other scaling.
-    pub fn rope_attention_factor(&self) -> f64 {
-        let Some(s) = self.rope_scaling.as_ref().filter(|s| s.rope_type == "yarn") else { return 1.0 };
-        if let Some(a) = s.attention_factor {
-            return a;
-        }
-        let factor = s.yarn_factor(self.max_position_embeddings);
-        let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
-        match (s.mscale, s.mscale_all_dim) {
-            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
-            _ => mscale(factor, 1.0),
-        }
-    }
-
-    /// Inverse RoPE frequencies without any scaling: `theta^(-2i/d)`.
-    fn unscaled_rope_inv_freq(&self) -> Vec<f64> {
-        let dim = self.head_dim;
-        (0..dim / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64)).collect()
-    }
-
-    /// The scaling as per-pair frequency factors (`unscaled / scaled`), the
-    /// form GGUF's `rope_freqs.weight` stores; None where nothing is scaled.
-    pub fn rope_freq_factors(&self) -> Option<Vec<f64>> {
-        if self.rope_freq_factors.is_none() && self.rope_scaling.is_none() {
-            return None;
-        }
-        Some(
-            self.unscaled_rope_inv_freq()
-                .iter()
-                .zip(self.rope_inv_freq())
-                .map(|(base, scaled)| base / scaled)
-                .collect(),
-        )
-    }
-
-    /// Checks GGUF frequency factors against this model's shape: one finite,
-    /// positive factor per rotated pair.
-    pub fn with_rope_freq_factors(self, factors: Vec<f64>) -> Result<Self> {
-        if factors.len() != self.head_dim / 2 {
-            return Err(ModelError::InvalidConfig(format!(
-                "rope_freqs.weight has {} factors, expected head_dim / 2 = {}",
-                factors.len(),
-                self.head_dim / 2
-            )));
-        }
-        if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
-            return Err(ModelError::InvalidConfig(format!("rope_freqs.weight holds {bad}, not a positive factor")));
-        }
-        Ok(Self { rope_freq_factors: Some(factors), ..self })
+/// Keeps the first `layers` decoder layers of a `config.json`: its layer
+/// count, and the per-layer lists that must match it (`layer_types`).
+/// A truncated model's tensors are the full one's first layers.
+pub fn truncate_layers(config: &mut serde_json::Value, layers: usize) {
+    config["num_hidden_layers"] = layers.into();
+    if let Some(types) = config.get_mut("layer_types").and_then(serde_json::Value::as_array_mut) {
+        types.truncate(layers);
     }
 }
 
-/// Configs of real models, for `random:<preset>`.
-pub fn random_preset(name: &str) -> Result<ModelConfig> {
-    ModelConfig::from_json(random_preset_json(name)?)
+/// Each layer's attention kind: `layer_types` where given (Gemma 3 falls
+/// back to its `sliding_window_pattern`); otherwise every layer slides
+/// when the model has a window.
+fn layer_types(hf: &HfConfig, architecture: Architecture, window: Option<usize>) -> Result<Vec<LayerAttention>> {
+    let n = hf.num_hidden_layers;
+    let types = match (&hf.layer_types, architecture) {
+        (Some(names), _) => names
+            .iter()
+            .map(|name| match name.as_str() {
+                "full_attention" => Ok(LayerAttention::Full),
+                "sliding_attention" => Ok(LayerAttention::Sliding),
+                other => Err(ModelError::InvalidConfig(format!("layer type {other:?} is not supported"))),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        (None, Architecture::Gemma3) => {
+            let pattern = hf.sliding_window_pattern.unwrap_or(6).max(1);
+            let kind =
+                |i: usize| if (i + 1).is_multiple_of(pattern) { LayerAttention::Full } else { LayerAttention::Sliding };
+            (0..n).map(kind).collect()
+        }
+        (None, _) => vec![if window.is_some() { LayerAttention::Sliding } else { LayerAttention::Full }; n],
+    };
+    if types.len() != n {
+        return Err(ModelError::InvalidConfig(format!("{} layer_types for {n} layers", types.len())));
+    }
+    if window.is_none() && types.contains(&LayerAttention::Sliding) {
+        return Err(ModelError::InvalidConfig("sliding layers without a sliding_window".into()));
+    }
+    Ok(types)
 }
 
-/// The config.json text of a preset (HF field names).
-pub fn random_preset_json(name: &str) -> Result<&'static str> {
-    Ok(match name {
-        // HuggingFaceTB/SmolLM-135M
-        "smollm-135m" => {
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":576,"intermediate_size":1536,
-            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,
-            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":true}"#
+/// The mixture of experts `config.json` describes (the default, no experts,
+/// for a dense architecture), checked.
+fn moe_config(hf: &HfConfig, architecture: Architecture, arch_name: &str) -> Result<MoeConfig> {
+    let num_experts = hf.num_local_experts.or(hf.num_experts).or(hf.n_routed_experts).unwrap_or(0);
+    let (scoring, dense_layers) = match architecture {
+        Architecture::Mixtral | Architecture::Qwen3Moe => (RouterScoring::Softmax, hf.mlp_only_layers.clone()),
+        Architecture::Glm4Moe => {
+            (RouterScoring::SigmoidWithCorrection, (0..hf.first_k_dense_replace.unwrap_or(0)).collect())
         }
-        // TinyLlama/TinyLlama-1.1B-Chat-v1.0
-        "tinyllama-1.1b" => {
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":5632,
-            "num_hidden_layers":22,"num_attention_heads":32,"num_key_value_heads":4,"vocab_size":32000,
-            "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":2048,"tie_word_embeddings":false}"#
-        }
-        // Qwen/Qwen3-0.6B
-        "qwen3-0.6b" => {
-            r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"intermediate_size":3072,
-            "num_hidden_layers":28,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,
-            "rms_norm_eps":1e-6,"rope_theta":1000000.0,"max_position_embeddings":40960,"tie_word_embeddings":true}"#
-        }
-        // meta-llama/Llama-3.2-1B
-        "llama-3.2-1b" => {
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
-            "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":64,"vocab_size":128256,
-            "rms_norm_eps":1e-5,"rope_theta":500000.0,"max_position_embeddings":131072,"tie_word_embeddings":true,
-            "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
-            "original_max_position_embeddings":8192}}"#
-        }
-        other => return Err(ModelError::UnknownPreset(other.to_string())),
+        Architecture::GptOss => (RouterScoring::Softmax, Vec::new()),
+        _ => return Ok(MoeConfig::default()),
+    };
+    let experts_per_token = hf.num_experts_per_tok.unwrap_or(2);
+    if num_experts == 0 || experts_per_token == 0 || experts_per_token > num_experts {
+        return Err(ModelError::InvalidConfig(format!(
+            "{arch_name}: {experts_per_token} experts per token of {num_experts}"
+        )));
+    }
+    let (num_groups, groups_per_token) = (hf.n_group.unwrap_or(1), hf.topk_group.unwrap_or(1));
+    let group_size = num_experts / num_groups.max(1);
+    // Each group's score is the sum of its two best experts (DeepSeek-V3),
+    // and the kept groups must hold enough experts.
+    let groups_fit = num_groups > 0
+        && num_experts.is_multiple_of(num_groups)
+        && (1..=num_groups).contains(&groups_per_token)
+        && (num_groups == 1 || group_size >= 2)
+        && groups_per_token * group_size >= experts_per_token;
+    if !groups_fit {
+        return Err(ModelError::InvalidConfig(format!(
+            "{arch_name}: {num_experts} experts in {num_groups} groups, {groups_per_token} groups per token, \
+             {experts_per_token} experts per token"
+        )));
+    }
+    let expert_intermediate_size = hf.moe_intermediate_size.unwrap_or(hf.intermediate_size);
+    Ok(MoeConfig {
+        num_experts,
+        experts_per_token,
+        expert_intermediate_size,
+        // Mixtral always renormalises, and gpt-oss's softmax over its top-k
+        // is the same; the others as configured.
+        norm_topk_prob: matches!(architecture, Architecture::Mixtral | Architecture::GptOss)
+            || hf.norm_topk_prob.unwrap_or(false),
+        dense_layers,
+        sparse_step: hf.decoder_sparse_step.unwrap_or(1).max(1),
+        scoring,
+        num_groups,
+        groups_per_token,
+        routed_scaling_factor: hf.routed_scaling_factor.unwrap_or(1.0),
+        shared_intermediate_size: hf.n_shared_experts.unwrap_or(0) * expert_intermediate_size,
+        biases: architecture == Architecture::GptOss,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::presets::random_preset;
 
     /// gpt-oss's YaRN (its `rope_scaling`, theta 150000, head dim 32): the
     /// figures ../shared/models/README.md derives for tiny-gpt-oss.
@@ -533,6 +590,13 @@ mod tests {
         assert!(qwen2.qkv_bias && !qwen2.o_bias && !qwen2.tie_word_embeddings);
         let mistral = ModelConfig::from_json(&shared("tiny-mistral/config.json")).unwrap();
         assert_eq!((mistral.num_kv_heads, mistral.sliding_window), (1, None));
+        let glm = ModelConfig::from_json(&shared("tiny-glm4-moe/config.json")).unwrap();
+        assert_eq!((glm.head_dim, glm.rotary_dim, glm.rope_inv_freq().len()), (32, 16, 8));
+        assert!(glm.qkv_bias && !glm.o_bias && !glm.qk_norm);
+        let m = &glm.moe;
+        assert_eq!((m.num_experts, m.experts_per_token, m.shared_intermediate_size), (8, 2, 64));
+        assert_eq!((m.scoring, m.routed_scaling_factor), (RouterScoring::SigmoidWithCorrection, 2.5));
+        assert!(!m.is_moe_layer(0) && m.is_moe_layer(1) && m.is_moe_layer(2));
         let stories = ModelConfig::from_json(&shared("stories260K/config.json")).unwrap();
         assert_eq!((stories.hidden_size, stories.head_dim, stories.num_layers), (64, 8, 5));
     }
@@ -542,7 +606,8 @@ mod tests {
         // TinyLlama-1.1B's published count.
         assert_eq!(random_preset("tinyllama-1.1b").unwrap().parameter_count(), 1_100_048_384);
         // Each shared model's safetensors file is its f32 tensors plus a small header.
-        for model in ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"] {
+        let models = ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-yarn"];
+        for model in models.into_iter().chain(["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe"]) {
             let cfg = ModelConfig::from_json(&shared(&format!("{model}/config.json"))).unwrap();
             let dir = format!("{}/../../shared/models/{model}", env!("CARGO_MANIFEST_DIR"));
             let file: u64 = std::fs::read_dir(&dir)
@@ -599,6 +664,18 @@ mod tests {
         assert!(matches!(ModelConfig::from_json(bad), Err(ModelError::UnsupportedArchitecture(_))));
         let bad = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2,"vocab_size":4}"#;
         assert!(matches!(ModelConfig::from_json(bad), Err(ModelError::InvalidConfig(_))));
+        let glm = |extra: &str| {
+            let text = format!(
+                r#"{{"architectures":["Glm4MoeForCausalLM"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+                "num_attention_heads":2,"vocab_size":4,"n_routed_experts":8,"num_experts_per_tok":2{extra}}}"#
+            );
+            ModelConfig::from_json(&text)
+        };
+        assert!(glm("").is_ok() && glm(r#","n_group":4,"topk_group":2"#).is_ok());
+        for bad in [r#","n_group":3"#, r#","n_group":4,"topk_group":5"#, r#","n_group":8,"topk_group":1"#] {
+            assert!(matches!(glm(bad), Err(ModelError::InvalidConfig(_))), "{bad}");
+        }
+        assert!(matches!(glm(r#","partial_rotary_factor":0.3"#), Err(ModelError::InvalidConfig(_))), "odd rotary dims");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::config::{self, ModelConfig};
+use super::config::ModelConfig;
 use super::hub::{self, WEIGHTS_FILE, WEIGHTS_INDEX};
 use super::{ModelError, Result, gguf};
 use crate::protocol::{ModelIdentity, config_hash};
@@ -143,7 +143,7 @@ impl ModelFiles {
                 })
             }
             ModelSource::Random(preset) => {
-                let config = config::random_preset(preset)?;
+                let config = super::presets::random_preset(preset)?;
                 Ok(Self {
                     name: format!("random:{preset}"),
                     config,

@@ -10,12 +10,16 @@ pub mod config;
 pub mod files;
 pub mod gguf;
 pub mod hub;
+pub mod presets;
+pub mod rope;
 
 use std::path::PathBuf;
 
-pub use config::{Architecture, ModelConfig, MoeConfig, RopeScaling, random_preset, random_preset_json};
+pub use config::{Activation, Architecture, LayerAttention, ModelConfig, MoeConfig, RouterScoring, truncate_layers};
 pub use files::{ModelFiles, ModelSource, Need, default_served_name};
 pub use gguf::{GgufInfo, read_info};
+pub use presets::{random_preset, random_preset_json};
+pub use rope::RopeScaling;
 
 /// Why a model's files could not be found or understood.
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,8 @@
 //! Fused element-wise steps of a decoder layer on the CPU, each one pass over
 //! its data instead of the several (and the fresh buffers) that a chain of
 //! tensor ops takes:
-//! * [`silu_mul`]: SwiGLU, `silu(gate) * up` from the fused gate/up output;
+//! * [`gated_mul`]: SwiGLU, `silu(gate) * up`, or GeGLU from the fused
+//!   gate/up output;
 //! * [`rope_in_place`]: rotary embedding of the q and k heads inside the
 //!   fused qkv output, with Qwen3's per-head RMSNorm folded in;
 //! * [`add_in_place`]: the residual add, into a buffer that is dead after it;
@@ -28,19 +29,38 @@ fn rows_per_task(row_len: usize) -> usize {
     (PARALLEL_MIN_ELEMS / 4 / row_len.max(1)).max(1)
 }
 
+/// The activation of a gated MLP's gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// `silu(g) = g * sigmoid(g)` (SwiGLU).
+    Silu,
+    /// GELU's tanh approximation (GeGLU, `gelu_pytorch_tanh`):
+    /// `0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`.
+    GeluTanh,
+}
+
 /// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]`, with
 /// `gate_up: [rows, 2 * inter]` and `out: [rows, inter]`.
 pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) -> Result<()> {
+    gated_mul(gate_up, inter, Gate::Silu, out)
+}
+
+/// `out[t, i] = gate(gate_up[t, i]) * gate_up[t, inter + i]`, with
+/// `gate_up: [rows, 2 * inter]` and `out: [rows, inter]`.
+pub fn gated_mul(gate_up: &[f32], inter: usize, gate: Gate, out: &mut [f32]) -> Result<()> {
     if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) || out.len() * 2 != gate_up.len() {
         return Err(KernelError::Invalid(format!(
-            "silu_mul: gate_up has {} elements, out {}, inter {inter}",
+            "gated_mul: gate_up has {} elements, out {}, inter {inter}",
             gate_up.len(),
             out.len()
         )));
     }
     let row = |(src, dst): (&[f32], &mut [f32])| {
-        let (gate, up) = src.split_at(inter);
-        silu_mul_row(gate, up, dst);
+        let (g, up) = src.split_at(inter);
+        match gate {
+            Gate::Silu => silu_mul_row(g, up, dst),
+            Gate::GeluTanh => gelu_tanh_mul_row(g, up, dst),
+        }
     };
     if gate_up.len() < PARALLEL_MIN_ELEMS {
         gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)).for_each(row);
@@ -60,6 +80,31 @@ fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
     fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
             *o = g / (1.0 + exp_poly(-g)) * u;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::isa::has_avx2_fma() {
+        /// # Safety
+        /// AVX2 and FMA must be available.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+            body(gate, up, out)
+        }
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { avx2(gate, up, out) };
+    }
+    body(gate, up, out)
+}
+
+/// `out = gelu_tanh(gate) * up`, through `0.5 (1 + tanh(u)) = sigmoid(2u)`
+/// so that the vectorising [`exp_poly`] serves here too.
+fn gelu_tanh_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[inline(always)]
+    fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
+            *o = g / (1.0 + exp_poly(-2.0 * inner)) * u;
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -180,6 +225,9 @@ pub struct HeadNorm<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct Rope<'a> {
     pub head_dim: usize,
+    /// The leading dims of each head that rotate (even, at most
+    /// `head_dim`; partial rotary, as GLM's); the rest pass through.
+    pub rotary_dim: usize,
     /// Heads rotated at the start of each row (q heads then k heads in a
     /// fused qkv row); whatever follows them (v) is left alone.
     pub heads: usize,
@@ -187,7 +235,7 @@ pub struct Rope<'a> {
     pub row_len: usize,
     /// Position of each row.
     pub positions: &'a [u32],
-    /// `[max_positions, head_dim / 2]` tables.
+    /// `[max_positions, rotary_dim / 2]` tables.
     pub cos: &'a [f32],
     pub sin: &'a [f32],
     pub head_norm: Option<HeadNorm<'a>>,
@@ -195,10 +243,10 @@ pub struct Rope<'a> {
 
 impl Rope<'_> {
     fn check(&self, len: usize) -> Result<()> {
-        let half = self.head_dim / 2;
+        let half = self.rotary_dim / 2;
         let bad = |what: String| Err(KernelError::Invalid(format!("rope_in_place: {what}")));
-        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return bad(format!("head_dim {} must be even and > 0", self.head_dim));
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
+            return bad(format!("rotary_dim {} must be even, > 0 and <= head_dim {}", self.rotary_dim, self.head_dim));
         }
         if self.heads * self.head_dim > self.row_len || len != self.positions.len() * self.row_len {
             return bad(format!(
@@ -210,7 +258,7 @@ impl Rope<'_> {
             ));
         }
         if self.cos.len() != self.sin.len() || !self.cos.len().is_multiple_of(half) {
-            return bad("cos and sin tables must be [max_positions, head_dim / 2]".into());
+            return bad("cos and sin tables must be [max_positions, rotary_dim / 2]".into());
         }
         let max_pos = self.cos.len() / half;
         if let Some(&p) = self.positions.iter().find(|&&p| p as usize >= max_pos) {
@@ -226,7 +274,7 @@ impl Rope<'_> {
 
     /// One row: normalise (optionally) and rotate each head.
     fn row(&self, x: &mut [f32], pos: u32) {
-        let (hd, half) = (self.head_dim, self.head_dim / 2);
+        let (hd, half) = (self.head_dim, self.rotary_dim / 2);
         let cos = &self.cos[pos as usize * half..][..half];
         let sin = &self.sin[pos as usize * half..][..half];
         for (h, head) in x[..self.heads * hd].chunks_exact_mut(hd).enumerate() {
@@ -236,8 +284,9 @@ impl Rope<'_> {
                 let inv = 1.0 / (ms + n.eps).sqrt();
                 head.iter_mut().zip(w).for_each(|(v, w)| *v *= inv * w);
             }
-            // HF's rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
-            let (x1, x2) = head.split_at_mut(half);
+            // HF's rotate_half within the rotated dims:
+            // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+            let (x1, x2) = head[..2 * half].split_at_mut(half);
             for i in 0..half {
                 let (a, b) = (x1[i], x2[i]);
                 x1[i] = a * cos[i] - b * sin[i];
@@ -317,10 +366,16 @@ pub fn add_rms_norm_op(hidden: &Tensor, delta: &Tensor, weight: &[f32], eps: f32
 /// [`silu_mul`] of `gate_up: [rows, 2 * inter]` into `out: [rows, inter]`,
 /// both f32 CPU tensors not sharing storage.
 pub fn silu_mul_into_op(gate_up: &Tensor, out: &Tensor) -> Result<()> {
+    gated_mul_into_op(gate_up, Gate::Silu, out)
+}
+
+/// [`gated_mul`] of `gate_up: [rows, 2 * inter]` into `out: [rows, inter]`,
+/// f32 CPU tensors not sharing storage.
+pub fn gated_mul_into_op(gate_up: &Tensor, gate: Gate, out: &Tensor) -> Result<()> {
     let (rows, width) = gate_up.dims2()?;
     let (out_rows, inter) = out.dims2()?;
     if rows != out_rows || width != 2 * inter {
-        return Err(KernelError::Invalid(format!("silu_mul: [{rows}, {width}] into [{out_rows}, {inter}]")));
+        return Err(KernelError::Invalid(format!("gated_mul: [{rows}, {width}] into [{out_rows}, {inter}]")));
     }
-    Ok(read_f32(gate_up, |g| write_f32(out, &|o| silu_mul(g, inter, o).map_err(candle_core::Error::wrap)))?)
+    Ok(read_f32(gate_up, |g| write_f32(out, &|o| gated_mul(g, inter, gate, o).map_err(candle_core::Error::wrap)))?)
 }

@@ -27,8 +27,8 @@ pub use bandwidth::{ReadBandwidth, measure_read_bandwidth};
 pub use buffers::{copy_columns, read_f32, write_f32};
 pub use cache::reshape_and_cache;
 pub use fused::{
-    HeadNorm, Rope, add_in_place, add_in_place_op, add_rms_norm, add_rms_norm_op, rms_norm, rms_norm_into_op,
-    rope_in_place, rope_in_place_op, silu_mul, silu_mul_into_op,
+    Gate, HeadNorm, Rope, add_in_place, add_in_place_op, add_rms_norm, add_rms_norm_op, gated_mul, gated_mul_into_op,
+    rms_norm, rms_norm_into_op, rope_in_place, rope_in_place_op, silu_mul, silu_mul_into_op,
 };
 pub use huge_pages::back_with_huge_pages;
 pub use parallel::PoolAwake;

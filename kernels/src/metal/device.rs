@@ -363,8 +363,11 @@ impl CustomOp3 for MetalAttention {
 /// q: `[T, heads, head_dim]`; caches `[blocks, block_size, kv_heads,
 /// head_dim]` -> `[T, heads, head_dim]`, all on one Metal device.
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
-    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let dims = a.check()?;
+    if sinks.is_some() {
+        return Err(KernelError::Invalid("the Metal attention kernel has no attention sinks yet".into()));
+    }
     let device = q.device().as_metal_device()?;
     let (plan, upload, scratch) = with_step_cache(device, |cache, alloc| {
         cache.attention(alloc, meta, dims, (q.dtype(), k_cache.dtype()), scale)

@@ -42,7 +42,7 @@ pub struct Case {
 impl Case {
     /// The attention call on this case's q and caches.
     pub fn attention(&self, scale: f32) -> Attention<'_> {
-        Attention { q: &self.q, k_cache: &self.k_cache, v_cache: &self.v_cache, meta: &self.meta, scale }
+        Attention { q: &self.q, k_cache: &self.k_cache, v_cache: &self.v_cache, meta: &self.meta, scale, sinks: None }
     }
 
     pub fn to_device(&self, dev: &Device) -> Case {

@@ -77,7 +77,7 @@ pub fn random(args: ExportRandomArgs) -> anyhow::Result<()> {
     if let Some(n) = args.num_layers {
         let full = config["num_hidden_layers"].as_u64().unwrap_or(0);
         anyhow::ensure!((1..=full).contains(&(n as u64)), "--num-layers {n}: {} has {full} layers", args.preset);
-        config["num_hidden_layers"] = n.into();
+        common::model::truncate_layers(&mut config, n);
     }
     let dtype = match args.dtype {
         DTypeArg::F32 => DType::F32,

@@ -57,6 +57,9 @@ fn gguf_architecture(arch: Architecture) -> &'static str {
         // llama.cpp's names; `write` refuses experts for now.
         Architecture::Mixtral => "llama",
         Architecture::Qwen3Moe => "qwen3moe",
+        Architecture::Glm4Moe => "glm4moe",
+        Architecture::Gemma3 => "gemma3",
+        Architecture::GptOss => "gpt-oss",
     }
 }
 
@@ -315,6 +318,9 @@ pub fn write(
     if cfg.moe.num_experts > 0 {
         return Err(err(path, "mixture-of-experts models are not exported to GGUF yet"));
     }
+    if cfg.architecture == Architecture::Gemma3 {
+        return Err(err(path, "Gemma 3 is not exported to GGUF yet"));
+    }
     // Frequency factors cannot carry YaRN's scale of cos and sin.
     if cfg.rope_attention_factor() != 1.0 {
         return Err(err(path, "YaRN RoPE scaling is not exported to GGUF yet"));
@@ -419,7 +425,7 @@ pub fn write(
     // frequency factors, f32.
     if let Some(factors) = cfg.rope_freq_factors() {
         let factors: Vec<f32> = factors.iter().map(|&f| f as f32).collect();
-        let t = Tensor::from_vec(factors, cfg.head_dim / 2, &Device::Cpu)?;
+        let t = Tensor::from_vec(factors, cfg.rotary_dim / 2, &Device::Cpu)?;
         qtensors.push((ROPE_FREQS.to_string(), QTensor::quantize(&t, GgmlDType::F32)?));
     }
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();

@@ -22,6 +22,7 @@ use super::linear::{Linear, linear};
 use super::workspace::Buffers;
 use crate::error::Result;
 use crate::runner::kv_cache::LayerKvCache;
+use common::model::Activation;
 
 /// The dtype activations (and the KV cache) use. On the CPU they stay f32
 /// whatever the weights are: the linear layers widen f16/bf16 weights in
@@ -58,9 +59,15 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn new(dim: usize, eps: f64, path: ExecutionPath, vb: VarBuilder) -> Result<Self> {
+    /// A norm of the model `cfg` over `dim`: Gemma's weights are stored
+    /// around 0 and multiply by `1 + w` (added in f32, as transformers does).
+    pub fn of_model(cfg: &ModelConfig, dim: usize, path: ExecutionPath, vb: VarBuilder) -> Result<Self> {
+        Self::with_offset(dim, cfg.rms_norm_eps, if cfg.gemma_norms { 1.0 } else { 0.0 }, path, vb)
+    }
+
+    fn with_offset(dim: usize, eps: f64, offset: f64, path: ExecutionPath, vb: VarBuilder) -> Result<Self> {
         let act = activation_dtype(vb.dtype(), vb.device());
-        let weight = vb.get(dim, "weight")?.to_dtype(act)?;
+        let weight = (vb.get(dim, "weight")?.to_dtype(DType::F32)? + offset)?.to_dtype(act)?;
         let host = match path {
             ExecutionPath::FusedCpu => weight.to_vec1::<f32>()?,
             ExecutionPath::Composed => Vec::new(),
@@ -102,7 +109,7 @@ impl RmsNorm {
 }
 
 /// cos/sin tables for every position up to `max_position_embeddings`,
-/// `[max_pos, head_dim / 2]`: host slices on the fused CPU path (read by
+/// `[max_pos, rotary_dim / 2]`: host slices on the fused CPU path (read by
 /// the fused in-place kernel), tensors on the composed one.
 pub enum RotaryEmbedding {
     Host { cos: Vec<f32>, sin: Vec<f32> },
@@ -129,7 +136,7 @@ impl RotaryEmbedding {
 }
 
 /// cos and sin of every position's angle for every rotation pair,
-/// `[max_positions, head_dim / 2]` in f32: the tables every device's RoPE
+/// `[max_positions, rotary_dim / 2]` in f32: the tables every device's RoPE
 /// reads (the CPU's, candle's, the Metal step plan's).
 pub fn rope_tables(cfg: &ModelConfig, max_positions: usize) -> (Vec<f32>, Vec<f32>) {
     let inv_freq = cfg.rope_inv_freq();
@@ -155,10 +162,16 @@ pub struct HostRope<'a> {
     pub positions: &'a [u32],
 }
 
-/// Applies HF's `rotate_half` RoPE to x: [T, heads, head_dim].
+/// Applies HF's `rotate_half` RoPE to the first `2 * cos.dim(1)` dims of
+/// each head of x: [T, heads, head_dim] (the rest pass through).
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let x = x.unsqueeze(0)?.contiguous()?; // [1, T, heads, head_dim]
-    Ok(candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)?)
+    let (rotary_dim, head_dim) = (2 * cos.dim(1)?, x.dim(2)?);
+    let rotated = x.narrow(2, 0, rotary_dim)?.unsqueeze(0)?.contiguous()?; // [1, T, heads, rotary_dim]
+    let rotated = candle_nn::rotary_emb::rope_thd(&rotated, cos, sin)?.squeeze(0)?;
+    if rotary_dim == head_dim {
+        return Ok(rotated);
+    }
+    Ok(Tensor::cat(&[&rotated, &x.narrow(2, rotary_dim, head_dim - rotary_dim)?], 2)?)
 }
 
 /// Linear layers that read the same input, stacked into one when their
@@ -225,7 +238,10 @@ pub struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    rotary_dim: usize,
     scale: f32,
+    /// gpt-oss: each head's sink logit, `[heads]`.
+    sinks: Option<Vec<f32>>,
 }
 
 impl Attention {
@@ -233,8 +249,8 @@ impl Attention {
         let (h, q_dim, kv_dim) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
-                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, path, vb.pp("q_norm"))?),
-                Some(RmsNorm::new(cfg.head_dim, cfg.rms_norm_eps, path, vb.pp("k_norm"))?),
+                Some(RmsNorm::of_model(cfg, cfg.head_dim, path, vb.pp("q_norm"))?),
+                Some(RmsNorm::of_model(cfg, cfg.head_dim, path, vb.pp("k_norm"))?),
             )
         } else {
             (None, None)
@@ -251,7 +267,12 @@ impl Attention {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            rotary_dim: cfg.rotary_dim,
+            scale: (1.0 / cfg.query_pre_attn_scalar.sqrt()) as f32,
+            sinks: match cfg.attention_sinks {
+                true => Some(vb.get(cfg.num_heads, "sinks")?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+                false => None,
+            },
         })
     }
 
@@ -273,7 +294,7 @@ impl Attention {
     pub fn forward(
         &self,
         x: &Tensor,   // [T, hidden]
-        cos: &Tensor, // [T, head_dim / 2], this step's rows
+        cos: &Tensor, // [T, rotary_dim / 2], this step's rows
         sin: &Tensor,
         kv: &LayerKvCache,
         meta: &AttentionMetadata,
@@ -300,7 +321,7 @@ impl Attention {
         let out = {
             let _t = crate::profile::scope(crate::profile::Section::Attention);
             kernels::reshape_and_cache(&kv.write(&k, &v, meta))?;
-            kernels::paged_attention(&kv.attention(&q, meta, self.scale))? // [T, H, D]
+            kernels::paged_attention(&kv.attention(&q, meta, self.scale, self.sinks.as_deref()))? // [T, H, D]
         };
         Ok(self.o_proj.forward(&out.reshape((t, h * d))?)?)
     }
@@ -320,7 +341,8 @@ impl Attention {
             _ => None,
         };
         let row_len = (h + 2 * kvh) * d;
-        kernels::cpu::Rope { head_dim: d, heads: h + kvh, row_len, positions, cos, sin, head_norm }
+        let rotary_dim = self.rotary_dim;
+        kernels::cpu::Rope { head_dim: d, rotary_dim, heads: h + kvh, row_len, positions, cos, sin, head_norm }
     }
 
     /// The CPU step in the workspace: `b.normed` -> `b.proj`.
@@ -337,43 +359,63 @@ impl Attention {
             let (k, v) = (b.k.reshape((t, kvh, d))?, b.v.reshape((t, kvh, d))?);
             kernels::reshape_and_cache(&kv.write(&k, &v, meta))?;
             let (q, out) = (b.q.reshape((t, h, d))?, b.attn.reshape((t, h, d))?);
-            kernels::cpu::paged_attention_into(&kv.attention(&q, meta, self.scale), &out)?;
+            let attention = kv.attention(&q, meta, self.scale, self.sinks.as_deref());
+            kernels::cpu::paged_attention_into(&attention, &out)?;
         }
         self.o_proj.forward_into(&b.attn, &b.proj)?;
         Ok(())
     }
 }
 
-/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+/// The gated MLP: `down(act(gate(x)) * up(x))`, SwiGLU or GeGLU (or
+/// gpt-oss's clamped SwiGLU).
 pub struct Mlp {
     /// gate and up projections: `[T, 2 * intermediate]`.
     gate_up_proj: Projection,
     down_proj: Linear,
     intermediate: usize,
+    gate: GateFn,
+}
+
+/// How an MLP combines its gate and up halves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum GateFn {
+    /// `act(gate) * up`, fused on the CPU.
+    Fused(kernels::cpu::Gate),
+    /// gpt-oss: `(clamp(up) + 1) * g * sigmoid(1.702 g)`, `g = min(gate, limit)`.
+    ClampedSwiglu { limit: f32 },
 }
 
 impl Mlp {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         let dims = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-        Self::with_names(dims, vb, pre, ["gate_proj", "up_proj", "down_proj"])
+        Self::with_names(cfg, dims, vb, pre, ["gate_proj", "up_proj", "down_proj"])
     }
 
-    /// An MLP of `hidden -> intermediate -> hidden` (with biases or not)
-    /// whose gate, up and down projections are named `names` under `vb`.
+    /// An MLP of `cfg`'s activation, `hidden -> intermediate -> hidden`
+    /// (with biases or not), whose gate, up and down projections are named
+    /// `names` under `vb`.
     pub fn with_names(
+        cfg: &ModelConfig,
         (h, i, bias): (usize, usize, bool),
         vb: VarBuilder,
         pre: &Prequantized,
         [gate, up, down]: [&str; 3],
     ) -> Result<Self> {
-        Ok(Self {
-            gate_up_proj: Projection::new(vec![
-                linear(h, i, bias, vb.pp(gate), pre)?,
-                linear(h, i, bias, vb.pp(up), pre)?,
-            ])?,
-            down_proj: linear(i, h, bias, vb.pp(down), pre)?,
-            intermediate: i,
-        })
+        let parts = [linear(h, i, bias, vb.pp(gate), pre)?, linear(h, i, bias, vb.pp(up), pre)?];
+        Self::from_linears(cfg.activation, parts, linear(i, h, bias, vb.pp(down), pre)?)
+    }
+
+    /// An MLP of `activation` over its gate and up projections (`[I, H]`
+    /// each) and down projection (`[H, I]`).
+    pub fn from_linears(activation: Activation, [gate, up]: [Linear; 2], down: Linear) -> Result<Self> {
+        let intermediate = down.dims()?.1;
+        let gate_fn = match activation {
+            Activation::Silu => GateFn::Fused(kernels::cpu::Gate::Silu),
+            Activation::GeluTanh => GateFn::Fused(kernels::cpu::Gate::GeluTanh),
+            Activation::ClampedSwiglu { limit } => GateFn::ClampedSwiglu { limit },
+        };
+        Ok(Self { gate_up_proj: Projection::new(vec![gate, up])?, down_proj: down, intermediate, gate: gate_fn })
     }
 
     /// Its linear layers: gate/up (one, or two where they could not be
@@ -393,7 +435,20 @@ impl Mlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate_up = self.gate_up_proj.forward(x)?; // [T, 2 * I]
         let i = self.intermediate;
-        let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)? * gate_up.narrow(1, i, i)?)?;
+        let gate = gate_up.narrow(1, 0, i)?;
+        let up = gate_up.narrow(1, i, i)?;
+        let act = match self.gate {
+            GateFn::Fused(kernels::cpu::Gate::Silu) => (candle_nn::ops::silu(&gate)? * up)?,
+            // candle's `gelu` is the tanh approximation.
+            GateFn::Fused(kernels::cpu::Gate::GeluTanh) => (gate.gelu()? * up)?,
+            GateFn::ClampedSwiglu { limit } => {
+                let (limit, alpha) = (f64::from(limit), 1.702);
+                let gate = gate.minimum(limit)?;
+                let up = up.clamp(-limit, limit)?;
+                let glu = (&gate * candle_nn::ops::sigmoid(&(&gate * alpha)?)?)?;
+                ((up + 1.0)? * glu)?
+            }
+        };
         Ok(self.down_proj.forward(&act)?)
     }
 }
@@ -401,8 +456,14 @@ impl Mlp {
 impl Mlp {
     /// The CPU step in the workspace: `b.normed` -> `b.proj`.
     pub fn forward_cpu(&self, b: &Buffers) -> Result<()> {
+        let GateFn::Fused(gate) = self.gate else {
+            // (Only gpt-oss's experts clamp, and they run composed.)
+            let y = self.forward(&b.normed)?.to_dtype(DType::F32)?;
+            kernels::cpu::copy_columns(&y, 0, &b.proj)?;
+            return Ok(());
+        };
         self.gate_up_proj.forward_into(&b.normed, &b.gate_up)?;
-        kernels::cpu::silu_mul_into_op(&b.gate_up, &b.act)?;
+        kernels::cpu::gated_mul_into_op(&b.gate_up, gate, &b.act)?;
         self.down_proj.forward_into(&b.act, &b.proj)?;
         Ok(())
     }

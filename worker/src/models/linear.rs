@@ -176,6 +176,11 @@ impl Linear {
         Self::from_weight(Weight::Dense(weight.contiguous()?), bias)
     }
 
+    /// `[out, in]` of its weight.
+    pub fn dims(&self) -> candle_core::Result<(usize, usize)> {
+        self.weight.dims()
+    }
+
     /// A linear layer over a weight in any representation (quantized ones
     /// come from GGUF files).
     pub fn from_weight(weight: Weight, bias: Option<Tensor>) -> candle_core::Result<Self> {

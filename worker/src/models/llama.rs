@@ -1,7 +1,8 @@
 //! The Llama-family decoder (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2,
-//! Qwen3) over a paged KV cache, in candle's style: `new(cfg, vb)` with
-//! Hugging Face weight names, shape comments, checks once at construction.
-//! Its layers live in [`super::layers`].
+//! Qwen3, the mixtures of experts, Gemma 3) over a paged KV cache, in
+//! candle's style: `new(cfg, vb)` with Hugging Face weight names, shape
+//! comments, checks once at construction. Its layers live in
+//! [`super::decoder`], [`super::layers`] and [`super::moe`].
 //!
 //! The families differ only in flags of [`ModelConfig`], read from
 //! `config.json` (as vLLM's `qwen2.py` and `mistral` reuse `llama.py`):
@@ -9,7 +10,11 @@
 //!   changes the RoPE frequencies; `attention_bias` / `mlp_bias` add biases;
 //! - Mistral: a sliding attention window (`sliding_window`);
 //! - Qwen2: a bias on the q/k/v projections (`qkv_bias`);
-//! - Qwen3: a per-head RMSNorm of q and k before RoPE (`qk_norm`).
+//! - Qwen3: a per-head RMSNorm of q and k before RoPE (`qk_norm`);
+//! - Mixtral, Qwen3-MoE, GLM-4.5: mixtures of experts (`moe`), GLM with
+//!   partial rotary (`rotary_dim`);
+//! - Gemma 3: `(1 + w)` norms around each sublayer, GeGLU, scaled
+//!   embeddings, sliding and global layers with their own RoPE tables.
 //!
 //! Unlike candle-transformers' models, a forward call takes a *flattened*
 //! batch: the new tokens of every scheduled sequence concatenated (varlen, no
@@ -24,12 +29,12 @@ use candle_nn::{Embedding, VarBuilder};
 use kernels::AttentionMetadata;
 
 use super::config::ModelConfig;
+use super::decoder::{DecoderLayer, LayerWindows};
 use super::format::Quantization;
-use super::layers::{Attention, ExecutionPath, HostRope, RmsNorm, RotaryEmbedding, activation_dtype, embed_into};
+use super::layers::{ExecutionPath, HostRope, RmsNorm, RotaryEmbedding, activation_dtype, embed_into};
 use super::linear::Prequantized;
 use super::linear::{Linear, linear};
-use super::moe::FeedForward;
-use super::workspace::{Buffers, Workspace};
+use super::workspace::Workspace;
 use crate::error::{Result, WorkerError};
 use crate::runner::kv_cache::LayerKvCache;
 use common::pipeline::LayerRange;
@@ -50,77 +55,6 @@ pub enum StageOutput {
     Hidden(Tensor),
 }
 
-/// Pre-norm attention then pre-norm MLP, each added to the residual stream.
-struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: FeedForward,
-}
-
-impl DecoderLayer {
-    fn new(cfg: &ModelConfig, layer: usize, vb: VarBuilder, pre: &Prequantized, path: ExecutionPath) -> Result<Self> {
-        let norm = |name: &str| RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, path, vb.pp(name));
-        let mlp = FeedForward::new(cfg, layer, &vb, pre)?;
-        Ok(Self {
-            input_layernorm: norm("input_layernorm")?,
-            self_attn: Attention::new(cfg, vb.pp("self_attn"), pre, path)?,
-            post_attention_layernorm: norm("post_attention_layernorm")?,
-            mlp,
-        })
-    }
-
-    /// The composed step (GPUs): `x: [T, hidden]` -> `[T, hidden]`.
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor, // [T, head_dim / 2], this step's rows
-        sin: &Tensor,
-        kv: &LayerKvCache,
-        meta: &AttentionMetadata,
-    ) -> Result<Tensor> {
-        let h = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, kv, meta)?;
-        let x = (x + h)?;
-        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
-        Ok((&x + h)?)
-    }
-
-    /// One layer of the CPU step, in place on `b.hidden`, with `b.normed`
-    /// holding this layer's input norm of it; the residual add at the end
-    /// goes with the next layer's input norm (`next`) where there is one.
-    fn forward_cpu(
-        &self,
-        b: &Buffers,
-        rope: &HostRope,
-        kv: &LayerKvCache,
-        meta: &AttentionMetadata,
-        next: Option<&RmsNorm>,
-    ) -> Result<()> {
-        self.self_attn.forward_cpu(b, rope, kv, meta)?;
-        self.post_attention_layernorm.add_forward_into(&b.hidden, &b.proj, &b.normed)?;
-        self.mlp.forward_cpu(b)?;
-        match next {
-            Some(norm) => norm.add_forward_into(&b.hidden, &b.proj, &b.normed)?,
-            None => kernels::cpu::add_in_place_op(&b.hidden, &b.proj)?,
-        }
-        Ok(())
-    }
-
-    fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        let mut linears = self.self_attn.linears_mut();
-        linears.extend(self.mlp.linears_mut());
-        linears
-    }
-
-    /// Bytes of weight one pass reads.
-    fn size_in_bytes(&self) -> usize {
-        self.input_layernorm.size_in_bytes()
-            + self.post_attention_layernorm.size_in_bytes()
-            + self.self_attn.size_in_bytes()
-            + self.mlp.size_in_bytes()
-    }
-}
-
 /// A causal language model: embeddings, decoder layers, final norm, lm_head.
 /// A pipeline stage holds only its range of layers: the embeddings on the
 /// first stage, the final norm and lm_head on the last.
@@ -132,7 +66,8 @@ pub struct CausalLm {
     range: LayerRange,
     /// Fused CPU kernels or composed ops, chosen at construction.
     path: ExecutionPath,
-    rotary: RotaryEmbedding,
+    /// The model's RoPE tables, then (Gemma 3) the sliding layers' own.
+    rotary: Vec<RotaryEmbedding>,
     cfg: ModelConfig,
     /// Dtype of activations and of the KV cache.
     act: DType,
@@ -171,11 +106,23 @@ impl CausalLm {
         let model = vb.pp("model");
         let embed_weight = || model.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight");
         let embed_tokens = if range.is_first() { Some(Embedding::new(embed_weight()?, cfg.hidden_size)) } else { None };
-        let layers = (range.start..range.end)
-            .map(|i| DecoderLayer::new(cfg, i, model.pp(format!("layers.{i}")), pre, path))
-            .collect::<Result<Vec<_>>>()?;
+        // One table per distinct RoPE among the layers (Gemma 3's sliding
+        // layers have their own), the model's first.
+        let mut ropes: Vec<std::borrow::Cow<ModelConfig>> = vec![std::borrow::Cow::Borrowed(cfg)];
+        let mut layers = Vec::with_capacity(range.len());
+        for i in range.start..range.end {
+            let rope = cfg.layer_rope(i);
+            let table = match ropes.iter().position(|r| r.as_ref() == rope.as_ref()) {
+                Some(t) => t,
+                None => {
+                    ropes.push(rope);
+                    ropes.len() - 1
+                }
+            };
+            layers.push(DecoderLayer::new(cfg, i, model.pp(format!("layers.{i}")), pre, path, table)?);
+        }
         let head = if range.is_last() {
-            let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, path, model.pp("norm"))?;
+            let norm = RmsNorm::of_model(cfg, cfg.hidden_size, path, model.pp("norm"))?;
             let lm_head = match (&embed_tokens, cfg.tie_word_embeddings) {
                 (Some(embed), true) => Linear::new(embed.embeddings().clone(), None)?,
                 (None, true) => Linear::new(embed_weight()?, None)?,
@@ -185,7 +132,10 @@ impl CausalLm {
         } else {
             None
         };
-        let rotary = RotaryEmbedding::new(cfg, cfg.max_position_embeddings, act, &device, path)?;
+        let rotary = ropes
+            .iter()
+            .map(|rope| RotaryEmbedding::new(rope, cfg.max_position_embeddings, act, &device, path))
+            .collect::<Result<Vec<_>>>()?;
         let workspace = Mutex::new(Workspace::default());
         Ok(Self { embed_tokens, layers, head, range, path, rotary, cfg: cfg.clone(), act, workspace })
     }
@@ -304,26 +254,52 @@ impl CausalLm {
         meta: &AttentionMetadata,
         logits_indices: &Tensor,
     ) -> Result<StageOutput> {
-        let (cos, sin) = match (self.path, &self.rotary) {
-            (ExecutionPath::FusedCpu, RotaryEmbedding::Host { cos, sin }) => {
-                let positions = positions.to_vec1::<u32>()?;
-                let rope = HostRope { cos, sin, positions: &positions };
-                return self.forward_cpu(input, &rope, kv_caches, meta, logits_indices);
-            }
-            (ExecutionPath::Composed, RotaryEmbedding::Device { cos, sin }) => {
-                (cos.index_select(positions, 0)?, sin.index_select(positions, 0)?)
-            }
-            _ => unreachable!("RotaryEmbedding::new builds the tables of the model's path"),
-        };
+        let windows = LayerWindows::new(meta, &self.layers);
+        if self.path == ExecutionPath::FusedCpu {
+            let positions = positions.to_vec1::<u32>()?;
+            let ropes = self
+                .rotary
+                .iter()
+                .map(|table| match table {
+                    RotaryEmbedding::Host { cos, sin } => HostRope { cos, sin, positions: &positions },
+                    RotaryEmbedding::Device { .. } => {
+                        unreachable!("RotaryEmbedding::new builds host tables on the CPU")
+                    }
+                })
+                .collect::<Vec<_>>();
+            return self.forward_cpu(input, &ropes, kv_caches, &windows, logits_indices);
+        }
+        let tables = self
+            .rotary
+            .iter()
+            .map(|table| match table {
+                RotaryEmbedding::Device { cos, sin } => {
+                    Ok((cos.index_select(positions, 0)?, sin.index_select(positions, 0)?))
+                }
+                RotaryEmbedding::Host { .. } => unreachable!("RotaryEmbedding::new builds device tables off the CPU"),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut x = match (input, &self.embed_tokens) {
-            (StageInput::Tokens(ids), Some(embed)) => embed.forward(ids)?.to_dtype(self.act)?, // [T, hidden]
+            (StageInput::Tokens(ids), Some(embed)) => {
+                let x = embed.forward(ids)?.to_dtype(self.act)?; // [T, hidden]
+                match self.embed_scale() {
+                    Some(scale) => (x * f64::from(scale))?,
+                    None => x,
+                }
+            }
             (StageInput::Hidden(hidden), None) => hidden.to_dtype(self.act)?,
             _ => return Err(self.wrong_input()),
         };
         for (layer, kv) in self.layers.iter().zip(kv_caches) {
-            x = layer.forward(&x, &cos, &sin, kv, meta)?;
+            let (cos, sin) = &tables[layer.rope];
+            x = layer.forward(&x, cos, sin, kv, windows.of(layer))?;
         }
         self.stage_output(&x, logits_indices)
+    }
+
+    /// Gemma's scale of the input embeddings, sqrt(hidden) in f32.
+    fn embed_scale(&self) -> Option<f32> {
+        self.cfg.gemma_norms.then(|| (self.cfg.hidden_size as f32).sqrt())
     }
 
     /// The CPU step (f32 activations): every activation lives in the
@@ -333,19 +309,25 @@ impl CausalLm {
     fn forward_cpu(
         &self,
         input: StageInput,
-        rope: &HostRope,
+        ropes: &[HostRope],
         kv_caches: &[LayerKvCache],
-        meta: &AttentionMetadata,
+        windows: &LayerWindows,
         logits_indices: &Tensor,
     ) -> Result<StageOutput> {
         // A panic elsewhere cannot leave the buffers half-valid in a way that
         // matters: every step overwrites what it reads.
         let mut workspace = self.workspace.lock().unwrap_or_else(PoisonError::into_inner);
         let _awake = kernels::cpu::PoolAwake::new();
-        let b = workspace.rows(rope.positions.len(), &self.cfg)?;
+        let b = workspace.rows(input_rows(&input)?, &self.cfg)?;
         match (input, &self.embed_tokens) {
             (StageInput::Tokens(input_ids), Some(embed)) => {
                 embed_into(embed.embeddings(), &input_ids.to_vec1::<u32>()?, &b.hidden)?;
+                if let Some(scale) = self.embed_scale() {
+                    kernels::cpu::write_f32(&b.hidden, &|h| {
+                        h.iter_mut().for_each(|v| *v *= scale);
+                        Ok(())
+                    })?;
+                }
             }
             (StageInput::Hidden(hidden), None) => {
                 let values = hidden.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -364,7 +346,7 @@ impl CausalLm {
         }
         for (i, (layer, kv)) in self.layers.iter().zip(kv_caches).enumerate() {
             let next = self.layers.get(i + 1).map(|l| &l.input_layernorm);
-            layer.forward_cpu(&b, rope, kv, meta, next)?;
+            layer.forward_cpu(&b, &ropes[layer.rope], kv, windows.of(layer), next)?;
         }
         self.stage_output(&b.hidden, logits_indices)
     }
@@ -390,4 +372,12 @@ impl CausalLm {
     pub fn workspace_rows(&self) -> usize {
         self.workspace.lock().unwrap_or_else(PoisonError::into_inner).capacity()
     }
+}
+
+/// Rows of a stage's input: token ids `[T]` or hidden states `[T, hidden]`.
+fn input_rows(input: &StageInput) -> Result<usize> {
+    Ok(match input {
+        StageInput::Tokens(ids) => ids.dim(0)?,
+        StageInput::Hidden(hidden) => hidden.dim(0)?,
+    })
 }

@@ -1,9 +1,11 @@
 //! Model architectures and their loading. What a model is (source, files,
 //! config, GGUF metadata) lives in `common::model`; this module adds the
-//! tensors: the Llama family's layers (`layers`) and decoder (`llama`),
+//! tensors: the Llama family's layers (`layers`, `decoder`, `moe`) and model
+//! (`llama`),
 //! linear weights in every representation (`linear`, `quant`) and their
 //! formats' names (`format`), and loading them (`loader`, `gguf`).
 
+mod decoder;
 pub mod format;
 pub mod gguf;
 pub mod gguf_blocks;

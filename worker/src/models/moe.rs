@@ -1,15 +1,17 @@
-//! A mixture-of-experts MLP (Mixtral, Qwen3-MoE), as transformers computes
-//! it: a softmax router over the experts, the `experts_per_token` most
-//! likely kept (their weights renormalised where the model says), each
-//! token's kept experts run on it and their outputs added, weighted, in
-//! expert order.
+//! A mixture-of-experts MLP (Mixtral, Qwen3-MoE, GLM-4.5), as transformers
+//! computes it: a router scores the experts (a softmax, or DeepSeek-V3's
+//! sigmoid with a correction bias for the choice and group limits), the
+//! `experts_per_token` best are kept (their weights renormalised and scaled
+//! where the model says), each token's kept experts run on it and their
+//! outputs are added, weighted, in expert order; a shared expert, where
+//! there is one, runs on every token and is added unweighted.
 //!
 //! Each expert runs over the rows routed to it (gathered, computed, scaled
 //! and scattered back), so a step reads only the experts its tokens chose.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
-use common::model::Architecture;
+use common::model::{Architecture, MoeConfig, RouterScoring};
 
 use super::config::ModelConfig;
 use super::layers::Mlp;
@@ -69,9 +71,11 @@ pub struct SparseMoe {
     /// `[experts, hidden]`, kept in f32: a quantized router could flip a
     /// choice of expert (`--quantize` leaves it alone).
     router: Linear,
+    /// Added to the sigmoid scores for the choice only (GLM-4.5).
+    correction_bias: Option<Vec<f32>>,
     experts: Vec<Mlp>,
-    experts_per_token: usize,
-    normalize: bool,
+    shared_expert: Option<Box<Mlp>>,
+    routing: MoeConfig,
 }
 
 /// Each row's kept experts and their weights: `(expert, row, weight)` lists
@@ -87,32 +91,48 @@ impl SparseMoe {
             Architecture::Mixtral => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
         };
-        let experts = (0..m.num_experts)
-            .map(|e| Mlp::with_names((h, i, false), vb.pp("experts").pp(e), pre, names))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            router: linear(h, m.num_experts, false, vb.pp("gate"), pre)?,
-            experts,
-            experts_per_token: m.experts_per_token,
-            normalize: m.norm_topk_prob,
-        })
+        let experts = match cfg.architecture {
+            Architecture::GptOss => fused_experts(cfg, vb.pp("experts"))?,
+            _ => (0..m.num_experts)
+                .map(|e| Mlp::with_names(cfg, (h, i, false), vb.pp("experts").pp(e), pre, names))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let correction_bias = match m.scoring {
+            RouterScoring::SigmoidWithCorrection => Some(
+                vb.pp("gate").get(m.num_experts, "e_score_correction_bias")?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            ),
+            RouterScoring::Softmax => None,
+        };
+        let shared_expert = match m.shared_intermediate_size {
+            0 => None,
+            width => Some(Box::new(Mlp::with_names(cfg, (h, width, false), vb.pp("shared_experts"), pre, names)?)),
+        };
+        // gpt-oss calls its router `router`, with a bias.
+        let router = match m.biases {
+            true => linear(h, m.num_experts, true, vb.pp("router"), pre)?,
+            false => linear(h, m.num_experts, false, vb.pp("gate"), pre)?,
+        };
+        Ok(Self { router, correction_bias, experts, shared_expert, routing: m.clone() })
     }
 
     /// The experts' linear layers (the router's excluded: see `router`).
     pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        self.experts.iter_mut().flat_map(Mlp::linears_mut).collect()
+        let shared = self.shared_expert.as_deref_mut();
+        self.experts.iter_mut().chain(shared).flat_map(Mlp::linears_mut).collect()
     }
 
-    /// Bytes of weight a token reads: the router and its kept experts.
+    /// Bytes of weight a token reads: the router, its kept experts and the
+    /// shared one.
     pub fn size_in_bytes(&self) -> usize {
         let expert = self.experts.first().map_or(0, Mlp::size_in_bytes);
-        self.router.size_in_bytes() + self.experts_per_token * expert
+        let shared = self.shared_expert.as_deref().map_or(0, Mlp::size_in_bytes);
+        self.router.size_in_bytes() + self.routing.experts_per_token * expert + shared
     }
 
     /// `x: [T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let logits = self.router.forward(x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let routes = self.route(&logits);
+        let routes = route(&self.routing, self.correction_bias.as_deref(), &logits);
         let mut out = x.zeros_like()?;
         for (expert, (rows, weights)) in self.experts.iter().zip(&routes) {
             if rows.is_empty() {
@@ -123,7 +143,10 @@ impl SparseMoe {
             let w = Tensor::from_slice(weights, (rows.len(), 1), x.device())?.to_dtype(y.dtype())?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
-        Ok(out)
+        match &self.shared_expert {
+            Some(shared) => Ok((out + shared.forward(x)?)?),
+            None => Ok(out),
+        }
     }
 
     /// The CPU step in the workspace: `b.normed` -> `b.proj`.
@@ -135,27 +158,151 @@ impl SparseMoe {
         })?;
         Ok(())
     }
+}
 
-    /// Softmax over each row's router logits (f32, as transformers takes
-    /// it), the largest `experts_per_token` kept (lower expert first on a
-    /// tie) and, where the model says, renormalised to sum to 1.
-    fn route(&self, logits: &[Vec<f32>]) -> Routes {
-        let mut routes: Routes = vec![(Vec::new(), Vec::new()); self.experts.len()];
-        for (row, l) in logits.iter().enumerate() {
-            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exp: Vec<f32> = l.iter().map(|&v| (v - max).exp()).collect();
-            let sum: f32 = exp.iter().sum();
-            let probs: Vec<f32> = exp.iter().map(|e| e / sum).collect();
-            let mut kept: Vec<usize> = (0..probs.len()).collect();
-            kept.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-            kept.truncate(self.experts_per_token);
-            let total: f32 = kept.iter().map(|&e| probs[e]).sum();
-            for &e in &kept {
-                let w = if self.normalize { probs[e] / total } else { probs[e] };
-                routes[e].0.push(row as u32);
-                routes[e].1.push(w);
+/// gpt-oss's experts, stored stacked for `x @ W + b`: `gate_up_proj`
+/// `[E, H, 2I]` with gate and up interleaved in its columns (gate the even
+/// ones), `down_proj` `[E, I, H]`, and their biases `[E, 2I]`, `[E, H]`.
+/// Each becomes an [`Mlp`] over `[out, in]` weights.
+fn fused_experts(cfg: &ModelConfig, vb: VarBuilder) -> Result<Vec<Mlp>> {
+    let (e, h, i) = (cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    let gate_up = vb.get((e, h, 2 * i), "gate_up_proj")?;
+    let gate_up_bias = vb.get((e, 2 * i), "gate_up_proj_bias")?;
+    let down = vb.get((e, i, h), "down_proj")?;
+    let down_bias = vb.get((e, h), "down_proj_bias")?;
+    (0..e)
+        .map(|x| {
+            // [H, 2I] -> [2I, H] -> [I, 2, H]: row pairs (gate, up).
+            let w = gate_up.get(x)?.t()?.reshape((i, 2, h))?;
+            let b = gate_up_bias.get(x)?.reshape((i, 2))?;
+            let half = |k: usize| -> Result<Linear> {
+                let weight = w.narrow(1, k, 1)?.squeeze(1)?.contiguous()?;
+                Ok(Linear::new(weight, Some(b.narrow(1, k, 1)?.squeeze(1)?.contiguous()?))?)
+            };
+            let down = Linear::new(down.get(x)?.t()?.contiguous()?, Some(down_bias.get(x)?.contiguous()?))?;
+            Mlp::from_linears(cfg.activation, [half(0)?, half(1)?], down)
+        })
+        .collect()
+}
+
+/// Each row's kept experts and weights from its router logits, as
+/// transformers routes: a softmax (Mixtral, Qwen3-MoE) or sigmoid scores
+/// whose choice adds `correction_bias` and keeps to the best groups (groups
+/// ranked by the sum of their two best biased scores; DeepSeek-V3,
+/// GLM-4.5). The `experts_per_token` largest are kept, the lower expert
+/// first on a tie; their unbiased scores, renormalised to sum to 1 where
+/// the model says, times `routed_scaling_factor`, are the weights.
+fn route(m: &MoeConfig, correction_bias: Option<&[f32]>, logits: &[Vec<f32>]) -> Routes {
+    let mut routes: Routes = vec![(Vec::new(), Vec::new()); m.num_experts];
+    let scale = m.routed_scaling_factor as f32;
+    for (row, l) in logits.iter().enumerate() {
+        let scores: Vec<f32> = match m.scoring {
+            RouterScoring::Softmax => {
+                let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exp: Vec<f32> = l.iter().map(|&v| (v - max).exp()).collect();
+                let sum: f32 = exp.iter().sum();
+                exp.iter().map(|e| e / sum).collect()
             }
+            RouterScoring::SigmoidWithCorrection => l.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect(),
+        };
+        let mut choice: Vec<f32> = match correction_bias {
+            Some(bias) => scores.iter().zip(bias).map(|(s, b)| s + b).collect(),
+            None => scores.clone(),
+        };
+        if m.num_groups > 1 && m.groups_per_token < m.num_groups {
+            keep_best_groups(&mut choice, m.num_groups, m.groups_per_token);
         }
-        routes
+        let mut kept: Vec<usize> = (0..scores.len()).collect();
+        kept.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+        kept.truncate(m.experts_per_token);
+        let total: f32 = kept.iter().map(|&e| scores[e]).sum();
+        for &e in &kept {
+            let w = if m.norm_topk_prob { scores[e] / total } else { scores[e] };
+            routes[e].0.push(row as u32);
+            routes[e].1.push(w * scale);
+        }
+    }
+    routes
+}
+
+/// Zeroes the choice scores of every expert outside the `keep` best of
+/// `groups` equal groups, a group's rank being the sum of its two best
+/// scores (transformers' `masked_fill(…, 0.0)`, ties to the lower group).
+fn keep_best_groups(choice: &mut [f32], groups: usize, keep: usize) {
+    let size = choice.len() / groups;
+    let group_score = |g: &[f32]| {
+        let mut best = g.to_vec();
+        best.sort_by(|a, b| b.total_cmp(a));
+        best.iter().take(2).sum::<f32>()
+    };
+    let scores: Vec<f32> = choice.chunks(size).map(group_score).collect();
+    let mut order: Vec<usize> = (0..groups).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    for &g in &order[keep..] {
+        choice[g * size..][..size].fill(0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe(scoring: RouterScoring, experts: usize, top: usize) -> MoeConfig {
+        MoeConfig {
+            num_experts: experts,
+            experts_per_token: top,
+            scoring,
+            num_groups: 1,
+            groups_per_token: 1,
+            routed_scaling_factor: 1.0,
+            ..MoeConfig::default()
+        }
+    }
+
+    fn kept(routes: &Routes) -> Vec<(usize, f32)> {
+        routes.iter().enumerate().filter(|(_, (rows, _))| !rows.is_empty()).map(|(e, (_, w))| (e, w[0])).collect()
+    }
+
+    #[test]
+    fn softmax_routing_keeps_the_most_likely_and_renormalises() {
+        let logits = vec![vec![0.0, 2f32.ln(), 0.0, 3f32.ln()]]; // probabilities 1:2:1:3
+        let plain = kept(&route(&moe(RouterScoring::Softmax, 4, 2), None, &logits));
+        assert_eq!(plain.iter().map(|k| k.0).collect::<Vec<_>>(), [1, 3]);
+        assert!((plain[0].1 - 2.0 / 7.0).abs() < 1e-6 && (plain[1].1 - 3.0 / 7.0).abs() < 1e-6);
+        let renorm = MoeConfig { norm_topk_prob: true, ..moe(RouterScoring::Softmax, 4, 2) };
+        let renorm = kept(&route(&renorm, None, &logits));
+        assert!((renorm[0].1 - 0.4).abs() < 1e-6 && (renorm[1].1 - 0.6).abs() < 1e-6);
+    }
+
+    /// The bias picks the experts; the weights are the unbiased sigmoids,
+    /// renormalised and scaled.
+    #[test]
+    fn sigmoid_routing_chooses_with_the_bias_and_weighs_without_it() {
+        let logit = |p: f32| (p / (1.0 - p)).ln();
+        let logits = vec![vec![logit(0.9), logit(0.5), logit(0.2), logit(0.6)]];
+        let bias = [0.0, 0.0, 0.5, 0.0];
+        let m = MoeConfig {
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+            ..moe(RouterScoring::SigmoidWithCorrection, 4, 2)
+        };
+        let got = kept(&route(&m, Some(&bias), &logits));
+        assert_eq!(got.iter().map(|k| k.0).collect::<Vec<_>>(), [0, 2], "0.9 and 0.2 + 0.5 beat 0.6");
+        assert!((got[0].1 - 2.5 * 0.9 / 1.1).abs() < 1e-5 && (got[1].1 - 2.5 * 0.2 / 1.1).abs() < 1e-5, "{got:?}");
+    }
+
+    /// Groups rank by their two best scores; experts outside the kept
+    /// groups cannot be chosen even when they score higher.
+    #[test]
+    fn group_limited_routing_keeps_to_the_best_groups() {
+        let logit = |p: f32| (p / (1.0 - p)).ln();
+        // Group 0: 0.95 + 0.1; group 1: 0.7 + 0.6 (the better pair).
+        let logits = vec![vec![logit(0.95), logit(0.1), logit(0.7), logit(0.6)]];
+        let m = MoeConfig { num_groups: 2, groups_per_token: 1, ..moe(RouterScoring::SigmoidWithCorrection, 4, 2) };
+        let got = kept(&route(&m, Some(&[0.0; 4]), &logits));
+        assert_eq!(got.iter().map(|k| k.0).collect::<Vec<_>>(), [2, 3]);
+        let all = MoeConfig { groups_per_token: 2, ..m };
+        let got = kept(&route(&all, Some(&[0.0; 4]), &logits));
+        assert_eq!(got.iter().map(|k| k.0).collect::<Vec<_>>(), [0, 2]);
     }
 }

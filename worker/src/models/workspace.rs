@@ -28,6 +28,8 @@ pub struct Buffers {
     pub attn: Tensor,
     /// Output of o_proj and of down_proj, added into `hidden`.
     pub proj: Tensor,
+    /// Gemma: the norm of `proj` that is added instead.
+    pub scratch: Tensor,
     pub gate_up: Tensor,
     /// SwiGLU of `gate_up`.
     pub act: Tensor,
@@ -47,6 +49,7 @@ impl Buffers {
             v: buf(kv)?,
             attn: buf(q)?,
             proj: buf(h)?,
+            scratch: buf(h)?,
             gate_up: buf(2 * i)?,
             act: buf(i)?,
         })
@@ -64,6 +67,7 @@ impl Buffers {
             v: view(&self.v)?,
             attn: view(&self.attn)?,
             proj: view(&self.proj)?,
+            scratch: view(&self.scratch)?,
             gate_up: view(&self.gate_up)?,
             act: view(&self.act)?,
         })

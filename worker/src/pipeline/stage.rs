@@ -197,7 +197,7 @@ impl StageRunner {
         let last = self.layers().is_last();
         let shape = StageShape {
             block_size: self.block_size,
-            sliding_window: cfg.sliding_window,
+            sliding_window: cfg.uniform_window(),
             hidden_size: cfg.hidden_size,
             max_positions: cfg.max_position_embeddings,
         };

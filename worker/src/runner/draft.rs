@@ -206,7 +206,7 @@ impl DraftRunner {
         let mut meta = AttentionMetadata {
             query_start_loc: vec![0],
             block_size: bs,
-            sliding_window: self.model.config().sliding_window,
+            sliding_window: self.model.config().uniform_window(),
             ..AttentionMetadata::default()
         };
         let (mut input_ids, mut positions, mut last_rows) = (Vec::new(), Vec::new(), Vec::new());

@@ -34,9 +34,16 @@ impl LayerKvCache {
         CacheWrite { k, v, k_cache: &self.k, v_cache: &self.v, slot_mapping: &meta.slot_mapping }
     }
 
-    /// Attention of q `[T, heads, head_dim]` over this layer's pools.
-    pub fn attention<'a>(&'a self, q: &'a Tensor, meta: &'a AttentionMetadata, scale: f32) -> Attention<'a> {
-        Attention { q, k_cache: &self.k, v_cache: &self.v, meta, scale }
+    /// Attention of q `[T, heads, head_dim]` over this layer's pools (with
+    /// one sink logit per head where the model has them).
+    pub fn attention<'a>(
+        &'a self,
+        q: &'a Tensor,
+        meta: &'a AttentionMetadata,
+        scale: f32,
+        sinks: Option<&'a [f32]>,
+    ) -> Attention<'a> {
+        Attention { q, k_cache: &self.k, v_cache: &self.v, meta, scale, sinks }
     }
 }
 
@@ -139,7 +146,7 @@ mod tests {
     /// (TinyLlama: head_dim 64, rows of 68 bytes against 256).
     #[test]
     fn a_budget_holds_more_blocks_in_narrower_formats() -> Result<()> {
-        let cfg = common::model::config::random_preset("tinyllama-1.1b").expect("a preset");
+        let cfg = common::model::random_preset("tinyllama-1.1b").expect("a preset");
         let budget = KvBudget::Bytes(1 << 30);
         let blocks = |f| num_blocks_for_budget(&cfg, 16, f, budget, usize::MAX);
         let (f32, f16, q8) = (blocks(KvCacheDtype::F32)?, blocks(KvCacheDtype::F16)?, blocks(KvCacheDtype::Q8_0)?);
@@ -157,13 +164,8 @@ mod tests {
         assert_eq!(resolve_format(None, DType::F16, &cpu)?, KvCacheDtype::F16);
         assert_eq!(resolve_format(Some(KvCacheDtype::Q8_0), DType::F32, &cpu)?, KvCacheDtype::Q8_0);
         assert!(resolve_format(Some(KvCacheDtype::BF16), DType::F32, &cpu).is_err());
-        let caches = allocate(
-            &common::model::config::random_preset("smollm-135m").expect("a preset"),
-            2,
-            16,
-            KvCacheDtype::Q8_0,
-            &cpu,
-        )?;
+        let caches =
+            allocate(&common::model::random_preset("smollm-135m").expect("a preset"), 2, 16, KvCacheDtype::Q8_0, &cpu)?;
         assert_eq!(caches[0].k.dims(), [2, 16, 3, 64 + kernels::kv_dtype::Q8_PARAM_BYTES]);
         Ok(())
     }

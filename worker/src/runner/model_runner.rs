@@ -158,7 +158,7 @@ impl ModelRunner {
             meta: AttentionMetadata {
                 query_start_loc: vec![0],
                 block_size: bs,
-                sliding_window: self.config.sliding_window,
+                sliding_window: self.config.uniform_window(),
                 ..AttentionMetadata::default()
             },
             ..BatchInputs::default()

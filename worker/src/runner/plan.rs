@@ -7,6 +7,7 @@
 //! runs it in the CPU emulator of our Metal kernels.
 
 use candle_core::DType;
+use common::model::Activation;
 use common::pipeline::LayerRange;
 use kernels::KvCacheDtype;
 use kernels::metal::step::{
@@ -272,6 +273,15 @@ fn check_supported(cfg: &ModelConfig) -> Result<()> {
     };
     if cfg.moe.num_experts > 0 {
         return refuse("mixtures of experts");
+    }
+    if cfg.rotary_dim != cfg.head_dim {
+        return refuse("partial rotary embeddings");
+    }
+    if (0..cfg.num_layers).any(|l| cfg.layer_window(l) != cfg.uniform_window()) {
+        return refuse("layers with different attention windows");
+    }
+    if cfg.gemma_norms || cfg.activation != Activation::Silu || cfg.attention_sinks {
+        return refuse("Gemma's norms, GELU or clamped gates, or attention sinks");
     }
     if padded_head_dim(cfg.head_dim).is_none() {
         return refuse(&format!("head_dim {} (it takes even head dims up to 256)", cfg.head_dim));

@@ -40,7 +40,7 @@ pub fn truncated_model(dir: &Path, layers: usize) -> PathBuf {
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert!(config["num_hidden_layers"].as_u64().unwrap() > layers as u64, "{name} has too few layers");
-    config["num_hidden_layers"] = layers.into();
+    common::model::truncate_layers(&mut config, layers);
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();

@@ -35,6 +35,7 @@ struct PagedAttention<'a> {
     meta: &'a AttentionMetadata,
     dims: Dims,
     scale: f32,
+    sinks: Option<&'a [f32]>,
 }
 
 /// Per-item state, reused by the items one worker runs.
@@ -225,10 +226,7 @@ impl PagedAttention<'_> {
             // `stride` apart, scores len x nl, corr nl.
             unsafe { avx2::accumulate(acc, hd, n, scores, nl, len, vr, stride, corr) };
         }
-        for r in 0..n {
-            let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
-            acc[r * hd..][..hd].iter_mut().for_each(|x| *x *= inv);
-        }
+        self.normalize(item, n, acc, max, sum);
     }
 
     /// With `SIMD`, the score and value loops run as the [`simd`] kernels
@@ -317,8 +315,24 @@ impl PagedAttention<'_> {
                 }
             }
         }
+        self.normalize(item, n, acc, max, sum);
+    }
+
+    /// Divides each (query, head) pair's accumulated values by its softmax
+    /// sum, `acc: [pairs, head_dim]`. With sinks the head's sink logit joins
+    /// the sum first (the online softmax's max moves to it if larger), so
+    /// the keys keep only their share of the mass.
+    fn normalize(&self, item: Item, n: usize, acc: &mut [f32], max: &[f32], sum: &[f32]) {
+        let (hd, group) = (self.dims.head_dim, self.dims.num_heads / self.dims.num_kv_heads);
         for r in 0..n {
-            let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
+            let (mut total, mut keep) = (sum[r], 1.0);
+            if let Some(sinks) = self.sinks {
+                let sink = sinks[item.kv_head * group + r % group];
+                let m = max[r].max(sink);
+                keep = (max[r] - m).exp();
+                total = sum[r] * keep + (sink - m).exp();
+            }
+            let inv = if total > 0.0 { keep / total } else { 0.0 };
             acc[r * hd..][..hd].iter_mut().for_each(|x| *x *= inv);
         }
     }
@@ -480,9 +494,9 @@ impl CustomOp3 for PagedAttention<'_> {
 
 /// q: `[T, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]`.
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
-    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let dims = a.check()?;
-    let op = PagedAttention { meta, dims, scale };
+    let op = PagedAttention { meta, dims, scale, sinks };
     Ok(q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)?)
 }
 
@@ -490,12 +504,12 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
 /// CPU queries and output over an f32, f16 or q8_0 cache, none sharing
 /// storage with `out`: nothing is allocated for the output.
 pub fn paged_attention_into(a: &Attention, out: &Tensor) -> Result<()> {
-    let Attention { q, k_cache, v_cache, meta, scale } = *a;
+    let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let dims = a.check()?;
     if out.dims() != q.dims() {
         return Err(KernelError::Invalid(format!("paged attention: q is {:?}, out {:?}", q.dims(), out.dims())));
     }
-    let op = PagedAttention { meta, dims, scale };
+    let op = PagedAttention { meta, dims, scale, sinks };
     let (ks, kl) = k_cache.storage_and_layout();
     let (vs, vl) = v_cache.storage_and_layout();
     read_f32(q, |q| {
@@ -537,7 +551,7 @@ mod tests {
             sliding_window: None,
         };
         let dims = Dims { num_tokens: 41, num_heads: 4, num_kv_heads: 2, head_dim: 8, num_blocks: 1, block_size: 16 };
-        let items = PagedAttention { meta: &meta, dims, scale: 1.0 }.items();
+        let items = PagedAttention { meta: &meta, dims, scale: 1.0, sinks: None }.items();
         let spans: Vec<_> = items.iter().map(|i| (i.seq, i.kv_head, i.row0, i.rows, i.pos0)).collect();
         assert_eq!(
             spans,
