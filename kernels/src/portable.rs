@@ -1,6 +1,7 @@
 //! Paged attention from candle ops only, so it runs on any candle device
 //! (Metal included): per sequence, gather its K/V rows through the block
-//! table, then masked softmax(q k^T) v with batched matmuls. Computes in f32.
+//! table, then masked softmax(q k^T) v with batched matmuls (a head's sink
+//! logit, where given, joining the softmax). Computes in f32.
 //! A float cache may be narrower than the queries (f16: widened as it is
 //! gathered, narrowed as it is written); q8_0 caches are CPU-only.
 
@@ -12,9 +13,6 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let d = a.check()?;
     refuse_q8(k_cache)?;
-    if sinks.is_some() {
-        return Err(KernelError::Invalid("attention sinks run on the CPU kernels only".into()));
-    }
     let device = q.device();
     let group = d.num_heads / d.num_kv_heads;
     let slots = d.num_blocks * d.block_size;
@@ -49,9 +47,23 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
         }
         let mask = Tensor::from_vec(mask, (1, group * q_len, ctx), device)?;
         let scores = scores.broadcast_add(&mask)?;
-        let max = scores.max_keepdim(D::Minus1)?;
-        let exp = scores.broadcast_sub(&max)?.exp()?;
-        let probs = exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?;
+        let max = scores.max_keepdim(D::Minus1)?; // [kv_heads, group * q_len, 1]
+        let probs = match sinks {
+            None => {
+                let exp = scores.broadcast_sub(&max)?.exp()?;
+                exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?
+            }
+            // Each row's head's sink joins the softmax; its share is dropped.
+            Some(sinks) => {
+                let column: Vec<f32> =
+                    (0..d.num_kv_heads * group).flat_map(|head| std::iter::repeat_n(sinks[head], q_len)).collect();
+                let sink = Tensor::from_vec(column, (d.num_kv_heads, group * q_len, 1), device)?;
+                let max = max.maximum(&sink)?;
+                let exp = scores.broadcast_sub(&max)?.exp()?;
+                let total = (exp.sum_keepdim(D::Minus1)? + (sink - &max)?.exp()?)?;
+                exp.broadcast_div(&total)?
+            }
+        };
         let out = probs.matmul(&v)?; // [kv_heads, group * q_len, hd]
         let out = out.reshape((d.num_heads, q_len, d.head_dim))?.transpose(0, 1)?; // [q_len, heads, hd]
         outs.push(out);
