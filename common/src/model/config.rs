@@ -685,5 +685,16 @@ mod tests {
         let q3 = random_preset("qwen3-0.6b").unwrap();
         assert!(q3.qk_norm && q3.tie_word_embeddings);
         assert!(matches!(random_preset("gpt-5"), Err(ModelError::UnknownPreset(_))));
+        for name in crate::model::presets::PRESETS {
+            let cfg = random_preset(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(cfg.layer_types.len(), cfg.num_layers, "{name}");
+        }
+        let moe = random_preset("qwen3-30b-a3b").unwrap();
+        assert_eq!((moe.moe.num_experts, moe.moe.experts_per_token, moe.moe.expert_intermediate_size), (128, 8, 768));
+        // About 30.5B parameters, as its name says.
+        assert!((30_000_000_000..31_000_000_000).contains(&moe.parameter_count()), "{}", moe.parameter_count());
+        let gemma = random_preset("gemma3-4b").unwrap();
+        assert_eq!(gemma.layer_window(5), None, "every 6th layer is global");
+        assert_eq!(gemma.layer_window(4), Some(1024));
     }
 }

@@ -32,7 +32,7 @@ pub enum ModelError {
     UnsupportedArchitecture(String),
     #[error("invalid model config: {0}")]
     InvalidConfig(String),
-    #[error("unknown random model preset {0:?}: try smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b")]
+    #[error("unknown random model preset {0:?}: try {list}", list = presets::PRESETS.join(", "))]
     UnknownPreset(String),
     #[error("downloading {repo} from the Hugging Face hub: {message}")]
     Hub { repo: String, message: String },

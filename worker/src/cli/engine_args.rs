@@ -57,7 +57,8 @@ pub enum DeviceArg {
 #[derive(Args)]
 pub struct EngineArgs {
     /// A Hugging Face model directory, a hub id (e.g. Qwen/Qwen3-0.6B), or random:<preset>
-    /// (smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b) for seeded random weights.
+    /// (smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b, qwen3-30b-a3b, gpt-oss-20b,
+    /// gemma3-4b, mixtral-8x7b) for seeded random weights.
     #[arg(long)]
     pub model: String,
     /// Precision of the weights: auto keeps the checkpoint's (bf16 loads as f32

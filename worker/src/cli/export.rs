@@ -29,7 +29,10 @@ pub struct ExportGgufArgs {
 
 #[derive(Args)]
 pub struct ExportRandomArgs {
-    /// smollm-135m, tinyllama-1.1b, qwen3-0.6b or llama-3.2-1b.
+    /// smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b, or the
+    /// mixtures of experts and newer families at real shapes (with
+    /// --num-layers to fit a machine): qwen3-30b-a3b, gpt-oss-20b, gemma3-4b,
+    /// mixtral-8x7b.
     #[arg(long)]
     preset: String,
     /// A model directory whose tokenizer (and vocabulary size, BOS/EOS) to use.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use common::model::{ModelConfig, ModelFiles};
+use common::model::{Architecture, ModelConfig, ModelFiles, RouterScoring};
 pub use common::model::{random_preset, random_preset_json};
 use common::pipeline::LayerRange;
 use rayon::prelude::*;
@@ -67,64 +67,137 @@ pub fn host_weights(files: &ModelFiles, dtype: DType) -> Result<VarBuilder<'stat
         .map_err(|error| WorkerError::Weights { source_desc, error })
 }
 
-/// Seeded random weights under HF names at `cfg`'s shapes. Linear weights are
-/// uniform with std 1/sqrt(fan_in) so activations stay O(1) through the
-/// layers; norms are 1; embeddings have std 0.02 as in HF's initialiser.
+/// How a random tensor starts.
+#[derive(Clone, Copy)]
+enum Init {
+    /// Norm weights (`x * w`).
+    Ones,
+    /// Gemma's norm weights, stored around 0 (`x * (1 + w)`).
+    Zeros,
+    /// Uniform with this std.
+    Uniform(f32),
+}
+
+/// Seeded random weights under HF names at `cfg`'s shapes (each family's
+/// names and layouts, as the model reads them). Linear weights are uniform
+/// with std 1/sqrt(fan_in) so activations stay O(1) through the layers;
+/// norms are the identity; embeddings and biases have std 0.02 as in HF's
+/// initialiser. Tensors are seeded by their place in the list, so a
+/// model's first N layers are the same whatever N.
 pub fn random_weights(cfg: &ModelConfig, dtype: DType, device: &Device, seed: u64) -> Result<HashMap<String, Tensor>> {
-    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let h = cfg.hidden_size;
     let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-    // (name, shape, std); std 0 means "all ones" (norm weights).
-    let mut specs: Vec<(String, Vec<usize>, f32)> = vec![
-        ("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h], 0.02),
-        ("model.norm.weight".into(), vec![h], 0.0),
+    let norm = if cfg.gemma_norms { Init::Zeros } else { Init::Ones };
+    let mut specs: Vec<(String, Vec<usize>, Init)> = vec![
+        ("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h], Init::Uniform(0.02)),
+        ("model.norm.weight".into(), vec![h], norm),
     ];
     if !cfg.tie_word_embeddings {
-        specs.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], 1.0 / (h as f32).sqrt()));
+        specs.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], Init::Uniform(1.0 / (h as f32).sqrt())));
     }
     for l in 0..cfg.num_layers {
         let p = format!("model.layers.{l}");
         let lin = |name: &str, out: usize, inp: usize| {
-            (format!("{p}.{name}.weight"), vec![out, inp], 1.0 / (inp as f32).sqrt())
+            (format!("{p}.{name}.weight"), vec![out, inp], Init::Uniform(1.0 / (inp as f32).sqrt()))
         };
+        let bias = |name: &str, n: usize| (format!("{p}.{name}"), vec![n], Init::Uniform(0.02));
         specs.extend([
             lin("self_attn.q_proj", q, h),
             lin("self_attn.k_proj", kv, h),
             lin("self_attn.v_proj", kv, h),
             lin("self_attn.o_proj", h, q),
-            lin("mlp.gate_proj", i, h),
-            lin("mlp.up_proj", i, h),
-            lin("mlp.down_proj", h, i),
-            (format!("{p}.input_layernorm.weight"), vec![h], 0.0),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h], 0.0),
+        ]);
+        specs.extend(mlp_specs(cfg, l, &p));
+        specs.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h], norm),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h], norm),
         ]);
         if cfg.qkv_bias {
-            for name in ["q_proj", "k_proj", "v_proj"] {
-                let n = if name == "q_proj" { q } else { kv };
-                specs.push((format!("{p}.self_attn.{name}.bias"), vec![n], 0.02));
-            }
+            specs.extend([bias("self_attn.q_proj.bias", q), bias("self_attn.k_proj.bias", kv)]);
+            specs.push(bias("self_attn.v_proj.bias", kv));
         }
         if cfg.qk_norm {
-            specs.push((format!("{p}.self_attn.q_norm.weight"), vec![cfg.head_dim], 0.0));
-            specs.push((format!("{p}.self_attn.k_norm.weight"), vec![cfg.head_dim], 0.0));
+            specs.push((format!("{p}.self_attn.q_norm.weight"), vec![cfg.head_dim], norm));
+            specs.push((format!("{p}.self_attn.k_norm.weight"), vec![cfg.head_dim], norm));
+        }
+        if cfg.o_bias {
+            specs.push(bias("self_attn.o_proj.bias", h));
+        }
+        if cfg.attention_sinks {
+            specs.push((format!("{p}.self_attn.sinks"), vec![cfg.num_heads], Init::Uniform(1.0)));
+        }
+        if cfg.gemma_norms {
+            specs.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h], norm));
+            specs.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h], norm));
         }
     }
     specs
         .into_par_iter()
         .enumerate()
-        .map(|(index, (name, shape, std))| {
+        .map(|(index, (name, shape, init))| {
             let n: usize = shape.iter().product();
-            let values: Vec<f32> = if std == 0.0 {
-                vec![1.0; n]
-            } else {
-                // Uniform on [-a, a] has std a/sqrt(3).
-                let a = std * 3f32.sqrt();
-                let mut state = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                (0..n).map(|_| (unit_uniform(&mut state) * 2.0 - 1.0) * a).collect()
+            let values: Vec<f32> = match init {
+                Init::Ones => vec![1.0; n],
+                Init::Zeros => vec![0.0; n],
+                Init::Uniform(std) => {
+                    // Uniform on [-a, a] has std a/sqrt(3).
+                    let a = std * 3f32.sqrt();
+                    let mut state = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    (0..n).map(|_| (unit_uniform(&mut state) * 2.0 - 1.0) * a).collect()
+                }
             };
             let tensor = Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?;
             Ok((name, tensor))
         })
         .collect()
+}
+
+/// The tensors of layer `l`'s MLP under prefix `p`: dense, or each
+/// family's experts (Mixtral's `block_sparse_moe`, per-expert matrices,
+/// gpt-oss's stacked ones) with its router and shared experts.
+fn mlp_specs(cfg: &ModelConfig, l: usize, p: &str) -> Vec<(String, Vec<usize>, Init)> {
+    let h = cfg.hidden_size;
+    let weight =
+        |name: String, shape: Vec<usize>, fan_in: usize| (name, shape, Init::Uniform(1.0 / (fan_in as f32).sqrt()));
+    let gated = |prefix: &str, i: usize, [g, u, d]: [&str; 3]| {
+        vec![
+            weight(format!("{prefix}.{g}.weight"), vec![i, h], h),
+            weight(format!("{prefix}.{u}.weight"), vec![i, h], h),
+            weight(format!("{prefix}.{d}.weight"), vec![h, i], i),
+        ]
+    };
+    const NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+    let m = &cfg.moe;
+    if !m.is_moe_layer(l) {
+        return gated(&format!("{p}.mlp"), cfg.intermediate_size, NAMES);
+    }
+    let (e, i) = (m.num_experts, m.expert_intermediate_size);
+    let small = Init::Uniform(0.02);
+    match cfg.architecture {
+        Architecture::GptOss => vec![
+            weight(format!("{p}.mlp.router.weight"), vec![e, h], h),
+            (format!("{p}.mlp.router.bias"), vec![e], small),
+            weight(format!("{p}.mlp.experts.gate_up_proj"), vec![e, h, 2 * i], h),
+            (format!("{p}.mlp.experts.gate_up_proj_bias"), vec![e, 2 * i], small),
+            weight(format!("{p}.mlp.experts.down_proj"), vec![e, i, h], i),
+            (format!("{p}.mlp.experts.down_proj_bias"), vec![e, h], small),
+        ],
+        arch => {
+            let (moe, names) = match arch {
+                Architecture::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
+                _ => (format!("{p}.mlp"), NAMES),
+            };
+            let mut specs = vec![weight(format!("{moe}.gate.weight"), vec![e, h], h)];
+            if m.scoring == RouterScoring::SigmoidWithCorrection {
+                specs.push((format!("{moe}.gate.e_score_correction_bias"), vec![e], small));
+            }
+            specs.extend((0..e).flat_map(|x| gated(&format!("{moe}.experts.{x}"), i, names)));
+            if m.shared_intermediate_size > 0 {
+                specs.extend(gated(&format!("{moe}.shared_experts"), m.shared_intermediate_size, NAMES));
+            }
+            specs
+        }
+    }
 }
 
 /// SplitMix64 step mapped to [0, 1).
@@ -155,5 +228,38 @@ mod tests {
         );
         assert_eq!(x, y);
         assert!(!a.contains_key("lm_head.weight"), "tied embeddings have no lm_head");
+    }
+
+    /// Every preset's random weights carry the names and shapes its family's
+    /// model reads (at a shrunk width, two layers, a few experts).
+    #[test]
+    fn every_presets_random_weights_build_its_model() {
+        for name in common::model::presets::PRESETS {
+            let cfg = random_preset(name).unwrap();
+            let mut moe = cfg.moe.clone();
+            if moe.num_experts > 0 {
+                moe.num_experts = 8;
+                moe.experts_per_token = moe.experts_per_token.min(2);
+                moe.expert_intermediate_size = 16;
+                moe.shared_intermediate_size = moe.shared_intermediate_size.min(16);
+            }
+            let cfg = ModelConfig {
+                num_layers: 2,
+                layer_types: cfg.layer_types[..2].to_vec(),
+                hidden_size: 64,
+                intermediate_size: 32,
+                num_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 16,
+                rotary_dim: 16,
+                query_pre_attn_scalar: 16.0,
+                vocab_size: 64,
+                moe,
+                ..cfg
+            };
+            let weights = random_weights(&cfg, DType::F32, &Device::Cpu, 1).unwrap();
+            let vb = VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
+            CausalLm::new(&cfg, vb).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
     }
 }
