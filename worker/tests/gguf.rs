@@ -6,7 +6,9 @@
 //! files must behave exactly like `--quantize` on the same weights.
 //! tiny-llama3 (Llama 3.1-style `rope_scaling`) travels as llama.cpp's
 //! converter writes it, per-pair `rope_freqs.weight` factors, and its GGUF
-//! gives the safetensors path's golden tokens.
+//! gives the safetensors path's golden tokens. Mixtral and Qwen3-MoE travel
+//! with llama.cpp's stacked experts (`ffn_*_exps`), quantized experts kept
+//! in their blocks.
 
 mod support;
 
@@ -91,6 +93,37 @@ fn gguf_exports_load_and_match() {
         let in_place = run_cases(model_dir.to_str().unwrap(), DType::F16, Some(q));
         for ((a, _), (b, _)) in from_file.iter().zip(&in_place) {
             assert_eq!(a, b, "{q:?} GGUF vs --quantize");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Mixtral (`llama` with experts) and Qwen3-MoE (`qwen3moe`): the f32
+/// file reproduces the goldens; Q8_0 and Q4_0 experts, kept in their
+/// blocks, give `--quantize`'s tokens on the same weights.
+#[test]
+fn mixtures_of_experts_travel_as_stacked_experts() {
+    let dir = std::env::temp_dir().join(format!("tinyvllm-gguf-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (model, arch, experts) in [("tiny-mixtral", "llama", 8), ("tiny-qwen3-moe", "qwen3moe", 16)] {
+        let file = export_model(&dir, model, Quantization::F32, false);
+        let header = common::model::gguf::GgufHeader::open(&file).unwrap();
+        assert_eq!(header.metadata["general.architecture"], common::model::gguf::GgufValue::String(arch.into()));
+        let gate = &header.tensors["blk.1.ffn_gate_exps.weight"];
+        assert_eq!(gate.dims.last(), Some(&experts), "{model}: experts are the slowest dimension");
+        assert!(header.tensors.contains_key("blk.1.ffn_gate_inp.weight"), "{model}: the router");
+        for (i, (got, want)) in run_model_cases(model, file.to_str().unwrap(), DType::F32, None).into_iter().enumerate()
+        {
+            assert_eq!(got, want, "{model} f32 GGUF case {i}");
+        }
+        let model_dir = shared().join("models").join(model);
+        for q in [Quantization::Q8_0, Quantization::Q4_0] {
+            let file = export_model(&dir, model, q, true);
+            let from_file = run_model_cases(model, file.to_str().unwrap(), DType::F16, None);
+            let in_place = run_model_cases(model, model_dir.to_str().unwrap(), DType::F16, Some(q));
+            for (i, ((a, _), (b, _))) in from_file.iter().zip(&in_place).enumerate() {
+                assert_eq!(a, b, "{model} {q:?} GGUF vs --quantize, case {i}");
+            }
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -337,6 +337,7 @@ fn architecture(name: &str) -> Option<Architecture> {
         "llama" => Some(Architecture::Llama),
         "qwen2" => Some(Architecture::Qwen2),
         "qwen3" => Some(Architecture::Qwen3),
+        "qwen3moe" => Some(Architecture::Qwen3Moe),
         _ => None,
     }
 }
@@ -356,8 +357,9 @@ pub fn info_from(header: &GgufHeader, path: &Path) -> Result<GgufInfo> {
         GgufValue::String(name) => name.clone(),
         other => return Err(err(format!("general.architecture is not a string: {other:?}"))),
     };
-    let arch = architecture(&arch_name)
-        .ok_or_else(|| err(format!("GGUF architecture {arch_name:?} is not supported (llama, qwen2, qwen3)")))?;
+    let arch = architecture(&arch_name).ok_or_else(|| {
+        err(format!("GGUF architecture {arch_name:?} is not supported (llama, qwen2, qwen3, qwen3moe)"))
+    })?;
     // Unsigned integers of any width; i32 as well, as candle's reader took it.
     let num = |key: &str| -> Result<u64> {
         let key = format!("{arch_name}.{key}");
@@ -404,6 +406,21 @@ pub fn info_from(header: &GgufHeader, path: &Path) -> Result<GgufInfo> {
     json.insert("torch_dtype", (if half { "float16" } else { "float32" }).into());
     if let Ok(head_dim) = num("attention.key_length") {
         json.insert("head_dim", head_dim.into());
+    }
+    // Experts: Mixtral is `llama` with an expert count; llama.cpp's
+    // qwen3moe always renormalises the kept experts' weights.
+    if let Ok(experts) = num("expert_count").map(|n| n as usize).and_then(|n| match n {
+        0 => Err(err("expert_count 0".into())),
+        n => Ok(n),
+    }) {
+        let arch = if arch == Architecture::Llama { Architecture::Mixtral } else { arch };
+        json.insert("architectures", serde_json::json!([arch.hf_name()]));
+        json.insert("num_local_experts", experts.into());
+        json.insert("num_experts_per_tok", num("expert_used_count")?.into());
+        if let Ok(width) = num("expert_feed_forward_length") {
+            json.insert("moe_intermediate_size", width.into());
+        }
+        json.insert("norm_topk_prob", (arch == Architecture::Qwen3Moe).into());
     }
     // `rope_freqs.weight` (Llama 3.1+ scaling) is tensor data: the worker's
     // loader reads it into `ModelConfig::rope_freq_factors`.

@@ -1,5 +1,6 @@
 //! GGUF checkpoints (llama.cpp's format): `--model file.gguf` for Llama,
-//! Mistral, Qwen2 and Qwen3, and writing one (`tinyvllm-worker
+//! Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE (experts stacked, see
+//! [`super::gguf_experts`]), and writing one (`tinyvllm-worker
 //! export-gguf`), so llama.cpp and this engine can run the very same file.
 //!
 //! The config comes from the `{arch}.*` metadata, read by
@@ -34,6 +35,7 @@ use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KBlock, QK_K, quantize_matrix};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 use super::format::Quantization;
+use super::gguf_experts::{self, ExpertTensor, hf_expert, hf_router};
 use super::linear::{Prequantized, Weight};
 use super::llama::CausalLm;
 use crate::error::{Result, WorkerError};
@@ -165,16 +167,20 @@ fn parse_blocks<B>(bytes: &[u8], block_bytes: usize, make: impl Fn(f16, &[u8]) -
 
 fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<Weight> {
     let (out, inp) = q.shape().dims2()?;
-    let data = q.data()?;
-    match q.dtype() {
+    quant_weight_of(q.dtype(), &q.data()?, (out, inp), name)
+}
+
+/// The weight `[out, in]` of GGML blocks `data` of type `ty`.
+fn quant_weight_of(ty: GgmlDType, data: &[u8], (out, inp): (usize, usize), name: &str) -> candle_core::Result<Weight> {
+    match ty {
         GgmlDType::Q8_0 => Weight::from_q8_0(
             // -128 (never written by GGML's quantizer) is clamped: the int8 kernel negates codes.
-            parse_blocks(&data, 2 + QK, |d, c| BlockQ8_0 { d, qs: std::array::from_fn(|i| (c[i] as i8).max(-127)) }),
+            parse_blocks(data, 2 + QK, |d, c| BlockQ8_0 { d, qs: std::array::from_fn(|i| (c[i] as i8).max(-127)) }),
             out,
             inp,
         ),
         GgmlDType::Q4_0 => Weight::from_q4_0(
-            parse_blocks(&data, 2 + QK / 2, |d, c| BlockQ4_0 { d, qs: std::array::from_fn(|i| c[i]) }),
+            parse_blocks(data, 2 + QK / 2, |d, c| BlockQ4_0 { d, qs: std::array::from_fn(|i| c[i]) }),
             out,
             inp,
         ),
@@ -221,6 +227,18 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     for gguf in names {
+        if let Some(tensor) = ExpertTensor::parse(gguf) {
+            let router = match tensor {
+                ExpertTensor::Router { layer } | ExpertTensor::Stacked { layer, .. } => hf_router(cfg, layer),
+            };
+            if range.holds_tensor(&router, cfg.tie_word_embeddings) {
+                let q =
+                    content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
+                load_expert_tensor(cfg, tensor, &q, (dtype, device), (&mut dense, &mut quantized))
+                    .map_err(|e| err(path, format!("{gguf}: {e}")))?;
+            }
+            continue;
+        }
         let Some(hf) = hf_name(gguf) else { continue };
         if !range.holds_tensor(&hf, cfg.tie_word_embeddings) {
             continue;
@@ -255,6 +273,41 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
         return Err(err(path, format!("quantized tensors the model did not use: {unused:?}")));
     }
     Ok(model)
+}
+
+/// A router, or a layer's stacked experts split into each expert's weights
+/// under HF names: kept in their blocks on the CPU (each expert's blocks
+/// are a contiguous slice), else dequantized.
+fn load_expert_tensor(
+    cfg: &ModelConfig,
+    tensor: ExpertTensor,
+    q: &QTensor,
+    (dtype, device): (DType, &Device),
+    (dense, quantized): (&mut HashMap<String, Tensor>, &mut HashMap<String, Weight>),
+) -> candle_core::Result<()> {
+    let ExpertTensor::Stacked { layer, which } = tensor else {
+        let ExpertTensor::Router { layer } = tensor else { unreachable!() };
+        dense.insert(hf_router(cfg, layer), q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?);
+        return Ok(());
+    };
+    let (experts, out, inp) = q.shape().dims3()?;
+    if experts != cfg.moe.num_experts {
+        candle_core::bail!("{experts} experts, the config says {}", cfg.moe.num_experts);
+    }
+    if BLOCK_TYPES.contains(&q.dtype()) && device.is_cpu() {
+        let data = q.data()?;
+        for (e, bytes) in data.chunks_exact(data.len() / experts).enumerate() {
+            let name = hf_expert(cfg, layer, e, which);
+            let w = quant_weight_of(q.dtype(), bytes, (out, inp), &name)?;
+            quantized.insert(name, w);
+        }
+        return Ok(());
+    }
+    let all = q.dequantize(&Device::Cpu)?.to_dtype(dtype)?;
+    for e in 0..experts {
+        dense.insert(hf_expert(cfg, layer, e, which), all.get(e)?.to_device(device)?);
+    }
+    Ok(())
 }
 
 /// GGUF's name for the per-pair RoPE frequency factors (Llama 3.1+ scaling).
@@ -315,9 +368,14 @@ pub fn write(
     ty: Quantization,
     vocab: &Vocab,
 ) -> Result<()> {
-    if cfg.moe.num_experts > 0 {
-        return Err(err(path, "mixture-of-experts models are not exported to GGUF yet"));
-    }
+    let mut tensors = tensors.clone();
+    let experts = match cfg.moe.num_experts {
+        0 => Vec::new(),
+        _ => {
+            gguf_experts::check_exportable(cfg).map_err(|e| err(path, e))?;
+            gguf_experts::stack(cfg, &mut tensors)?
+        }
+    };
     if cfg.architecture == Architecture::Gemma3 {
         return Err(err(path, "Gemma 3 is not exported to GGUF yet"));
     }
@@ -383,7 +441,12 @@ pub fn write(
         ("tokenizer.ggml.bos_token_id".into(), Value::U32(vocab.bos)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(vocab.eos)),
     ];
-    if cfg.architecture != Architecture::Llama && cfg.architecture != Architecture::Mistral {
+    if cfg.moe.num_experts > 0 {
+        metadata.push((key("expert_count"), u32v(cfg.moe.num_experts)));
+        metadata.push((key("expert_used_count"), u32v(cfg.moe.experts_per_token)));
+        metadata.push((key("expert_feed_forward_length"), u32v(cfg.moe.expert_intermediate_size)));
+    }
+    if !matches!(cfg.architecture, Architecture::Llama | Architecture::Mistral | Architecture::Mixtral) {
         // llama.cpp tokenizes Qwen with its BPE ("gpt2") model, which needs
         // merges we do not export; prompts must then be given as ids.
         metadata.retain(|(k, _)| k != "tokenizer.ggml.model");
@@ -421,6 +484,9 @@ pub fn write(
         };
         qtensors.push((gguf, QTensor::quantize(&t, ggml)?));
     }
+    for (which, t) in experts {
+        qtensors.push((which.gguf_name(), expert_qtensor(cfg, which, &t.to_dtype(DType::F32)?, ty)?));
+    }
     // RoPE scaling travels as llama.cpp's converter writes it: per-pair
     // frequency factors, f32.
     if let Some(factors) = cfg.rope_freq_factors() {
@@ -433,6 +499,30 @@ pub fn write(
     let mut out = BufWriter::new(File::create(path).map_err(|e| err(path, e.to_string()))?);
     gguf_file::write(&mut out, &md, &ts).map_err(|e| err(path, e.to_string()))?;
     Ok(())
+}
+
+/// A router (f32, as llama.cpp never quantizes it) or a layer's stacked
+/// experts `[experts, out, in]` in the file's type, each expert's matrix
+/// typed as its dense counterpart (Q4_K_M: down as `ffn_down`).
+fn expert_qtensor(cfg: &ModelConfig, which: ExpertTensor, t: &Tensor, ty: Quantization) -> Result<QTensor> {
+    let ExpertTensor::Stacked { layer, which } = which else { return Ok(QTensor::quantize(t, GgmlDType::F32)?) };
+    let (experts, out, inp) = t.dims3()?;
+    let ggml = match ty {
+        Quantization::F32 => GgmlDType::F32,
+        Quantization::F16 => GgmlDType::F16,
+        Quantization::Q4KM => {
+            let like = ["gate_proj", "up_proj", "down_proj"][which];
+            k_type(cfg, &format!("model.layers.{layer}.mlp.{like}.weight"), inp)
+        }
+        _ if !inp.is_multiple_of(QK) => GgmlDType::F16,
+        Quantization::Q8_0 => GgmlDType::Q8_0,
+        Quantization::Q4_0 => GgmlDType::Q4_0,
+        other => return Err(WorkerError::Unsupported(format!("{} is not an export type", other.name()))),
+    };
+    // Quantized as one [experts * out, in] matrix: rows never share a block.
+    let flat = quantize_k(&t.reshape((experts * out, inp))?, ggml)?;
+    let bytes = flat.data()?;
+    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(ggml, &bytes, vec![experts, out, inp], &Device::Cpu)?)
 }
 
 /// The type llama.cpp's Q4_K_M gives a weight matrix (`llama_tensor_get_type`

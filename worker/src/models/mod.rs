@@ -9,6 +9,7 @@ mod decoder;
 pub mod format;
 pub mod gguf;
 pub mod gguf_blocks;
+mod gguf_experts;
 mod layers;
 pub mod linear;
 pub mod llama;
