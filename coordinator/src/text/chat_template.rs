@@ -262,6 +262,33 @@ mod tests {
         }
     }
 
+    /// The templates published with the newer families (Qwen3 and
+    /// Qwen3-30B-A3B, gpt-oss, GLM-4.6 in GLM-4.5's format) render through
+    /// our jinja as Jinja2 renders them, `chat_template_kwargs` included
+    /// (`enable_thinking`, `reasoning_effort`); see
+    /// testdata/gen_published_templates.py.
+    #[test]
+    fn matches_jinja2_on_published_templates() {
+        let testdata = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text/testdata");
+        let cases = read_json(&testdata.join("published_templates.json"));
+        let today = crate::text::jinja_compat::strftime_now("%Y-%m-%d");
+        for case in cases.as_array().expect("cases") {
+            let name = &case["id"];
+            let file = testdata.join("published").join(case["template_file"].as_str().expect("file"));
+            let source = std::fs::read_to_string(&file).expect("template");
+            let template = ChatTemplate::new(&source, case["bos_token"].as_str(), case["eos_token"].as_str())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let options = RenderOptions {
+                add_generation_prompt: case["add_generation_prompt"].as_bool().expect("flag"),
+                tools: case["tools"].as_array().map(Vec::as_slice),
+                extra: case["extra"].as_object(),
+            };
+            let text = template.render_with(case["messages"].as_array().expect("messages"), &options);
+            let expected = case["expected"].as_str().expect("expected").replace("<today>", &today);
+            assert_eq!(text.unwrap_or_else(|e| panic!("{name}: {e}")), expected, "{name}");
+        }
+    }
+
     #[test]
     fn raise_exception_is_its_own_error() {
         let cases = read_json(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text/testdata/chat_templates.json"));

@@ -147,7 +147,7 @@ CASES = [
 ]
 
 
-def render(case):
+def render(case, today=None):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -158,22 +158,29 @@ def render(case):
 
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda f: datetime.now().strftime(f)
+    env.globals["strftime_now"] = lambda f: today if today is not None else datetime.now().strftime(f)
     kwargs = {"messages": case["messages"], "add_generation_prompt": case["add_generation_prompt"],
               "bos_token": case["bos_token"], "eos_token": case["eos_token"]}
     if case["tools"] is not None:
         kwargs["tools"] = case["tools"]
+    # chat_template_kwargs; the standard variables take precedence.
+    kwargs = {**(case.get("extra") or {}), **kwargs}
     return env.from_string(case["template"]).render(**kwargs)
 
 
-for case in CASES:
-    case["expected"] = render(case)
-bad = dict(CASES[2], messages=[{"content": "a", "role": "user"}, {"content": "b", "role": "user"}])
-try:
-    render(bad)
-    raise SystemExit("expected raise_exception")
-except ValueError as e:
-    assert "alternate" in str(e)
-with open("chat_templates.json", "w", encoding="utf-8") as f:
-    json.dump(CASES, f, ensure_ascii=False, indent=1)
-    f.write("\n")
+def main():
+    for case in CASES:
+        case["expected"] = render(case)
+    bad = dict(CASES[2], messages=[{"content": "a", "role": "user"}, {"content": "b", "role": "user"}])
+    try:
+        render(bad)
+        raise SystemExit("expected raise_exception")
+    except ValueError as e:
+        assert "alternate" in str(e)
+    with open("chat_templates.json", "w", encoding="utf-8") as f:
+        json.dump(CASES, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
