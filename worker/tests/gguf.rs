@@ -129,6 +129,32 @@ fn mixtures_of_experts_travel_as_stacked_experts() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// SentencePiece-style vocabularies (byte fallback: the test models')
+/// go to llama.cpp as its `llama` model; byte-level BPE as `gpt2` with its
+/// merges (an empty merges array is a file llama.cpp refuses).
+#[test]
+fn vocabularies_travel_as_llama_cpps_tokenizer_models() {
+    let dir = std::env::temp_dir().join(format!("tinyvllm-gguf-vocab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = export_model(&dir, "tiny-qwen3", Quantization::F32, false);
+    let header = common::model::gguf::GgufHeader::open(&file).unwrap();
+    assert_eq!(header.metadata["tokenizer.ggml.model"], common::model::gguf::GgufValue::String("llama".into()));
+    assert!(!header.metadata.contains_key("tokenizer.ggml.merges"));
+    // Both spellings of the merges: "a b" strings and [a, b] pairs.
+    for merges in [r#"["a b","ab c"]"#, r#"[["a","b"],["ab","c"]]"#] {
+        let byte_level = dir.join("tokenizer.json");
+        let text = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+            "pre_tokenizer":{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true},
+            "post_processor":null,"decoder":null,"model":{"type":"BPE","dropout":null,"unk_token":null,
+            "continuing_subword_prefix":null,"end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false,
+            "vocab":{"a":0,"b":1,"ab":2,"c":3,"abc":4},"merges":MERGES}}"#;
+        std::fs::write(&byte_level, text.replace("MERGES", merges)).unwrap();
+        let vocab = Vocab::from_tokenizer_json(Some(&byte_level), 5, 0, 1).unwrap();
+        assert_eq!(vocab.merges, ["a b", "ab c"], "{merges}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn llama3_rope_scaling_travels_as_rope_freqs() {
     let dir = std::env::temp_dir().join(format!("tinyvllm-gguf-llama3-{}", std::process::id()));

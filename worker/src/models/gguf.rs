@@ -338,6 +338,10 @@ pub struct Vocab {
     pub tokens: Vec<String>,
     pub bos: u32,
     pub eos: u32,
+    /// Byte-level BPE (GPT-2's, Qwen's) with its merges ("a b"), written as
+    /// llama.cpp's `gpt2` model; empty for SentencePiece-style vocabularies
+    /// (byte fallback: Llama's, the test models'), its `llama` model.
+    pub merges: Vec<String>,
 }
 
 impl Vocab {
@@ -348,6 +352,7 @@ impl Vocab {
         for (i, special) in ["<unk>", "<s>", "</s>"].iter().enumerate().take(vocab_size) {
             tokens[i] = special.to_string();
         }
+        let mut merges = Vec::new();
         if let Some(path) = path {
             let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| err(path, e.to_string()))?;
             for (text, id) in tok.get_vocab(true) {
@@ -355,9 +360,33 @@ impl Vocab {
                     *slot = text;
                 }
             }
+            merges = byte_level_merges(path)?;
         }
-        Ok(Self { tokens, bos, eos })
+        Ok(Self { tokens, bos, eos, merges })
     }
+}
+
+/// The merges of a byte-level BPE tokenizer.json ("a b", either of its
+/// two spellings), or none for any other model (byte-fallback BPE is
+/// SentencePiece's and goes to llama.cpp as `llama`).
+fn byte_level_merges(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| err(path, e.to_string()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(path, e.to_string()))?;
+    let model = &json["model"];
+    if model["type"] != "BPE" || model["byte_fallback"] == true {
+        return Ok(Vec::new());
+    }
+    let merges = model["merges"].as_array().map(Vec::as_slice).unwrap_or_default();
+    merges
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(pair) => Ok(pair.clone()),
+            serde_json::Value::Array(pair) if pair.len() == 2 => {
+                Ok(format!("{} {}", pair[0].as_str().unwrap_or_default(), pair[1].as_str().unwrap_or_default()))
+            }
+            other => Err(err(path, format!("a BPE merge that is not a pair: {other}"))),
+        })
+        .collect()
 }
 
 /// Writes `tensors` (HF names, any dtype) as a GGUF llama.cpp can load.
@@ -446,12 +475,13 @@ pub fn write(
         metadata.push((key("expert_used_count"), u32v(cfg.moe.experts_per_token)));
         metadata.push((key("expert_feed_forward_length"), u32v(cfg.moe.expert_intermediate_size)));
     }
-    if !matches!(cfg.architecture, Architecture::Llama | Architecture::Mistral | Architecture::Mixtral) {
-        // llama.cpp tokenizes Qwen with its BPE ("gpt2") model, which needs
-        // merges we do not export; prompts must then be given as ids.
+    if !vocab.merges.is_empty() {
+        // Byte-level BPE: llama.cpp's `gpt2` model with the merges (an
+        // empty merges array has no element type llama.cpp accepts).
         metadata.retain(|(k, _)| k != "tokenizer.ggml.model");
         metadata.push(("tokenizer.ggml.model".into(), Value::String("gpt2".into())));
-        metadata.push(("tokenizer.ggml.merges".into(), Value::Array(Vec::new())));
+        let merges = vocab.merges.iter().map(|m| Value::String(m.clone())).collect();
+        metadata.push(("tokenizer.ggml.merges".into(), Value::Array(merges)));
     }
     let mut names: Vec<&String> = tensors.keys().collect();
     names.sort();
