@@ -262,7 +262,7 @@ pub enum RouterScoring {
 /// A mixture-of-experts MLP's shape and routing: scores over `num_experts`
 /// (optionally limited to the best `topk_group` of `num_groups` groups),
 /// the `experts_per_token` largest kept, weighted, plus shared experts.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
     /// Routed experts per MoE layer; 0 for a dense model.
     pub num_experts: usize,
@@ -286,6 +286,27 @@ pub struct MoeConfig {
     pub shared_intermediate_size: usize,
     /// gpt-oss: the router and the experts' projections have biases.
     pub biases: bool,
+}
+
+/// No experts (a dense model); a router's scale of 1 and one group, so a
+/// config built from it routes plainly.
+impl Default for MoeConfig {
+    fn default() -> Self {
+        Self {
+            num_experts: 0,
+            experts_per_token: 0,
+            expert_intermediate_size: 0,
+            norm_topk_prob: false,
+            dense_layers: Vec::new(),
+            sparse_step: 1,
+            scoring: RouterScoring::Softmax,
+            num_groups: 1,
+            groups_per_token: 1,
+            routed_scaling_factor: 1.0,
+            shared_intermediate_size: 0,
+            biases: false,
+        }
+    }
 }
 
 impl MoeConfig {

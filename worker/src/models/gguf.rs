@@ -228,10 +228,8 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
     names.sort();
     for gguf in names {
         if let Some(tensor) = ExpertTensor::parse(gguf) {
-            let router = match tensor {
-                ExpertTensor::Router { layer } | ExpertTensor::Stacked { layer, .. } => hf_router(cfg, layer),
-            };
-            if range.holds_tensor(&router, cfg.tie_word_embeddings) {
+            // A stage reads the experts of its own layers.
+            if range.holds_tensor(&hf_router(cfg, tensor.layer()), cfg.tie_word_embeddings) {
                 let q =
                     content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
                 load_expert_tensor(cfg, tensor, &q, (dtype, device), (&mut dense, &mut quantized))
@@ -285,10 +283,12 @@ fn load_expert_tensor(
     (dtype, device): (DType, &Device),
     (dense, quantized): (&mut HashMap<String, Tensor>, &mut HashMap<String, Weight>),
 ) -> candle_core::Result<()> {
-    let ExpertTensor::Stacked { layer, which } = tensor else {
-        let ExpertTensor::Router { layer } = tensor else { unreachable!() };
-        dense.insert(hf_router(cfg, layer), q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?);
-        return Ok(());
+    let (layer, which) = match tensor {
+        ExpertTensor::Router { layer } => {
+            dense.insert(hf_router(cfg, layer), q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?);
+            return Ok(());
+        }
+        ExpertTensor::Stacked { layer, which } => (layer, which),
     };
     let (experts, out, inp) = q.shape().dims3()?;
     if experts != cfg.moe.num_experts {

@@ -37,6 +37,13 @@ impl ExpertTensor {
         STACKED.iter().position(|&s| s == module).map(|which| Self::Stacked { layer, which })
     }
 
+    /// The decoder layer it belongs to.
+    pub(super) fn layer(self) -> usize {
+        match self {
+            Self::Router { layer } | Self::Stacked { layer, .. } => layer,
+        }
+    }
+
     pub(super) fn gguf_name(self) -> String {
         match self {
             Self::Router { layer } => format!("blk.{layer}.ffn_gate_inp.weight"),

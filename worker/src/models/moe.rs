@@ -248,15 +248,7 @@ mod tests {
     use super::*;
 
     fn moe(scoring: RouterScoring, experts: usize, top: usize) -> MoeConfig {
-        MoeConfig {
-            num_experts: experts,
-            experts_per_token: top,
-            scoring,
-            num_groups: 1,
-            groups_per_token: 1,
-            routed_scaling_factor: 1.0,
-            ..MoeConfig::default()
-        }
+        MoeConfig { num_experts: experts, experts_per_token: top, scoring, ..MoeConfig::default() }
     }
 
     fn kept(routes: &Routes) -> Vec<(usize, f32)> {
