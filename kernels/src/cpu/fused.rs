@@ -57,10 +57,7 @@ pub fn gated_mul(gate_up: &[f32], inter: usize, gate: Gate, out: &mut [f32]) -> 
     }
     let row = |(src, dst): (&[f32], &mut [f32])| {
         let (g, up) = src.split_at(inter);
-        match gate {
-            Gate::Silu => silu_mul_row(g, up, dst),
-            Gate::GeluTanh => gelu_tanh_mul_row(g, up, dst),
-        }
+        gated_mul_row(gate, g, up, dst);
     };
     if gate_up.len() < PARALLEL_MIN_ELEMS {
         gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)).for_each(row);
@@ -73,38 +70,24 @@ pub fn gated_mul(gate_up: &[f32], inter: usize, gate: Gate, out: &mut [f32]) -> 
     Ok(())
 }
 
-/// `out = silu(gate) * up`: 8 lanes wide with AVX2 where the CPU has it
+/// `out = act(gate) * up`: 8 lanes wide with AVX2 where the CPU has it
 /// (the exp is [`exp_poly`], which vectorises, not libm's call per value).
-fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// GELU's tanh goes through `0.5 (1 + tanh(u)) = sigmoid(2u)`, so both
+/// gates are `g * sigmoid(x)` and share the loop.
+fn gated_mul_row(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[inline(always)]
-    fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + exp_poly(-g)) * u;
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if super::isa::has_avx2_fma() {
-        /// # Safety
-        /// AVX2 and FMA must be available.
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
-            body(gate, up, out)
-        }
-        // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { avx2(gate, up, out) };
-    }
-    body(gate, up, out)
-}
-
-/// `out = gelu_tanh(gate) * up`, through `0.5 (1 + tanh(u)) = sigmoid(2u)`
-/// so that the vectorising [`exp_poly`] serves here too.
-fn gelu_tanh_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    #[inline(always)]
-    fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn body<const GELU: bool>(gate: &[f32], up: &[f32], out: &mut [f32]) {
         const SQRT_2_OVER_PI: f32 = 0.797_884_6;
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
-            *o = g / (1.0 + exp_poly(-2.0 * inner)) * u;
+            let x = if GELU { 2.0 * (SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g)) } else { g };
+            *o = g / (1.0 + exp_poly(-x)) * u;
+        }
+    }
+    #[inline(always)]
+    fn run(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        match act {
+            Gate::Silu => body::<false>(gate, up, out),
+            Gate::GeluTanh => body::<true>(gate, up, out),
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -112,13 +95,13 @@ fn gelu_tanh_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
         /// # Safety
         /// AVX2 and FMA must be available.
         #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
-            body(gate, up, out)
+        unsafe fn avx2(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+            run(act, gate, up, out)
         }
         // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { avx2(gate, up, out) };
+        return unsafe { avx2(act, gate, up, out) };
     }
-    body(gate, up, out)
+    run(act, gate, up, out)
 }
 
 /// `dst += src`, element-wise.

@@ -492,27 +492,12 @@ pub fn write(
         if let Some(heads) = qk_heads(cfg, hf) {
             t = permute_tensor_rows(&t, &llama_qk_permutation(t.dims()[0], heads))?;
         }
-        // Like llama.cpp: 1-D tensors (norms, biases) stay f32; the
-        // embedding table stays f16 unless everything is f32.
-        let is_matrix = t.rank() == 2;
-        if ty == Quantization::Q4KM && is_matrix {
-            let ggml = k_type(cfg, hf, t.dims()[1]);
-            qtensors.push((gguf, quantize_k(&t, ggml)?));
-            continue;
-        }
-        let ggml = match ty {
-            _ if !is_matrix => GgmlDType::F32,
-            Quantization::F32 => GgmlDType::F32,
-            Quantization::F16 => GgmlDType::F16,
-            _ if hf == "model.embed_tokens.weight" => GgmlDType::F16,
-            _ if t.dims()[1] % QK != 0 => GgmlDType::F16,
-            Quantization::Q8_0 => GgmlDType::Q8_0,
-            Quantization::Q4_0 => GgmlDType::Q4_0,
-            Quantization::Q4K | Quantization::Q6K | Quantization::Q4KM => {
-                return Err(err(path, format!("{} is not an export type", ty.name())));
-            }
+        // Like llama.cpp: 1-D tensors (norms, biases) stay f32.
+        let ggml = match t.rank() {
+            2 => matrix_type(cfg, ty, hf, t.dims()[1])?,
+            _ => GgmlDType::F32,
         };
-        qtensors.push((gguf, QTensor::quantize(&t, ggml)?));
+        qtensors.push((gguf, quantize_k(&t, ggml)?));
     }
     for (which, t) in experts {
         qtensors.push((which.gguf_name(), expert_qtensor(cfg, which, &t.to_dtype(DType::F32)?, ty)?));
@@ -531,24 +516,31 @@ pub fn write(
     Ok(())
 }
 
+/// The GGML type of weight matrix `hf` (rows of `inp`) in a file of type
+/// `ty`: Q4_K_M's per-tensor mix ([`k_type`]); the embedding table f16
+/// unless everything is f32; rows that are not whole blocks f16.
+fn matrix_type(cfg: &ModelConfig, ty: Quantization, hf: &str, inp: usize) -> Result<GgmlDType> {
+    Ok(match ty {
+        Quantization::Q4KM => k_type(cfg, hf, inp),
+        Quantization::F32 => GgmlDType::F32,
+        Quantization::F16 => GgmlDType::F16,
+        _ if hf == "model.embed_tokens.weight" || !inp.is_multiple_of(QK) => GgmlDType::F16,
+        Quantization::Q8_0 => GgmlDType::Q8_0,
+        Quantization::Q4_0 => GgmlDType::Q4_0,
+        Quantization::Q4K | Quantization::Q6K => {
+            return Err(WorkerError::Unsupported(format!("{} is not an export type", ty.name())));
+        }
+    })
+}
+
 /// A router (f32, as llama.cpp never quantizes it) or a layer's stacked
 /// experts `[experts, out, in]` in the file's type, each expert's matrix
 /// typed as its dense counterpart (Q4_K_M: down as `ffn_down`).
 fn expert_qtensor(cfg: &ModelConfig, which: ExpertTensor, t: &Tensor, ty: Quantization) -> Result<QTensor> {
     let ExpertTensor::Stacked { layer, which } = which else { return Ok(QTensor::quantize(t, GgmlDType::F32)?) };
     let (experts, out, inp) = t.dims3()?;
-    let ggml = match ty {
-        Quantization::F32 => GgmlDType::F32,
-        Quantization::F16 => GgmlDType::F16,
-        Quantization::Q4KM => {
-            let like = ["gate_proj", "up_proj", "down_proj"][which];
-            k_type(cfg, &format!("model.layers.{layer}.mlp.{like}.weight"), inp)
-        }
-        _ if !inp.is_multiple_of(QK) => GgmlDType::F16,
-        Quantization::Q8_0 => GgmlDType::Q8_0,
-        Quantization::Q4_0 => GgmlDType::Q4_0,
-        other => return Err(WorkerError::Unsupported(format!("{} is not an export type", other.name()))),
-    };
+    let like = ["gate_proj", "up_proj", "down_proj"][which];
+    let ggml = matrix_type(cfg, ty, &format!("model.layers.{layer}.mlp.{like}.weight"), inp)?;
     // Quantized as one [experts * out, in] matrix: rows never share a block.
     let flat = quantize_k(&t.reshape((experts * out, inp))?, ggml)?;
     let bytes = flat.data()?;
