@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use half::f16;
 use kernels::cpu::matmul::matmul_xwt;
 use kernels::cpu::packed::{PackedWeight, matmul_packed, packing_pays};
+use kernels::cpu::q8_panel::{PanelQ8_0, matmul_panel_q8_0, vnni_available};
 use kernels::cpu::quant::{BlockQ8_0, PackedQ8_0, QK8_0, matmul_packed_q8_0, matmul_q8_0, quantize_matrix_q8_0};
-use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
 use rayon::prelude::*;
 
 /// TinyLlama-1.1B's decode matmuls: (name, n, k).
@@ -99,8 +99,8 @@ fn main() {
         println!("{name:20} q8_0p {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
         drop(wp);
         if vnni_available() {
-            let wv: Vec<VnniQ8_0> = (0..copies).map(|_| VnniQ8_0::pack(&q, n, k / QK8_0).expect("shape")).collect();
-            let (d, gbs) = time_rotating(copies, bytes, |c| matmul_vnni_q8_0(&x, 1, &wv[c], &mut y).expect("shapes"));
+            let wv: Vec<PanelQ8_0> = (0..copies).map(|_| PanelQ8_0::pack(&q, n, k / QK8_0).expect("shape")).collect();
+            let (d, gbs) = time_rotating(copies, bytes, |c| matmul_panel_q8_0(&x, 1, &wv[c], &mut y).expect("shapes"));
             println!("{name:20} q8_0v {:7.3} ms  {gbs:5.1} GB/s", d.as_secs_f64() * 1e3);
         }
     }
@@ -134,8 +134,8 @@ fn cache_resident() {
             let (_, gbs) = time_rotating(1, bytes, |_| matmul_packed_q8_0(&x, 1, &p, &mut y).expect("shapes"));
             println!("{:20} q8_0p {gbs:5.1} GB/s  ({threads} thread(s))", "weights in cache");
             if vnni_available() {
-                let v = VnniQ8_0::pack(&q, n, k / QK8_0).expect("shape");
-                let (_, gbs) = time_rotating(1, bytes, |_| matmul_vnni_q8_0(&x, 1, &v, &mut y).expect("shapes"));
+                let v = PanelQ8_0::pack(&q, n, k / QK8_0).expect("shape");
+                let (_, gbs) = time_rotating(1, bytes, |_| matmul_panel_q8_0(&x, 1, &v, &mut y).expect("shapes"));
                 println!("{:20} q8_0v {gbs:5.1} GB/s  ({threads} thread(s))", "weights in cache");
             }
         });

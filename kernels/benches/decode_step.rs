@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use half::f16;
 use kernels::cpu::packed::{PackedWeight, matmul_packed, packing_pays};
+use kernels::cpu::q8_panel::{PanelQ8_0, matmul_panel_q8_0, vnni_available};
 use kernels::cpu::quant::quantize_matrix_q8_0;
-use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
 use kernels::cpu::{back_with_huge_pages, measure_read_bandwidth};
 
 /// One layer's matmuls (name, n, k), q/k/v and gate/up stacked as the
@@ -108,14 +108,14 @@ fn steps() {
         });
     }
     if vnni_available() {
-        let w: Vec<Vec<VnniQ8_0>> = (0..=LAYERS)
+        let w: Vec<Vec<PanelQ8_0>> = (0..=LAYERS)
             .map(|l| {
                 parts(l)
                     .into_iter()
                     .map(|j| {
                         let (n, k) = shapes[j];
                         let q = quantize_matrix_q8_0(&weights(n, k, l), n, k).expect("aligned");
-                        let p = VnniQ8_0::pack(&q, n, k / 32).expect("shape");
+                        let p = PanelQ8_0::pack(&q, n, k / 32).expect("shape");
                         let (codes, scales) = p.allocations();
                         back_with_huge_pages(codes);
                         back_with_huge_pages(scales);
@@ -127,7 +127,7 @@ fn steps() {
         let bytes =
             std::array::from_fn(|j| if j == 4 { w[LAYERS][0].size_in_bytes() } else { w[0][j].size_in_bytes() });
         run("q8_0v", &bytes, |l, j| {
-            matmul_vnni_q8_0(&x[..shapes[j].1], 1, &w[l][pick(l, j)], &mut ys[j]).expect("shapes");
+            matmul_panel_q8_0(&x[..shapes[j].1], 1, &w[l][pick(l, j)], &mut ys[j]).expect("shapes");
         });
     }
 }

@@ -15,8 +15,8 @@ use kernels::cpu::kquant::{
     quantize_matrix,
 };
 use kernels::cpu::measure_read_bandwidth;
+use kernels::cpu::q8_panel::{PanelQ8_0, matmul_panel_q8_0, vnni_available};
 use kernels::cpu::quant::{BlockQ8_0, PackedQ8_0, QK8_0, matmul_packed_q8_0, quantize_matrix_q8_0};
-use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0, vnni_available};
 
 /// (name, n, k): TinyLlama's ffn_down and gate/up, and its lm_head.
 const SHAPES: [(&str, usize, usize); 3] =
@@ -46,7 +46,7 @@ fn time_rotating(copies: usize, mut f: impl FnMut(usize)) -> Duration {
 
 /// A weight in each format under test, `copies` times over.
 enum Format {
-    Q8_0Vnni(Vec<VnniQ8_0>),
+    Q8_0Panels(Vec<PanelQ8_0>),
     Q8_0Packed(Vec<PackedQ8_0>),
     Q4KRows(Vec<Vec<BlockQ4K>>),
     Q4KPanels(Vec<KPanels<BlockQ4K>>),
@@ -69,8 +69,8 @@ impl Format {
         let q8 = quantize_matrix_q8_0(base, n, k).expect("aligned");
         let q8_bytes = n * k / QK8_0 * size_of::<BlockQ8_0>();
         let q8 = if vnni_available() {
-            let v = VnniQ8_0::pack(&q8, n, k / QK8_0).expect("shape");
-            ("q8_0 vnni", q8_bytes, Format::Q8_0Vnni(copies_of(v, q8_bytes)))
+            let v = PanelQ8_0::pack(&q8, n, k / QK8_0).expect("shape");
+            ("q8_0 vnni", q8_bytes, Format::Q8_0Panels(copies_of(v, q8_bytes)))
         } else {
             let p = PackedQ8_0::pack(&q8, n, k / QK8_0).expect("shape");
             ("q8_0 packed", q8_bytes, Format::Q8_0Packed(copies_of(p, q8_bytes)))
@@ -91,7 +91,7 @@ impl Format {
 
     fn copies(&self) -> usize {
         match self {
-            Self::Q8_0Vnni(w) => w.len(),
+            Self::Q8_0Panels(w) => w.len(),
             Self::Q8_0Packed(w) => w.len(),
             Self::Q4KRows(w) => w.len(),
             Self::Q4KPanels(w) => w.len(),
@@ -104,7 +104,7 @@ impl Format {
     fn run(&self, c: usize, x: &[f32], k: usize, n: usize, y: &mut [f32]) {
         let m = x.len() / k;
         match self {
-            Self::Q8_0Vnni(w) => matmul_vnni_q8_0(x, m, &w[c], y),
+            Self::Q8_0Panels(w) => matmul_panel_q8_0(x, m, &w[c], y),
             Self::Q8_0Packed(w) => matmul_packed_q8_0(x, m, &w[c], y),
             Self::Q4KRows(w) => matmul_kquant_with(best_backend(), x, m, k, &w[c], n, y),
             Self::Q4KPanels(w) => matmul_kpanels(x, m, &w[c], y),

@@ -198,6 +198,34 @@ pub fn rope(
     out
 }
 
+/// A mixture of experts' linear half, one token and one expert at a time
+/// in f64: `out[t] = sum over t's chosen experts e, ascending, of
+/// w(t, e) * (W_e x_t)`, with `experts[e]: [out, in]` row-major,
+/// `choices`/`weights` token-major, `per_token` each.
+pub fn moe_linear(
+    x: &[f32],
+    (out, inp): (usize, usize),
+    experts: &[Vec<f32>],
+    per_token: usize,
+    choices: &[u32],
+    weights: &[f32],
+) -> Vec<f32> {
+    let mut y = vec![0f64; choices.len() / per_token * out];
+    for (t, (chosen, w)) in choices.chunks_exact(per_token).zip(weights.chunks_exact(per_token)).enumerate() {
+        let xt = &x[t * inp..][..inp];
+        let mut order: Vec<usize> = (0..per_token).collect();
+        order.sort_by_key(|&i| chosen[i]);
+        for i in order {
+            let we = &experts[chosen[i] as usize];
+            for (o, yo) in y[t * out..][..out].iter_mut().enumerate() {
+                let dot: f64 = we[o * inp..][..inp].iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                *yo += w[i] as f64 * dot;
+            }
+        }
+    }
+    y.into_iter().map(|v| v as f32).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::Device;

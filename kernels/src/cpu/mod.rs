@@ -15,11 +15,12 @@ pub mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod load_avx2;
 pub mod matmul;
+pub mod moe;
 pub mod packed;
 mod parallel;
 pub mod placement;
+pub mod q8_panel;
 pub mod quant;
-pub mod vnni;
 mod weight_buf;
 
 pub use attention::{paged_attention, paged_attention_into};

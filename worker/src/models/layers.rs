@@ -454,6 +454,16 @@ impl Mlp {
 }
 
 impl Mlp {
+    /// Its stacked gate/up projection, down projection and fused gate, for
+    /// the grouped expert kernels; `None` where the CPU step composes it
+    /// (gate and up in different formats, gpt-oss's clamped gate).
+    pub fn fused_parts(&self) -> Option<(&Linear, &Linear, kernels::cpu::Gate)> {
+        match (&self.gate_up_proj, self.gate) {
+            (Projection::Stacked(gate_up), GateFn::Fused(gate)) => Some((gate_up, &self.down_proj, gate)),
+            _ => None,
+        }
+    }
+
     /// The CPU step in the workspace: `b.normed` -> `b.proj`.
     pub fn forward_cpu(&self, b: &Buffers) -> Result<()> {
         let GateFn::Fused(gate) = self.gate else {

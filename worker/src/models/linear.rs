@@ -19,8 +19,8 @@ use half::{bf16, f16};
 use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanels, QK_K, matmul_kpanels};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
 use kernels::cpu::packed::{PackError, PackedWeight, matmul_packed};
+use kernels::cpu::q8_panel::{PanelQ8_0, matmul_panel_q8_0};
 use kernels::cpu::quant::{BlockQ4_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant};
-use kernels::cpu::vnni::{VnniQ8_0, matmul_vnni_q8_0};
 use kernels::cpu::{back_with_huge_pages, read_f32, write_f32};
 
 use super::format::Quantization;
@@ -42,7 +42,7 @@ pub enum Weight {
     /// GGML's Q8_0 with 4 rows' codes together, scales apart.
     Q8_0(PackedQ8_0),
     /// GGML's Q8_0 in 16-row panels for AVX-512 VNNI.
-    Q8_0Vnni(VnniQ8_0),
+    Q8_0Panels(PanelQ8_0),
     /// GGML's Q4_0 in its row-major blocks: `out` rows of `inp / 32`.
     Q4_0 { blocks: Vec<BlockQ4_0>, out: usize, inp: usize },
     /// GGML's Q4_K super-blocks in 16-row panels for the int8 kernels.
@@ -59,7 +59,7 @@ impl Weight {
             Self::PackedF16(w) => w.dims(),
             Self::PackedBf16(w) => w.dims(),
             Self::Q8_0(w) => (w.dims().0, w.dims().1 * QK),
-            Self::Q8_0Vnni(w) => (w.dims().0, w.dims().1 * QK),
+            Self::Q8_0Panels(w) => (w.dims().0, w.dims().1 * QK),
             Self::Q4_0 { out, inp, .. } => (*out, *inp),
             Self::Q4K(w) => (w.dims().0, w.dims().1 * QK_K),
             Self::Q6K(w) => (w.dims().0, w.dims().1 * QK_K),
@@ -73,7 +73,7 @@ impl Weight {
             Self::PackedF16(w) => w.size_in_bytes(),
             Self::PackedBf16(w) => w.size_in_bytes(),
             Self::Q8_0(w) => w.size_in_bytes(),
-            Self::Q8_0Vnni(w) => w.size_in_bytes(),
+            Self::Q8_0Panels(w) => w.size_in_bytes(),
             Self::Q4_0 { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
             Self::Q4K(w) => w.size_in_bytes(),
             Self::Q6K(w) => w.size_in_bytes(),
@@ -102,7 +102,7 @@ impl Weight {
             Self::PackedF16(w) => return matmul_packed(x, m, w, bias, y).map_err(pack_err),
             Self::PackedBf16(w) => return matmul_packed(x, m, w, bias, y).map_err(pack_err),
             Self::Q8_0(w) => matmul_packed_q8_0(x, m, w, y).map(|()| w.dims().0),
-            Self::Q8_0Vnni(w) => matmul_vnni_q8_0(x, m, w, y).map(|()| w.dims().0),
+            Self::Q8_0Panels(w) => matmul_panel_q8_0(x, m, w, y).map(|()| w.dims().0),
             Self::Q4_0 { blocks, out, inp } => matmul_quant(x, m, *inp, blocks, *out, y).map(|()| *out),
             Self::Q4K(w) => matmul_kpanels(x, m, w, y).map(|()| w.dims().0),
             Self::Q6K(w) => matmul_kpanels(x, m, w, y).map(|()| w.dims().0),
@@ -136,7 +136,7 @@ impl Weight {
                 back_with_huge_pages(codes);
                 back_with_huge_pages(scales);
             }
-            Self::Q8_0Vnni(w) => {
+            Self::Q8_0Panels(w) => {
                 // Padding included: allocated whole 2 MiB pages.
                 let (codes, scales) = w.allocations();
                 back_with_huge_pages(codes);
@@ -395,6 +395,18 @@ pub fn linear(
         return Linear::from_weight(q, bias);
     }
     Linear::new(vb.get((out_dim, in_dim), "weight")?, bias)
+}
+
+/// An expert of a mixture, for the grouped kernels (`kernels::cpu::moe`):
+/// the same kernels as [`Linear::forward_into`], on slices.
+impl kernels::cpu::moe::ExpertLinear for Linear {
+    fn dims(&self) -> (usize, usize) {
+        self.weight.dims().unwrap_or((0, 0))
+    }
+
+    fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) -> kernels::Result<()> {
+        Ok(self.weight.matmul(x, m, self.bias_f32.as_deref(), y)?)
+    }
 }
 
 impl Module for Linear {

@@ -8,10 +8,16 @@
 //!
 //! Each expert runs over the rows routed to it (gathered, computed, scaled
 //! and scattered back), so a step reads only the experts its tokens chose.
+//! On the CPU that is the grouped kernels of `kernels::cpu::moe`: one
+//! parallel call per projection over every active expert, in the experts'
+//! own weight formats; elsewhere, candle ops per expert.
+
+use std::cell::RefCell;
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
 use common::model::{Architecture, MoeConfig, RouterScoring};
+use kernels::cpu::moe::{ExpertGroups, combine, gather_rows, grouped_matmul};
 
 use super::config::ModelConfig;
 use super::layers::Mlp;
@@ -78,9 +84,34 @@ pub struct SparseMoe {
     routing: MoeConfig,
 }
 
-/// Each row's kept experts and their weights: `(expert, row, weight)` lists
-/// per expert, rows ascending.
-type Routes = Vec<(Vec<u32>, Vec<f32>)>;
+/// Each row's kept experts and their weights, row-major
+/// (`experts_per_token` a row), best first.
+struct Routes {
+    experts: Vec<u32>,
+    weights: Vec<f32>,
+}
+
+/// The grouped kernels' buffers, kept between calls (and layers): a
+/// prefill chunk's are tens of MiB, too much to fault in afresh per layer.
+#[derive(Default)]
+struct Scratch {
+    logits: Vec<f32>,
+    gathered: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    down: Vec<f32>,
+    out: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// `v` resized to `len` (its contents are overwritten by the caller).
+fn sized(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.resize(len, 0.0);
+    &mut v[..len]
+}
 
 impl SparseMoe {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
@@ -131,16 +162,14 @@ impl SparseMoe {
 
     /// `x: [T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let logits = self.router.forward(x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let routes = route(&self.routing, self.correction_bias.as_deref(), &logits);
+        let logits = self.router.forward(x)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let groups = self.groups(&route(&self.routing, self.correction_bias.as_deref(), &logits))?;
         let mut out = x.zeros_like()?;
-        for (expert, (rows, weights)) in self.experts.iter().zip(&routes) {
-            if rows.is_empty() {
-                continue;
-            }
-            let idx = Tensor::from_slice(rows, rows.len(), x.device())?;
-            let y = expert.forward(&x.index_select(&idx, 0)?)?;
-            let w = Tensor::from_slice(weights, (rows.len(), 1), x.device())?.to_dtype(y.dtype())?;
+        for (expert, rows) in groups.active() {
+            let idx = Tensor::from_slice(&groups.tokens()[rows.clone()], rows.len(), x.device())?;
+            let y = self.experts[expert].forward(&x.index_select(&idx, 0)?)?;
+            let w = Tensor::from_slice(&groups.weights()[rows.clone()], (rows.len(), 1), x.device())?
+                .to_dtype(y.dtype())?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
         match &self.shared_expert {
@@ -149,8 +178,66 @@ impl SparseMoe {
         }
     }
 
-    /// The CPU step in the workspace: `b.normed` -> `b.proj`.
+    fn groups(&self, routes: &Routes) -> Result<ExpertGroups> {
+        let per = self.routing.experts_per_token;
+        Ok(ExpertGroups::new(self.experts.len(), per, &routes.experts, &routes.weights)?)
+    }
+
+    /// The CPU step in the workspace: `b.normed` -> `b.proj`, through the
+    /// grouped kernels: route, gather each token's row once per chosen
+    /// expert, gate/up of every active expert in one call, the gate, down
+    /// in one call, the weighted sum back per token (then the shared
+    /// expert's output added).
     pub fn forward_cpu(&self, b: &Buffers) -> Result<()> {
+        let Some(parts) = self.experts.iter().map(Mlp::fused_parts).collect::<Option<Vec<_>>>() else {
+            return self.forward_cpu_composed(b);
+        };
+        let gate = parts.first().map_or(kernels::cpu::Gate::Silu, |p| p.2);
+        let (gate_up, down): (Vec<_>, Vec<_>) = parts.iter().map(|&(gu, d, _)| (gu, d)).unzip();
+        let (t, h) = b.normed.dims2()?;
+        let inter = self.routing.expert_intermediate_size;
+        let experts = self.experts.len();
+        SCRATCH.with_borrow_mut(|s| -> Result<()> {
+            let x_matmul = crate::profile::scope(crate::profile::Section::Matmul);
+            kernels::cpu::read_f32(&b.normed, |x| -> candle_core::Result<()> {
+                use kernels::cpu::moe::ExpertLinear;
+                self.router.matmul(x, t, sized(&mut s.logits, t * experts)).map_err(candle_core::Error::wrap)
+            })?;
+            drop(x_matmul);
+            let groups = self.groups(&route(&self.routing, self.correction_bias.as_deref(), &s.logits))?;
+            let pairs = groups.num_pairs();
+            kernels::cpu::read_f32(&b.normed, |x| {
+                gather_rows(x, h, &groups, sized(&mut s.gathered, pairs * h)).map_err(candle_core::Error::wrap)
+            })?;
+            {
+                let _t = crate::profile::scope(crate::profile::Section::Matmul);
+                grouped_matmul(&gate_up, &groups, &s.gathered, sized(&mut s.gate_up, pairs * 2 * inter))?;
+            }
+            kernels::cpu::gated_mul(&s.gate_up, inter, gate, sized(&mut s.act, pairs * inter))?;
+            {
+                let _t = crate::profile::scope(crate::profile::Section::Matmul);
+                grouped_matmul(&down, &groups, &s.act, sized(&mut s.down, pairs * h))?;
+            }
+            let out = sized(&mut s.out, t * h);
+            combine(&s.down, h, &groups, out)?;
+            if let Some(shared) = &self.shared_expert {
+                let y = shared.forward(&b.normed)?.to_dtype(DType::F32)?;
+                kernels::cpu::read_f32(&y, |y| {
+                    out.iter_mut().zip(y).for_each(|(o, &y)| *o += y);
+                    Ok(())
+                })?;
+            }
+            kernels::cpu::write_f32(&b.proj, &|o| {
+                o.copy_from_slice(out);
+                Ok(())
+            })?;
+            Ok(())
+        })
+    }
+
+    /// [`Self::forward_cpu`] through candle ops, for experts the grouped
+    /// kernels do not take (gpt-oss's clamped gate).
+    fn forward_cpu_composed(&self, b: &Buffers) -> Result<()> {
         let out = self.forward(&b.normed)?.flatten_all()?.to_vec1::<f32>()?;
         kernels::cpu::write_f32(&b.proj, &|o| {
             o.copy_from_slice(&out);
@@ -192,10 +279,11 @@ fn fused_experts(cfg: &ModelConfig, vb: VarBuilder) -> Result<Vec<Mlp>> {
 /// GLM-4.5). The `experts_per_token` largest are kept, the lower expert
 /// first on a tie; their unbiased scores, renormalised to sum to 1 where
 /// the model says, times `routed_scaling_factor`, are the weights.
-fn route(m: &MoeConfig, correction_bias: Option<&[f32]>, logits: &[Vec<f32>]) -> Routes {
-    let mut routes: Routes = vec![(Vec::new(), Vec::new()); m.num_experts];
+fn route(m: &MoeConfig, correction_bias: Option<&[f32]>, logits: &[f32]) -> Routes {
+    let e = m.num_experts;
+    let mut routes = Routes { experts: Vec::new(), weights: Vec::new() };
     let scale = m.routed_scaling_factor as f32;
-    for (row, l) in logits.iter().enumerate() {
+    for l in logits.chunks_exact(e) {
         let scores: Vec<f32> = match m.scoring {
             RouterScoring::Softmax => {
                 let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -218,8 +306,8 @@ fn route(m: &MoeConfig, correction_bias: Option<&[f32]>, logits: &[Vec<f32>]) ->
         let total: f32 = kept.iter().map(|&e| scores[e]).sum();
         for &e in &kept {
             let w = if m.norm_topk_prob { scores[e] / total } else { scores[e] };
-            routes[e].0.push(row as u32);
-            routes[e].1.push(w * scale);
+            routes.experts.push(e as u32);
+            routes.weights.push(w * scale);
         }
     }
     routes
@@ -251,13 +339,17 @@ mod tests {
         MoeConfig { num_experts: experts, experts_per_token: top, scoring, ..MoeConfig::default() }
     }
 
+    /// One row's kept experts, ascending, with their weights.
     fn kept(routes: &Routes) -> Vec<(usize, f32)> {
-        routes.iter().enumerate().filter(|(_, (rows, _))| !rows.is_empty()).map(|(e, (_, w))| (e, w[0])).collect()
+        let mut kept: Vec<(usize, f32)> =
+            routes.experts.iter().zip(&routes.weights).map(|(&e, &w)| (e as usize, w)).collect();
+        kept.sort_by_key(|k| k.0);
+        kept
     }
 
     #[test]
     fn softmax_routing_keeps_the_most_likely_and_renormalises() {
-        let logits = vec![vec![0.0, 2f32.ln(), 0.0, 3f32.ln()]]; // probabilities 1:2:1:3
+        let logits = vec![0.0, 2f32.ln(), 0.0, 3f32.ln()]; // probabilities 1:2:1:3
         let plain = kept(&route(&moe(RouterScoring::Softmax, 4, 2), None, &logits));
         assert_eq!(plain.iter().map(|k| k.0).collect::<Vec<_>>(), [1, 3]);
         assert!((plain[0].1 - 2.0 / 7.0).abs() < 1e-6 && (plain[1].1 - 3.0 / 7.0).abs() < 1e-6);
@@ -271,7 +363,7 @@ mod tests {
     #[test]
     fn sigmoid_routing_chooses_with_the_bias_and_weighs_without_it() {
         let logit = |p: f32| (p / (1.0 - p)).ln();
-        let logits = vec![vec![logit(0.9), logit(0.5), logit(0.2), logit(0.6)]];
+        let logits = vec![logit(0.9), logit(0.5), logit(0.2), logit(0.6)];
         let bias = [0.0, 0.0, 0.5, 0.0];
         let m = MoeConfig {
             norm_topk_prob: true,
@@ -289,7 +381,7 @@ mod tests {
     fn group_limited_routing_keeps_to_the_best_groups() {
         let logit = |p: f32| (p / (1.0 - p)).ln();
         // Group 0: 0.95 + 0.1; group 1: 0.7 + 0.6 (the better pair).
-        let logits = vec![vec![logit(0.95), logit(0.1), logit(0.7), logit(0.6)]];
+        let logits = vec![logit(0.95), logit(0.1), logit(0.7), logit(0.6)];
         let m = MoeConfig { num_groups: 2, groups_per_token: 1, ..moe(RouterScoring::SigmoidWithCorrection, 4, 2) };
         let got = kept(&route(&m, Some(&[0.0; 4]), &logits));
         assert_eq!(got.iter().map(|k| k.0).collect::<Vec<_>>(), [2, 3]);

@@ -3,14 +3,14 @@
 //! rows of quantized weights.
 //!
 //! Q8_0 is kept regrouped for the kernel: in 16-row panels for `vpdpbusd`
-//! where the CPU has AVX-512 VNNI ([`VnniQ8_0`]), else 4 rows' codes
+//! where the CPU has AVX-512 VNNI ([`PanelQ8_0`]), else 4 rows' codes
 //! together, scales apart ([`PackedQ8_0`]); the k-quants Q4_K and Q6_K
 //! (from GGUF files) in 16-row panels ([`KPanels`]); Q4_0 stays in GGML's
 //! row-major blocks.
 
 use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanel, KPanels, QK_K};
+use kernels::cpu::q8_panel::{PanelQ8_0, panels_pay};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, QuantError, quantize_matrix};
-use kernels::cpu::vnni::{VnniQ8_0, vnni_available};
 
 use super::format::Quantization;
 use super::linear::Weight;
@@ -21,8 +21,8 @@ fn kernel_err(e: QuantError) -> candle_core::Error {
 
 /// Q8_0 blocks (row-major, GGML's order) regrouped for this CPU's kernel.
 fn pack_q8_0(blocks: &[BlockQ8_0], out: usize, inp: usize) -> candle_core::Result<Weight> {
-    if vnni_available() {
-        return Ok(Weight::Q8_0Vnni(VnniQ8_0::pack(blocks, out, inp / QK).map_err(kernel_err)?));
+    if panels_pay() {
+        return Ok(Weight::Q8_0Panels(PanelQ8_0::pack(blocks, out, inp / QK).map_err(kernel_err)?));
     }
     Ok(Weight::Q8_0(PackedQ8_0::pack(blocks, out, inp / QK).map_err(kernel_err)?))
 }
@@ -81,7 +81,7 @@ impl Weight {
     /// The block format, for quantized weights.
     pub fn block_format(&self) -> Option<Quantization> {
         match self {
-            Self::Q8_0(_) | Self::Q8_0Vnni(_) => Some(Quantization::Q8_0),
+            Self::Q8_0(_) | Self::Q8_0Panels(_) => Some(Quantization::Q8_0),
             Self::Q4_0 { .. } => Some(Quantization::Q4_0),
             Self::Q4K(_) => Some(Quantization::Q4K),
             Self::Q6K(_) => Some(Quantization::Q6K),
@@ -93,7 +93,7 @@ impl Weight {
     fn q8_0_rows(&self) -> Option<Vec<BlockQ8_0>> {
         match self {
             Self::Q8_0(p) => Some(p.unpack()),
-            Self::Q8_0Vnni(p) => Some(p.unpack()),
+            Self::Q8_0Panels(p) => Some(p.unpack()),
             _ => None,
         }
     }

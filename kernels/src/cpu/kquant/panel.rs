@@ -1,5 +1,5 @@
 //! Q4_K and Q6_K weights repacked at load for the integer dot products:
-//! output rows in panels of 16, as [`crate::cpu::vnni::VnniQ8_0`] does for
+//! output rows in panels of 16, as [`crate::cpu::q8_panel::PanelQ8_0`] does for
 //! Q8_0, so one broadcast of 4 activation codes feeds 16 rows at once and
 //! no horizontal sum is left anywhere.
 //!

@@ -364,7 +364,7 @@ pub fn matmul_packed_q8_0_scalar(x: &[f32], m: usize, w: &PackedQ8_0, y: &mut [f
 }
 
 /// Errors unless x is `[m, kb * 32]` and y `[m, n]`: the check of the
-/// kernels whose weight carries its own shape (`PackedQ8_0`, `VnniQ8_0`).
+/// kernels whose weight carries its own shape (`PackedQ8_0`, `PanelQ8_0`).
 /// Ok(false) when the product is empty (m or n is 0).
 pub(crate) fn check_xy(x: &[f32], m: usize, kb: usize, y: &[f32], n: usize) -> Result<bool, QuantError> {
     let k = kb * QK;

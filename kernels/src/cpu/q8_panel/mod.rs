@@ -1,7 +1,11 @@
-//! Q8_0 weights for AVX-512 VNNI: `y = x @ W^T` with W in GGML's Q8_0
-//! blocks, regrouped so that `vpdpbusd` does the dot products.
+//! Q8_0 weights in panels of 16 rows: `y = x @ W^T` with W in GGML's Q8_0
+//! blocks, regrouped so that one broadcast of 4 activation codes meets 16
+//! rows' codes at once: `vpdpbusd` on AVX-512 VNNI, `vpmaddubsw` on 8-row
+//! halves on AVX2 ([`avx2`]; 1.4-1.8x the 4-row tiles of
+//! [`super::quant::PackedQ8_0`] at m >= 8 on Zen 3, the same at decode).
+//! Machines with neither keep `PackedQ8_0` ([`panels_pay`]).
 //!
-//! Layout ([`VnniQ8_0`]): output rows in panels of 16 (the last padded with
+//! Layout ([`PanelQ8_0`]): output rows in panels of 16 (the last padded with
 //! zero rows); per panel and block index, the 16 rows' 32 codes as 8 groups
 //! of 4 k's, each group one 64-byte vector whose lane r holds row r's 4
 //! codes ([`PanelBlock`]), and the 16 scales together in a second array.
@@ -61,13 +65,65 @@ fn offset(q: i8) -> i8 {
 
 /// Q8_0 weights `[n, kb blocks]` in panels of 16 rows for `vpdpbusd`.
 #[derive(Clone, Debug, PartialEq)]
-pub struct VnniQ8_0 {
+pub struct PanelQ8_0 {
     n: usize,
     kb: usize,
     /// `[n / 16 rounded up, kb]`.
     codes: WeightBuf<PanelBlock>,
     /// `[n / 16 rounded up, kb]`, row r of the panel in lane r.
     scales: WeightBuf<[f16; PANEL]>,
+}
+
+/// The kernel a call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    /// The portable loop.
+    Scalar,
+    /// 256-bit `vpmaddubsw`/`vpmaddwd` on 8-row halves ([`avx2`]).
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// 512-bit `vpdpbusd` on whole panels ([`avx512`]).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl Backend {
+    /// The best this CPU runs (`TINYVLLM_CPU_ISA` caps it, as everywhere).
+    fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if vnni_available() {
+                return Self::Avx512Vnni;
+            }
+            if super::isa::simd() == super::isa::Simd::Avx2 {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+
+    /// Every kernel this CPU runs, the best last (for tests).
+    #[cfg(test)]
+    fn available() -> Vec<Self> {
+        let mut all = vec![Self::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::isa::simd() == super::isa::Simd::Avx2 {
+                all.push(Self::Avx2);
+            }
+            if vnni_available() {
+                all.push(Self::Avx512Vnni);
+            }
+        }
+        all
+    }
+}
+
+/// Whether this CPU runs the panels' own SIMD kernel (VNNI or AVX2):
+/// where it does not, the 4-row layout of [`super::quant::PackedQ8_0`]
+/// serves better (NEON).
+pub fn panels_pay() -> bool {
+    Backend::best() != Backend::Scalar
 }
 
 /// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI, with the
@@ -77,7 +133,7 @@ pub fn vnni_available() -> bool {
     super::isa::vnni()
 }
 
-impl VnniQ8_0 {
+impl PanelQ8_0 {
     /// Regroups `n` rows of `kb` blocks (row-major, GGML's order).
     pub fn pack(blocks: &[BlockQ8_0], n: usize, kb: usize) -> Result<Self, QuantError> {
         if blocks.len() != n * kb {
@@ -91,7 +147,10 @@ impl VnniQ8_0 {
             for (b, blk) in blocks.iter().enumerate() {
                 let dst = &mut codes[p * kb + b].0;
                 for (t, quad) in blk.qs.chunks_exact(4).enumerate() {
-                    dst[t][r] = std::array::from_fn(|j| offset(quad[j]));
+                    // -128 (never written by GGML's quantizer) becomes
+                    // -127, as the GGUF loader makes it: the AVX2 kernel
+                    // negates codes.
+                    dst[t][r] = std::array::from_fn(|j| offset(quad[j].max(-127)));
                 }
                 scales[p * kb + b][r] = blk.d;
             }
@@ -139,13 +198,13 @@ impl VnniQ8_0 {
 
 /// `y = x @ W^T` (x `[m, k]`, y `[m, n]`, every element overwritten), on the
 /// VNNI kernel where the CPU has it, else on the portable loop.
-pub fn matmul_vnni_q8_0(x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
-    matmul_with(vnni_available(), x, m, w, y)
+pub fn matmul_panel_q8_0(x: &[f32], m: usize, w: &PanelQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    matmul_with(Backend::best(), x, m, w, y)
 }
 
-/// [`matmul_vnni_q8_0`] on the portable loop (for tests).
-pub fn matmul_vnni_q8_0_scalar(x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
-    matmul_with(false, x, m, w, y)
+/// [`matmul_panel_q8_0`] on the portable loop (for tests).
+pub fn matmul_panel_q8_0_scalar(x: &[f32], m: usize, w: &PanelQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    matmul_with(Backend::Scalar, x, m, w, y)
 }
 
 /// One chunk's operands: activations quantized, their scales, and `128 *
@@ -154,17 +213,24 @@ struct Operands<'a> {
     xq: &'a [BlockQ8_0],
     xd: &'a [f32],
     xcorr: &'a [i32],
-    w: &'a VnniQ8_0,
+    w: &'a PanelQ8_0,
     m: usize,
     y: OutPtr,
 }
 
-fn matmul_with(vnni: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
-    matmul_placed(vnni, placement::threads_far_apart(), x, m, w, y)
+fn matmul_with(backend: Backend, x: &[f32], m: usize, w: &PanelQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+    matmul_placed(backend, placement::threads_far_apart(), x, m, w, y)
 }
 
 /// [`matmul_with`] as if the pool's threads were `far` apart or not.
-fn matmul_placed(vnni: bool, far: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &mut [f32]) -> Result<(), QuantError> {
+fn matmul_placed(
+    backend: Backend,
+    far: bool,
+    x: &[f32],
+    m: usize,
+    w: &PanelQ8_0,
+    y: &mut [f32],
+) -> Result<(), QuantError> {
     let (n, kb) = (w.n, w.kb);
     if !check_xy(x, m, kb, y, n)? {
         return Ok(());
@@ -175,7 +241,7 @@ fn matmul_placed(vnni: bool, far: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &m
         return Ok(());
     }
     if m == 1 {
-        decode(vnni, far, x, w, y);
+        decode(backend, far, x, w, y);
         return Ok(());
     }
     for (xc, yc) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
@@ -184,7 +250,7 @@ fn matmul_placed(vnni: bool, far: bool, x: &[f32], m: usize, w: &VnniQ8_0, y: &m
         let xcorr: Vec<i32> = xq.iter().map(correction).collect();
         let ops = Operands { xq: &xq, xd: &xd, xcorr: &xcorr, w, m: rows, y: OutPtr(yc.as_mut_ptr()) };
         // 1-4 panels (16-64 rows) per task, about 8 tasks per thread.
-        for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(vnni, &ops, p0, p1));
+        for_each_span(n.div_ceil(PANEL), (1, 4), |p0, p1| panels(backend, &ops, p0, p1));
     }
     Ok(())
 }
@@ -243,7 +309,7 @@ impl DecodeInput {
 /// threads by weight bytes. With the threads `far` apart, the activations
 /// are asked for writable before they are quantized and handed back to
 /// memory after the call, as both threads read them ([`placement`]).
-fn decode(vnni: bool, far: bool, x: &[f32], w: &VnniQ8_0, y: &mut [f32]) {
+fn decode(backend: Backend, far: bool, x: &[f32], w: &PanelQ8_0, y: &mut [f32]) {
     let (n, kb) = (w.n, w.kb);
     // A nested call on this thread (none today) would find it empty and
     // fill its own.
@@ -251,7 +317,7 @@ fn decode(vnni: bool, far: bool, x: &[f32], w: &VnniQ8_0, y: &mut [f32]) {
     input.quantize(x, kb, far);
     let ops = Operands { xq: &input.xq, xd: &input.xd, xcorr: &input.xcorr, w, m: 1, y: OutPtr(y.as_mut_ptr()) };
     let count = n.div_ceil(PANEL);
-    for_each_owned(count, w.size_in_bytes() / count, |ps| panels(vnni, &ops, ps.start, ps.end));
+    for_each_owned(count, w.size_in_bytes() / count, |ps| panels(backend, &ops, ps.start, ps.end));
     if far {
         input.flush();
     }
@@ -259,17 +325,18 @@ fn decode(vnni: bool, far: bool, x: &[f32], w: &VnniQ8_0, y: &mut [f32]) {
 }
 
 /// y[.., columns of panels p0..p1].
-fn panels(vnni: bool, ops: &Operands<'_>, p0: usize, p1: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if vnni {
-        // SAFETY: `vnni` is only true where `vnni_available` detected the
-        // features; the caller checked the shapes; this task alone writes
-        // the columns of panels p0..p1.
-        unsafe { avx512::panels(ops, p0, p1) };
-        return;
+fn panels(backend: Backend, ops: &Operands<'_>, p0: usize, p1: usize) {
+    match backend {
+        // SAFETY: `Backend::best` only picks Avx512Vnni where
+        // `vnni_available` detected the features; the caller checked the
+        // shapes; this task alone writes the columns of panels p0..p1.
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx512Vnni => unsafe { avx512::panels(ops, p0, p1) },
+        // SAFETY: as above, Avx2 only after detecting AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => unsafe { avx2::panels(ops, p0, p1) },
+        Backend::Scalar => scalar_panels(ops, p0, p1),
     }
-    let _ = vnni;
-    scalar_panels(ops, p0, p1);
 }
 
 /// Writes row `i`'s sums of panel p to y, dropping padding rows.
@@ -303,6 +370,9 @@ fn scalar_panels(ops: &Operands<'_>, p0: usize, p1: usize) {
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -504,21 +574,22 @@ mod tests {
         for (m, k, n) in shapes.into_iter().chain(more) {
             let x = random(&mut rng, m * k);
             let blocks = quantize_matrix_q8_0(&random(&mut rng, n * k), n, k).expect("k is a multiple of 32");
-            let packed = VnniQ8_0::pack(&blocks, n, k / QK).expect("consistent shape");
+            let packed = PanelQ8_0::pack(&blocks, n, k / QK).expect("consistent shape");
             assert_eq!(packed.unpack(), blocks, "unpack(pack(w)) for [{n}, {k}]");
             let mut want = vec![0f32; m * n];
             matmul_q8_0_scalar(&x, m, k, &blocks, n, &mut want).expect("consistent shapes");
-            for (name, f) in [("dispatch", matmul_vnni_q8_0 as MatmulFn), ("scalar", matmul_vnni_q8_0_scalar)] {
+            for backend in Backend::available() {
                 let mut got = vec![f32::NAN; m * n];
-                f(&x, m, &packed, &mut got).expect("consistent shapes");
+                matmul_with(backend, &x, m, &packed, &mut got).expect("consistent shapes");
                 for (j, (g, r)) in got.iter().zip(&want).enumerate() {
-                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{name} m={m} k={k} n={n} at {j}: {g} vs {r}");
+                    assert!(
+                        (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                        "{backend:?} m={m} k={k} n={n} at {j}: {g} vs {r}"
+                    );
                 }
             }
         }
     }
-
-    type MatmulFn = fn(&[f32], usize, &VnniQ8_0, &mut [f32]) -> Result<(), QuantError>;
 
     /// Decode keeps its quantized activations across calls and, with the
     /// threads far apart, prefetches and flushes them: the same bits either
@@ -529,22 +600,22 @@ mod tests {
         for (k, n) in [(2048, 100), (64, 17), (5632, 40), (32, 300), (2048, 16)] {
             let x = random(&mut rng, k);
             let blocks = quantize_matrix_q8_0(&random(&mut rng, n * k), n, k).expect("k is a multiple of 32");
-            let packed = VnniQ8_0::pack(&blocks, n, k / QK).expect("consistent shape");
+            let packed = PanelQ8_0::pack(&blocks, n, k / QK).expect("consistent shape");
             let mut want = vec![0f32; n];
             matmul_q8_0_scalar(&x, 1, k, &blocks, n, &mut want).expect("consistent shapes");
-            for vnni in [vnni_available(), false] {
+            for backend in Backend::available() {
                 let mut near = vec![f32::NAN; n];
-                matmul_placed(vnni, false, &x, 1, &packed, &mut near).expect("consistent shapes");
+                matmul_placed(backend, false, &x, 1, &packed, &mut near).expect("consistent shapes");
                 for (j, (g, r)) in near.iter().zip(&want).enumerate() {
-                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "vnni={vnni} k={k} n={n} at {j}: {g} vs {r}");
+                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{backend:?} k={k} n={n} at {j}: {g} vs {r}");
                 }
                 for _ in 0..2 {
                     let mut far = vec![f32::NAN; n];
-                    matmul_placed(vnni, true, &x, 1, &packed, &mut far).expect("consistent shapes");
+                    matmul_placed(backend, true, &x, 1, &packed, &mut far).expect("consistent shapes");
                     assert_eq!(
                         far.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                         near.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        "vnni={vnni} k={k} n={n}"
+                        "{backend:?} k={k} n={n}"
                     );
                 }
             }
@@ -554,8 +625,9 @@ mod tests {
     #[test]
     fn extreme_codes_are_exact() {
         // Codes of +-127 on both sides, and -128 in the weights (a file
-        // may hold it): the 128 offset and its correction must cancel
-        // exactly (a sum of 32 * 255 * 127 fits i32 easily).
+        // may hold it; packing makes it -127): the 128 offset and its
+        // correction must cancel exactly (a sum of 32 * 255 * 127 fits
+        // i32 easily), and AVX2's pairs must not saturate.
         let n = 3;
         let code = |i: usize, j: usize| match (i + j) % 5 {
             0 => -128,
@@ -564,24 +636,31 @@ mod tests {
         };
         let blocks: Vec<BlockQ8_0> =
             (0..n * 2).map(|i| BlockQ8_0 { d: f16::ONE, qs: std::array::from_fn(|j| code(i, j)) }).collect();
-        let packed = VnniQ8_0::pack(&blocks, n, 2).expect("consistent");
-        let x: Vec<f32> = (0..64).map(|j| if j % 2 == 0 { 1.0 } else { -1.0 }).collect();
-        let mut want = vec![0f32; n];
-        matmul_q8_0_scalar(&x, 1, 64, &blocks, n, &mut want).expect("shapes");
-        let mut got = vec![0f32; n];
-        matmul_vnni_q8_0(&x, 1, &packed, &mut got).expect("shapes");
-        assert_eq!(got, want);
+        let packed = PanelQ8_0::pack(&blocks, n, 2).expect("consistent");
+        let clamped: Vec<BlockQ8_0> =
+            blocks.iter().map(|b| BlockQ8_0 { d: b.d, qs: b.qs.map(|q| q.max(-127)) }).collect();
+        assert_eq!(packed.unpack(), clamped);
+        for m in [1, 2, 3] {
+            let x: Vec<f32> = (0..64 * m).map(|j| if (j + j / 64) % 2 == 0 { 1.0 } else { -1.0 }).collect();
+            let mut want = vec![0f32; m * n];
+            matmul_q8_0_scalar(&x, m, 64, &clamped, n, &mut want).expect("shapes");
+            for backend in Backend::available() {
+                let mut got = vec![0f32; m * n];
+                matmul_with(backend, &x, m, &packed, &mut got).expect("shapes");
+                assert_eq!(got, want, "{backend:?} m={m}");
+            }
+        }
     }
 
     #[test]
     fn shapes_are_checked() {
         let blocks = vec![BlockQ8_0 { d: f16::ONE, qs: [1; QK] }; 4];
-        assert!(matches!(VnniQ8_0::pack(&blocks, 3, 2), Err(QuantError::Shape(_))));
-        let packed = VnniQ8_0::pack(&blocks, 2, 2).expect("consistent");
+        assert!(matches!(PanelQ8_0::pack(&blocks, 3, 2), Err(QuantError::Shape(_))));
+        let packed = PanelQ8_0::pack(&blocks, 2, 2).expect("consistent");
         assert_eq!(packed.size_in_bytes(), 2 * (512 + 32), "one padded panel, 2 blocks");
         let mut y = [0f32; 2];
-        assert!(matmul_vnni_q8_0(&[0.0; 63], 1, &packed, &mut y).is_err());
-        assert!(matmul_vnni_q8_0(&[0.0; 64], 1, &packed, &mut y[..1]).is_err());
-        assert!(matmul_vnni_q8_0(&[0.0; 64], 1, &packed, &mut y).is_ok());
+        assert!(matmul_panel_q8_0(&[0.0; 63], 1, &packed, &mut y).is_err());
+        assert!(matmul_panel_q8_0(&[0.0; 64], 1, &packed, &mut y[..1]).is_err());
+        assert!(matmul_panel_q8_0(&[0.0; 64], 1, &packed, &mut y).is_ok());
     }
 }
