@@ -157,6 +157,56 @@ pub fn split_layers(total: usize, memory: &[u64]) -> Result<Vec<LayerRange>, Lay
         .collect())
 }
 
+/// Splits layers of the given weights (bytes or parameters, each layer's)
+/// over stages so that each stage's share of the weight follows `memory`,
+/// in order, each stage at least one layer. Layers of one weight split as
+/// [`split_layers`] splits a count; layers that differ (GLM-4.5's dense
+/// first layer among mixture-of-experts layers, Qwen3-MoE's
+/// `mlp_only_layers`) are cut where each stage's running total comes
+/// closest to its share of the whole, so a stage of dense layers takes
+/// more of them.
+pub fn split_layers_by_weight(weights: &[u64], memory: &[u64]) -> Result<Vec<LayerRange>, LayerRangeError> {
+    let total = weights.len();
+    if weights.windows(2).all(|w| w[0] == w[1]) {
+        return split_layers(total, memory);
+    }
+    let stages = memory.len();
+    let memory_sum: u128 = memory.iter().map(|&m| u128::from(m)).sum();
+    if stages == 0 || memory_sum == 0 {
+        return Err(LayerRangeError::NoStages);
+    }
+    if stages > total {
+        return Err(LayerRangeError::TooManyStages { layers: total, stages });
+    }
+    let weight_sum: u128 = weights.iter().map(|&w| u128::from(w)).sum();
+    let mut ranges = Vec::with_capacity(stages);
+    let (mut start, mut done, mut memory_before) = (0usize, 0u128, 0u128);
+    for (s, &m) in memory.iter().enumerate() {
+        memory_before += u128::from(m);
+        // Where this stage's running total should end, scaled by the
+        // memory sum so that it stays an integer.
+        let target = weight_sum * memory_before;
+        let last_end = total - (stages - s - 1); // leave a layer per later stage
+        let mut end = start + 1;
+        done += u128::from(weights[start]);
+        while end < last_end && s + 1 < stages {
+            let next = done + u128::from(weights[end]);
+            // Take the next layer while that brings the total closer to the target.
+            if (next * memory_sum).abs_diff(target) >= (done * memory_sum).abs_diff(target) {
+                break;
+            }
+            done = next;
+            end += 1;
+        }
+        if s + 1 == stages {
+            end = total;
+        }
+        ranges.push(LayerRange { start, end, total });
+        start = end;
+    }
+    Ok(ranges)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,13 +251,37 @@ mod tests {
     }
 
     #[test]
+    fn layers_of_different_weights_split_by_weight() {
+        let ranges = |weights: &[u64], mem: &[u64]| -> Vec<String> {
+            split_layers_by_weight(weights, mem).unwrap().iter().map(ToString::to_string).collect()
+        };
+        // One dense layer of weight 1, then mixture layers of 10 (GLM-4.5):
+        // 1 + 10 + 10 against 10 + 10 + 10 for two equal stages.
+        assert_eq!(ranges(&[1, 10, 10, 10, 10, 10], &[1, 1]), ["0-2", "3-5"]);
+        // Equal weights split as a count does.
+        assert_eq!(ranges(&[7; 22], &[16, 8]), ["0-14", "15-21"]);
+        // A heavy middle layer; the larger stage first.
+        assert_eq!(ranges(&[1, 1, 1, 1, 12, 1, 1, 1], &[3, 1]), ["0-4", "5-7"]);
+        assert_eq!(ranges(&[1, 1, 100], &[1, 1, 1]), ["0-0", "1-1", "2-2"], "every stage gets a layer");
+        assert_eq!(
+            split_layers_by_weight(&[1, 2], &[1, 1, 1]),
+            Err(LayerRangeError::TooManyStages { layers: 2, stages: 3 })
+        );
+        assert_eq!(split_layers_by_weight(&[1, 2], &[]), Err(LayerRangeError::NoStages));
+    }
+
+    #[test]
     fn a_split_covers_every_layer_once() {
         for total in 1..40 {
             for mem in [vec![3u64, 5, 7], vec![1, 1], vec![10, 1, 1, 1]] {
-                let Ok(split) = split_layers(total, &mem) else { continue };
-                assert_eq!(split.first().unwrap().start, 0);
-                assert_eq!(split.last().unwrap().end, total);
-                assert!(split.windows(2).all(|w| w[0].end == w[1].start && !w[0].is_empty()));
+                let weights: Vec<u64> = (0..total as u64).map(|l| 1 + (l * 7919) % 13).collect();
+                for split in [split_layers(total, &mem), split_layers_by_weight(&weights, &mem)] {
+                    let Ok(split) = split else { continue };
+                    assert_eq!(split.first().unwrap().start, 0);
+                    assert_eq!(split.last().unwrap().end, total);
+                    assert!(split.iter().all(|r| !r.is_empty()), "{split:?}");
+                    assert!(split.windows(2).all(|w| w[0].end == w[1].start));
+                }
             }
         }
     }

@@ -128,11 +128,12 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let max_model_len =
         args.max_model_len.unwrap_or(files.config.max_position_embeddings).min(files.config.max_position_embeddings);
     let secret = load_or_create_secret(&args.cluster_secret_file)?;
-    let stages = pipeline_stages(&args, files.config.num_layers)?;
+    let layer_weights = files.config.layer_parameter_counts();
+    let stages = pipeline_stages(&args, &layer_weights)?;
 
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
     let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests, args.policy, args.block_size)
-        .with_formation(files.config.num_layers, args.pipeline_parallel_size);
+        .with_formation(layer_weights, args.pipeline_parallel_size);
     let (cert, key) = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
         _ => common::transport::self_signed_cert()?,
@@ -283,15 +284,16 @@ fn raise_fd_limit() -> Option<u64> {
 }
 
 /// With `--pipeline-parallel-size` over 1 and local workers, each stage's
-/// layers: split evenly, since one host's memory is shared by its stages.
+/// layers: equal shares of the layers' weights (equal counts where every
+/// layer weighs the same), since one host's memory is shared by its stages.
 /// A split that cannot be made is an error at start.
-fn pipeline_stages(args: &Args, num_layers: usize) -> anyhow::Result<Option<Vec<common::pipeline::LayerRange>>> {
+fn pipeline_stages(args: &Args, layer_weights: &[u64]) -> anyhow::Result<Option<Vec<common::pipeline::LayerRange>>> {
     let p = args.pipeline_parallel_size;
     anyhow::ensure!(p > 0, "--pipeline-parallel-size must be at least 1");
     if p == 1 {
         return Ok(None);
     }
-    let stages = common::pipeline::split_layers(num_layers, &vec![1; p])
+    let stages = common::pipeline::split_layers_by_weight(layer_weights, &vec![1; p])
         .with_context(|| format!("pipelines of {p} stages for {}", args.model))?;
     if args.local_workers == 0 {
         // Remote pipelines are formed from the workers' offers (`--layers auto`).

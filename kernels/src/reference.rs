@@ -157,6 +157,22 @@ pub fn gelu_tanh_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
         .collect()
 }
 
+/// gpt-oss's clamped SwiGLU from a fused `[rows, 2 * inter]` gate/up
+/// output, in f64: `(clamp(up, -limit, limit) + 1) * g * sigmoid(1.702 g)`,
+/// `g = min(gate, limit)`.
+pub fn clamped_swiglu_mul(gate_up: &[f32], inter: usize, limit: f32) -> Vec<f32> {
+    let limit = limit as f64;
+    gate_up
+        .chunks_exact(2 * inter)
+        .flat_map(|row| {
+            (0..inter).map(move |i| {
+                let (g, u) = ((row[i] as f64).min(limit), (row[inter + i] as f64).clamp(-limit, limit));
+                ((u + 1.0) * g / (1.0 + (-1.702 * g).exp())) as f32
+            })
+        })
+        .collect()
+}
+
 /// Rotary embedding of heads `0..heads` of each `row_len` row, HF's
 /// `rotate_half` form over each head's first `2 * inv_freq.len()` dims (the
 /// rest pass through), angles computed from `inv_freq` (not from tables), in

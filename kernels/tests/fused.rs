@@ -59,6 +59,24 @@ fn gelu_tanh_mul_matches_reference() {
 }
 
 #[test]
+fn clamped_swiglu_mul_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let gate = Gate::ClampedSwiglu { limit: 7.0 };
+    for (rows, inter) in [(1, 1), (3, 17), (40, 2000)] {
+        // Values to +-12: both clamps bite.
+        let gate_up = random(&mut rng, rows * 2 * inter, 12.0);
+        let mut out = vec![f32::NAN; rows * inter];
+        gated_mul(&gate_up, inter, gate, &mut out).unwrap();
+        assert_close(&out, &reference::clamped_swiglu_mul(&gate_up, inter, 7.0), 1e-5, &format!("{rows}x{inter}"));
+    }
+    let g = [-1e4f32, -100.0, -7.5, -1e-3, 0.0, 6.99, 7.0, 7.01, 100.0, 1e4];
+    let gate_up: Vec<f32> = g.iter().copied().chain(g.iter().rev().copied()).collect();
+    let mut out = vec![f32::NAN; g.len()];
+    gated_mul(&gate_up, g.len(), gate, &mut out).unwrap();
+    assert_close(&out, &reference::clamped_swiglu_mul(&gate_up, g.len(), 7.0), 1e-6, "tails");
+}
+
+#[test]
 fn silu_mul_rejects_bad_shapes() {
     let mut out = vec![0f32; 3];
     assert!(silu_mul(&[0.0; 7], 3, &mut out).is_err());

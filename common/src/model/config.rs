@@ -429,6 +429,16 @@ impl ModelConfig {
     /// holding every layer loads, before it has read a tensor (used to plan
     /// pipelines, issue 30).
     pub fn parameter_count(&self) -> u64 {
+        let h = self.hidden_size as u64;
+        let embed = (self.vocab_size as u64) * h;
+        let lm_head = if self.tie_word_embeddings { 0 } else { embed };
+        embed + self.layer_parameter_counts().iter().sum::<u64>() + h + lm_head
+    }
+
+    /// Each decoder layer's parameters (projections, experts, biases,
+    /// norms): what splits a model's layers over pipeline stages by their
+    /// bytes (`common::pipeline::split_layers_by_weight`).
+    pub fn layer_parameter_counts(&self) -> Vec<u64> {
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
         let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
         let bias = |on: bool, n: u64| if on { n } else { 0 };
@@ -440,12 +450,11 @@ impl ModelConfig {
         let moe_mlp = m.num_experts as u64 * (3 * h * ei + h + bias(m.biases, 1 + 2 * ei + h))
             + correction
             + 3 * h * m.shared_intermediate_size as u64;
-        let mlps: u64 = (0..self.num_layers).map(|l| if m.is_moe_layer(l) { moe_mlp } else { dense_mlp }).sum();
         let norms = if self.gemma_norms { 4 * h } else { 2 * h } + bias(self.qk_norm, 2 * self.head_dim as u64);
         let sinks = bias(self.attention_sinks, self.num_heads as u64);
-        let embed = (self.vocab_size as u64) * h;
-        let lm_head = if self.tie_word_embeddings { 0 } else { embed };
-        embed + self.num_layers as u64 * (attention + norms + sinks) + mlps + h + lm_head
+        (0..self.num_layers)
+            .map(|l| attention + norms + sinks + if m.is_moe_layer(l) { moe_mlp } else { dense_mlp })
+            .collect()
     }
 
     /// The window of layer `layer` (None: it sees every earlier position).

@@ -28,7 +28,8 @@ use super::plan::{self, OfferedMemory, Plan, Shortfall};
 pub(super) struct Formation {
     /// `--pipeline-parallel-size` when over 1.
     pipeline_size: Option<usize>,
-    num_layers: usize,
+    /// Each decoder layer's parameters: what stages split.
+    layer_weights: Vec<u64>,
     pending: BTreeMap<u64, Pending>,
     next_offer: u64,
     /// What the planner last said while offers were waiting.
@@ -59,12 +60,13 @@ pub struct OfferInfo {
 }
 
 impl Cluster {
-    /// Plans pipelines from offers for a model of `num_layers` layers, of
-    /// `pipeline_size` stages each when that is over 1 (else as memory needs).
-    pub fn with_formation(self, num_layers: usize, pipeline_size: usize) -> Self {
+    /// Plans pipelines from offers for a model whose layers weigh
+    /// `layer_weights` (parameters each), of `pipeline_size` stages each
+    /// when that is over 1 (else as memory needs).
+    pub fn with_formation(self, layer_weights: Vec<u64>, pipeline_size: usize) -> Self {
         {
             let mut formation = self.formation();
-            formation.num_layers = num_layers;
+            formation.layer_weights = layer_weights;
             formation.pipeline_size = (pipeline_size > 1).then_some(pipeline_size);
         }
         self
@@ -159,8 +161,8 @@ impl Cluster {
         loop {
             let ids: Vec<u64> = formation.pending.keys().copied().collect();
             let memory: Vec<OfferedMemory> = formation.pending.values().map(|p| p.memory).collect();
-            let stages = match plan::plan(&memory, formation.num_layers, formation.pipeline_size) {
-                Plan::Replica(i) => vec![(i, common::pipeline::LayerRange::full(formation.num_layers))],
+            let stages = match plan::plan(&memory, &formation.layer_weights, formation.pipeline_size) {
+                Plan::Replica(i) => vec![(i, common::pipeline::LayerRange::full(formation.layer_weights.len()))],
                 Plan::Pipeline(stages) => stages,
                 Plan::Wait(why) => {
                     let why = (why != Shortfall::NoOffers).then(|| why.to_string());

@@ -14,9 +14,11 @@
 //! * with `--pipeline-parallel-size N`, the N largest offers form a
 //!   pipeline if they hold the model together;
 //! * a pipeline's stages keep the order the offers came in, and its layers
-//!   are split in proportion to memory (`common::pipeline::split_layers`).
+//!   are split so that each stage's share of the layers' weights follows
+//!   its memory (`common::pipeline::split_layers_by_weight`: a count of
+//!   layers where they weigh the same).
 
-use common::pipeline::{LayerRange, split_layers};
+use common::pipeline::{LayerRange, split_layers_by_weight};
 
 /// The part of a stage's memory its weights may take: 3/4.
 pub const WEIGHT_SHARE: (u64, u64) = (3, 4);
@@ -111,10 +113,12 @@ fn memory_for(weights: u64) -> u64 {
     (u128::from(weights) * u128::from(WEIGHT_SHARE.1)).div_ceil(u128::from(WEIGHT_SHARE.0)) as u64
 }
 
-/// Plans over `offers` (in the order they came) for a model of
-/// `num_layers` layers; `pipeline_size` is `--pipeline-parallel-size` when
-/// it asks for more than one stage.
-pub fn plan(offers: &[OfferedMemory], num_layers: usize, pipeline_size: Option<usize>) -> Plan {
+/// Plans over `offers` (in the order they came) for a model whose decoder
+/// layers weigh `layer_weights` (parameters, one per layer);
+/// `pipeline_size` is `--pipeline-parallel-size` when it asks for more
+/// than one stage.
+pub fn plan(offers: &[OfferedMemory], layer_weights: &[u64], pipeline_size: Option<usize>) -> Plan {
+    let num_layers = layer_weights.len();
     if offers.is_empty() {
         return Plan::Wait(Shortfall::NoOffers);
     }
@@ -156,7 +160,7 @@ pub fn plan(offers: &[OfferedMemory], num_layers: usize, pipeline_size: Option<u
     let mut chosen = chosen;
     chosen.sort_unstable();
     let memory: Vec<u64> = chosen.iter().map(|&i| offers[i].memory).collect();
-    match split_layers(num_layers, &memory) {
+    match split_layers_by_weight(layer_weights, &memory) {
         Ok(ranges) => Plan::Pipeline(chosen.into_iter().zip(ranges).collect()),
         Err(_) => Plan::Wait(Shortfall::Layers { layers: num_layers, stages: chosen.len() }),
     }
@@ -186,33 +190,43 @@ mod tests {
         }
     }
 
+    /// GLM-4.5's dense first layer weighs a tenth of a mixture layer: two
+    /// equal stages take layers 0-2 (21 of 51) and 3-5 (30), the cut
+    /// closest to halves; with memory 2:1 the first takes 0-3 (31).
+    #[test]
+    fn stages_share_the_layers_by_weight() {
+        let weights = [1, 10, 10, 10, 10, 10];
+        assert_eq!(layers(&plan(&offers(&[1000, 1000]), &weights, Some(2))), [(0, "0-2".into()), (1, "3-5".into())]);
+        assert_eq!(layers(&plan(&offers(&[2000, 1000]), &weights, Some(2))), [(0, "0-3".into()), (1, "4-5".into())]);
+    }
+
     #[test]
     fn an_offer_that_holds_the_model_is_a_replica() {
         // 400 bytes hold 300 of weights (3/4); 399 do not.
-        assert_eq!(plan(&offers(&[399, 400, 1000]), 22, None), Plan::Replica(1));
-        assert_eq!(plan(&offers(&[1000]), 22, None), Plan::Replica(0));
+        assert_eq!(plan(&offers(&[399, 400, 1000]), &[1; 22], None), Plan::Replica(1));
+        assert_eq!(plan(&offers(&[1000]), &[1; 22], None), Plan::Replica(0));
     }
 
     #[test]
     fn offers_too_small_alone_are_split_in_proportion_to_memory() {
         // 200 + 150 hold 150 + 112 < 300; all three hold 337.
-        let plan = plan(&offers(&[150, 100, 200]), 22, None);
+        let plan = plan(&offers(&[150, 100, 200]), &[1; 22], None);
         assert_eq!(layers(&plan), [(0, "0-6".into()), (1, "7-11".into()), (2, "12-21".into())]);
         // The fewest offers that hold the model, largest first, in the order they came.
-        let plan2 = super::plan(&offers(&[100, 300, 10, 200]), 5, None);
+        let plan2 = super::plan(&offers(&[100, 300, 10, 200]), &[1; 5], None);
         assert_eq!(layers(&plan2), [(1, "0-2".into()), (3, "3-4".into())]);
     }
 
     #[test]
     fn pipeline_size_takes_the_largest_offers() {
-        assert_eq!(layers(&plan(&offers(&[1000, 1000]), 22, Some(2))), [(0, "0-10".into()), (1, "11-21".into())]);
-        assert_eq!(layers(&plan(&offers(&[50, 1000, 500]), 5, Some(2))), [(1, "0-2".into()), (2, "3-4".into())]);
-        assert_eq!(plan(&offers(&[1000]), 22, Some(2)), Plan::Wait(Shortfall::Workers { needed: 2, offered: 1 }));
+        assert_eq!(layers(&plan(&offers(&[1000, 1000]), &[1; 22], Some(2))), [(0, "0-10".into()), (1, "11-21".into())]);
+        assert_eq!(layers(&plan(&offers(&[50, 1000, 500]), &[1; 5], Some(2))), [(1, "0-2".into()), (2, "3-4".into())]);
+        assert_eq!(plan(&offers(&[1000]), &[1; 22], Some(2)), Plan::Wait(Shortfall::Workers { needed: 2, offered: 1 }));
     }
 
     #[test]
     fn too_little_memory_says_what_is_needed_and_offered() {
-        let wait = plan(&offers(&[200, 100]), 22, None);
+        let wait = plan(&offers(&[200, 100]), &[1; 22], None);
         assert_eq!(wait, Plan::Wait(Shortfall::Memory { weight_bytes: 300, needed: 400, offered: 300, offers: 2 }));
         let Plan::Wait(why) = wait else { unreachable!() };
         assert_eq!(
@@ -221,21 +235,21 @@ mod tests {
              rest for its KV cache); 2 workers offer 300 bytes in total"
         );
         let big = vec![OfferedMemory { memory: 1_400_000_000, model_weight_bytes: 2_200_000_000 }];
-        let Plan::Wait(why) = plan(&big, 22, None) else { panic!() };
+        let Plan::Wait(why) = plan(&big, &[1; 22], None) else { panic!() };
         assert!(why.to_string().contains("needs 2.9 GB of memory (2.2 GB of weights"), "{why}");
         assert!(why.to_string().ends_with("1 worker offers 1.4 GB in total"), "{why}");
         // With a pipeline size, only the offers it would take count.
         assert!(matches!(
-            plan(&offers(&[200, 100, 50]), 22, Some(2)),
+            plan(&offers(&[200, 100, 50]), &[1; 22], Some(2)),
             Plan::Wait(Shortfall::Memory { offered: 300, .. })
         ));
-        assert_eq!(plan(&[], 22, None), Plan::Wait(Shortfall::NoOffers));
+        assert_eq!(plan(&[], &[1; 22], None), Plan::Wait(Shortfall::NoOffers));
     }
 
     #[test]
     fn more_stages_than_layers_waits() {
         assert_eq!(
-            plan(&offers(&[100, 100, 100, 100]), 2, None),
+            plan(&offers(&[100, 100, 100, 100]), &[1; 2], None),
             Plan::Wait(Shortfall::Layers { layers: 2, stages: 4 })
         );
     }

@@ -30,13 +30,16 @@ fn rows_per_task(row_len: usize) -> usize {
 }
 
 /// The activation of a gated MLP's gate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Gate {
     /// `silu(g) = g * sigmoid(g)` (SwiGLU).
     Silu,
     /// GELU's tanh approximation (GeGLU, `gelu_pytorch_tanh`):
     /// `0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`.
     GeluTanh,
+    /// gpt-oss's: `(clamp(up, -limit, limit) + 1) * g * sigmoid(1.702 g)`
+    /// with `g = min(gate, limit)`.
+    ClampedSwiglu { limit: f32 },
 }
 
 /// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]`, with
@@ -84,10 +87,18 @@ fn gated_mul_row(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
         }
     }
     #[inline(always)]
+    fn clamped(limit: f32, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            let g = g.min(limit);
+            *o = (u.clamp(-limit, limit) + 1.0) * (g / (1.0 + exp_poly(-1.702 * g)));
+        }
+    }
+    #[inline(always)]
     fn run(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
         match act {
             Gate::Silu => body::<false>(gate, up, out),
             Gate::GeluTanh => body::<true>(gate, up, out),
+            Gate::ClampedSwiglu { limit } => clamped(limit, gate, up, out),
         }
     }
     #[cfg(target_arch = "x86_64")]

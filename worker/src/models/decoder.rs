@@ -128,6 +128,12 @@ impl DecoderLayer {
         let norms = norms.into_iter().chain([self.mlp_output_norm.as_ref()]).flatten();
         norms.map(RmsNorm::size_in_bytes).sum::<usize>() + self.self_attn.size_in_bytes() + self.mlp.size_in_bytes()
     }
+
+    /// Bytes of weight it holds: what a pass reads, with every expert of a
+    /// mixture (a token reads only its chosen ones).
+    pub(super) fn resident_bytes(&self) -> usize {
+        self.size_in_bytes() - self.mlp.size_in_bytes() + self.mlp.resident_bytes()
+    }
 }
 
 /// A step's attention metadata for each layer: the step's own, or a copy

@@ -23,6 +23,7 @@ use super::workspace::Buffers;
 use crate::error::Result;
 use crate::runner::kv_cache::LayerKvCache;
 use common::model::Activation;
+use kernels::cpu::Gate;
 
 /// The dtype activations (and the KV cache) use. On the CPU they stay f32
 /// whatever the weights are: the linear layers widen f16/bf16 weights in
@@ -287,7 +288,8 @@ impl Attention {
     /// Bytes of weight one pass reads.
     pub fn size_in_bytes(&self) -> usize {
         let norms = self.q_norm.iter().chain(&self.k_norm).map(RmsNorm::size_in_bytes).sum::<usize>();
-        norms + self.qkv_proj.size_in_bytes() + self.o_proj.size_in_bytes()
+        let sinks = self.sinks.as_ref().map_or(0, |s| std::mem::size_of_val(s.as_slice()));
+        norms + sinks + self.qkv_proj.size_in_bytes() + self.o_proj.size_in_bytes()
     }
 
     /// The composed step (GPUs): candle ops and the device's kernels.
@@ -374,16 +376,7 @@ pub struct Mlp {
     gate_up_proj: Projection,
     down_proj: Linear,
     intermediate: usize,
-    gate: GateFn,
-}
-
-/// How an MLP combines its gate and up halves.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum GateFn {
-    /// `act(gate) * up`, fused on the CPU.
-    Fused(kernels::cpu::Gate),
-    /// gpt-oss: `(clamp(up) + 1) * g * sigmoid(1.702 g)`, `g = min(gate, limit)`.
-    ClampedSwiglu { limit: f32 },
+    gate: Gate,
 }
 
 impl Mlp {
@@ -411,9 +404,9 @@ impl Mlp {
     pub fn from_linears(activation: Activation, [gate, up]: [Linear; 2], down: Linear) -> Result<Self> {
         let intermediate = down.dims()?.1;
         let gate_fn = match activation {
-            Activation::Silu => GateFn::Fused(kernels::cpu::Gate::Silu),
-            Activation::GeluTanh => GateFn::Fused(kernels::cpu::Gate::GeluTanh),
-            Activation::ClampedSwiglu { limit } => GateFn::ClampedSwiglu { limit },
+            Activation::Silu => Gate::Silu,
+            Activation::GeluTanh => Gate::GeluTanh,
+            Activation::ClampedSwiglu { limit } => Gate::ClampedSwiglu { limit },
         };
         Ok(Self { gate_up_proj: Projection::new(vec![gate, up])?, down_proj: down, intermediate, gate: gate_fn })
     }
@@ -438,10 +431,10 @@ impl Mlp {
         let gate = gate_up.narrow(1, 0, i)?;
         let up = gate_up.narrow(1, i, i)?;
         let act = match self.gate {
-            GateFn::Fused(kernels::cpu::Gate::Silu) => (candle_nn::ops::silu(&gate)? * up)?,
+            Gate::Silu => (candle_nn::ops::silu(&gate)? * up)?,
             // candle's `gelu` is the tanh approximation.
-            GateFn::Fused(kernels::cpu::Gate::GeluTanh) => (gate.gelu()? * up)?,
-            GateFn::ClampedSwiglu { limit } => {
+            Gate::GeluTanh => (gate.gelu()? * up)?,
+            Gate::ClampedSwiglu { limit } => {
                 let (limit, alpha) = (f64::from(limit), 1.702);
                 let gate = gate.minimum(limit)?;
                 let up = up.clamp(-limit, limit)?;
@@ -454,26 +447,20 @@ impl Mlp {
 }
 
 impl Mlp {
-    /// Its stacked gate/up projection, down projection and fused gate, for
-    /// the grouped expert kernels; `None` where the CPU step composes it
-    /// (gate and up in different formats, gpt-oss's clamped gate).
-    pub fn fused_parts(&self) -> Option<(&Linear, &Linear, kernels::cpu::Gate)> {
-        match (&self.gate_up_proj, self.gate) {
-            (Projection::Stacked(gate_up), GateFn::Fused(gate)) => Some((gate_up, &self.down_proj, gate)),
-            _ => None,
+    /// Its stacked gate/up projection, down projection and gate, for the
+    /// grouped expert kernels; `None` where gate and up could not be
+    /// stacked (different formats).
+    pub fn fused_parts(&self) -> Option<(&Linear, &Linear, Gate)> {
+        match &self.gate_up_proj {
+            Projection::Stacked(gate_up) => Some((gate_up, &self.down_proj, self.gate)),
+            Projection::Separate(_) => None,
         }
     }
 
     /// The CPU step in the workspace: `b.normed` -> `b.proj`.
     pub fn forward_cpu(&self, b: &Buffers) -> Result<()> {
-        let GateFn::Fused(gate) = self.gate else {
-            // (Only gpt-oss's experts clamp, and they run composed.)
-            let y = self.forward(&b.normed)?.to_dtype(DType::F32)?;
-            kernels::cpu::copy_columns(&y, 0, &b.proj)?;
-            return Ok(());
-        };
         self.gate_up_proj.forward_into(&b.normed, &b.gate_up)?;
-        kernels::cpu::gated_mul_into_op(&b.gate_up, gate, &b.act)?;
+        kernels::cpu::gated_mul_into_op(&b.gate_up, self.gate, &b.act)?;
         self.down_proj.forward_into(&b.act, &b.proj)?;
         Ok(())
     }

@@ -199,16 +199,18 @@ impl CausalLm {
         head + layers
     }
 
-    /// Bytes of weights this model (or stage) holds: what
-    /// `weight_bytes_per_token` streams, plus an embedding table not shared
-    /// with the lm_head.
+    /// Bytes of weights this model (or stage) holds: its layers (all of a
+    /// mixture's experts), the final norm and lm_head, and an embedding
+    /// table not shared with the lm_head.
     pub fn resident_weight_bytes(&self) -> usize {
         let embed = self
             .embed_tokens
             .as_ref()
             .map_or(0, |e| e.embeddings().elem_count() * e.embeddings().dtype().size_in_bytes());
         let shared = self.cfg.tie_word_embeddings && self.range.is_full();
-        self.weight_bytes_per_token() + if shared { 0 } else { embed }
+        let layers: usize = self.layers.iter().map(DecoderLayer::resident_bytes).sum();
+        let head = self.head.as_ref().map_or(0, |(norm, lm_head)| norm.size_in_bytes() + lm_head.size_in_bytes());
+        layers + head + if shared { 0 } else { embed }
     }
 
     /// Dtype of activations, and so of the KV cache this model needs.

@@ -259,7 +259,12 @@ mod tests {
             };
             let weights = random_weights(&cfg, DType::F32, &Device::Cpu, 1).unwrap();
             let vb = VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
-            CausalLm::new(&cfg, vb).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let model = CausalLm::new(&cfg, vb).unwrap_or_else(|e| panic!("{name}: {e}"));
+            // Every expert is resident, where a token reads a few of them.
+            assert_eq!(model.resident_weight_bytes() as u64, 4 * cfg.parameter_count(), "{name}");
+            if cfg.moe.num_experts > 0 {
+                assert!(model.weight_bytes_per_token() < model.resident_weight_bytes(), "{name}");
+            }
         }
     }
 }

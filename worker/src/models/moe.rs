@@ -71,6 +71,14 @@ impl FeedForward {
             Self::Experts(moe) => moe.size_in_bytes(),
         }
     }
+
+    /// Bytes of weight it holds: every expert's, where a token reads a few.
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            Self::Dense(mlp) => mlp.size_in_bytes(),
+            Self::Experts(moe) => moe.resident_bytes(),
+        }
+    }
 }
 
 pub struct SparseMoe {
@@ -160,6 +168,12 @@ impl SparseMoe {
         self.router.size_in_bytes() + self.routing.experts_per_token * expert + shared
     }
 
+    /// Bytes of weight it holds: the router, every expert, the shared one.
+    pub fn resident_bytes(&self) -> usize {
+        let shared = self.shared_expert.as_deref().map_or(0, Mlp::size_in_bytes);
+        self.router.size_in_bytes() + self.experts.iter().map(Mlp::size_in_bytes).sum::<usize>() + shared
+    }
+
     /// `x: [T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let logits = self.router.forward(x)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -236,7 +250,7 @@ impl SparseMoe {
     }
 
     /// [`Self::forward_cpu`] through candle ops, for experts the grouped
-    /// kernels do not take (gpt-oss's clamped gate).
+    /// kernels do not take (gate and up in different formats).
     fn forward_cpu_composed(&self, b: &Buffers) -> Result<()> {
         let out = self.forward(&b.normed)?.flatten_all()?.to_vec1::<f32>()?;
         kernels::cpu::write_f32(&b.proj, &|o| {
