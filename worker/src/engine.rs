@@ -223,6 +223,9 @@ impl Engine {
             max_prompt_logprob_rows: (MAX_PROMPT_LOGPROB_LOGITS / cfg.vocab_size.max(1)).max(1),
             // On a pipeline too: its last stage verifies (`pipelined`).
             speculative,
+            // A draft model writes its own KV into the same block tables and
+            // may catch up from positions the window has left: it keeps them.
+            sliding_window: if draft.is_some() { None } else { cfg.uniform_window() },
             // One step in flight until a next stage is attached.
             micro_batches: 1,
         });

@@ -28,6 +28,12 @@ pub struct SchedulerConfig {
     pub max_prompt_logprob_rows: usize,
     /// Speculative decoding (n-gram proposals); off unless enabled.
     pub speculative: SpeculativeConfig,
+    /// The window every layer of the model attends within, if they all
+    /// slide (Mistral): a request's blocks wholly before the window of
+    /// its next query are handed back to the pool as it moves on (vLLM's
+    /// sliding-window manager). Models that mix windowed and full layers
+    /// (Gemma 3, gpt-oss) keep every block: their full layers read them.
+    pub sliding_window: Option<usize>,
     /// Steps a pipeline keeps in flight: each step takes at most
     /// 1/`micro_batches` of the requests, so the rest can make the next one
     /// (1 for a single worker: every step takes every request).
@@ -47,6 +53,7 @@ impl SchedulerConfig {
             eos_token_ids: Vec::new(),
             max_prompt_logprob_rows: 512,
             speculative: SpeculativeConfig::default(),
+            sliding_window: None,
             micro_batches: 1,
         }
     }

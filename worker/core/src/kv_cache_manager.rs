@@ -2,6 +2,13 @@
 //! `get_computed_blocks` finds a prompt's cached prefix, `allocate_slots`
 //! grows a request's block table for the tokens it is about to compute and
 //! registers its newly full blocks in the prefix cache, `free` returns them.
+//!
+//! With a sliding window on every layer, a request's leading blocks that
+//! no later query can see are handed back as it advances (vLLM's
+//! `SlidingWindowManager`). Their ids stay in its block table, so positions
+//! still index it, but they are no longer its: the attention kernels start
+//! each query at its window and never read them, and new tokens are
+//! written past them. `released` counts them; they are never freed twice.
 
 use std::collections::HashMap;
 
@@ -25,6 +32,11 @@ pub struct KvCacheManager {
     req_blocks: HashMap<RequestId, Vec<BlockId>>,
     /// How many leading blocks of each request are already in the cache.
     num_cached_blocks: HashMap<RequestId, usize>,
+    /// The window of every layer, if all slide.
+    sliding_window: Option<usize>,
+    /// How many leading blocks of each request went back to the pool as
+    /// its window moved past them.
+    released: HashMap<RequestId, usize>,
     pub prefix_stats: PrefixCacheStats,
 }
 
@@ -36,8 +48,17 @@ impl KvCacheManager {
             enable_caching,
             req_blocks: HashMap::new(),
             num_cached_blocks: HashMap::new(),
+            sliding_window: None,
+            released: HashMap::new(),
             prefix_stats: PrefixCacheStats::default(),
         }
+    }
+
+    /// Hands back blocks outside a window every layer shares (see the
+    /// module's doc); `None` keeps every block.
+    pub fn with_sliding_window(mut self, window: Option<usize>) -> Self {
+        self.sliding_window = window.filter(|&w| w > 0);
+        self
     }
 
     pub fn block_size(&self) -> usize {
@@ -87,9 +108,11 @@ impl KvCacheManager {
 
     /// Gives `req` blocks for `num_new_tokens` more tokens on top of its
     /// computed ones and of `new_computed` (cache hits found just now).
-    /// `None`, with nothing changed, if the pool is short.
+    /// `None` if the pool is short, with nothing changed but the release
+    /// of blocks its window has left (no later step reads them either way).
     pub fn allocate_slots(&mut self, req: &Request, num_new_tokens: usize, new_computed: &[BlockId]) -> Option<()> {
         let bs = self.block_size;
+        self.release_outside_window(req.id, req.num_computed_tokens + new_computed.len() * bs);
         let held = self.req_blocks.get(&req.id).map_or(0, Vec::len);
         let total_tokens = req.num_computed_tokens + new_computed.len() * bs + num_new_tokens;
         let needed = total_tokens.div_ceil(bs).saturating_sub(held + new_computed.len());
@@ -112,11 +135,32 @@ impl KvCacheManager {
         Some(())
     }
 
+    /// Hands back the leading blocks of `id` that no query from position
+    /// `computed` on can see: a query at q sees keys from q + 1 - window,
+    /// so blocks wholly before `computed + 1 - window` are done with.
+    fn release_outside_window(&mut self, id: RequestId, computed: usize) {
+        let Some(window) = self.sliding_window else { return };
+        let Some(blocks) = self.req_blocks.get(&id) else { return };
+        let done = ((computed + 1).saturating_sub(window) / self.block_size).min(blocks.len());
+        let released = self.released.entry(id).or_insert(0);
+        if done > *released {
+            // Tail first, as `free` does: the older block is evicted last.
+            self.pool.free(blocks[*released..done].iter().rev().copied());
+            *released = done;
+        }
+    }
+
+    /// Leading blocks of `id` already handed back (its window moved on).
+    pub fn num_released_blocks(&self, id: RequestId) -> usize {
+        self.released.get(&id).copied().unwrap_or(0)
+    }
+
     /// Registers every block of `req` that is full once `num_tokens` tokens
     /// are computed (their hashes only depend on known tokens).
     fn cache_full_blocks(&mut self, req: &Request, num_tokens: usize) {
         let full = (num_tokens / self.block_size).min(req.block_hashes.len());
-        let start = self.num_cached_blocks.get(&req.id).copied().unwrap_or(0);
+        // A released block may be another request's by now: never registered from here.
+        let start = self.num_cached_blocks.get(&req.id).copied().unwrap_or(0).max(self.num_released_blocks(req.id));
         let Some(blocks) = self.req_blocks.get(&req.id) else { return };
         for (i, &block) in blocks.iter().enumerate().take(full).skip(start) {
             let parent = i.checked_sub(1).map(|p| req.block_hashes[p]);
@@ -133,7 +177,8 @@ impl KvCacheManager {
     /// first. None of them is in the prefix cache: only full blocks of
     /// known tokens are hashed, and these hold none.
     pub fn free_blocks_past(&mut self, id: RequestId, num_tokens: usize) {
-        let keep = num_tokens.div_ceil(self.block_size);
+        // (Released blocks lie before any rolled-back slot.)
+        let keep = num_tokens.div_ceil(self.block_size).max(self.num_released_blocks(id));
         let Some(blocks) = self.req_blocks.get_mut(&id) else { return };
         if blocks.len() <= keep {
             return;
@@ -146,8 +191,9 @@ impl KvCacheManager {
     /// Returns all of a request's blocks, tail first so that its own tail is
     /// evicted before the prefix it may share with others.
     pub fn free(&mut self, id: RequestId) {
+        let released = self.released.remove(&id).unwrap_or(0);
         if let Some(blocks) = self.req_blocks.remove(&id) {
-            self.pool.free(blocks.into_iter().rev());
+            self.pool.free(blocks.into_iter().skip(released).rev());
         }
         self.num_cached_blocks.remove(&id);
     }
@@ -170,8 +216,8 @@ impl KvCacheManager {
     pub fn check_invariants(&self) {
         self.pool.check_invariants();
         let mut refs = vec![0u32; self.pool.num_blocks()];
-        for blocks in self.req_blocks.values() {
-            for b in blocks {
+        for (id, blocks) in &self.req_blocks {
+            for b in &blocks[self.num_released_blocks(*id)..] {
                 refs[b.0 as usize] += 1;
             }
         }

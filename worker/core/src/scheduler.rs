@@ -55,9 +55,18 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(mut config: SchedulerConfig) -> Self {
         // A sequence can never outgrow the whole pool: it stops there with
-        // `Length` rather than preempting itself forever.
-        config.max_model_len = config.max_model_len.min(config.num_blocks * config.block_size);
-        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching);
+        // `Length` rather than preempting itself forever. Under a window on
+        // every layer it holds at most the window and a step's tokens (and
+        // a block each side), so it may grow past the pool when those fit.
+        let bs = config.block_size.max(1);
+        let windowed_fits = config
+            .sliding_window
+            .is_some_and(|w| (w + config.max_num_batched_tokens).div_ceil(bs) + 2 <= config.num_blocks);
+        if !windowed_fits {
+            config.max_model_len = config.max_model_len.min(config.num_blocks * config.block_size);
+        }
+        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching)
+            .with_sliding_window(config.sliding_window);
         Self {
             config,
             kv,
@@ -668,6 +677,37 @@ mod tests {
         assert_eq!(stop_on(9, stop_ids, &mut s, 3), Some(FinishReason::Stop));
         assert_eq!(stop_on(5, SamplingParams::greedy(1), &mut s, 4), Some(FinishReason::Length));
     }
+
+    /// With a window on every layer, a long prompt holds only the blocks
+    /// its next queries can see: 8-token chunks under a window of 8 keep at
+    /// most 5 blocks of 4 where the whole prompt would take 13; they come
+    /// back to the pool (still cached) and the request's end frees the rest.
+    #[test]
+    fn a_sliding_window_hands_back_the_blocks_it_has_left() {
+        for window in [None, Some(8)] {
+            let mut cfg = SchedulerConfig::new(512, 4, 64);
+            cfg.max_num_batched_tokens = 8;
+            cfg.sliding_window = window;
+            let mut s = Scheduler::new(cfg);
+            let prompt: Vec<u32> = (0..50).map(|t| t % 40 + 3).collect();
+            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(6) };
+            s.add_request(Request::new(RequestId(1), prompt, params, 0, 0)).unwrap();
+            let mut most = 0;
+            loop {
+                let (out, outputs) = step(&mut s);
+                most = most.max(s.kv_cache_manager().num_used_blocks());
+                s.check_invariants();
+                if out.scheduled.is_empty() || outputs.iter().any(|o| o.finish_reason.is_some()) {
+                    break;
+                }
+            }
+            match window {
+                Some(_) => assert!(most <= 5, "window 8: {most} blocks held at once"),
+                None => assert_eq!(most, 14, "56 tokens in blocks of 4"),
+            }
+            assert_eq!(s.kv_cache_manager().num_used_blocks(), 0);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -701,9 +741,14 @@ mod proptests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
         #[test]
-        fn block_manager_never_leaks_or_double_allocates(ops in prop::collection::vec(op(), 1..120), num_blocks in 6usize..40) {
+        fn block_manager_never_leaks_or_double_allocates(
+            ops in prop::collection::vec(op(), 1..120),
+            num_blocks in 6usize..40,
+            window in prop::option::of(1usize..24),
+        ) {
             let mut cfg = SchedulerConfig::new(512, 4, num_blocks);
             cfg.max_num_batched_tokens = 64;
+            cfg.sliding_window = window;
             let mut s = Scheduler::new(cfg);
             let mut next_id = 0u64;
             let mut live: Vec<RequestId> = Vec::new();
@@ -721,9 +766,12 @@ mod proptests {
                         let out = s.schedule();
                         // No block may appear twice in one table, and two live tables
                         // share a block only if it holds a cached prefix.
+                        // (Blocks a window has left are no longer the request's: the pool
+                        // may give them back to it for a later position.)
                         for r in &out.scheduled {
                             let mut seen = std::collections::HashSet::new();
-                            prop_assert!(r.block_ids.iter().all(|b| seen.insert(*b)));
+                            let released = s.kv_cache_manager().num_released_blocks(r.id);
+                            prop_assert!(r.block_ids[released..].iter().all(|b| seen.insert(*b)));
                         }
                         let sampled = out.scheduled.iter().filter(|r| r.samples)
                             .map(|r| SampledToken { token_id: (r.num_computed_tokens as u32 % 17) + 3, logprobs: None })
