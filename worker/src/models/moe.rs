@@ -17,7 +17,7 @@ use std::cell::RefCell;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
 use common::model::{Architecture, MoeConfig, RouterScoring};
-use kernels::cpu::moe::{ExpertGroups, combine, gather_rows, grouped_matmul};
+use kernels::cpu::moe::{ExpertGroups, ExpertLinear, combine, gather_rows, grouped_matmul};
 
 use super::config::ModelConfig;
 use super::layers::Mlp;
@@ -212,12 +212,12 @@ impl SparseMoe {
         let inter = self.routing.expert_intermediate_size;
         let experts = self.experts.len();
         SCRATCH.with_borrow_mut(|s| -> Result<()> {
-            let x_matmul = crate::profile::scope(crate::profile::Section::Matmul);
-            kernels::cpu::read_f32(&b.normed, |x| -> candle_core::Result<()> {
-                use kernels::cpu::moe::ExpertLinear;
-                self.router.matmul(x, t, sized(&mut s.logits, t * experts)).map_err(candle_core::Error::wrap)
-            })?;
-            drop(x_matmul);
+            {
+                let _t = crate::profile::scope(crate::profile::Section::Matmul);
+                kernels::cpu::read_f32(&b.normed, |x| {
+                    self.router.matmul(x, t, sized(&mut s.logits, t * experts)).map_err(candle_core::Error::wrap)
+                })?;
+            }
             let groups = self.groups(&route(&self.routing, self.correction_bias.as_deref(), &s.logits))?;
             let pairs = groups.num_pairs();
             kernels::cpu::read_f32(&b.normed, |x| {

@@ -176,7 +176,10 @@ impl Lanes for Avx2 {
     type F = __m256;
     const LANES: usize = 8;
     const TILE_Q4K: usize = 2;
-    const TILE_Q6K: usize = 1;
+    // 3, not 1: at 2-8 rows (experts at a batched decode step) Q6_K's
+    // codes are assembled once for 3 rows; 1.3-1.7x per call at m = 2-8
+    // on the Qwen3-30B-A3B expert shapes, m = 1 the same (docs/perf-log.md).
+    const TILE_Q6K: usize = 3;
     const HIGH_IN_PLACE: bool = false;
 
     // SAFETY (every method): AVX2, FMA and F16C per the callers; the loads
