@@ -105,17 +105,14 @@ impl Backend {
     /// Every kernel this CPU runs, the best last (for tests).
     #[cfg(test)]
     fn available() -> Vec<Self> {
-        let mut all = vec![Self::Scalar];
         #[cfg(target_arch = "x86_64")]
-        {
-            if super::isa::simd() == super::isa::Simd::Avx2 {
-                all.push(Self::Avx2);
-            }
-            if vnni_available() {
-                all.push(Self::Avx512Vnni);
-            }
-        }
-        all
+        let simd = [
+            (super::isa::simd() == super::isa::Simd::Avx2).then_some(Self::Avx2),
+            vnni_available().then_some(Self::Avx512Vnni),
+        ];
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd: [Option<Self>; 0] = [];
+        std::iter::once(Self::Scalar).chain(simd.into_iter().flatten()).collect()
     }
 }
 
