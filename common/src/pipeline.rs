@@ -115,6 +115,19 @@ pub struct StageInfo {
     pub kv_capacity_tokens: u64,
 }
 
+/// The stages' memory together, once they can split `total` layers: at
+/// least one stage, some memory, no more stages than layers.
+fn memory_sum(total: usize, memory: &[u64]) -> Result<u128, LayerRangeError> {
+    let sum: u128 = memory.iter().map(|&m| u128::from(m)).sum();
+    if memory.is_empty() || sum == 0 {
+        return Err(LayerRangeError::NoStages);
+    }
+    if memory.len() > total {
+        return Err(LayerRangeError::TooManyStages { layers: total, stages: memory.len() });
+    }
+    Ok(sum)
+}
+
 /// Splits `total` layers over stages in proportion to `memory` (bytes each
 /// stage can give to the model), in order, each stage at least one layer
 /// (vLLM likewise refuses more stages than layers). The shares are rounded
@@ -122,13 +135,7 @@ pub struct StageInfo {
 /// and deterministic.
 pub fn split_layers(total: usize, memory: &[u64]) -> Result<Vec<LayerRange>, LayerRangeError> {
     let stages = memory.len();
-    let sum: u128 = memory.iter().map(|&m| u128::from(m)).sum();
-    if stages == 0 || sum == 0 {
-        return Err(LayerRangeError::NoStages);
-    }
-    if stages > total {
-        return Err(LayerRangeError::TooManyStages { layers: total, stages });
-    }
+    let sum = memory_sum(total, memory)?;
     // Shares of `total` by memory, rounded down, the rest by largest remainder.
     let total_wide = total as u128;
     let mut counts: Vec<usize> = memory.iter().map(|&m| (total_wide * u128::from(m) / sum) as usize).collect();
@@ -171,13 +178,7 @@ pub fn split_layers_by_weight(weights: &[u64], memory: &[u64]) -> Result<Vec<Lay
         return split_layers(total, memory);
     }
     let stages = memory.len();
-    let memory_sum: u128 = memory.iter().map(|&m| u128::from(m)).sum();
-    if stages == 0 || memory_sum == 0 {
-        return Err(LayerRangeError::NoStages);
-    }
-    if stages > total {
-        return Err(LayerRangeError::TooManyStages { layers: total, stages });
-    }
+    let memory_sum = memory_sum(total, memory)?;
     let weight_sum: u128 = weights.iter().map(|&w| u128::from(w)).sum();
     let mut ranges = Vec::with_capacity(stages);
     let (mut start, mut done, mut memory_before) = (0usize, 0u128, 0u128);

@@ -13,26 +13,11 @@ use support::{greedy, shared};
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
-/// tiny-mistral's files with `sliding_window` = `window`, in a new
-/// temporary directory (links to the weights and tokenizer).
+/// tiny-mistral's files with `sliding_window` = `window`.
 fn windowed_model(window: usize) -> PathBuf {
-    let src = shared().join("models/tiny-mistral");
-    let out = std::env::temp_dir().join(format!("tinyvllm-window-{window}-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    config["sliding_window"] = window.into();
-    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
-        let file = path.file_name().unwrap();
-        if file != "config.json" && path.is_file() {
-            let link = out.join(file);
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(std::fs::canonicalize(&path).unwrap(), link).unwrap();
-        }
-    }
-    out
+    support::model_with_config(&shared().join("models/tiny-mistral"), &format!("window-{window}"), |config| {
+        config["sliding_window"] = window.into();
+    })
 }
 
 fn engine(model: &Path, num_blocks: usize) -> Engine {

@@ -32,15 +32,24 @@ pub fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
 /// config.json with fewer layers beside links to the same weights and
 /// tokenizer files (the loader reads only the tensors the config names).
 pub fn truncated_model(dir: &Path, layers: usize) -> PathBuf {
+    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+    model_with_config(dir, &format!("draft-{name}-{layers}"), |config| {
+        assert!(config["num_hidden_layers"].as_u64().unwrap() > layers as u64, "{name} has too few layers");
+        common::model::truncate_layers(config, layers);
+    })
+}
+
+/// The model in `dir` with its config.json changed by `edit`, in a new
+/// temporary directory (named after `tag`): the edited config beside links
+/// to the same weights and tokenizer files.
+pub fn model_with_config(dir: &Path, tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
-    let name = dir.file_name().unwrap().to_string_lossy();
     let n = N.fetch_add(1, Ordering::Relaxed);
-    let out = std::env::temp_dir().join(format!("tinyvllm-draft-{name}-{layers}-{}-{n}", std::process::id()));
+    let out = std::env::temp_dir().join(format!("tinyvllm-{tag}-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    assert!(config["num_hidden_layers"].as_u64().unwrap() > layers as u64, "{name} has too few layers");
-    common::model::truncate_layers(&mut config, layers);
+    edit(&mut config);
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
