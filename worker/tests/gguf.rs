@@ -187,3 +187,35 @@ fn bad_gguf_files_are_clear_errors() {
     assert!(ModelSource::parse(missing.to_str().unwrap()).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The files llama.cpp's own converter makes from the tiny models
+/// (`tools/llamacpp/make_test_files.sh`, kept in `tests/data/llamacpp`)
+/// describe the same model as its `config.json`: Qwen3 with YaRN, Gemma 3
+/// (its sliding pattern and query scale in llama.cpp's keys), GLM-4.5
+/// (score correction, shared expert, dense first layer, partial rotary),
+/// gpt-oss (sinks, biases, alternating windows, YaRN), Mixtral and
+/// Qwen3-MoE. Their golden cases run from these files in every mode in
+/// `tests/golden.rs`.
+#[test]
+fn llama_cpp_s_converted_files_carry_the_hf_config() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/llamacpp");
+    for model in ["tiny-qwen3-yarn", "tiny-gemma3", "tiny-glm4-moe", "tiny-gpt-oss", "tiny-mixtral", "tiny-qwen3-moe"] {
+        let hf = ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(model)), Need::Weights).unwrap();
+        let file = data.join(format!("{model}-f32.gguf"));
+        let mut from_gguf = worker::models::gguf::read_info(&file).unwrap().config;
+        // llama.cpp's converter adds Gemma's 1 to the norm weights.
+        assert_eq!(from_gguf.norm_weights_include_one, model == "tiny-gemma3", "{model}");
+        from_gguf.norm_weights_include_one = false;
+        let mut want = hf.config.clone();
+        // Not carried: the checkpoint's dtype; Mixtral's unused window.
+        // GGUF holds epsilon as f32, as the norms use it.
+        from_gguf.weights_dtype = want.weights_dtype.clone();
+        assert_eq!(from_gguf.rms_norm_eps as f32, want.rms_norm_eps as f32, "{model}");
+        from_gguf.rms_norm_eps = want.rms_norm_eps;
+        if model == "tiny-mixtral" {
+            want.sliding_window = from_gguf.sliding_window;
+            want.layer_types = from_gguf.layer_types.clone();
+        }
+        assert_eq!(from_gguf, want, "{model}");
+    }
+}

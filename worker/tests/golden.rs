@@ -91,8 +91,8 @@ fn engine_on(
         }
         false => (None, worker::runner::device::test_device()),
     };
-    let dir = shared().join("models").join(model);
-    let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
+    let (dir, source) = model_source(model);
+    let files = ModelFiles::resolve(&source, Need::Weights).unwrap();
     let draft_model = (speculative.enabled_by_default && speculative.default_method == SpecMethod::Draft).then(|| {
         let layers = files.config.num_layers.div_ceil(2) - 1;
         ModelFiles::resolve(&ModelSource::Dir(draft_dir(&dir, layers)), Need::Weights).unwrap()
@@ -108,6 +108,19 @@ fn engine_on(
         ..EngineConfig::default()
     };
     Engine::new(&files, config).unwrap()
+}
+
+/// A golden model's directory in ../shared, and where the engine loads it
+/// from: that directory, or for `NAME-f32.gguf` the file llama.cpp's
+/// converter made of it (`tests/data/llamacpp`, see `tests/gguf.rs`).
+fn model_source(model: &str) -> (PathBuf, ModelSource) {
+    match model.strip_suffix("-f32.gguf") {
+        Some(name) => {
+            let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/llamacpp").join(model);
+            (shared().join("models").join(name), ModelSource::Gguf(file))
+        }
+        None => (shared().join("models").join(model), ModelSource::Dir(shared().join("models").join(model))),
+    }
 }
 
 /// One truncated copy per model and layer count for the whole test binary.
@@ -174,8 +187,19 @@ fn check_model(golden_file: &str) {
 }
 
 fn check_model_with(golden_file: &str, spec: SpeculativeConfig) {
+    check_model_from(golden_file, None, spec);
+}
+
+/// Every mode of [`check_model_with`] with the model loaded from the GGUF
+/// file llama.cpp's converter made of it.
+fn check_gguf_model(golden_file: &str, spec: SpeculativeConfig) {
+    let name = golden_file.trim_end_matches(".json");
+    check_model_from(golden_file, Some(&format!("{name}-f32.gguf")), spec);
+}
+
+fn check_model_from(golden_file: &str, source: Option<&str>, spec: SpeculativeConfig) {
     let golden = load_golden(golden_file);
-    let model = golden.model.clone();
+    let model = source.map_or(golden.model.clone(), str::to_string);
     let mut proposals = Vec::new();
     // Each case alone.
     let mut e = engine_with(&model, 2048, spec.clone());
@@ -260,6 +284,23 @@ fn tiny_gemma3_matches_transformers() {
 #[test]
 fn tiny_gpt_oss_matches_transformers() {
     check_model("tiny-gpt-oss.json");
+}
+
+/// The six new families from GGUF, as llama.cpp's converter writes them:
+/// every mode above (alone, batched with cache hits, chunked, preempted,
+/// speculating).
+#[test]
+fn the_mixtures_of_experts_from_gguf_match_transformers() {
+    check_gguf_model("tiny-mixtral.json", speculative());
+    check_gguf_model("tiny-qwen3-moe.json", speculative());
+    check_gguf_model("tiny-glm4-moe.json", speculative());
+}
+
+#[test]
+fn gemma3_gpt_oss_and_yarn_from_gguf_match_transformers() {
+    check_gguf_model("tiny-gemma3.json", speculative());
+    check_gguf_model("tiny-gpt-oss.json", drafting());
+    check_gguf_model("tiny-qwen3-yarn.json", speculative());
 }
 
 /// Qwen3 with YaRN ×4 (its long-context setting): the frequencies ramped

@@ -219,6 +219,9 @@ pub struct ModelConfig {
     /// Gemma: embeddings times sqrt(hidden), `(1 + w)` RMSNorm weights and
     /// a norm after each sublayer's output, before the residual add.
     pub gemma_norms: bool,
+    /// Gemma: the stored norm weights already hold the `1 +` (llama.cpp's
+    /// converter adds it): set by the GGUF reader, never by `config.json`.
+    pub norm_weights_include_one: bool,
     /// gpt-oss: one learned logit per head joins each softmax and takes
     /// its share of the attention mass.
     pub attention_sinks: bool,
@@ -417,6 +420,7 @@ impl ModelConfig {
             local_rope_theta: if gemma { Some(hf.rope_local_base_freq.unwrap_or(10_000.0)) } else { None },
             query_pre_attn_scalar: hf.query_pre_attn_scalar.unwrap_or(head_dim as f64),
             gemma_norms: gemma,
+            norm_weights_include_one: false,
             attention_sinks: architecture == Architecture::GptOss,
             weights_dtype: hf.torch_dtype.or(hf.dtype),
             moe,

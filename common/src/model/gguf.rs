@@ -102,6 +102,9 @@ pub enum GgufValue {
         item: GgufType,
         len: u64,
     },
+    /// An array of booleans, kept (llama.cpp's per-layer flags, such as
+    /// which layers slide).
+    Bools(Vec<bool>),
 }
 
 /// Where one tensor is and what it holds.
@@ -276,19 +279,40 @@ impl<R: Read + Seek> Reader<R> {
                 [b] => return Err(format!("bool value {b} is neither 0 nor 1")),
             },
             GgufType::String => GgufValue::String(self.string()?),
-            GgufType::Array => {
-                let (item, len) = self.skip_array(0)?;
-                GgufValue::Array { item, len }
-            }
+            GgufType::Array => self.array()?,
         })
+    }
+
+    /// An array: booleans kept, anything else skipped.
+    fn array(&mut self) -> std::result::Result<GgufValue, String> {
+        let item = GgufType::from_u32(self.u32()?)?;
+        if item != GgufType::Bool {
+            let len = self.skip_elements(item, 0)?;
+            return Ok(GgufValue::Array { item, len });
+        }
+        let len = self.length()?;
+        self.ensure(len, "an array")?;
+        let bools = (0..len)
+            .map(|_| match self.bytes::<1>()? {
+                [0] => Ok(false),
+                [1] => Ok(true),
+                [b] => Err(format!("bool value {b} is neither 0 nor 1")),
+            })
+            .collect::<std::result::Result<_, String>>()?;
+        Ok(GgufValue::Bools(bools))
     }
 
     /// Reads an array's element type and length and skips its elements.
     fn skip_array(&mut self, depth: usize) -> std::result::Result<(GgufType, u64), String> {
+        let item = GgufType::from_u32(self.u32()?)?;
+        Ok((item, self.skip_elements(item, depth)?))
+    }
+
+    /// Reads the length of an array of `item`s and skips its elements.
+    fn skip_elements(&mut self, item: GgufType, depth: usize) -> std::result::Result<u64, String> {
         if depth >= MAX_ARRAY_DEPTH {
             return Err(format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"));
         }
-        let item = GgufType::from_u32(self.u32()?)?;
         let len = self.length()?;
         // The least each element takes: its bytes, or a length (strings),
         // or a type and a length (arrays).
@@ -317,7 +341,7 @@ impl<R: Read + Seek> Reader<R> {
             }
             _ => self.skip(len * least, "an array")?,
         }
-        Ok((item, len))
+        Ok(len)
     }
 }
 
@@ -338,6 +362,9 @@ fn architecture(name: &str) -> Option<Architecture> {
         "qwen2" => Some(Architecture::Qwen2),
         "qwen3" => Some(Architecture::Qwen3),
         "qwen3moe" => Some(Architecture::Qwen3Moe),
+        "glm4moe" => Some(Architecture::Glm4Moe),
+        "gemma3" => Some(Architecture::Gemma3),
+        "gpt-oss" => Some(Architecture::GptOss),
         _ => None,
     }
 }
@@ -358,7 +385,9 @@ pub fn info_from(header: &GgufHeader, path: &Path) -> Result<GgufInfo> {
         other => return Err(err(format!("general.architecture is not a string: {other:?}"))),
     };
     let arch = architecture(&arch_name).ok_or_else(|| {
-        err(format!("GGUF architecture {arch_name:?} is not supported (llama, qwen2, qwen3, qwen3moe)"))
+        err(format!(
+            "GGUF architecture {arch_name:?} is not supported (llama, qwen2, qwen3, qwen3moe, glm4moe, gemma3, gpt-oss)"
+        ))
     })?;
     // Unsigned integers of any width; i32 as well, as candle's reader took it.
     let num = |key: &str| -> Result<u64> {
@@ -422,10 +451,45 @@ pub fn info_from(header: &GgufHeader, path: &Path) -> Result<GgufInfo> {
         }
         json.insert("norm_topk_prob", (arch == Architecture::Qwen3Moe).into());
     }
+    // Partial rotary (GLM-4.5): RoPE turns the first `rope.dimension_count`
+    // dims of each head.
+    if let (Ok(rotated), Ok(head_dim)) = (num("rope.dimension_count"), num("attention.key_length"))
+        && rotated != head_dim
+        && head_dim > 0
+    {
+        json.insert("partial_rotary_factor", (rotated as f64 / head_dim as f64).into());
+    }
+    if let Some(scaling) = rope_scaling(md, &arch_name, arch).map_err(err)? {
+        json.insert("rope_scaling", scaling);
+    }
+    let block = |name: &str| header.tensors.contains_key(&format!("blk.0.{name}"));
+    let float_of = |key: &str| match md.get(&format!("{arch_name}.{key}")) {
+        Some(GgufValue::F32(v)) => Some(f64::from(*v)),
+        _ => None,
+    };
+    match arch {
+        Architecture::Glm4Moe => {
+            glm4moe_fields(&mut json, &num, &float_of, block("attn_q.bias"), block("attn_q_norm.weight"))?
+        }
+        Architecture::Gemma3 => gemma3_fields(&mut json, md, &arch_name, &num, heads, hidden)?,
+        Architecture::GptOss => {
+            json.insert("attention_bias", true.into());
+            // llama.cpp's default: every other layer slides, the first one too.
+            let layers = num("block_count")? as usize;
+            let window = num("attention.sliding_window")?;
+            json.insert("sliding_window", window.into());
+            json.insert("layer_types", layer_types(md, &arch_name, layers, 2, &num).map_err(err)?);
+            // llama.cpp's `swiglu_oai` limit, as every gpt-oss config has it.
+            json.insert("swiglu_limit", 7.0.into());
+        }
+        _ => {}
+    }
     // `rope_freqs.weight` (Llama 3.1+ scaling) is tensor data: the worker's
     // loader reads it into `ModelConfig::rope_freq_factors`.
     let config_json = serde_json::to_string(&json).map_err(|e| err(e.to_string()))?;
-    let config = ModelConfig::from_json(&config_json).map_err(|e| err(e.to_string()))?;
+    let mut config = ModelConfig::from_json(&config_json).map_err(|e| err(e.to_string()))?;
+    // llama.cpp's converter stores Gemma's norm weights with the 1 added.
+    config.norm_weights_include_one = arch == Architecture::Gemma3;
     let id = |key: &str| match md.get(key) {
         Some(GgufValue::U32(v)) => Some(*v),
         _ => None,
@@ -436,6 +500,153 @@ pub fn info_from(header: &GgufHeader, path: &Path) -> Result<GgufInfo> {
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
     })
+}
+
+/// `rope_scaling` as `config.json` spells it, from `{arch}.rope.scaling.*`.
+fn rope_scaling(
+    md: &HashMap<String, GgufValue>,
+    arch_name: &str,
+    arch: Architecture,
+) -> std::result::Result<Option<serde_json::Value>, String> {
+    let get = |key: &str| md.get(&format!("{arch_name}.rope.scaling.{key}"));
+    let float = |key: &str| match get(key) {
+        Some(GgufValue::F32(v)) => Some(f64::from(*v)),
+        _ => None,
+    };
+    let kind = match get("type") {
+        None => return Ok(None),
+        Some(GgufValue::String(kind)) => kind.as_str(),
+        Some(other) => return Err(format!("rope.scaling.type is not a string: {other:?}")),
+    };
+    let factor = float("factor");
+    let mut scaling = serde_json::Map::new();
+    match kind {
+        "none" => return Ok(None),
+        "linear" => {}
+        "yarn" => {
+            let original = match get("original_context_length") {
+                Some(GgufValue::U32(v)) => u64::from(*v),
+                Some(GgufValue::U64(v)) => *v,
+                _ => return Err("YaRN scaling without rope.scaling.original_context_length".into()),
+            };
+            scaling.insert("original_max_position_embeddings".into(), original.into());
+            for (gguf, hf) in [
+                ("yarn_beta_fast", "beta_fast"),
+                ("yarn_beta_slow", "beta_slow"),
+                ("yarn_attn_factor", "attention_factor"),
+            ] {
+                if let Some(v) = float(gguf) {
+                    scaling.insert(hf.into(), v.into());
+                }
+            }
+            if float("yarn_ext_factor").is_some_and(|v| v != 1.0) {
+                return Err("YaRN with an extrapolation factor other than 1 is not supported".into());
+            }
+            // gpt-oss was trained with an unrounded correction range
+            // (`truncate: false` in every gpt-oss config; llama.cpp rounds).
+            if arch == Architecture::GptOss {
+                scaling.insert("truncate".into(), false.into());
+            }
+        }
+        other => return Err(format!("rope.scaling.type {other:?} is not supported (linear, yarn)")),
+    }
+    scaling.insert("rope_type".into(), kind.into());
+    scaling.insert("factor".into(), factor.ok_or("rope scaling without rope.scaling.factor")?.into());
+    Ok(Some(serde_json::Value::Object(scaling)))
+}
+
+/// Which layers slide, as llama.cpp reads `attention.sliding_window_pattern`:
+/// a flag per layer, or every `n`-th layer full (`pattern` when absent).
+fn layer_types(
+    md: &HashMap<String, GgufValue>,
+    arch_name: &str,
+    layers: usize,
+    pattern: u64,
+    num: &dyn Fn(&str) -> Result<u64>,
+) -> std::result::Result<serde_json::Value, String> {
+    let sliding: Vec<bool> = match md.get(&format!("{arch_name}.attention.sliding_window_pattern")) {
+        Some(GgufValue::Bools(flags)) if flags.len() == layers => flags.clone(),
+        Some(GgufValue::Bools(flags)) => {
+            return Err(format!("a sliding-window flag for {} layers of {layers}", flags.len()));
+        }
+        _ => {
+            let n = num("attention.sliding_window_pattern").unwrap_or(pattern);
+            // llama_hparams::set_swa_pattern: n == 0, every layer slides.
+            (0..layers as u64).map(|l| n == 0 || l % n < n - 1).collect()
+        }
+    };
+    let name = |s: &bool| if *s { "sliding_attention" } else { "full_attention" };
+    Ok(sliding.iter().map(name).collect::<Vec<_>>().into())
+}
+
+/// GLM-4.5's routing and attention, under its `config.json` names.
+fn glm4moe_fields(
+    json: &mut BTreeMap<&str, serde_json::Value>,
+    num: &dyn Fn(&str) -> Result<u64>,
+    float: &dyn Fn(&str) -> Option<f64>,
+    qkv_bias: bool,
+    qk_norm: bool,
+) -> Result<()> {
+    let layers = num("block_count")?;
+    // Multi-token-prediction layers come after the model's own and are
+    // not run here.
+    let nextn = num("nextn_predict_layers").unwrap_or(0);
+    json.insert("num_hidden_layers", layers.saturating_sub(nextn).into());
+    json.insert("n_shared_experts", num("expert_shared_count").unwrap_or(0).into());
+    json.insert("first_k_dense_replace", num("leading_dense_block_count").unwrap_or(0).into());
+    json.insert("n_group", num("expert_group_count").unwrap_or(1).max(1).into());
+    json.insert("topk_group", num("expert_group_used_count").unwrap_or(1).max(1).into());
+    json.insert("norm_topk_prob", (num("expert_weights_norm").unwrap_or(0) != 0).into());
+    json.insert("routed_scaling_factor", float("expert_weights_scale").unwrap_or(1.0).into());
+    // llama.cpp's gating functions: 2 (or unset) sigmoid, GLM-4.5's.
+    match num("expert_gating_func").unwrap_or(2) {
+        2 => {}
+        other => {
+            return Err(ModelError::InvalidConfig(format!("glm4moe: expert gating function {other} (sigmoid only)")));
+        }
+    }
+    json.insert("attention_bias", qkv_bias.into());
+    json.insert("use_qk_norm", qk_norm.into());
+    Ok(())
+}
+
+/// Gemma 3's attention as llama.cpp runs a `gemma3` file: every 6th layer
+/// global unless the pattern says otherwise, the local layers' RoPE base
+/// 10000 unless given, and queries scaled by `1/sqrt(head_dim)` (the 27B,
+/// 62 layers: `1/sqrt(hidden/heads)`) unless `attention.scale` says.
+fn gemma3_fields(
+    json: &mut BTreeMap<&str, serde_json::Value>,
+    md: &HashMap<String, GgufValue>,
+    arch_name: &str,
+    num: &dyn Fn(&str) -> Result<u64>,
+    heads: u64,
+    hidden: u64,
+) -> Result<()> {
+    let float = |key: &str| match md.get(&format!("{arch_name}.{key}")) {
+        Some(GgufValue::F32(v)) => Some(f64::from(*v)),
+        _ => None,
+    };
+    if float("final_logit_softcapping").is_some_and(|cap| cap != 0.0) {
+        json.insert("final_logit_softcapping", float("final_logit_softcapping").into());
+    }
+    json.insert("hidden_activation", "gelu_pytorch_tanh".into());
+    json.insert("rope_local_base_freq", float("rope.freq_base_swa").unwrap_or(10_000.0).into());
+    let layers = num("block_count")?;
+    let head_dim = num("attention.key_length").unwrap_or(hidden / heads.max(1));
+    let scalar = match float("attention.scale") {
+        Some(scale) if scale > 0.0 => 1.0 / (scale * scale),
+        _ if layers == 62 => (hidden / heads.max(1)) as f64,
+        _ => head_dim as f64,
+    };
+    json.insert("query_pre_attn_scalar", scalar.into());
+    if let Ok(window) = num("attention.sliding_window")
+        && window > 0
+    {
+        json.insert("sliding_window", window.into());
+        let types = layer_types(md, arch_name, layers as usize, 6, num).map_err(ModelError::InvalidConfig)?;
+        json.insert("layer_types", types);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -522,6 +733,70 @@ mod tests {
         w.tensor("blk.0.attn_q.weight", &[64, 128], 8);
         w.tensor("output_norm.weight", &[64], GGML_TYPE_F32);
         w
+    }
+
+    /// llama.cpp's rules for which layers slide: a flag per layer, or a
+    /// count `n` (every `n`-th layer full; 0: all slide), or the family's
+    /// default count.
+    #[test]
+    fn sliding_layers_follow_llama_cpp_s_pattern_rules() {
+        let full = |v: serde_json::Value| -> Vec<bool> {
+            v.as_array().unwrap().iter().map(|t| t == "full_attention").collect()
+        };
+        let count = |n: Option<u64>| {
+            move |key: &str| -> Result<u64> {
+                match (key, n) {
+                    ("attention.sliding_window_pattern", Some(n)) => Ok(n),
+                    _ => Err(ModelError::InvalidConfig(format!("{key} is missing"))),
+                }
+            }
+        };
+        let none = HashMap::new();
+        let default = layer_types(&none, "gemma3", 7, 6, &count(None)).unwrap();
+        assert_eq!(full(default), [false, false, false, false, false, true, false]);
+        assert_eq!(full(layer_types(&none, "gemma3", 4, 6, &count(Some(3))).unwrap()), [false, false, true, false]);
+        assert_eq!(full(layer_types(&none, "gemma3", 3, 6, &count(Some(0))).unwrap()), [false, false, false]);
+        let flags = HashMap::from([(
+            "gpt-oss.attention.sliding_window_pattern".to_string(),
+            GgufValue::Bools(vec![true, false, false]),
+        )]);
+        assert_eq!(full(layer_types(&flags, "gpt-oss", 3, 2, &count(None)).unwrap()), [false, true, true]);
+        assert!(layer_types(&flags, "gpt-oss", 4, 2, &count(None)).unwrap_err().contains("3 layers of 4"));
+    }
+
+    /// `{arch}.rope.scaling.*` as `config.json`'s `rope_scaling`.
+    #[test]
+    fn rope_scaling_reads_as_config_json_spells_it() {
+        let md = |pairs: &[(&str, GgufValue)]| -> HashMap<String, GgufValue> {
+            pairs.iter().map(|(k, v)| (format!("a.rope.scaling.{k}"), v.clone())).collect()
+        };
+        let yarn = md(&[
+            ("type", GgufValue::String("yarn".into())),
+            ("factor", GgufValue::F32(32.0)),
+            ("original_context_length", GgufValue::U32(4096)),
+            ("yarn_beta_fast", GgufValue::F32(32.0)),
+        ]);
+        let gpt_oss = rope_scaling(&yarn, "a", Architecture::GptOss).unwrap().unwrap();
+        assert_eq!(
+            gpt_oss,
+            serde_json::json!({"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0, "truncate": false})
+        );
+        let qwen3 = rope_scaling(&yarn, "a", Architecture::Qwen3).unwrap().unwrap();
+        assert_eq!(qwen3.get("truncate"), None);
+        let linear = md(&[("type", GgufValue::String("linear".into())), ("factor", GgufValue::F32(8.0))]);
+        assert_eq!(
+            rope_scaling(&linear, "a", Architecture::Gemma3).unwrap(),
+            Some(serde_json::json!({"rope_type": "linear", "factor": 8.0}))
+        );
+        assert_eq!(
+            rope_scaling(&md(&[("type", GgufValue::String("none".into()))]), "a", Architecture::Llama),
+            Ok(None)
+        );
+        let long = md(&[("type", GgufValue::String("longrope".into())), ("factor", GgufValue::F32(4.0))]);
+        assert!(rope_scaling(&long, "a", Architecture::Llama).unwrap_err().contains("longrope"));
+        let no_context = md(&[("type", GgufValue::String("yarn".into())), ("factor", GgufValue::F32(4.0))]);
+        assert!(rope_scaling(&no_context, "a", Architecture::Qwen3).unwrap_err().contains("original_context_length"));
     }
 
     #[test]

@@ -35,7 +35,7 @@ use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KBlock, QK_K, quantize_matrix};
 use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 use super::format::Quantization;
-use super::gguf_experts::{self, ExpertTensor, hf_expert, hf_router};
+use super::gguf_experts::{self, ExpertTensor, Param, hf_expert};
 use super::linear::{Prequantized, Weight};
 use super::llama::CausalLm;
 use crate::error::{Result, WorkerError};
@@ -75,8 +75,9 @@ const FIXED_NAMES: [[&str; 2]; 3] = [
 /// (GGUF, HF) prefixes of a decoder block's tensors, before the layer number.
 const BLOCK_PREFIXES: [&str; 2] = ["blk.", "model.layers."];
 
-/// (GGUF, HF) module names inside a decoder block.
-const BLOCK_NAMES: [[&str; 2]; 11] = [
+/// (GGUF, HF) module names inside a decoder block. Where two GGUF names
+/// map to one HF name, the first is what `write` uses.
+const BLOCK_NAMES: [[&str; 2]; 15] = [
     ["attn_norm", "input_layernorm"],
     ["attn_q", "self_attn.q_proj"],
     ["attn_k", "self_attn.k_proj"],
@@ -85,14 +86,29 @@ const BLOCK_NAMES: [[&str; 2]; 11] = [
     ["attn_q_norm", "self_attn.q_norm"],
     ["attn_k_norm", "self_attn.k_norm"],
     ["ffn_norm", "post_attention_layernorm"],
+    // GLM-4.5's and gpt-oss's name for the norm before the MLP.
+    ["post_attention_norm", "post_attention_layernorm"],
     ["ffn_gate", "mlp.gate_proj"],
     ["ffn_up", "mlp.up_proj"],
     ["ffn_down", "mlp.down_proj"],
+    ["ffn_gate_shexp", "mlp.shared_experts.gate_proj"],
+    ["ffn_up_shexp", "mlp.shared_experts.up_proj"],
+    ["ffn_down_shexp", "mlp.shared_experts.down_proj"],
 ];
+
+/// Gemma 3's norms around each sublayer, which take these names first.
+const GEMMA_NORM_NAMES: [[&str; 2]; 3] = [
+    ["post_attention_norm", "post_attention_layernorm"],
+    ["ffn_norm", "pre_feedforward_layernorm"],
+    ["post_ffw_norm", "post_feedforward_layernorm"],
+];
+
+/// gpt-oss's per-head attention sinks: a parameter of its own in HF.
+const SINKS: [&str; 2] = ["attn_sinks.weight", "self_attn.sinks"];
 
 /// A tensor's name in the other convention: column `from` of the tables
 /// above (0 GGUF, 1 HF) to the other one. None for tensors we do not use.
-fn rename(name: &str, from: usize) -> Option<String> {
+fn rename(name: &str, from: usize, arch: Architecture) -> Option<String> {
     let to = 1 - from;
     if let Some(fixed) = FIXED_NAMES.iter().find(|n| n[from] == name) {
         return Some(fixed[to].to_string());
@@ -100,19 +116,23 @@ fn rename(name: &str, from: usize) -> Option<String> {
     let rest = name.strip_prefix(BLOCK_PREFIXES[from])?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    if rest == SINKS[from] {
+        return Some(format!("{}{layer}.{}", BLOCK_PREFIXES[to], SINKS[to]));
+    }
     let (module, param) = rest.rsplit_once('.')?;
-    let module = BLOCK_NAMES.iter().find(|n| n[from] == module)?[to];
+    let gemma: &[[&str; 2]] = if arch == Architecture::Gemma3 { &GEMMA_NORM_NAMES } else { &[] };
+    let module = gemma.iter().chain(&BLOCK_NAMES).find(|n| n[from] == module)?[to];
     Some(format!("{}{layer}.{module}.{param}", BLOCK_PREFIXES[to]))
 }
 
 /// HF tensor name for a GGUF one.
-pub(super) fn hf_name(gguf: &str) -> Option<String> {
-    rename(gguf, 0)
+pub(super) fn hf_name(gguf: &str, arch: Architecture) -> Option<String> {
+    rename(gguf, 0, arch)
 }
 
 /// GGUF tensor name for an HF one.
-fn gguf_name(hf: &str) -> Option<String> {
-    rename(hf, 1)
+fn gguf_name(hf: &str, arch: Architecture) -> Option<String> {
+    rename(hf, 1, arch)
 }
 
 /// Row order llama.cpp's converter gives q/k of the `llama` architecture:
@@ -229,7 +249,7 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
     for gguf in names {
         if let Some(tensor) = ExpertTensor::parse(gguf) {
             // A stage reads the experts of its own layers.
-            if range.holds_tensor(&hf_router(cfg, tensor.layer()), cfg.tie_word_embeddings) {
+            if range.holds_tensor(&tensor.hf_name(cfg), cfg.tie_word_embeddings) {
                 let q =
                     content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
                 load_expert_tensor(cfg, tensor, &q, (dtype, device), (&mut dense, &mut quantized))
@@ -237,7 +257,7 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
             }
             continue;
         }
-        let Some(hf) = hf_name(gguf) else { continue };
+        let Some(hf) = hf_name(gguf, cfg.architecture) else { continue };
         if !range.holds_tensor(&hf, cfg.tie_word_embeddings) {
             continue;
         }
@@ -284,20 +304,29 @@ fn load_expert_tensor(
     (dense, quantized): (&mut HashMap<String, Tensor>, &mut HashMap<String, Weight>),
 ) -> candle_core::Result<()> {
     let (layer, which) = match tensor {
-        ExpertTensor::Router { layer } => {
-            dense.insert(hf_router(cfg, layer), q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?);
+        ExpertTensor::Router { .. } | ExpertTensor::CorrectionBias { .. } => {
+            // Routers stay unquantized (llama.cpp never quantizes them).
+            let t = q.dequantize(&Device::Cpu)?;
+            dense.insert(tensor.hf_name(cfg), t.to_dtype(dtype)?.to_device(device)?);
             return Ok(());
         }
-        ExpertTensor::Stacked { layer, which } => (layer, which),
+        ExpertTensor::Stacked { layer, which, param: Param::Bias } => {
+            let all = q.dequantize(&Device::Cpu)?.to_dtype(dtype)?;
+            let (experts, _) = all.dims2()?;
+            check_experts(cfg, experts)?;
+            for e in 0..experts {
+                dense.insert(hf_expert(cfg, layer, e, which, Param::Bias), all.get(e)?.to_device(device)?);
+            }
+            return Ok(());
+        }
+        ExpertTensor::Stacked { layer, which, param: Param::Weight } => (layer, which),
     };
     let (experts, out, inp) = q.shape().dims3()?;
-    if experts != cfg.moe.num_experts {
-        candle_core::bail!("{experts} experts, the config says {}", cfg.moe.num_experts);
-    }
+    check_experts(cfg, experts)?;
     if BLOCK_TYPES.contains(&q.dtype()) && device.is_cpu() {
         let data = q.data()?;
         for (e, bytes) in data.chunks_exact(data.len() / experts).enumerate() {
-            let name = hf_expert(cfg, layer, e, which);
+            let name = hf_expert(cfg, layer, e, which, Param::Weight);
             let w = quant_weight_of(q.dtype(), bytes, (out, inp), &name)?;
             quantized.insert(name, w);
         }
@@ -305,7 +334,14 @@ fn load_expert_tensor(
     }
     let all = q.dequantize(&Device::Cpu)?.to_dtype(dtype)?;
     for e in 0..experts {
-        dense.insert(hf_expert(cfg, layer, e, which), all.get(e)?.to_device(device)?);
+        dense.insert(hf_expert(cfg, layer, e, which, Param::Weight), all.get(e)?.to_device(device)?);
+    }
+    Ok(())
+}
+
+fn check_experts(cfg: &ModelConfig, experts: usize) -> candle_core::Result<()> {
+    if experts != cfg.moe.num_experts {
+        candle_core::bail!("{experts} experts, the config says {}", cfg.moe.num_experts);
     }
     Ok(())
 }
@@ -487,7 +523,7 @@ pub fn write(
     names.sort();
     let mut qtensors = Vec::with_capacity(names.len());
     for hf in names {
-        let gguf = gguf_name(hf).ok_or_else(|| err(path, format!("no GGUF name for {hf}")))?;
+        let gguf = gguf_name(hf, cfg.architecture).ok_or_else(|| err(path, format!("no GGUF name for {hf}")))?;
         let mut t = tensors[hf].to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
         if let Some(heads) = qk_heads(cfg, hf) {
             t = permute_tensor_rows(&t, &llama_qk_permutation(t.dims()[0], heads))?;
@@ -537,7 +573,7 @@ fn matrix_type(cfg: &ModelConfig, ty: Quantization, hf: &str, inp: usize) -> Res
 /// experts `[experts, out, in]` in the file's type, each expert's matrix
 /// typed as its dense counterpart (Q4_K_M: down as `ffn_down`).
 fn expert_qtensor(cfg: &ModelConfig, which: ExpertTensor, t: &Tensor, ty: Quantization) -> Result<QTensor> {
-    let ExpertTensor::Stacked { layer, which } = which else { return Ok(QTensor::quantize(t, GgmlDType::F32)?) };
+    let ExpertTensor::Stacked { layer, which, .. } = which else { return Ok(QTensor::quantize(t, GgmlDType::F32)?) };
     let (experts, out, inp) = t.dims3()?;
     let like = ["gate_proj", "up_proj", "down_proj"][which];
     let ggml = matrix_type(cfg, ty, &format!("model.layers.{layer}.mlp.{like}.weight"), inp)?;
@@ -604,11 +640,51 @@ mod tests {
             "model.layers.12.mlp.down_proj.weight",
             "model.layers.1.post_attention_layernorm.weight",
         ] {
-            let g = gguf_name(hf).unwrap();
-            assert_eq!(hf_name(&g).as_deref(), Some(hf), "{g}");
+            let g = gguf_name(hf, Architecture::Llama).unwrap();
+            assert_eq!(hf_name(&g, Architecture::Llama).as_deref(), Some(hf), "{g}");
         }
-        assert_eq!(gguf_name("model.layers.2.self_attn.o_proj.weight").unwrap(), "blk.2.attn_output.weight");
-        assert_eq!(hf_name("rope_freqs.weight"), None);
+        assert_eq!(
+            gguf_name("model.layers.2.self_attn.o_proj.weight", Architecture::Qwen3).unwrap(),
+            "blk.2.attn_output.weight"
+        );
+        assert_eq!(hf_name("rope_freqs.weight", Architecture::Llama), None);
+    }
+
+    /// The names llama.cpp's converter gives Gemma 3's four norms, GLM's
+    /// and gpt-oss's pre-MLP norm, shared experts and gpt-oss's sinks.
+    #[test]
+    fn each_family_s_own_names_map_to_hf() {
+        let cases = [
+            (
+                Architecture::Gemma3,
+                "blk.1.post_attention_norm.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ),
+            (Architecture::Gemma3, "blk.1.ffn_norm.weight", "model.layers.1.pre_feedforward_layernorm.weight"),
+            (Architecture::Gemma3, "blk.1.post_ffw_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"),
+            (Architecture::Gemma3, "blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+            (
+                Architecture::Glm4Moe,
+                "blk.2.post_attention_norm.weight",
+                "model.layers.2.post_attention_layernorm.weight",
+            ),
+            (Architecture::Glm4Moe, "blk.2.ffn_up_shexp.weight", "model.layers.2.mlp.shared_experts.up_proj.weight"),
+            (Architecture::GptOss, "blk.3.attn_sinks.weight", "model.layers.3.self_attn.sinks"),
+            (Architecture::GptOss, "blk.3.attn_output.bias", "model.layers.3.self_attn.o_proj.bias"),
+        ];
+        for (arch, gguf, hf) in cases {
+            assert_eq!(hf_name(gguf, arch).as_deref(), Some(hf), "{arch:?} {gguf}");
+        }
+        // Llama's pre-MLP norm is `ffn_norm` both ways.
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight", Architecture::Llama).unwrap(),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight", Architecture::Qwen3).unwrap(),
+            "blk.0.ffn_norm.weight"
+        );
+        assert_eq!(hf_name("blk.0.nextn.eh_proj.weight", Architecture::Glm4Moe), None);
     }
 
     #[test]

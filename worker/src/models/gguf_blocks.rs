@@ -82,7 +82,7 @@ pub fn host_tensors(path: &Path, dtype: DType) -> Result<(ModelConfig, HashMap<S
     let cfg = with_rope_freqs(info.config, &content, &mut reader, path)?;
     let mut out = HashMap::new();
     for gguf in content.tensor_infos.keys() {
-        let Some(hf) = hf_name(gguf) else { continue };
+        let Some(hf) = hf_name(gguf, cfg.architecture) else { continue };
         let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
         let perm = qk_heads(&cfg, &hf).map(|heads| invert(&llama_qk_permutation(q.shape().dims()[0], heads)));
         let is_linear = hf.ends_with("_proj.weight") || hf == "lm_head.weight";

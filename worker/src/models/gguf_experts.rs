@@ -4,7 +4,9 @@
 //! `blk.N.ffn_{gate,up,down}_exps.weight` `[experts, out, in]` (the experts
 //! slowest, so each expert's rows, quantized blocks included, are one
 //! contiguous slice). Qwen3-MoE is llama.cpp's `qwen3moe`; Mixtral is
-//! `llama` with `llama.expert_count`.
+//! `llama` with `llama.expert_count`; GLM-4.5 (`glm4moe`) adds the router's
+//! score correction (`exp_probs_b`) and shared experts (`ffn_*_shexp`, plain
+//! layers); gpt-oss (`gpt-oss`) biases on the router and every expert.
 
 use std::collections::HashMap;
 
@@ -14,14 +16,34 @@ use common::model::{Architecture, ModelConfig};
 /// The stacked projections in GGUF's order and their place in an HF expert.
 const STACKED: [&str; 3] = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"];
 
+/// Whether a GGUF tensor is a weight or a bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Param {
+    Weight,
+    Bias,
+}
+
+impl Param {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Weight => "weight",
+            Self::Bias => "bias",
+        }
+    }
+}
+
 /// A GGUF tensor of a mixture of experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum ExpertTensor {
-    /// `blk.N.ffn_gate_inp.weight`.
-    Router { layer: usize },
-    /// `blk.N.{ffn_gate_exps,ffn_up_exps,ffn_down_exps}.weight`: projection
-    /// `which` (0 gate, 1 up, 2 down) of every expert.
-    Stacked { layer: usize, which: usize },
+    /// `blk.N.ffn_gate_inp.{weight,bias}` (gpt-oss's router has a bias).
+    Router { layer: usize, param: Param },
+    /// `blk.N.exp_probs_b.bias`: GLM-4.5's correction of the router's
+    /// scores, for the choice only (`e_score_correction_bias`).
+    CorrectionBias { layer: usize },
+    /// `blk.N.{ffn_gate_exps,ffn_up_exps,ffn_down_exps}.{weight,bias}`:
+    /// projection `which` (0 gate, 1 up, 2 down) of every expert; weights
+    /// `[experts, out, in]`, biases `[experts, out]`.
+    Stacked { layer: usize, which: usize, param: Param },
 }
 
 impl ExpertTensor {
@@ -30,24 +52,37 @@ impl ExpertTensor {
         let rest = gguf.strip_prefix("blk.")?;
         let (layer, rest) = rest.split_once('.')?;
         let layer = layer.parse().ok()?;
-        let module = rest.strip_suffix(".weight")?;
+        if rest == "exp_probs_b.bias" {
+            return Some(Self::CorrectionBias { layer });
+        }
+        let (module, param) = rest.rsplit_once('.')?;
+        let param = match param {
+            "weight" => Param::Weight,
+            "bias" => Param::Bias,
+            _ => return None,
+        };
         if module == "ffn_gate_inp" {
-            return Some(Self::Router { layer });
+            return Some(Self::Router { layer, param });
         }
-        STACKED.iter().position(|&s| s == module).map(|which| Self::Stacked { layer, which })
-    }
-
-    /// The decoder layer it belongs to.
-    pub(super) fn layer(self) -> usize {
-        match self {
-            Self::Router { layer } | Self::Stacked { layer, .. } => layer,
-        }
+        STACKED.iter().position(|&s| s == module).map(|which| Self::Stacked { layer, which, param })
     }
 
     pub(super) fn gguf_name(self) -> String {
         match self {
-            Self::Router { layer } => format!("blk.{layer}.ffn_gate_inp.weight"),
-            Self::Stacked { layer, which } => format!("blk.{layer}.{}.weight", STACKED[which]),
+            Self::Router { layer, param } => format!("blk.{layer}.ffn_gate_inp.{}", param.name()),
+            Self::CorrectionBias { layer } => format!("blk.{layer}.exp_probs_b.bias"),
+            Self::Stacked { layer, which, param } => format!("blk.{layer}.{}.{}", STACKED[which], param.name()),
+        }
+    }
+
+    /// Its HF name: for stacked experts, that of expert 0's part (see [`hf_expert`]).
+    pub(super) fn hf_name(self, cfg: &ModelConfig) -> String {
+        match self {
+            Self::Router { layer, param } => hf_router(cfg, layer, param),
+            Self::CorrectionBias { layer } => {
+                format!("model.layers.{layer}.{}.gate.e_score_correction_bias", hf_layout(cfg).0)
+            }
+            Self::Stacked { layer, which, param } => hf_expert(cfg, layer, 0, which, param),
         }
     }
 }
@@ -61,15 +96,18 @@ fn hf_layout(cfg: &ModelConfig) -> (&'static str, [&'static str; 3]) {
     }
 }
 
-/// The HF name of the router of `layer`.
-pub(super) fn hf_router(cfg: &ModelConfig, layer: usize) -> String {
-    format!("model.layers.{layer}.{}.gate.weight", hf_layout(cfg).0)
+/// The HF name of the router of `layer` (gpt-oss calls it `router`).
+pub(super) fn hf_router(cfg: &ModelConfig, layer: usize, param: Param) -> String {
+    let router = if cfg.architecture == Architecture::GptOss { "router" } else { "gate" };
+    format!("model.layers.{layer}.{}.{router}.{}", hf_layout(cfg).0, param.name())
 }
 
-/// The HF name of projection `which` of expert `expert` of `layer`.
-pub(super) fn hf_expert(cfg: &ModelConfig, layer: usize, expert: usize, which: usize) -> String {
+/// The HF name of projection `which` of expert `expert` of `layer` (one
+/// expert's own tensors, as Mixtral and Qwen3-MoE store them; gpt-oss's
+/// experts from GGUF take these names too).
+pub(super) fn hf_expert(cfg: &ModelConfig, layer: usize, expert: usize, which: usize, param: Param) -> String {
     let (module, names) = hf_layout(cfg);
-    format!("model.layers.{layer}.{module}.experts.{expert}.{}.weight", names[which])
+    format!("model.layers.{layer}.{module}.experts.{expert}.{}.{}", names[which], param.name())
 }
 
 /// The families whose experts GGUF carries (llama.cpp's `qwen3moe`, and
@@ -97,17 +135,17 @@ pub(super) fn stack(
 ) -> candle_core::Result<Vec<(ExpertTensor, Tensor)>> {
     let mut out = Vec::new();
     for layer in 0..cfg.num_layers {
-        let router = tensors.remove(&hf_router(cfg, layer));
+        let router = tensors.remove(&hf_router(cfg, layer, Param::Weight));
         let router = router.ok_or_else(|| candle_core::Error::Msg(format!("layer {layer}: no router")))?;
-        out.push((ExpertTensor::Router { layer }, router));
+        out.push((ExpertTensor::Router { layer, param: Param::Weight }, router));
         for which in 0..3 {
             let experts = (0..cfg.moe.num_experts)
                 .map(|e| {
-                    let name = hf_expert(cfg, layer, e, which);
+                    let name = hf_expert(cfg, layer, e, which, Param::Weight);
                     tensors.remove(&name).ok_or_else(|| candle_core::Error::Msg(format!("{name} is missing")))
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            out.push((ExpertTensor::Stacked { layer, which }, Tensor::stack(&experts, 0)?));
+            out.push((ExpertTensor::Stacked { layer, which, param: Param::Weight }, Tensor::stack(&experts, 0)?));
         }
     }
     Ok(out)
@@ -119,9 +157,16 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for t in [ExpertTensor::Router { layer: 3 }, ExpertTensor::Stacked { layer: 12, which: 2 }] {
+        for t in [
+            ExpertTensor::Router { layer: 3, param: Param::Weight },
+            ExpertTensor::Router { layer: 3, param: Param::Bias },
+            ExpertTensor::CorrectionBias { layer: 1 },
+            ExpertTensor::Stacked { layer: 12, which: 2, param: Param::Weight },
+            ExpertTensor::Stacked { layer: 0, which: 1, param: Param::Bias },
+        ] {
             assert_eq!(ExpertTensor::parse(&t.gguf_name()), Some(t));
         }
+        assert_eq!(ExpertTensor::parse("blk.1.ffn_gate_shexp.weight"), None);
         assert_eq!(ExpertTensor::parse("blk.0.ffn_gate.weight"), None);
         assert_eq!(ExpertTensor::parse("blk.x.ffn_up_exps.weight"), None);
     }

@@ -63,7 +63,13 @@ impl RmsNorm {
     /// A norm of the model `cfg` over `dim`: Gemma's weights are stored
     /// around 0 and multiply by `1 + w` (added in f32, as transformers does).
     pub fn of_model(cfg: &ModelConfig, dim: usize, path: ExecutionPath, vb: VarBuilder) -> Result<Self> {
-        Self::with_offset(dim, cfg.rms_norm_eps, if cfg.gemma_norms { 1.0 } else { 0.0 }, path, vb)
+        Self::with_offset(
+            dim,
+            cfg.rms_norm_eps,
+            if cfg.gemma_norms && !cfg.norm_weights_include_one { 1.0 } else { 0.0 },
+            path,
+            vb,
+        )
     }
 
     fn with_offset(dim: usize, eps: f64, offset: f64, path: ExecutionPath, vb: VarBuilder) -> Result<Self> {

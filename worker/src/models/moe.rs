@@ -130,10 +130,12 @@ impl SparseMoe {
             Architecture::Mixtral => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
         };
+        // gpt-oss's HF checkpoints stack its experts; from GGUF each has
+        // its own weights (perhaps in blocks) and biases, as the others.
         let experts = match cfg.architecture {
-            Architecture::GptOss => fused_experts(cfg, vb.pp("experts"))?,
+            Architecture::GptOss if vb.contains_tensor("experts.gate_up_proj") => fused_experts(cfg, vb.pp("experts"))?,
             _ => (0..m.num_experts)
-                .map(|e| Mlp::with_names(cfg, (h, i, false), vb.pp("experts").pp(e), pre, names))
+                .map(|e| Mlp::with_names(cfg, (h, i, m.biases), vb.pp("experts").pp(e), pre, names))
                 .collect::<Result<Vec<_>>>()?,
         };
         let correction_bias = match m.scoring {
