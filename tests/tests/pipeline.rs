@@ -69,6 +69,27 @@ fn two_stages_reproduce_every_models_goldens_with_chunked_prefill_and_cache_hits
     }
 }
 
+/// The new families from the GGUF files llama.cpp's converter made of
+/// them (worker/tests/data/llamacpp), each with its tokenizer.json beside
+/// it for the coordinator: two stages of real worker processes, chunked
+/// prefill and prefix-cache hits, every golden case exact.
+#[test]
+fn two_stages_of_llama_cpp_s_gguf_files_reproduce_the_goldens() {
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/tests/data/llamacpp");
+    for model in ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe", "tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-yarn"] {
+        let dir = TempDir::new("gguf-stages");
+        let file = dir.0.join(format!("{model}.gguf"));
+        std::fs::copy(data.join(format!("{model}-f32.gguf")), &file).expect("copying the GGUF file");
+        std::fs::copy(model_dir(model).join("tokenizer.json"), dir.0.join("tokenizer.json")).expect("tokenizer");
+        let extra = ["--block-size", "4", "--worker-arg=--max-num-batched-tokens=8"];
+        let cluster = Coordinator::start_pipelines(file.to_str().unwrap(), 1, 2, &extra);
+        let cached = check_goldens(&cluster, model);
+        assert!(cached > 0, "{model}: the repeated prompts hit the prefix cache");
+        let stages = &cluster.workers()["data"][0]["stages"];
+        assert_eq!(stages.as_array().map(Vec::len), Some(2), "{model}: {stages}");
+    }
+}
+
 /// n-gram speculation on every running request (eager: 1-token matches).
 const SPECULATE: [&str; 3] = [
     "--worker-arg=--speculative-method=ngram",
