@@ -3,7 +3,7 @@
 
 use half::f16;
 use kernels::cpu::quant::{
-    BlockQ4_0, BlockQ8_0, PackedQ8_0, QK8_0, QuantBlock, QuantError, dequantize_row, dequantize_row_q8_0,
+    BlockMxfp4, BlockQ4_0, BlockQ8_0, PackedQ8_0, QK8_0, QuantBlock, QuantError, dequantize_row, dequantize_row_q8_0,
     matmul_packed_q8_0, matmul_packed_q8_0_scalar, matmul_q8_0, matmul_q8_0_scalar, matmul_quant, matmul_quant_scalar,
     quantize_matrix, quantize_matrix_q8_0, quantize_row, quantize_row_q8_0,
 };
@@ -203,6 +203,39 @@ fn q4_0_matmul_matches_the_reference_on_random_shapes() {
             f(&x, m, k, &w, n, &mut y).unwrap();
             for (idx, (a, b)) in y.iter().zip(&expected).enumerate() {
                 let tol = 1e-4 * (1.0 + b.abs()) + 1e-5 * k as f32;
+                assert!((a - b).abs() <= tol, "{name} m{m} n{n} k{k} at {idx}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+/// MXFP4 (gpt-oss's experts): random codes under exponents far outside
+/// f16's range (2^-40 .. 2^40), weights and activations read from the
+/// middle of NaN-filled buffers; every backend against the f64 reference.
+#[test]
+fn mxfp4_matmul_matches_the_reference_on_scattered_inputs() {
+    let mut rng = StdRng::seed_from_u64(39);
+    for &(m, n, k) in &[(1, 1, 32), (1, 9, 64), (2, 67, 96), (3, 130, 2880), (5, 37, 160), (16, 33, 256), (1, 700, 544)]
+    {
+        let kb = k / 32;
+        let base = rng.random_range(88..168u8);
+        let mut blocks = vec![BlockMxfp4 { e: 0xFF, qs: [0xFF; 16] }; n * kb + 7];
+        for b in &mut blocks[3..3 + n * kb] {
+            *b = BlockMxfp4 { e: base + rng.random_range(0..8u8), qs: std::array::from_fn(|_| rng.random()) };
+        }
+        let w = &blocks[3..3 + n * kb];
+        let mut xs = vec![f32::NAN; m * k + 11];
+        xs[5..5 + m * k].copy_from_slice(&random(&mut rng, m * k, 2.0));
+        let x = &xs[5..5 + m * k];
+        let expected = reference(x, m, k, w, n);
+        type MatmulFn = fn(&[f32], usize, usize, &[BlockMxfp4], usize, &mut [f32]) -> Result<(), QuantError>;
+        let backends: [(&str, MatmulFn); 2] = [("dispatch", matmul_quant), ("scalar", matmul_quant_scalar)];
+        for (name, f) in backends {
+            let mut y = vec![f32::NAN; m * n];
+            f(x, m, k, w, n, &mut y).unwrap();
+            for (idx, (a, b)) in y.iter().zip(&expected).enumerate() {
+                let row_scale = w[(idx % n) * kb..][..kb].iter().map(|b| b.scale()).fold(0f32, f32::max);
+                let tol = (1e-4 * b.abs()).max(1e-5 * k as f32 * row_scale);
                 assert!((a - b).abs() <= tol, "{name} m{m} n{n} k{k} at {idx}: {a} vs {b}");
             }
         }

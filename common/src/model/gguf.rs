@@ -125,6 +125,9 @@ pub struct GgufHeader {
     pub version: u32,
     pub metadata: HashMap<String, GgufValue>,
     pub tensors: HashMap<String, GgufTensorInfo>,
+    /// Where the tensor data starts in the file: the header's end, rounded
+    /// up to `general.alignment` (32 when absent).
+    pub data_offset: u64,
 }
 
 impl GgufHeader {
@@ -178,7 +181,13 @@ impl GgufHeader {
             let offset = r.u64()?;
             tensors.insert(name, GgufTensorInfo { dims, ggml_type, offset });
         }
-        Ok(Self { version, metadata, tensors })
+        let alignment = match metadata.get("general.alignment") {
+            None => 32,
+            Some(GgufValue::U32(a)) if a.is_power_of_two() => u64::from(*a),
+            Some(other) => return Err(format!("general.alignment {other:?} is not a power of two")),
+        };
+        let data_offset = r.pos.next_multiple_of(alignment);
+        Ok(Self { version, metadata, tensors, data_offset })
     }
 }
 

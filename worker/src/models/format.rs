@@ -6,8 +6,8 @@ use std::str::FromStr;
 /// How weights are stored, in GGML's type names: dense f32 or f16, or a
 /// block format (integer codes with f16 scales), or llama.cpp's Q4_K_M
 /// mix of Q4_K and Q6_K. `--quantize` takes [`Self::BLOCK_FORMATS`],
-/// `export-gguf --type` [`Self::EXPORT_TYPES`]; Q4_K and Q6_K weights
-/// come from GGUF files.
+/// `export-gguf --type` [`Self::EXPORT_TYPES`]; Q4_K, Q6_K and MXFP4
+/// weights come from GGUF files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Quantization {
     F32,
@@ -23,10 +23,14 @@ pub enum Quantization {
     /// llama.cpp's Q4_K_M file type: Q4_K, with Q6_K for the output and
     /// half of the attn_v and ffn_down weights (an export type).
     Q4KM,
+    /// MXFP4: 4-bit E2M1 floats with a power-of-two scale per 32 (4.25
+    /// bits), gpt-oss's experts.
+    Mxfp4,
 }
 
 impl Quantization {
-    pub const ALL: [Self; 7] = [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K, Self::Q4KM];
+    pub const ALL: [Self; 8] =
+        [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K, Self::Q4KM, Self::Mxfp4];
     /// The types `export-gguf --type` writes.
     pub const EXPORT_TYPES: [Self; 5] = [Self::F32, Self::F16, Self::Q8_0, Self::Q4_0, Self::Q4KM];
     /// The formats a loaded model can be quantized to (`--quantize`).
@@ -42,6 +46,7 @@ impl Quantization {
             Self::Q4K => "q4_k",
             Self::Q6K => "q6_k",
             Self::Q4KM => "q4_k_m",
+            Self::Mxfp4 => "mxfp4",
         }
     }
 

@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, BufWriter};
+use std::io::BufWriter;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{self, Value};
@@ -36,18 +36,14 @@ use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 use super::format::Quantization;
 use super::gguf_experts::{self, ExpertTensor, Param, hf_expert};
+pub(super) use super::gguf_file::GgufFile;
+use super::gguf_file::{RawTensor, ggml_type, mxfp4_blocks};
 use super::linear::{Prequantized, Weight};
 use super::llama::CausalLm;
 use crate::error::{Result, WorkerError};
 
 pub(super) fn err(path: &Path, message: impl Into<String>) -> WorkerError {
     WorkerError::ModelFile { path: path.to_path_buf(), message: message.into() }
-}
-
-pub(super) fn open(path: &Path) -> Result<(gguf_file::Content, BufReader<File>)> {
-    let mut reader = BufReader::new(File::open(path).map_err(|e| err(path, e.to_string()))?);
-    let content = gguf_file::Content::read(&mut reader).map_err(|e| err(path, format!("not a GGUF file: {e}")))?;
-    Ok((content, reader))
 }
 
 fn gguf_architecture(arch: Architecture) -> &'static str {
@@ -185,26 +181,22 @@ fn parse_blocks<B>(bytes: &[u8], block_bytes: usize, make: impl Fn(f16, &[u8]) -
     bytes.chunks_exact(block_bytes).map(|b| make(f16::from_le_bytes([b[0], b[1]]), &b[2..])).collect()
 }
 
-fn quant_weight(q: &QTensor, name: &str) -> candle_core::Result<Weight> {
-    let (out, inp) = q.shape().dims2()?;
-    quant_weight_of(q.dtype(), &q.data()?, (out, inp), name)
-}
-
 /// The weight `[out, in]` of GGML blocks `data` of type `ty`.
-fn quant_weight_of(ty: GgmlDType, data: &[u8], (out, inp): (usize, usize), name: &str) -> candle_core::Result<Weight> {
+fn quant_weight_of(ty: u32, data: &[u8], (out, inp): (usize, usize), name: &str) -> candle_core::Result<Weight> {
     match ty {
-        GgmlDType::Q8_0 => Weight::from_q8_0(
+        ggml_type::Q8_0 => Weight::from_q8_0(
             // -128 (never written by GGML's quantizer) is clamped: the int8 kernel negates codes.
             parse_blocks(data, 2 + QK, |d, c| BlockQ8_0 { d, qs: std::array::from_fn(|i| (c[i] as i8).max(-127)) }),
             out,
             inp,
         ),
-        GgmlDType::Q4_0 => Weight::from_q4_0(
+        ggml_type::Q4_0 => Weight::from_q4_0(
             parse_blocks(data, 2 + QK / 2, |d, c| BlockQ4_0 { d, qs: std::array::from_fn(|i| c[i]) }),
             out,
             inp,
         ),
-        GgmlDType::Q4K => Weight::from_q4_k(
+        ggml_type::MXFP4 => Weight::from_mxfp4(mxfp4_blocks(data), out, inp),
+        ggml_type::Q4K => Weight::from_q4_k(
             data.chunks_exact(144)
                 .map(|b| BlockQ4K {
                     d: f16::from_le_bytes([b[0], b[1]]),
@@ -216,7 +208,7 @@ fn quant_weight_of(ty: GgmlDType, data: &[u8], (out, inp): (usize, usize), name:
             out,
             inp,
         ),
-        GgmlDType::Q6K => Weight::from_q6_k(
+        ggml_type::Q6K => Weight::from_q6_k(
             data.chunks_exact(210)
                 .map(|b| BlockQ6K {
                     ql: std::array::from_fn(|i| b[i]),
@@ -228,31 +220,28 @@ fn quant_weight_of(ty: GgmlDType, data: &[u8], (out, inp): (usize, usize), name:
             out,
             inp,
         ),
-        other => candle_core::bail!("{name}: {other:?} is not a block format we run"),
+        other => candle_core::bail!("{name}: GGML type {other} is not a block format we run"),
     }
 }
 
 /// The GGML types kept in their blocks on the CPU.
-const BLOCK_TYPES: [GgmlDType; 4] = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q6K];
+const BLOCK_TYPES: [u32; 5] = [ggml_type::Q8_0, ggml_type::Q4_0, ggml_type::Q4K, ggml_type::Q6K, ggml_type::MXFP4];
 
 /// Loads the model of a GGUF file. Linear weights in a block format stay
 /// quantized (CPU only); everything else becomes `dtype` tensors.
 /// Only the tensors of the stage holding decoder layers `range` are read.
 pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Result<CausalLm> {
     let info = read_info(path)?;
-    let (content, mut reader) = open(path)?;
-    let cfg = &with_rope_freqs(info.config, &content, &mut reader, path)?;
+    let file = GgufFile::open(path)?;
+    let cfg = &with_rope_freqs(info.config, &file, path)?;
     let mut dense = HashMap::new();
     let mut quantized = HashMap::new();
-    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
-    names.sort();
-    for gguf in names {
+    for gguf in file.names() {
         if let Some(tensor) = ExpertTensor::parse(gguf) {
             // A stage reads the experts of its own layers.
             if range.holds_tensor(&tensor.hf_name(cfg), cfg.tie_word_embeddings) {
-                let q =
-                    content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
-                load_expert_tensor(cfg, tensor, &q, (dtype, device), (&mut dense, &mut quantized))
+                let raw = file.read(gguf)?;
+                load_expert_tensor(cfg, tensor, &raw, (dtype, device), (&mut dense, &mut quantized))
                     .map_err(|e| err(path, format!("{gguf}: {e}")))?;
             }
             continue;
@@ -261,22 +250,23 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
         if !range.holds_tensor(&hf, cfg.tie_word_embeddings) {
             continue;
         }
-        let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
-        let perm = qk_heads(cfg, &hf).map(|heads| invert(&llama_qk_permutation(q.shape().dims()[0], heads)));
+        let raw = file.read(gguf)?;
+        let perm = qk_heads(cfg, &hf).map(|heads| invert(&llama_qk_permutation(raw.dims[0], heads)));
         let is_linear = hf.ends_with("_proj.weight") || hf == "lm_head.weight";
-        if is_linear && BLOCK_TYPES.contains(&q.dtype()) && device.is_cpu() {
-            let mut w = quant_weight(&q, gguf).map_err(|e| err(path, e.to_string()))?;
+        if is_linear && BLOCK_TYPES.contains(&raw.ggml_type) && device.is_cpu() {
+            let shape = match raw.dims[..] {
+                [out, inp] => (out, inp),
+                _ => return Err(err(path, format!("{gguf}: a matrix of {} dims", raw.dims.len()))),
+            };
+            let mut w =
+                quant_weight_of(raw.ggml_type, &raw.bytes, shape, gguf).map_err(|e| err(path, e.to_string()))?;
             if let Some(p) = &perm {
                 w.permute_rows(p).map_err(|e| err(path, format!("{gguf}: {e}")))?;
             }
             quantized.insert(hf, w);
             continue;
         }
-        let t = match (q.dtype(), dtype) {
-            (GgmlDType::F16, DType::F16) => q.dequantize_f16(&Device::Cpu),
-            _ => q.dequantize(&Device::Cpu).and_then(|t| t.to_dtype(dtype)),
-        }
-        .map_err(|e| err(path, format!("{gguf}: {e}")))?;
+        let t = raw.dequantize(dtype).map_err(|e| err(path, format!("{gguf}: {e}")))?;
         let t = match &perm {
             Some(p) => permute_tensor_rows(&t, p).map_err(|e| err(path, e.to_string()))?,
             None => t,
@@ -299,19 +289,18 @@ pub fn load(path: &Path, dtype: DType, device: &Device, range: LayerRange) -> Re
 fn load_expert_tensor(
     cfg: &ModelConfig,
     tensor: ExpertTensor,
-    q: &QTensor,
+    raw: &RawTensor,
     (dtype, device): (DType, &Device),
     (dense, quantized): (&mut HashMap<String, Tensor>, &mut HashMap<String, Weight>),
 ) -> candle_core::Result<()> {
     let (layer, which) = match tensor {
         ExpertTensor::Router { .. } | ExpertTensor::CorrectionBias { .. } => {
             // Routers stay unquantized (llama.cpp never quantizes them).
-            let t = q.dequantize(&Device::Cpu)?;
-            dense.insert(tensor.hf_name(cfg), t.to_dtype(dtype)?.to_device(device)?);
+            dense.insert(tensor.hf_name(cfg), raw.dequantize(dtype)?.to_device(device)?);
             return Ok(());
         }
         ExpertTensor::Stacked { layer, which, param: Param::Bias } => {
-            let all = q.dequantize(&Device::Cpu)?.to_dtype(dtype)?;
+            let all = raw.dequantize(dtype)?;
             let (experts, _) = all.dims2()?;
             check_experts(cfg, experts)?;
             for e in 0..experts {
@@ -321,18 +310,17 @@ fn load_expert_tensor(
         }
         ExpertTensor::Stacked { layer, which, param: Param::Weight } => (layer, which),
     };
-    let (experts, out, inp) = q.shape().dims3()?;
+    let [experts, out, inp] = raw.dims[..] else { candle_core::bail!("stacked experts of {} dims", raw.dims.len()) };
     check_experts(cfg, experts)?;
-    if BLOCK_TYPES.contains(&q.dtype()) && device.is_cpu() {
-        let data = q.data()?;
-        for (e, bytes) in data.chunks_exact(data.len() / experts).enumerate() {
+    if BLOCK_TYPES.contains(&raw.ggml_type) && device.is_cpu() {
+        for (e, bytes) in raw.bytes.chunks_exact(raw.bytes.len() / experts).enumerate() {
             let name = hf_expert(cfg, layer, e, which, Param::Weight);
-            let w = quant_weight_of(q.dtype(), bytes, (out, inp), &name)?;
+            let w = quant_weight_of(raw.ggml_type, bytes, (out, inp), &name)?;
             quantized.insert(name, w);
         }
         return Ok(());
     }
-    let all = q.dequantize(&Device::Cpu)?.to_dtype(dtype)?;
+    let all = raw.dequantize(dtype)?;
     for e in 0..experts {
         dense.insert(hf_expert(cfg, layer, e, which, Param::Weight), all.get(e)?.to_device(device)?);
     }
@@ -351,19 +339,14 @@ const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// The config with the file's `rope_freqs.weight` applied, as llama.cpp
 /// applies it: each pair's inverse frequency divided by its factor.
-pub(super) fn with_rope_freqs(
-    cfg: ModelConfig,
-    content: &gguf_file::Content,
-    reader: &mut BufReader<File>,
-    path: &Path,
-) -> Result<ModelConfig> {
-    if !content.tensor_infos.contains_key(ROPE_FREQS) {
+pub(super) fn with_rope_freqs(cfg: ModelConfig, file: &GgufFile, path: &Path) -> Result<ModelConfig> {
+    if !file.contains(ROPE_FREQS) {
         return Ok(cfg);
     }
-    let factors = content
-        .tensor(reader, ROPE_FREQS, &Device::Cpu)
-        .and_then(|q| q.dequantize(&Device::Cpu))
-        .and_then(|t| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>())
+    let factors = file
+        .read(ROPE_FREQS)?
+        .dequantize(DType::F64)
+        .and_then(|t| t.flatten_all()?.to_vec1::<f64>())
         .map_err(|e| err(path, format!("{ROPE_FREQS}: {e}")))?;
     cfg.with_rope_freq_factors(factors).map_err(|e| err(path, e.to_string()))
 }
@@ -494,6 +477,7 @@ pub fn write(
                 // Not export types (EXPORT_TYPES): llama.cpp's pure Q4_K_S and Q6_K.
                 Quantization::Q4K => 14,
                 Quantization::Q6K => 18,
+                Quantization::Mxfp4 => 38,
             }),
         ),
         ("tokenizer.ggml.model".into(), Value::String("llama".into())),
@@ -563,7 +547,7 @@ fn matrix_type(cfg: &ModelConfig, ty: Quantization, hf: &str, inp: usize) -> Res
         _ if hf == "model.embed_tokens.weight" || !inp.is_multiple_of(QK) => GgmlDType::F16,
         Quantization::Q8_0 => GgmlDType::Q8_0,
         Quantization::Q4_0 => GgmlDType::Q4_0,
-        Quantization::Q4K | Quantization::Q6K => {
+        Quantization::Q4K | Quantization::Q6K | Quantization::Mxfp4 => {
             return Err(WorkerError::Unsupported(format!("{} is not an export type", ty.name())));
         }
     })
@@ -718,8 +702,8 @@ mod tests {
         assert_eq!(ty("lm_head.weight", 64), GgmlDType::Q8_0);
     }
 
-    /// `common::model::gguf` reads the metadata, candle the tensors: both
-    /// must see the same file.
+    /// Our reader (`common::model::gguf`'s header, `gguf_file`'s tensors)
+    /// and candle's see the same file: metadata, shapes, offsets, bytes.
     #[test]
     fn common_reader_agrees_with_candle() {
         use common::model::gguf::{GgufHeader, GgufValue};
@@ -735,8 +719,11 @@ mod tests {
             for ty in [Quantization::F32, Quantization::Q8_0] {
                 let path = dir.join(format!("{model}-{ty:?}.gguf"));
                 write(&path, &files.config, &tensors, ty, &vocab).unwrap();
-                let (content, _) = open(&path).unwrap();
+                let mut reader = std::io::BufReader::new(File::open(&path).unwrap());
+                let content = gguf_file::Content::read(&mut reader).unwrap();
                 let header = GgufHeader::open(&path).unwrap();
+                let ours_file = GgufFile::open(&path).unwrap();
+                assert_eq!(content.tensor_data_offset, header.data_offset);
                 assert_eq!(content.tensor_infos.len(), header.tensors.len());
                 for (name, t) in &content.tensor_infos {
                     let ours = &header.tensors[name];
@@ -751,6 +738,8 @@ mod tests {
                         other => panic!("{name}: {other:?} is not a type export writes"),
                     };
                     assert_eq!(id, ours.ggml_type, "{name}");
+                    let bytes = content.tensor(&mut reader, name, &Device::Cpu).unwrap().data().unwrap().to_vec();
+                    assert_eq!(bytes, ours_file.read(name).unwrap().bytes, "{name}");
                 }
                 assert_eq!(content.metadata.len(), header.metadata.len());
                 for (key, value) in &content.metadata {

@@ -11,8 +11,9 @@ use common::model::ModelConfig;
 use kernels::metal::step::WeightFormat;
 
 use super::gguf::{
-    err, hf_name, invert, llama_qk_permutation, open, permute_tensor_rows, qk_heads, read_info, with_rope_freqs,
+    GgufFile, err, hf_name, invert, llama_qk_permutation, permute_tensor_rows, qk_heads, read_info, with_rope_freqs,
 };
+use super::gguf_file::ggml_type;
 use crate::error::Result;
 
 /// A weight on the host, as the plan will upload it.
@@ -63,12 +64,13 @@ fn ggml_type(format: WeightFormat) -> GgmlDType {
     }
 }
 
-fn block_format(t: GgmlDType) -> Option<WeightFormat> {
-    match t {
-        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
-        GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
-        GgmlDType::Q4K => Some(WeightFormat::Q4K),
-        GgmlDType::Q6K => Some(WeightFormat::Q6K),
+/// The plan's block format of a GGML type (MXFP4 has none yet: dequantized).
+fn block_format(ggml: u32) -> Option<WeightFormat> {
+    match ggml {
+        ggml_type::Q8_0 => Some(WeightFormat::Q8_0),
+        ggml_type::Q4_0 => Some(WeightFormat::Q4_0),
+        ggml_type::Q4K => Some(WeightFormat::Q4K),
+        ggml_type::Q6K => Some(WeightFormat::Q6K),
         _ => None,
     }
 }
@@ -78,28 +80,30 @@ fn block_format(t: GgmlDType) -> Option<WeightFormat> {
 /// `dtype` tensors.
 pub fn host_tensors(path: &Path, dtype: DType) -> Result<(ModelConfig, HashMap<String, HostTensor>)> {
     let info = read_info(path)?;
-    let (content, mut reader) = open(path)?;
-    let cfg = with_rope_freqs(info.config, &content, &mut reader, path)?;
+    let file = GgufFile::open(path)?;
+    let cfg = with_rope_freqs(info.config, &file, path)?;
     let mut out = HashMap::new();
-    for gguf in content.tensor_infos.keys() {
+    for gguf in file.names() {
         let Some(hf) = hf_name(gguf, cfg.architecture) else { continue };
-        let q = content.tensor(&mut reader, gguf, &Device::Cpu).map_err(|e| err(path, format!("{gguf}: {e}")))?;
-        let perm = qk_heads(&cfg, &hf).map(|heads| invert(&llama_qk_permutation(q.shape().dims()[0], heads)));
+        let raw = file.read(gguf)?;
+        let perm = qk_heads(&cfg, &hf).map(|heads| invert(&llama_qk_permutation(raw.dims[0], heads)));
         let is_linear = hf.ends_with("_proj.weight") || hf == "lm_head.weight";
-        let tensor = match block_format(q.dtype()).filter(|_| is_linear) {
+        let tensor = match block_format(raw.ggml_type).filter(|_| is_linear) {
             Some(format) => {
-                let (rows, cols) = q.shape().dims2().map_err(|e| err(path, format!("{gguf}: {e}")))?;
-                let data = q.data().map_err(|e| err(path, format!("{gguf}: {e}")))?;
-                let row_bytes = data.len() / rows.max(1);
+                let [rows, cols] = raw.dims[..] else {
+                    return Err(err(path, format!("{gguf}: a matrix of {} dims", raw.dims.len())));
+                };
+                let row_bytes = raw.bytes.len() / rows.max(1);
                 let bytes = match &perm {
-                    Some(p) => p.iter().flat_map(|&r| data[r * row_bytes..][..row_bytes].iter().copied()).collect(),
-                    None => data.to_vec(),
+                    Some(p) => {
+                        p.iter().flat_map(|&r| raw.bytes[r * row_bytes..][..row_bytes].iter().copied()).collect()
+                    }
+                    None => raw.bytes,
                 };
                 HostTensor::Blocks { format, bytes, rows, cols }
             }
             None => {
-                let t = q.dequantize(&Device::Cpu).and_then(|t| t.to_dtype(dtype));
-                let t = t.map_err(|e| err(path, format!("{gguf}: {e}")))?;
+                let t = raw.dequantize(dtype).map_err(|e| err(path, format!("{gguf}: {e}")))?;
                 let t = match &perm {
                     Some(p) => permute_tensor_rows(&t, p).map_err(|e| err(path, e.to_string()))?,
                     None => t,

@@ -9,7 +9,7 @@
 //! packed in panels at load time (`kernels::cpu::packed`; [`Linear::pack`]):
 //! every batch size then streams them as one linear stream per task.
 //! Weights in GGML's block formats (Q8_0, Q4_0, and from GGUF files the
-//! k-quants Q4_K and Q6_K; see [`super::quant`]) run on the int8 kernels. [`Weight`] names every representation.
+//! k-quants Q4_K and Q6_K and MXFP4; see [`super::quant`]) run on the int8 kernels. [`Weight`] names every representation.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -20,7 +20,7 @@ use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanels, QK_K, matmul_kpanels};
 use kernels::cpu::matmul::{WeightElem, matmul_xwt};
 use kernels::cpu::packed::{PackError, PackedWeight, matmul_packed};
 use kernels::cpu::q8_panel::{PanelQ8_0, matmul_panel_q8_0};
-use kernels::cpu::quant::{BlockQ4_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant};
+use kernels::cpu::quant::{BlockMxfp4, BlockQ4_0, PackedQ8_0, QK, matmul_packed_q8_0, matmul_quant};
 use kernels::cpu::{back_with_huge_pages, read_f32, write_f32};
 
 use super::format::Quantization;
@@ -45,6 +45,8 @@ pub enum Weight {
     Q8_0Panels(PanelQ8_0),
     /// GGML's Q4_0 in its row-major blocks: `out` rows of `inp / 32`.
     Q4_0 { blocks: Vec<BlockQ4_0>, out: usize, inp: usize },
+    /// MXFP4 in GGML's row-major blocks: `out` rows of `inp / 32`.
+    Mxfp4 { blocks: Vec<BlockMxfp4>, out: usize, inp: usize },
     /// GGML's Q4_K super-blocks in 16-row panels for the int8 kernels.
     Q4K(KPanels<BlockQ4K>),
     /// GGML's Q6_K super-blocks in 16-row panels.
@@ -60,7 +62,7 @@ impl Weight {
             Self::PackedBf16(w) => w.dims(),
             Self::Q8_0(w) => (w.dims().0, w.dims().1 * QK),
             Self::Q8_0Panels(w) => (w.dims().0, w.dims().1 * QK),
-            Self::Q4_0 { out, inp, .. } => (*out, *inp),
+            Self::Q4_0 { out, inp, .. } | Self::Mxfp4 { out, inp, .. } => (*out, *inp),
             Self::Q4K(w) => (w.dims().0, w.dims().1 * QK_K),
             Self::Q6K(w) => (w.dims().0, w.dims().1 * QK_K),
         })
@@ -75,6 +77,7 @@ impl Weight {
             Self::Q8_0(w) => w.size_in_bytes(),
             Self::Q8_0Panels(w) => w.size_in_bytes(),
             Self::Q4_0 { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
+            Self::Mxfp4 { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
             Self::Q4K(w) => w.size_in_bytes(),
             Self::Q6K(w) => w.size_in_bytes(),
         }
@@ -104,6 +107,7 @@ impl Weight {
             Self::Q8_0(w) => matmul_packed_q8_0(x, m, w, y).map(|()| w.dims().0),
             Self::Q8_0Panels(w) => matmul_panel_q8_0(x, m, w, y).map(|()| w.dims().0),
             Self::Q4_0 { blocks, out, inp } => matmul_quant(x, m, *inp, blocks, *out, y).map(|()| *out),
+            Self::Mxfp4 { blocks, out, inp } => matmul_quant(x, m, *inp, blocks, *out, y).map(|()| *out),
             Self::Q4K(w) => matmul_kpanels(x, m, w, y).map(|()| w.dims().0),
             Self::Q6K(w) => matmul_kpanels(x, m, w, y).map(|()| w.dims().0),
         }
@@ -143,6 +147,7 @@ impl Weight {
                 back_with_huge_pages(scales);
             }
             Self::Q4_0 { blocks, .. } => back_with_huge_pages(blocks),
+            Self::Mxfp4 { blocks, .. } => back_with_huge_pages(blocks),
             Self::Q4K(w) => back_with_huge_pages(w.allocation()),
             Self::Q6K(w) => back_with_huge_pages(w.allocation()),
         }

@@ -10,6 +10,7 @@ pub mod format;
 pub mod gguf;
 pub mod gguf_blocks;
 mod gguf_experts;
+mod gguf_file;
 mod layers;
 pub mod linear;
 pub mod llama;

@@ -10,7 +10,7 @@
 
 use kernels::cpu::kquant::{BlockQ4K, BlockQ6K, KPanel, KPanels, QK_K};
 use kernels::cpu::q8_panel::{PanelQ8_0, panels_pay};
-use kernels::cpu::quant::{BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, QuantError, quantize_matrix};
+use kernels::cpu::quant::{BlockMxfp4, BlockQ4_0, BlockQ8_0, PackedQ8_0, QK, QuantError, quantize_matrix};
 
 use super::format::Quantization;
 use super::linear::Weight;
@@ -66,6 +66,12 @@ impl Weight {
         Ok(Self::Q4_0 { blocks, out, inp })
     }
 
+    /// MXFP4 blocks as stored in a file (GGUF), checked against the shape.
+    pub fn from_mxfp4(blocks: Vec<BlockMxfp4>, out: usize, inp: usize) -> candle_core::Result<Self> {
+        check_blocks(blocks.len(), out, inp)?;
+        Ok(Self::Mxfp4 { blocks, out, inp })
+    }
+
     /// Q4_K blocks as stored in a file (GGUF), checked against the shape
     /// and repacked in panels.
     pub fn from_q4_k(blocks: Vec<BlockQ4K>, out: usize, inp: usize) -> candle_core::Result<Self> {
@@ -83,6 +89,7 @@ impl Weight {
         match self {
             Self::Q8_0(_) | Self::Q8_0Panels(_) => Some(Quantization::Q8_0),
             Self::Q4_0 { .. } => Some(Quantization::Q4_0),
+            Self::Mxfp4 { .. } => Some(Quantization::Mxfp4),
             Self::Q4K(_) => Some(Quantization::Q4K),
             Self::Q6K(_) => Some(Quantization::Q6K),
             Self::Dense(_) | Self::PackedF16(_) | Self::PackedBf16(_) => None,
@@ -112,6 +119,7 @@ impl Weight {
         }
         match self {
             Self::Q4_0 { blocks, .. } => apply(blocks, perm, kb),
+            Self::Mxfp4 { blocks, .. } => apply(blocks, perm, kb),
             Self::Q4K(w) => {
                 let mut rows = w.unpack();
                 apply(&mut rows, perm, inp / QK_K);
@@ -148,6 +156,10 @@ impl Weight {
             Quantization::Q4_0 => {
                 let blocks = concat(parts, |p| if let Self::Q4_0 { blocks, .. } = p { Some(blocks) } else { None });
                 return Ok(Some(Self::Q4_0 { blocks, out, inp }));
+            }
+            Quantization::Mxfp4 => {
+                let blocks = concat(parts, |p| if let Self::Mxfp4 { blocks, .. } = p { Some(blocks) } else { None });
+                return Ok(Some(Self::Mxfp4 { blocks, out, inp }));
             }
             Quantization::Q4K => {
                 let rows: Vec<BlockQ4K> = parts

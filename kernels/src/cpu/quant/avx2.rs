@@ -113,9 +113,7 @@ unsafe fn tile4<B: QuantBlock>(ops: &Operands<'_, B>, j: usize, i: usize) -> [f3
                 prefetch_within(span.wrapping_add(pf + b * step), step, w_end);
             }
             let blocks = [&*w.add(b), &*w.add(kb + b), &*w.add(2 * kb + b), &*w.add(3 * kb + b)];
-            let bits =
-                blocks.iter().enumerate().fold(0u64, |a, (r, blk)| a | (blk.scale().to_bits() as u64) << (16 * r));
-            let d4 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)), _mm_broadcast_ss(&*xd.add(b)));
+            let d4 = _mm_mul_ps(B::scales4_avx2(blocks), _mm_broadcast_ss(&*xd.add(b)));
             let xv = _mm256_loadu_si256((*x.add(b)).qs.as_ptr().cast());
             acc = fma_block4(acc, d4, xv, blocks);
         }
@@ -268,7 +266,7 @@ unsafe fn tile<B: QuantBlock, const R: usize>(ops: &Operands<'_, B>, j: usize, i
                 // at load: negating one would overflow).
                 let pairs = _mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(wv, xv));
                 let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                let dw = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.scale().to_bits() as i32));
+                let dw = blk.scale_avx2();
                 let d = _mm256_broadcastss_ps(_mm_mul_ss(dw, dx));
                 *a = _mm256_fmadd_ps(d, sums, *a);
             }

@@ -36,11 +36,14 @@
 use half::f16;
 use rayon::prelude::*;
 
+pub use mxfp4::{BlockMxfp4, QK_MXFP4, e8m0_to_f32_half};
+
 use super::isa::{self, Simd};
 use super::{OutPtr, for_each_span};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod mxfp4;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -79,6 +82,7 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for super::BlockQ8_0 {}
     impl Sealed for super::BlockQ4_0 {}
+    impl Sealed for super::BlockMxfp4 {}
 }
 
 /// A block of 32 quantized weights with an f16 scale. Sealed: the SIMD
@@ -87,7 +91,8 @@ pub trait QuantBlock: sealed::Sealed + Copy + Send + Sync + std::fmt::Debug + 's
     /// GGML's name of the format.
     const NAME: &'static str;
     const ZERO: Self;
-    fn scale(&self) -> f16;
+    /// The block's scale (`w = scale * code`).
+    fn scale(&self) -> f32;
     /// The 32 integer codes, centred (`w = d * code`).
     fn codes(&self) -> [i8; QK];
     /// Quantizes 32 weights, rounding as GGML does.
@@ -99,6 +104,20 @@ pub trait QuantBlock: sealed::Sealed + Copy + Send + Sync + std::fmt::Debug + 's
     #[cfg(target_arch = "x86_64")]
     #[doc(hidden)]
     unsafe fn codes_avx2(&self) -> std::arch::x86_64::__m256i;
+    /// The scale in lane 0.
+    ///
+    /// # Safety
+    /// AVX2 and F16C must be available.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn scale_avx2(&self) -> std::arch::x86_64::__m128;
+    /// The scales of 4 blocks, one a lane.
+    ///
+    /// # Safety
+    /// AVX2 and F16C must be available.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn scales4_avx2(blocks: [&Self; 4]) -> std::arch::x86_64::__m128;
     /// The 32 codes as two NEON vectors of signed bytes.
     ///
     /// # Safety
@@ -111,8 +130,20 @@ pub trait QuantBlock: sealed::Sealed + Copy + Send + Sync + std::fmt::Debug + 's
 impl QuantBlock for BlockQ8_0 {
     const NAME: &'static str = "q8_0";
     const ZERO: Self = Self { d: f16::ZERO, qs: [0; QK] };
-    fn scale(&self) -> f16 {
-        self.d
+    fn scale(&self) -> f32 {
+        self.d.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scale_avx2(&self) -> std::arch::x86_64::__m128 {
+        // SAFETY: F16C per the caller.
+        unsafe { f16_scale_avx2(self.d) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales4_avx2(blocks: [&Self; 4]) -> std::arch::x86_64::__m128 {
+        // SAFETY: F16C per the caller.
+        unsafe { f16_scales4_avx2(blocks.map(|b| b.d)) }
     }
     fn codes(&self) -> [i8; QK] {
         self.qs
@@ -141,8 +172,20 @@ impl QuantBlock for BlockQ8_0 {
 impl QuantBlock for BlockQ4_0 {
     const NAME: &'static str = "q4_0";
     const ZERO: Self = Self { d: f16::ZERO, qs: [0x88; QK / 2] };
-    fn scale(&self) -> f16 {
-        self.d
+    fn scale(&self) -> f32 {
+        self.d.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scale_avx2(&self) -> std::arch::x86_64::__m128 {
+        // SAFETY: F16C per the caller.
+        unsafe { f16_scale_avx2(self.d) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales4_avx2(blocks: [&Self; 4]) -> std::arch::x86_64::__m128 {
+        // SAFETY: F16C per the caller.
+        unsafe { f16_scales4_avx2(blocks.map(|b| b.d)) }
     }
     fn codes(&self) -> [i8; QK] {
         let mut out = [0i8; QK];
@@ -192,6 +235,31 @@ impl QuantBlock for BlockQ4_0 {
     }
 }
 
+/// An f16 scale widened, in lane 0.
+///
+/// # Safety
+/// F16C must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_scale_avx2(d: f16) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // SAFETY: F16C per the caller.
+    unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32)) }
+}
+
+/// Four f16 scales widened by one conversion.
+///
+/// # Safety
+/// F16C must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_scales4_avx2(d: [f16; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let bits = d.iter().enumerate().fold(0u64, |a, (r, d)| a | (d.to_bits() as u64) << (16 * r));
+    // SAFETY: F16C per the caller.
+    unsafe { _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)) }
+}
+
 /// Quantizes `src` (a multiple of 32 long) into blocks.
 pub fn quantize_row<B: QuantBlock>(src: &[f32], dst: &mut [B]) -> Result<(), QuantError> {
     if !src.len().is_multiple_of(QK) {
@@ -210,7 +278,7 @@ pub fn quantize_row<B: QuantBlock>(src: &[f32], dst: &mut [B]) -> Result<(), Qua
 /// The weights a row of blocks stands for.
 pub fn dequantize_row<B: QuantBlock>(src: &[B], dst: &mut [f32]) {
     for (block, out) in src.iter().zip(dst.chunks_exact_mut(QK)) {
-        let d = block.scale().to_f32();
+        let d = block.scale();
         for (o, q) in out.iter_mut().zip(block.codes()) {
             *o = d * q as f32;
         }
@@ -536,7 +604,7 @@ fn scalar_rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: usize) {
             let mut sum = 0f32;
             for (b, wb) in wrow.iter().enumerate() {
                 let q = int_dot(&ops.xq[i * kb + b].qs, &wb.codes());
-                sum += ops.xd[i * kb + b] * wb.scale().to_f32() * q as f32;
+                sum += ops.xd[i * kb + b] * wb.scale() * q as f32;
             }
             // SAFETY: i * n + j < m * n = y.len(); this task owns column j.
             unsafe { *ops.y.0.add(i * ops.n + j) = sum };

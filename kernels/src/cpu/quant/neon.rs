@@ -65,7 +65,7 @@ pub(super) unsafe fn rows<B: QuantBlock>(ops: &Operands<'_, B>, n0: usize, n1: u
                 for b in 0..kb {
                     let blk = &ops.w[j * kb + b];
                     let s = block_dot(&ops.xq[i * kb + b].qs, blk.codes_neon());
-                    acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), ops.xd[i * kb + b] * blk.scale().to_f32());
+                    acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), ops.xd[i * kb + b] * blk.scale());
                 }
                 *ops.y.0.add(i * ops.n + j) = vaddvq_f32(acc);
             }
