@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod gguf_blocks;
 mod gguf_experts;
 mod gguf_file;
+mod gguf_names;
 mod layers;
 pub mod linear;
 pub mod llama;

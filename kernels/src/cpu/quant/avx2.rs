@@ -49,6 +49,27 @@ pub(super) unsafe fn quantize_activations(x: &[f32], xq: &mut [BlockQ8_0], xd: &
     }
 }
 
+/// An f16 scale widened, in lane 0.
+///
+/// # Safety
+/// F16C must be available.
+#[inline(always)]
+pub(super) unsafe fn f16_scale(d: f16) -> __m128 {
+    // SAFETY: F16C per the caller.
+    unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32)) }
+}
+
+/// Four f16 scales widened by one conversion.
+///
+/// # Safety
+/// F16C must be available.
+#[inline(always)]
+pub(super) unsafe fn f16_scales4(d: [f16; 4]) -> __m128 {
+    let bits = d.iter().enumerate().fold(0u64, |a, (r, d)| a | (d.to_bits() as u64) << (16 * r));
+    // SAFETY: F16C per the caller.
+    unsafe { _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)) }
+}
+
 /// How far ahead of use the weights are prefetched, in bytes: the best of
 /// 1-64 KiB (shorter distances leave the four row streams waiting on DRAM).
 const PF_BYTES: usize = 16 << 10;

@@ -137,13 +137,13 @@ impl QuantBlock for BlockQ8_0 {
     #[inline(always)]
     unsafe fn scale_avx2(&self) -> std::arch::x86_64::__m128 {
         // SAFETY: F16C per the caller.
-        unsafe { f16_scale_avx2(self.d) }
+        unsafe { avx2::f16_scale(self.d) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn scales4_avx2(blocks: [&Self; 4]) -> std::arch::x86_64::__m128 {
         // SAFETY: F16C per the caller.
-        unsafe { f16_scales4_avx2(blocks.map(|b| b.d)) }
+        unsafe { avx2::f16_scales4(blocks.map(|b| b.d)) }
     }
     fn codes(&self) -> [i8; QK] {
         self.qs
@@ -179,13 +179,13 @@ impl QuantBlock for BlockQ4_0 {
     #[inline(always)]
     unsafe fn scale_avx2(&self) -> std::arch::x86_64::__m128 {
         // SAFETY: F16C per the caller.
-        unsafe { f16_scale_avx2(self.d) }
+        unsafe { avx2::f16_scale(self.d) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn scales4_avx2(blocks: [&Self; 4]) -> std::arch::x86_64::__m128 {
         // SAFETY: F16C per the caller.
-        unsafe { f16_scales4_avx2(blocks.map(|b| b.d)) }
+        unsafe { avx2::f16_scales4(blocks.map(|b| b.d)) }
     }
     fn codes(&self) -> [i8; QK] {
         let mut out = [0i8; QK];
@@ -233,31 +233,6 @@ impl QuantBlock for BlockQ4_0 {
             (lo, hi)
         }
     }
-}
-
-/// An f16 scale widened, in lane 0.
-///
-/// # Safety
-/// F16C must be available.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn f16_scale_avx2(d: f16) -> std::arch::x86_64::__m128 {
-    use std::arch::x86_64::*;
-    // SAFETY: F16C per the caller.
-    unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32)) }
-}
-
-/// Four f16 scales widened by one conversion.
-///
-/// # Safety
-/// F16C must be available.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn f16_scales4_avx2(d: [f16; 4]) -> std::arch::x86_64::__m128 {
-    use std::arch::x86_64::*;
-    let bits = d.iter().enumerate().fold(0u64, |a, (r, d)| a | (d.to_bits() as u64) << (16 * r));
-    // SAFETY: F16C per the caller.
-    unsafe { _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)) }
 }
 
 /// Quantizes `src` (a multiple of 32 long) into blocks.
