@@ -81,16 +81,26 @@ impl BlockQ8K {
     const ZERO: Self = Self { d: 0.0, qs: [0; QK_K], bsums: [0; GROUPS] };
 
     /// Symmetric i8 codes in [-127, 127] (never -128, so the AVX2 path's
-    /// signed-by-unsigned byte products cannot overflow).
+    /// signed-by-unsigned byte products cannot overflow), exactly as
+    /// llama.cpp's `quantize_row_q8_K_ref` writes them (what its x86 build
+    /// runs): the value of largest magnitude maps to -127, the others round
+    /// half to even, and the scale is the reciprocal of that multiplier. Its
+    /// k-quant matmuls then see the activations llama.cpp's do (NaN, which
+    /// llama.cpp leaves undefined, becomes 0).
     pub fn quantize(src: &[f32; QK_K]) -> Self {
-        let amax = src.iter().fold(0f32, |a, &v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut out = Self { d, ..Self::ZERO };
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in src {
+            if v.abs() > amax {
+                (amax, max) = (v.abs(), v);
+            }
+        }
+        if amax == 0.0 {
+            return Self::ZERO;
+        }
+        let iscale = -127.0 / max;
+        let mut out = Self { d: 1.0 / iscale, ..Self::ZERO };
         for (q, &v) in out.qs.iter_mut().zip(src) {
-            let s = v * inv;
-            // Round half away from zero without libm; `as` saturates and maps NaN to 0.
-            *q = ((s + 0.5f32.copysign(s)) as i32).clamp(-127, 127) as i8;
+            *q = nearest_even(iscale * v).clamp(-127, 127) as i8;
         }
         for (g, sum) in out.bsums.iter_mut().enumerate() {
             *sum = out.qs[g * GROUP..(g + 1) * GROUP].iter().map(|&q| q as i16).sum();
@@ -268,6 +278,16 @@ pub fn quantize_matrix<B: KBlock>(src: &[f32], rows: usize, k: usize) -> Result<
         return Err(QuantError::Shape(format!("{} values for [{rows}, {k}]", src.len())));
     }
     Ok(src.par_chunks(QK_K).map(|c| B::quantize(c.try_into().expect("chunks of QK_K"))).collect())
+}
+
+/// `x` rounded half to even, as llama.cpp's `nearest_int` (adding 1.5 *
+/// 2^23 leaves the integer in the mantissa), without a libm call; exact
+/// for |x| < 2^22, which the callers' |x| <= 127 keeps. NaN gives 0.
+fn nearest_even(x: f32) -> i32 {
+    if x.is_nan() {
+        return 0;
+    }
+    ((x + 12_582_912.0).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
 /// Activation rows quantized to Q8_K (`x.len()` a multiple of 256).

@@ -176,3 +176,17 @@ fn shapes_are_checked() {
     assert!(matmul_kquant(&[0f32; 256], 1, 256, &w, 3, &mut y).is_err());
     assert!(matmul_kquant(&[0f32; 256], 1, 256, &w, 2, &mut y).is_ok());
 }
+
+/// Activations quantize as llama.cpp's `quantize_row_q8_K_ref`: the value
+/// of largest magnitude to -127 (the scale carries its sign), halves to
+/// even, the scale the multiplier's reciprocal; an all-zero block stays 0.
+#[test]
+fn q8_k_activations_round_as_llama_cpp() {
+    let mut x = [0f32; QK_K];
+    x[..6].copy_from_slice(&[127.0, 0.5, 1.5, 2.5, -3.5, -126.5]);
+    let b = BlockQ8K::quantize(&x);
+    assert_eq!(b.qs[..6], [-127, 0, -2, -2, 4, 126]);
+    assert_eq!(b.d.to_bits(), (1.0f32 / (-127.0f32 / 127.0)).to_bits());
+    assert_eq!(b.bsums[0], -127 - 2 - 2 + 4 + 126);
+    assert_eq!(BlockQ8K::quantize(&[0.0; QK_K]).qs, [0; QK_K]);
+}
