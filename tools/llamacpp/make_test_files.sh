@@ -42,3 +42,10 @@ recorded = [{"id": c["id"], "next_ids": [next_id(c["prompt_ids"] + c["generated_
                                          for t in range(len(c["generated_ids"]))]} for c in cases]
 json.dump({"about": about, "cases": recorded}, open(out, "w"))
 PY
+
+# tiny-gpt-oss as the published gpt-oss checkpoints are stored (experts in
+# MXFP4, Hugging Face's layout), and llama.cpp's conversion of it (its
+# MXFP4 repacking path).
+"$PYTHON" tools/llamacpp/make_mxfp4_checkpoint.py ../shared/models/tiny-gpt-oss worker/tests/data/tiny-gpt-oss-mxfp4
+chmod u+w worker/tests/data/tiny-gpt-oss-mxfp4/*
+LLAMA_CPP="$LLAMA_CPP" "$PYTHON" tools/llamacpp/convert_tiny.py worker/tests/data/tiny-gpt-oss-mxfp4 "$OUT/tiny-gpt-oss-mxfp4-hf.gguf"

@@ -273,3 +273,33 @@ fn mxfp4_experts_stay_in_blocks_and_give_llama_cpp_s_tokens() {
     assert!(as_llama_cpp * 100 >= total * 85, "{as_llama_cpp}/{total} positions as llama.cpp");
     assert!(ours_golden.abs_diff(theirs_golden) * 100 <= total * 3, "{ours_golden} vs {theirs_golden}");
 }
+
+/// gpt-oss as its published checkpoints are stored: experts in MXFP4
+/// (`*_blocks`/`*_scales`, Hugging Face's nibble order; tests/data/
+/// tiny-gpt-oss-mxfp4, made by `tools/llamacpp/make_mxfp4_checkpoint.py`
+/// with GGML's quantizer). llama.cpp's converter repacks those blocks
+/// into the GGUF file beside it (its `repack_mxfp4`); both load into the
+/// same blocks, so every golden prompt's 48 greedy tokens are identical,
+/// and the experts stay 4.25 bits a weight.
+#[test]
+fn published_mxfp4_checkpoints_load_as_llama_cpp_converts_them() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let engine = |source: ModelSource| {
+        let files = ModelFiles::resolve(&source, Need::Weights).unwrap();
+        let config = EngineConfig { num_blocks: Some(256), dtype: DType::F32, ..EngineConfig::default() };
+        Engine::new(&files, config).unwrap()
+    };
+    let mut hf = engine(ModelSource::Dir(data.join("tiny-gpt-oss-mxfp4")));
+    let mut gguf = engine(ModelSource::Gguf(data.join("llamacpp/tiny-gpt-oss-mxfp4-hf.gguf")));
+    let dense = engine(ModelSource::Dir(shared().join("models/tiny-gpt-oss")));
+    let expert_weights = 4 * 8 * 3 * 64 * 64;
+    let widest = dense.resident_weight_bytes() - expert_weights * 4 + expert_weights * 17 / 32;
+    assert!(hf.resident_weight_bytes() <= widest, "{} > {widest}", hf.resident_weight_bytes());
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(shared().join("golden/tiny-gpt-oss.json")).unwrap()).unwrap();
+    for case in golden["cases"].as_array().unwrap() {
+        let prompt: Vec<u32> =
+            case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(greedy(&mut hf, &prompt, 48), greedy(&mut gguf, &prompt, 48), "case {}", case["id"]);
+    }
+}

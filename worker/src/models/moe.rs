@@ -18,12 +18,13 @@ use candle_core::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
 use common::model::{Architecture, MoeConfig, RouterScoring};
 use kernels::cpu::moe::{ExpertGroups, ExpertLinear, combine, gather_rows, grouped_matmul};
+use kernels::cpu::quant::{BlockMxfp4, QK_MXFP4, dequantize_row};
 
 use super::config::ModelConfig;
 use super::layers::Mlp;
-use super::linear::{Linear, Prequantized, linear};
+use super::linear::{Linear, Prequantized, Weight, linear};
 use super::workspace::Buffers;
-use crate::error::Result;
+use crate::error::{Result, WorkerError};
 
 /// A decoder layer's MLP: dense, or a mixture of experts.
 pub enum FeedForward {
@@ -134,6 +135,9 @@ impl SparseMoe {
         // its own weights (perhaps in blocks) and biases, as the others.
         let experts = match cfg.architecture {
             Architecture::GptOss if vb.contains_tensor("experts.gate_up_proj") => fused_experts(cfg, vb.pp("experts"))?,
+            Architecture::GptOss if vb.contains_tensor("experts.gate_up_proj_blocks") => {
+                mxfp4_experts(cfg, vb.pp("experts"))?
+            }
             _ => (0..m.num_experts)
                 .map(|e| Mlp::with_names(cfg, (h, i, m.biases), vb.pp("experts").pp(e), pre, names))
                 .collect::<Result<Vec<_>>>()?,
@@ -284,6 +288,62 @@ fn fused_experts(cfg: &ModelConfig, vb: VarBuilder) -> Result<Vec<Mlp>> {
             };
             let down = Linear::new(down.get(x)?.t()?.contiguous()?, Some(down_bias.get(x)?.contiguous()?))?;
             Mlp::from_linears(cfg.activation, [half(0)?, half(1)?], down)
+        })
+        .collect()
+}
+
+/// gpt-oss's experts as its published checkpoints store them: MXFP4
+/// (`{gate_up,down}_proj_blocks` `[E, out, in/32, 16]` in Hugging Face's
+/// nibble order, `_scales` `[E, out, in/32]`, gate and up interleaved in
+/// the rows) with their biases. On the CPU each matrix becomes GGML's blocks
+/// for the int8 kernel, 4.25 bits a weight; elsewhere it is dequantized.
+fn mxfp4_experts(cfg: &ModelConfig, vb: VarBuilder) -> Result<Vec<Mlp>> {
+    let (e, h, i) = (cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    if !h.is_multiple_of(QK_MXFP4) || !i.is_multiple_of(QK_MXFP4) {
+        return Err(WorkerError::Unsupported(format!("MXFP4 experts of {h} x {i}: not whole blocks of 32")));
+    }
+    // All the experts' blocks of a projection, row after row.
+    let blocks = |name: &str, rows: usize, inp: usize| -> Result<Vec<BlockMxfp4>> {
+        let kb = inp / QK_MXFP4;
+        let bytes = |suffix: &str, shape: &[usize]| -> Result<Vec<u8>> {
+            let t = vb.get_with_hints_dtype(shape, &format!("{name}_{suffix}"), Default::default(), DType::U8)?;
+            Ok(t.flatten_all()?.to_vec1::<u8>()?)
+        };
+        let (codes, scales) = (bytes("blocks", &[e, rows, kb, 16])?, bytes("scales", &[e, rows, kb])?);
+        Ok(scales
+            .iter()
+            .zip(codes.chunks_exact(QK_MXFP4 / 2))
+            .map(|(&s, c)| BlockMxfp4::from_hf(s, c.try_into().expect("chunks of 16")))
+            .collect())
+    };
+    let (gate_up, down) = (blocks("gate_up_proj", 2 * i, h)?, blocks("down_proj", h, i)?);
+    let gate_up_bias = vb.get((e, 2 * i), "gate_up_proj_bias")?;
+    let down_bias = vb.get((e, h), "down_proj_bias")?;
+    let linear = |blocks: Vec<BlockMxfp4>, (out, inp): (usize, usize), bias: Tensor| -> Result<Linear> {
+        let weight = match vb.device().is_cpu() {
+            true => Weight::from_mxfp4(blocks, out, inp)?,
+            false => {
+                let mut values = vec![0f32; out * inp];
+                dequantize_row(&blocks, &mut values);
+                Weight::Dense(Tensor::from_vec(values, (out, inp), vb.device())?.to_dtype(vb.dtype())?)
+            }
+        };
+        Ok(Linear::from_weight(weight, Some(bias.contiguous()?))?)
+    };
+    let (kh, ki) = (h / QK_MXFP4, i / QK_MXFP4);
+    (0..e)
+        .map(|x| {
+            let rows = &gate_up[x * 2 * i * kh..(x + 1) * 2 * i * kh];
+            // Even rows gate, odd rows up.
+            let half = |k: usize| -> Vec<BlockMxfp4> {
+                (0..i).flat_map(|r| rows[(2 * r + k) * kh..(2 * r + k + 1) * kh].iter().copied()).collect()
+            };
+            let b = gate_up_bias.get(x)?.reshape((i, 2))?;
+            let bias = |k: usize| -> Result<Tensor> { Ok(b.narrow(1, k, 1)?.squeeze(1)?) };
+            let gate = linear(half(0), (i, h), bias(0)?)?;
+            let up = linear(half(1), (i, h), bias(1)?)?;
+            let down = linear(down[x * h * ki..(x + 1) * h * ki].to_vec(), (h, i), down_bias.get(x)?)?;
+            Mlp::from_linears(cfg.activation, [gate, up], down)
         })
         .collect()
 }

@@ -26,6 +26,16 @@ pub struct BlockMxfp4 {
     pub qs: [u8; QK_MXFP4 / 2],
 }
 
+impl BlockMxfp4 {
+    /// A block from Hugging Face's packing of the same codes (the
+    /// published gpt-oss checkpoints' `*_blocks`): byte j holds weight 2j
+    /// in its low nibble and weight 2j + 1 in its high nibble.
+    pub fn from_hf(e: u8, packed: &[u8; QK_MXFP4 / 2]) -> Self {
+        let code = |w: usize| (packed[w / 2] >> (4 * (w % 2))) & 0x0F;
+        Self { e, qs: std::array::from_fn(|j| code(j) | (code(j + QK_MXFP4 / 2) << 4)) }
+    }
+}
+
 /// Half of E8M0 `e`'s value, `2^(e - 128)`, as GGML's
 /// `GGML_E8M0_TO_FP32_HALF` (exact: `e` 0 and 1 are subnormal floats).
 pub fn e8m0_to_f32_half(e: u8) -> f32 {
@@ -138,6 +148,21 @@ mod tests {
             // The scale 2^(129 - 127) = 4 on the undoubled values.
             assert_eq!(w[j], 4.0 * e2m1[j], "weight {j}");
             assert_eq!(w[j + 16], 4.0 * e2m1[15 - j], "weight {}", j + 16);
+        }
+    }
+
+    /// Hugging Face's packing (weights 2j, 2j + 1 in byte j) decodes to
+    /// the same weights as GGML's once repacked.
+    #[test]
+    fn hugging_face_packing_repacks_to_the_same_weights() {
+        let packed: [u8; 16] = std::array::from_fn(|j| (j as u8).wrapping_mul(37) ^ 0x5A);
+        let block = BlockMxfp4::from_hf(125, &packed);
+        let mut w = [0f32; QK];
+        dequantize_row(&[block], &mut w);
+        let d = e8m0_to_f32_half(125);
+        for (j, byte) in packed.iter().enumerate() {
+            assert_eq!(w[2 * j], f32::from(VALUES[usize::from(byte & 0x0F)]) * d, "weight {}", 2 * j);
+            assert_eq!(w[2 * j + 1], f32::from(VALUES[usize::from(byte >> 4)]) * d, "weight {}", 2 * j + 1);
         }
     }
 
