@@ -23,7 +23,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
 use crate::api::reply::{PROMETHEUS_TEXT, ReplyBody};
-use crate::api::{ApiError, Reply, chat, completions, generate, info, tokenize};
+use crate::api::{ApiError, Reply, chat, completions, generate, info, messages, tokenize};
 use crate::app::{AppState, HttpLimits};
 use crate::connections::{Admission, Busy, Connections};
 
@@ -48,7 +48,13 @@ pub async fn handle(app: Arc<AppState>, req: Request<Incoming>) -> Result<Respon
             Err(e) => {
                 app.metrics.rejected(e.status);
                 // The body was not read to its end: the connection cannot carry another request.
-                if e.status == StatusCode::REQUEST_TIMEOUT { Reply::error_closing(&e) } else { Reply::error(&e) }
+                if e.status == StatusCode::REQUEST_TIMEOUT {
+                    Reply::error_closing(&e)
+                } else if path.starts_with("/v1/messages") {
+                    Reply::anthropic_error(&e)
+                } else {
+                    Reply::error(&e)
+                }
             }
         },
     };
@@ -116,9 +122,19 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
         (&Method::GET, "/v1/models") => Ok(info::models(&app)),
         (&Method::GET, "/v1/workers") => Ok(info::workers(&app)),
         (&Method::GET, p) if p.starts_with("/v1/models/") => info::model(&app, &p["/v1/models/".len()..]),
-        (&Method::POST, "/tokenize" | "/detokenize" | "/generate" | "/v1/completions" | "/v1/chat/completions") => {
+        (
+            &Method::POST,
+            "/tokenize"
+            | "/detokenize"
+            | "/generate"
+            | "/v1/completions"
+            | "/v1/chat/completions"
+            | "/v1/messages"
+            | "/v1/messages/count_tokens",
+        ) => {
             check_content_type(req.headers())?;
-            if path != "/tokenize" && path != "/detokenize" && app.shutting_down() {
+            let counting = ["/tokenize", "/detokenize", "/v1/messages/count_tokens"].contains(&path.as_str());
+            if !counting && app.shutting_down() {
                 return Err(ApiError::unavailable("the server is shutting down"));
             }
             let body = read_body(req, &app.limits).await?;
@@ -128,6 +144,8 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
                     "/detokenize" => tokenize::detokenize(&app, body).await,
                     "/generate" => generate::generate(app.clone(), body).await,
                     "/v1/completions" => completions::completions(app.clone(), body).await,
+                    "/v1/messages" => messages::messages(app.clone(), body).await,
+                    "/v1/messages/count_tokens" => messages::count_tokens(app.clone(), body).await,
                     _ => chat::chat(app.clone(), body).await,
                 }
             };
@@ -150,16 +168,21 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             | "/detokenize"
             | "/generate"
             | "/v1/completions"
-            | "/v1/chat/completions",
+            | "/v1/chat/completions"
+            | "/v1/messages"
+            | "/v1/messages/count_tokens",
         ) => Err(ApiError::method_not_allowed()),
         _ => Err(ApiError::not_found(&path)),
     }
 }
 
 /// `Authorization: Bearer KEY`, the scheme in any case (RFC 9110 §11.1),
-/// the key compared in constant time.
+/// or Anthropic's `x-api-key: KEY`; the key compared in constant time.
 fn authorized(key: Option<&str>, headers: &HeaderMap) -> bool {
     let Some(key) = key else { return true };
+    if let Some(given) = headers.get("x-api-key") {
+        return constant_time_eq(given.as_bytes(), key.as_bytes());
+    }
     let given = headers.get(AUTHORIZATION).map(|v| v.as_bytes()).unwrap_or_default();
     let Some(space) = given.iter().position(|&b| b == b' ' || b == b'\t') else { return false };
     let (scheme, token) = given.split_at(space);

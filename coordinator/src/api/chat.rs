@@ -31,9 +31,9 @@ const FIELDS: &[(&str, Shape)] = &[
 
 /// How the choices' output is read for tool calls.
 #[derive(Clone, Copy)]
-struct ToolParsing {
-    format: ToolFormat,
-    parallel: bool,
+pub(super) struct ToolParsing {
+    pub format: ToolFormat,
+    pub parallel: bool,
 }
 
 impl ToolParsing {
@@ -43,11 +43,11 @@ impl ToolParsing {
 }
 
 /// A request read, checked and tokenized: what runs it.
-struct Plan {
-    req: ChatRequest,
-    specs: Vec<ChoiceSpec>,
-    logprobs: Option<u32>,
-    tools: Option<ToolParsing>,
+pub(super) struct Plan {
+    pub req: ChatRequest,
+    pub specs: Vec<ChoiceSpec>,
+    pub logprobs: Option<u32>,
+    pub tools: Option<ToolParsing>,
 }
 
 /// `POST /v1/chat/completions`. Templating and tokenizing run on the blocking pool.
@@ -90,7 +90,14 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
 /// conversation templated (with its tools) and tokenized, the choices
 /// fitted to the context, and the calls a tool choice requires forced.
 fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
-    let mut req: ChatRequest = parse(body, &["messages"], FIELDS)?;
+    plan_request(app, parse(body, &["messages"], FIELDS)?, false)
+}
+
+/// [`plan`] for a request already read (`/v1/messages` builds one from
+/// Anthropic's body). `cut_max_tokens`: a `max_tokens` beyond the room
+/// left in the context is cut to it (Anthropic's servers' rule) rather
+/// than refused (OpenAI's).
+pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens: bool) -> Result<Plan, ApiError> {
     check_model(app, req.model.as_deref())?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (true, top) => Some(top_n("top_logprobs", top)?.unwrap_or(0)),
@@ -129,7 +136,8 @@ fn plan(app: &AppState, body: &[u8]) -> Result<Plan, ApiError> {
         })?;
         params.structured_output = Some(forced);
     }
-    let params = fit_completion(app, max_len, "messages", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
+    let named = req.sampling.names_max_tokens() && !cut_max_tokens;
+    let params = fit_completion(app, max_len, "messages", prompt_ids.len(), named, &params)?;
     let specs = n_choices(&prompt_ids, &params, &stops, req.sampling.priority()?, n);
     let parallel = tool_request.as_ref().is_none_or(|t| t.parallel);
     Ok(Plan { req, specs, logprobs, tools: format.map(|format| ToolParsing { format, parallel }) })

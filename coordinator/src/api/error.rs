@@ -1,5 +1,7 @@
 //! Errors as OpenAI's API returns them:
-//! `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
+//! `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status,
+//! or, on Anthropic's endpoints (`/v1/messages`), as Anthropic's does:
+//! `{"type": "error", "error": {"type", "message"}}`.
 
 use hyper::StatusCode;
 use serde::Serialize;
@@ -128,6 +130,25 @@ impl ApiError {
         ErrorBody {
             error: Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code },
         }
+    }
+
+    /// Anthropic's shape: its error type is the status's.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        let kind = match self.status.as_u16() {
+            400 | 405 | 408 | 415 | 422 | 431 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 | 414 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        let message = match &self.param {
+            Some(param) if !self.message.contains(param.as_str()) => format!("{param}: {}", self.message),
+            _ => self.message.clone(),
+        };
+        serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
     }
 
     pub fn body(&self) -> String {

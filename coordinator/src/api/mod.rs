@@ -1,5 +1,5 @@
 //! The HTTP API: one file per endpoint family (`generate`, `completions`,
-//! `chat`, `tokenize`, `info`), over the request types and their checks
+//! `chat`, `messages` for Anthropic's API, `tokenize`, `info`), over the request types and their checks
 //! (`request`, `prepare`, `structured` for constrained output), the choice
 //! runner (`run`), the response shapes (`openai`, `logprobs`), the SSE
 //! stream (`sse`), tool calling (`tool_calls`), and OpenAI-shaped errors.
@@ -10,6 +10,7 @@ pub mod error;
 pub mod generate;
 pub mod info;
 pub mod logprobs;
+pub mod messages;
 pub mod openai;
 pub mod prepare;
 pub mod reply;

@@ -108,6 +108,11 @@ impl Reply {
     }
 
     /// `e`, with the connection closed after it.
+    /// `e` in Anthropic's shape (`/v1/messages`).
+    pub fn anthropic_error(e: &ApiError) -> Self {
+        Self { retry_after: e.retry_after, ..Self::json_status(e.status, &e.anthropic_body()) }
+    }
+
     pub fn error_closing(e: &ApiError) -> Self {
         Self { close: true, ..Self::error(e) }
     }

@@ -29,6 +29,13 @@ pub struct Events {
 }
 
 impl Events {
+    /// An event with a name (`event: NAME`), as Anthropic's API streams.
+    pub async fn send_named(&self, name: &str, event: &impl Serialize) -> Result<(), ClientGone> {
+        let data = serde_json::to_string(event)
+            .unwrap_or_else(|e| ApiError::internal(format!("encoding an event: {e}")).body());
+        self.tx.send(format!("event: {name}\ndata: {data}\n\n")).await.map_err(|_| ClientGone)
+    }
+
     pub async fn send(&self, event: &impl Serialize) -> Result<(), ClientGone> {
         let data = serde_json::to_string(event)
             .unwrap_or_else(|e| ApiError::internal(format!("encoding an event: {e}")).body());
@@ -57,6 +64,27 @@ where
             }
         }
         let _ = tx.send(DONE.to_string()).await;
+    });
+    Reply::sse(rx)
+}
+
+/// [`stream`] for Anthropic's API: named events, no `[DONE]`; a cut stream
+/// ends with an `error` event.
+pub fn stream_anthropic<F>(app: &AppState, write: impl FnOnce(Events) -> F) -> Reply
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(BUFFER_EVENTS);
+    let cut = app.cut();
+    let writing = write(Events { tx: tx.clone() });
+    tokio::spawn(async move {
+        tokio::select! {
+            () = writing => {}
+            () = cut => {
+                let error = ApiError::unavailable("the server is shutting down; the stream was cut");
+                let _ = Events { tx }.send_named("error", &error.anthropic_body()).await;
+            }
+        }
     });
     Reply::sse(rx)
 }
