@@ -59,6 +59,9 @@ pub struct AppState {
     /// How the model writes tool calls: detected from its chat template, or
     /// `--tool-call-parser`; `None` serves only `tool_choice: "none"`.
     pub tool_format: Option<ToolFormat>,
+    /// `--max-tokens-cap`: no request generates more tokens than this
+    /// (llama.cpp server's `--n-predict`), whatever its `max_tokens` says.
+    pub max_tokens_cap: Option<u32>,
     pub served_model_name: String,
     /// The model's context (or `--max-model-len`); see [`AppState::max_model_len`].
     model_max_len: usize,
@@ -99,6 +102,7 @@ impl AppState {
             max_bytes_per_token: max_bytes_per_token(&tokenizer),
             tokenizer,
             tool_format: chat_template.as_ref().and_then(|t| ToolFormat::detect(t.source())),
+            max_tokens_cap: None,
             chat_template,
             served_model_name,
             model_max_len: max_model_len,

@@ -98,6 +98,11 @@ struct Args {
     /// (Llama 3.1/3.2 JSON). Default: detected from the chat template.
     #[arg(long)]
     tool_call_parser: Option<coordinator::tool_parser::ToolFormat>,
+    /// Cap every request's generated tokens at N, whatever its `max_tokens`
+    /// (llama.cpp server's --n-predict): bounds each request's work, e.g.
+    /// for agents that ask for 32000 tokens a turn.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_tokens_cap: Option<u32>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -173,6 +178,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     )
     .with_grammar_compiler(grammar_compiler);
     app.tool_format = args.tool_call_parser.or(app.tool_format);
+    app.max_tokens_cap = args.max_tokens_cap;
     match app.tool_format {
         Some(format) => tracing::info!("tool calls are read in the {format} format"),
         None => tracing::info!("no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),

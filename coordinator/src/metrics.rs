@@ -134,6 +134,8 @@ impl Metrics {
             "/generate" => "/generate",
             "/v1/completions" => "/v1/completions",
             "/v1/chat/completions" => "/v1/chat/completions",
+            "/v1/messages" => "/v1/messages",
+            "/v1/messages/count_tokens" => "/v1/messages/count_tokens",
             "/v1/models" => "/v1/models",
             "/v1/workers" => "/v1/workers",
             "/tokenize" => "/tokenize",

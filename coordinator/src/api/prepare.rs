@@ -103,6 +103,10 @@ pub fn fit_completion(
     check_in_vocabulary(app, "stop_token_ids", params.stop_token_ids.iter().copied())?;
     let room = max_len.saturating_sub(prompt_len) as u32;
     let mut params = params.clone();
+    if let Some(cap) = app.max_tokens_cap {
+        params.max_tokens = params.max_tokens.min(cap);
+        params.min_tokens = params.min_tokens.min(cap);
+    }
     if params.max_tokens > room {
         if named {
             return Err(ApiError::invalid(
