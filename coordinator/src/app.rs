@@ -62,6 +62,8 @@ pub struct AppState {
     /// `--max-tokens-cap`: no request generates more tokens than this
     /// (llama.cpp server's `--n-predict`), whatever its `max_tokens` says.
     pub max_tokens_cap: Option<u32>,
+    /// `/v1/responses` kept for `previous_response_id` and `GET`.
+    pub responses: crate::api::responses::ResponseStore,
     pub served_model_name: String,
     /// The model's context (or `--max-model-len`); see [`AppState::max_model_len`].
     model_max_len: usize,
@@ -103,6 +105,7 @@ impl AppState {
             tokenizer,
             tool_format: chat_template.as_ref().and_then(|t| ToolFormat::detect(t.source())),
             max_tokens_cap: None,
+            responses: Default::default(),
             chat_template,
             served_model_name,
             model_max_len: max_model_len,

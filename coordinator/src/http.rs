@@ -23,7 +23,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
 use crate::api::reply::{PROMETHEUS_TEXT, ReplyBody};
-use crate::api::{ApiError, Reply, chat, completions, generate, info, messages, tokenize};
+use crate::api::{ApiError, Reply, chat, completions, generate, info, messages, responses, tokenize};
 use crate::app::{AppState, HttpLimits};
 use crate::connections::{Admission, Busy, Connections};
 
@@ -122,6 +122,10 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
         (&Method::GET, "/v1/models") => Ok(info::models(&app)),
         (&Method::GET, "/v1/workers") => Ok(info::workers(&app)),
         (&Method::GET, p) if p.starts_with("/v1/models/") => info::model(&app, &p["/v1/models/".len()..]),
+        (&Method::GET, p) if p.starts_with("/v1/responses/") => responses::get(&app, &p["/v1/responses/".len()..]),
+        (&Method::DELETE, p) if p.starts_with("/v1/responses/") => {
+            responses::delete(&app, &p["/v1/responses/".len()..])
+        }
         (
             &Method::POST,
             "/tokenize"
@@ -130,7 +134,8 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             | "/v1/completions"
             | "/v1/chat/completions"
             | "/v1/messages"
-            | "/v1/messages/count_tokens",
+            | "/v1/messages/count_tokens"
+            | "/v1/responses",
         ) => {
             check_content_type(req.headers())?;
             let counting = ["/tokenize", "/detokenize", "/v1/messages/count_tokens"].contains(&path.as_str());
@@ -146,6 +151,7 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
                     "/v1/completions" => completions::completions(app.clone(), body).await,
                     "/v1/messages" => messages::messages(app.clone(), body).await,
                     "/v1/messages/count_tokens" => messages::count_tokens(app.clone(), body).await,
+                    "/v1/responses" => responses::create(app.clone(), body).await,
                     _ => chat::chat(app.clone(), body).await,
                 }
             };
@@ -170,7 +176,8 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             | "/v1/completions"
             | "/v1/chat/completions"
             | "/v1/messages"
-            | "/v1/messages/count_tokens",
+            | "/v1/messages/count_tokens"
+            | "/v1/responses",
         ) => Err(ApiError::method_not_allowed()),
         _ => Err(ApiError::not_found(&path)),
     }

@@ -136,6 +136,7 @@ impl Metrics {
             "/v1/chat/completions" => "/v1/chat/completions",
             "/v1/messages" => "/v1/messages",
             "/v1/messages/count_tokens" => "/v1/messages/count_tokens",
+            "/v1/responses" => "/v1/responses",
             "/v1/models" => "/v1/models",
             "/v1/workers" => "/v1/workers",
             "/tokenize" => "/tokenize",

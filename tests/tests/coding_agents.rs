@@ -1,6 +1,11 @@
 //! Coding agents, the real ones, against a running cluster: Claude Code
-//! (`@anthropic-ai/claude-code`, `claude -p`) over `/v1/messages`. `.ci/run`
-//! installs it from npm and points TINYVLLM_TEST_CLAUDE at its `claude`.
+//! (`@anthropic-ai/claude-code`, `claude -p`) over `/v1/messages`, and
+//! Codex CLI (`@openai/codex`, `codex exec` with a model provider whose
+//! `wire_api` is `responses`) over `/v1/responses`. `.ci/run` installs both
+//! from npm and points TINYVLLM_TEST_CLAUDE and TINYVLLM_TEST_CODEX at them.
+//! Codex sends a streamed request with developer messages, function tools,
+//! a `namespace` group and a hosted `web_search` tool (left out), `store:
+//! false` and `reasoning`.
 //!
 //! Claude Code sends what it sends to Anthropic: a ~35k-token prompt (three
 //! system blocks, two dozen tools), `max_tokens: 32000`, `thinking`,
@@ -36,25 +41,18 @@ fn agent_model() -> TempDir {
     dir
 }
 
-/// The `claude` CLI, or None outside CI when it is not installed.
-fn claude() -> Option<std::ffi::OsString> {
-    let claude = std::env::var_os("TINYVLLM_TEST_CLAUDE");
-    if claude.is_none() {
-        assert!(std::env::var_os("CI").is_none(), "TINYVLLM_TEST_CLAUDE is not set in CI (.ci/run sets it)");
-        eprintln!("skipping: set TINYVLLM_TEST_CLAUDE to a `claude` from npm's @anthropic-ai/claude-code");
+/// An agent's CLI from `variable`, or None outside CI when it is not installed.
+fn agent(variable: &str, package: &str) -> Option<std::ffi::OsString> {
+    let cli = std::env::var_os(variable);
+    if cli.is_none() {
+        assert!(std::env::var_os("CI").is_none(), "{variable} is not set in CI (.ci/run sets it)");
+        eprintln!("skipping: set {variable} to the CLI of npm's {package}");
     }
-    claude
+    cli
 }
 
-fn metric(cluster: &Coordinator, line_start: &str) -> f64 {
-    let text = ureq::get(&cluster.url("/metrics")).call().expect("metrics").into_string().expect("text");
-    text.lines().find_map(|l| l.strip_prefix(line_start).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
-}
-
-#[test]
-fn claude_code_completes_a_turn() {
-    let Some(claude) = claude() else { return };
-    let model = agent_model();
+/// A cluster serving [`agent_model`] as `tiny-qwen3`, behind an API key.
+fn agent_cluster(model: &TempDir) -> Coordinator {
     let args = [
         "--served-model-name",
         "tiny-qwen3",
@@ -66,7 +64,30 @@ fn claude_code_completes_a_turn() {
         "--max-tokens-cap",
         "64",
     ];
-    let cluster = Coordinator::start(model.0.to_str().expect("utf-8 path"), 1, &args);
+    Coordinator::start(model.0.to_str().expect("utf-8 path"), 1, &args)
+}
+
+/// Checks an agent's run: exit 0, no API error, and `endpoint` answered.
+fn check_turn(cluster: &Coordinator, out: &std::process::Output, endpoint: &str) {
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the agent exited with {}:\n{stdout}\n{stderr}", out.status);
+    for text in [&stdout, &stderr] {
+        assert!(!text.contains("API Error") && !text.contains("ERROR:"), "{stdout}\n{stderr}");
+    }
+    let served = metric(cluster, &format!(r#"tinyvllm_http_requests_total{{endpoint="{endpoint}",status="200"}}"#));
+    assert!(served >= 1.0, "no {endpoint} request was answered: {stdout}\n{stderr}");
+}
+
+fn metric(cluster: &Coordinator, line_start: &str) -> f64 {
+    let text = ureq::get(&cluster.url("/metrics")).call().expect("metrics").into_string().expect("text");
+    text.lines().find_map(|l| l.strip_prefix(line_start).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+#[test]
+fn claude_code_completes_a_turn() {
+    let Some(claude) = agent("TINYVLLM_TEST_CLAUDE", "@anthropic-ai/claude-code") else { return };
+    let model = agent_model();
+    let cluster = agent_cluster(&model);
     let home = TempDir::new("claude-home");
     let out = Command::new(&claude)
         .args(["-p", "Say hello"])
@@ -78,11 +99,33 @@ fn claude_code_completes_a_turn() {
         .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
         .env("DISABLE_TELEMETRY", "1")
         .env("DISABLE_AUTOUPDATER", "1")
+        .stdin(std::process::Stdio::null())
         .output()
         .expect("running claude");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "claude exited with {}:\n{stdout}\n{stderr}", out.status);
-    assert!(!stdout.contains("API Error") && !stderr.contains("API Error"), "{stdout}\n{stderr}");
-    let served = metric(&cluster, r#"tinyvllm_http_requests_total{endpoint="/v1/messages",status="200"}"#);
-    assert!(served >= 1.0, "no /v1/messages request was answered: {stdout}\n{stderr}");
+    check_turn(&cluster, &out, "/v1/messages");
+}
+
+#[test]
+fn codex_completes_a_turn() {
+    let Some(codex) = agent("TINYVLLM_TEST_CODEX", "@openai/codex") else { return };
+    let model = agent_model();
+    let cluster = agent_cluster(&model);
+    let home = TempDir::new("codex-home");
+    let config = format!(
+        "model = \"tiny-qwen3\"\nmodel_provider = \"tinyvllm\"\n\n[model_providers.tinyvllm]\nname = \"tinyvllm\"\n\
+         base_url = \"{}\"\nenv_key = \"TINYVLLM_API_KEY\"\nwire_api = \"responses\"\n",
+        cluster.url("/v1")
+    );
+    std::fs::write(home.0.join("config.toml"), config).expect("codex config");
+    let work = TempDir::new("codex-work");
+    let out = Command::new(&codex)
+        .args(["exec", "--skip-git-repo-check", "Say hello"])
+        .current_dir(&work.0)
+        .env("HOME", &home.0)
+        .env("CODEX_HOME", &home.0)
+        .env("TINYVLLM_API_KEY", "test-key")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("running codex");
+    check_turn(&cluster, &out, "/v1/responses");
 }

@@ -11,3 +11,12 @@ fn the_openai_python_client_works() {
     let cluster = Coordinator::start("tiny-qwen3", 1, &[]);
     run_python_client(&python, "openai_client.py", &cluster.url("/v1"), "tiny-qwen3", "openai client: ok");
 }
+
+/// OpenAI's Responses API (`/v1/responses`, what Codex CLI and the Agents
+/// SDK speak) through the same client; calls read as Hermes' JSON.
+#[test]
+fn the_openai_responses_api_works() {
+    let Some(python) = test_python("`openai`") else { return };
+    let cluster = Coordinator::start("tiny-qwen3", 1, &["--tool-call-parser", "hermes"]);
+    run_python_client(&python, "responses_client.py", &cluster.url("/v1"), "tiny-qwen3", "responses client: ok");
+}

@@ -50,7 +50,9 @@ pub async fn messages(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError
     let tools = tools.map(|t| ChoiceTools::new(t.format, t.parallel, app.next_id()));
     if req.sampling.stream() {
         let stream = MessageStream { id, tools, prompt_tokens };
-        return Ok(sse::stream_anthropic(&app.clone(), move |events| stream.write(events, app, rx)));
+        return Ok(sse::stream_named(&app.clone(), ApiError::anthropic_body, move |events| {
+            stream.write(events, app, rx)
+        }));
     }
     let choice = run::collect(rx, 1).await?.pop().ok_or_else(|| ApiError::internal("no choice came back"))?;
     let end = choice.end.ok_or_else(|| ApiError::internal("the choice did not end"))?;

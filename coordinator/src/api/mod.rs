@@ -15,6 +15,7 @@ pub mod openai;
 pub mod prepare;
 pub mod reply;
 pub mod request;
+pub mod responses;
 pub mod run;
 pub mod sse;
 pub mod structured;

@@ -68,9 +68,13 @@ where
     Reply::sse(rx)
 }
 
-/// [`stream`] for Anthropic's API: named events, no `[DONE]`; a cut stream
-/// ends with an `error` event.
-pub fn stream_anthropic<F>(app: &AppState, write: impl FnOnce(Events) -> F) -> Reply
+/// [`stream`] with named events and no `[DONE]` (Anthropic's API, OpenAI's
+/// Responses); a cut stream ends with an `error` event, `cut_event` of the error.
+pub fn stream_named<F>(
+    app: &AppState,
+    cut_event: fn(&ApiError) -> serde_json::Value,
+    write: impl FnOnce(Events) -> F,
+) -> Reply
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -82,7 +86,7 @@ where
             () = writing => {}
             () = cut => {
                 let error = ApiError::unavailable("the server is shutting down; the stream was cut");
-                let _ = Events { tx }.send_named("error", &error.anthropic_body()).await;
+                let _ = Events { tx }.send_named("error", &cut_event(&error)).await;
             }
         }
     });
