@@ -62,6 +62,8 @@ pub struct AppState {
     /// `--max-tokens-cap`: no request generates more tokens than this
     /// (llama.cpp server's `--n-predict`), whatever its `max_tokens` says.
     pub max_tokens_cap: Option<u32>,
+    /// `--reasoning-parser`: how the model's thinking is split from its answer.
+    pub reasoning_format: Option<crate::reasoning::ReasoningFormat>,
     /// `/v1/responses` kept for `previous_response_id` and `GET`.
     pub responses: crate::api::responses::ResponseStore,
     pub served_model_name: String,
@@ -105,6 +107,7 @@ impl AppState {
             tokenizer,
             tool_format: chat_template.as_ref().and_then(|t| ToolFormat::detect(t.source())),
             max_tokens_cap: None,
+            reasoning_format: None,
             responses: Default::default(),
             chat_template,
             served_model_name,

@@ -12,6 +12,7 @@ pub mod fuzzing;
 pub mod http;
 pub mod local_pipelines;
 pub mod metrics;
+pub mod reasoning;
 pub mod router;
 pub mod text;
 pub mod tool_parser;

@@ -103,6 +103,11 @@ struct Args {
     /// for agents that ask for 32000 tokens a turn.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     max_tokens_cap: Option<u32>,
+    /// How the model writes its thinking, split from the answer into chat's
+    /// `reasoning_content`: qwen3 (`<think>...</think>` when the output
+    /// opens with it) or deepseek_r1 (the output starts inside it).
+    #[arg(long)]
+    reasoning_parser: Option<coordinator::reasoning::ReasoningFormat>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -179,6 +184,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     .with_grammar_compiler(grammar_compiler);
     app.tool_format = args.tool_call_parser.or(app.tool_format);
     app.max_tokens_cap = args.max_tokens_cap;
+    app.reasoning_format = args.reasoning_parser;
     match app.tool_format {
         Some(format) => tracing::info!("tool calls are read in the {format} format"),
         None => tracing::info!("no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),

@@ -18,6 +18,7 @@ use super::structured::constrain;
 use super::tool_calls::{self, ChoiceTools, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
+use crate::reasoning::{ReasoningSplitter, Split};
 use crate::tool_parser::ToolFormat;
 
 /// Fields of a chat body besides the sampling ones.
@@ -59,7 +60,10 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
     if req.sampling.stream() {
         let include_usage = req.sampling.include_usage();
         let tools = tools.map(|t| (0..n).map(|_| t.choice(&app)).collect()).unwrap_or_default();
-        let stream = ChunkStream { id, n, include_usage, kind: Kind::Chat, echo: EchoStream::default(), tools };
+        let reasoning = app.reasoning_format.map(|f| (0..n).map(|_| ReasoningSplitter::new(f)).collect());
+        let echo = EchoStream::default();
+        let reasoning = reasoning.unwrap_or_default();
+        let stream = ChunkStream { id, n, include_usage, kind: Kind::Chat, echo, tools, reasoning };
         return Ok(stream.reply(app, rx));
     }
     let choices = run::collect(rx, n).await?;
@@ -69,12 +73,19 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
         .iter()
         .enumerate()
         .map(|(i, c)| {
+            let (reasoning_content, answer) = match app.reasoning_format {
+                Some(format) => {
+                    let Split { reasoning, content } = ReasoningSplitter::whole(format, &c.text);
+                    (Some(reasoning), content)
+                }
+                None => (None, c.text.clone()),
+            };
             let (content, tool_calls) = match tools {
-                Some(t) => t.choice(&app).whole(&c.text),
-                None => (Some(c.text.clone()), Vec::new()),
+                Some(t) => t.choice(&app).whole(&answer),
+                None => (Some(answer), Vec::new()),
             };
             let called = !tool_calls.is_empty();
-            let message = Content::Message(Message { role: "assistant", content, tool_calls });
+            let message = Content::Message(Message { role: "assistant", content, reasoning_content, tool_calls });
             let lp = logprobs.map(|_| Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &c.token_ids, &c.logprobs)));
             let mut choice = Choice::ended(i, message, lp, c.end.as_ref());
             choice.finish_reason = c.end.as_ref().map(|e| tool_calls::finish_reason(called, e.finish_reason));

@@ -54,7 +54,15 @@ pub async fn completions(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiEr
         let per_choice = echoes.into_iter().flat_map(|e| vec![e; n]).collect();
         let echo = EchoStream { per_choice, only: echo_only, logprobs: logprobs.is_some(), offsets };
         let include_usage = sampling.include_usage();
-        let stream = ChunkStream { id, n: count, include_usage, kind: Kind::Completion, echo, tools: Vec::new() };
+        let stream = ChunkStream {
+            id,
+            n: count,
+            include_usage,
+            kind: Kind::Completion,
+            echo,
+            tools: Vec::new(),
+            reasoning: Vec::new(),
+        };
         return Ok(stream.reply(app, rx));
     }
     let mut choices = run::collect(rx, count).await?;

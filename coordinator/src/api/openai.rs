@@ -20,6 +20,7 @@ use super::run::{ChoiceEnd, Update};
 use super::sse::{self, Events};
 use super::tool_calls::{self, ChoiceTools, ToolCall, ToolCallDelta, ToolDelta};
 use crate::app::AppState;
+use crate::reasoning::{ReasoningSplitter, Split};
 
 /// A whole response, or one chunk of a stream.
 #[derive(Serialize)]
@@ -63,6 +64,9 @@ pub struct Message {
     pub role: &'static str,
     /// `null` when the reply is only tool calls.
     pub content: Option<String>,
+    /// The thinking, apart (with `--reasoning-parser`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
 }
@@ -76,10 +80,21 @@ pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 impl Delta {
+    /// A piece of a choice's thinking (`reasoning_content`).
+    fn thinking(first: bool, reasoning: String) -> Content {
+        Content::Delta(Self {
+            role: first.then_some("assistant"),
+            reasoning_content: Some(reasoning),
+            ..Self::default()
+        })
+    }
+
     /// A chat choice's next deltas: one, or one per call piece (a call's
     /// start and its arguments go in chunks of their own, as OpenAI sends
     /// them). The role goes in the choice's first; the content in the
@@ -89,12 +104,13 @@ impl Delta {
         let mut content = (!only_calls).then_some(content);
         let mut role = first.then_some("assistant");
         if calls.is_empty() {
-            return vec![Content::Delta(Self { role, content, tool_calls: None })];
+            return vec![Content::Delta(Self { role, content, ..Self::default() })];
         }
         calls
             .into_iter()
             .map(|call| {
-                Content::Delta(Self { role: role.take(), content: content.take(), tool_calls: Some(vec![call]) })
+                let (role, content) = (role.take(), content.take());
+                Content::Delta(Self { role, content, tool_calls: Some(vec![call]), ..Self::default() })
             })
             .collect()
     }
@@ -192,6 +208,9 @@ pub struct ChunkStream {
     pub echo: EchoStream,
     /// Chat: each choice read for tool calls; empty when tools are not parsed.
     pub tools: Vec<ChoiceTools>,
+    /// Chat: each choice's thinking split from its answer; empty when no
+    /// reasoning parser is set.
+    pub reasoning: Vec<ReasoningSplitter>,
 }
 
 impl ChunkStream {
@@ -203,7 +222,7 @@ impl ChunkStream {
     /// prompt is each choice's first chunk, sent once its prompt logprobs
     /// (which come before any token) are in.
     async fn write(self, events: Events, app: Arc<AppState>, mut rx: mpsc::UnboundedReceiver<Update>) {
-        let Self { id, n, include_usage, kind, mut echo, mut tools } = self;
+        let Self { id, n, include_usage, kind, mut echo, mut tools, mut reasoning } = self;
         let created = now();
         let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         let chunk =
@@ -245,6 +264,21 @@ impl ChunkStream {
             let choice = match update {
                 Update::PromptLogprobs { .. } => continue,
                 Update::Delta { index, text, token_ids, logprobs } => {
+                    let text = match reasoning.get_mut(index) {
+                        Some(splitter) => {
+                            let Split { reasoning, content } = splitter.push(&text);
+                            if !reasoning.is_empty() {
+                                let delta = Delta::thinking(!started[index], reasoning);
+                                let choice = Choice::running(index, delta, None);
+                                if events.send(&chunk(vec![choice], None)).await.is_err() {
+                                    return;
+                                }
+                                started[index] = true;
+                            }
+                            content
+                        }
+                        None => text,
+                    };
                     let ToolDelta { content: text, calls } = match tools.get_mut(index) {
                         Some(choice_tools) => choice_tools.push(&text),
                         None => ToolDelta { content: text, calls: Vec::new() },
@@ -278,9 +312,35 @@ impl ChunkStream {
                 }
                 Update::End(end) => {
                     let mut called = false;
+                    // What the reasoning split held back until the end.
+                    let mut held = String::new();
+                    if let Some(splitter) = reasoning.get_mut(end.index) {
+                        let Split { reasoning, content } = splitter.finish();
+                        if !reasoning.is_empty() {
+                            let choice =
+                                Choice::running(end.index, Delta::thinking(!started[end.index], reasoning), None);
+                            if events.send(&chunk(vec![choice], None)).await.is_err() {
+                                return;
+                            }
+                            started[end.index] = true;
+                        }
+                        held = content;
+                    }
+                    if tools.get(end.index).is_none() && !held.is_empty() {
+                        for delta in Delta::chat(!started[end.index], std::mem::take(&mut held), Vec::new()) {
+                            if events.send(&chunk(vec![Choice::running(end.index, delta, None)], None)).await.is_err() {
+                                return;
+                            }
+                        }
+                        started[end.index] = true;
+                    }
                     if let Some(choice_tools) = tools.get_mut(end.index) {
                         // What the parser held back until the end.
-                        let ToolDelta { content, calls } = choice_tools.finish();
+                        let mut pending = choice_tools.push(&held);
+                        let ToolDelta { content: rest, calls: more } = choice_tools.finish();
+                        pending.content.push_str(&rest);
+                        pending.calls.extend(more);
+                        let ToolDelta { content, calls } = pending;
                         called = choice_tools.called();
                         if !content.is_empty() || !calls.is_empty() {
                             for delta in Delta::chat(!started[end.index], content, calls) {
@@ -360,6 +420,7 @@ mod tests {
                 kind: Kind::Chat,
                 echo: EchoStream::default(),
                 tools,
+                reasoning: Vec::new(),
             };
             let body = stream.reply(app, rx).into_response().into_body().collect().await.expect("body").to_bytes();
             let body = String::from_utf8(body.to_vec()).expect("utf-8");

@@ -1,0 +1,202 @@
+//! Reasoning split from the answer, as reasoning models write it: the
+//! thinking between `<think>` and `</think>`, the answer after.
+//!
+//! - `qwen3` (Qwen3, QwQ): the output opens its thinking with `<think>`;
+//!   an output that does not start with it (thinking switched off, the
+//!   template's empty `<think></think>` in the prompt) is all answer.
+//! - `deepseek_r1` (DeepSeek-R1 and its distills): the template opens the
+//!   thinking in the prompt, so the output starts inside it (a `<think>`
+//!   it repeats is dropped) and everything up to `</think>` is reasoning.
+//!
+//! [`ReasoningSplitter`] works on a stream: a piece of a tag at the end of
+//! a delta is held back until the next one shows whether it is the tag,
+//! so splitting the text anywhere gives the same reasoning and answer.
+
+use std::str::FromStr;
+
+const OPEN: &str = "<think>";
+const CLOSE: &str = "</think>";
+
+/// A reasoning format (vLLM's `--reasoning-parser` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReasoningFormat {
+    Qwen3,
+    DeepSeekR1,
+}
+
+impl FromStr for ReasoningFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "qwen3" => Ok(Self::Qwen3),
+            "deepseek_r1" => Ok(Self::DeepSeekR1),
+            other => Err(format!("unknown reasoning parser {other:?} (qwen3, deepseek_r1)")),
+        }
+    }
+}
+
+/// Text of a delta, split.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Split {
+    pub reasoning: String,
+    pub content: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Not yet known whether the output opens with `<think>` (qwen3), or
+    /// whether a repeated `<think>` starts it (deepseek_r1).
+    Start,
+    Reasoning,
+    Answer,
+}
+
+/// One output's split, fed its text as it streams.
+#[derive(Debug)]
+pub struct ReasoningSplitter {
+    format: ReasoningFormat,
+    state: State,
+    /// Text not yet given out: a possible tag's start.
+    held: String,
+}
+
+impl ReasoningSplitter {
+    pub fn new(format: ReasoningFormat) -> Self {
+        Self { format, state: State::Start, held: String::new() }
+    }
+
+    /// The next piece of output, split; a tag's possible start is held.
+    pub fn push(&mut self, text: &str) -> Split {
+        self.held.push_str(text);
+        let mut out = Split::default();
+        loop {
+            match self.state {
+                State::Start => {
+                    let trimmed = self.held.trim_start();
+                    if let Some(thinking) = trimmed.strip_prefix(OPEN) {
+                        self.held = thinking.to_string();
+                        self.state = State::Reasoning;
+                    } else if OPEN.starts_with(trimmed) {
+                        return out; // all of it could still be the tag
+                    } else {
+                        self.state = match self.format {
+                            ReasoningFormat::Qwen3 => State::Answer,
+                            ReasoningFormat::DeepSeekR1 => State::Reasoning,
+                        };
+                    }
+                }
+                State::Reasoning => match self.held.find(CLOSE) {
+                    Some(at) => {
+                        out.reasoning.push_str(&self.held[..at]);
+                        self.held.drain(..at + CLOSE.len());
+                        self.state = State::Answer;
+                    }
+                    None => {
+                        let keep = partial_tag_len(&self.held, CLOSE);
+                        let give = self.held.len() - keep;
+                        out.reasoning.push_str(&self.held[..give]);
+                        self.held.drain(..give);
+                        return out;
+                    }
+                },
+                State::Answer => {
+                    out.content.push_str(&self.held);
+                    self.held.clear();
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// The output ended: what was held goes where it stood.
+    pub fn finish(&mut self) -> Split {
+        let held = std::mem::take(&mut self.held);
+        match (self.state, self.format) {
+            (State::Reasoning, _) | (State::Start, ReasoningFormat::DeepSeekR1) => {
+                Split { reasoning: held, content: String::new() }
+            }
+            _ => Split { reasoning: String::new(), content: held },
+        }
+    }
+
+    /// A whole output, split.
+    pub fn whole(format: ReasoningFormat, text: &str) -> Split {
+        let mut splitter = Self::new(format);
+        let mut out = splitter.push(text);
+        let rest = splitter.finish();
+        out.reasoning.push_str(&rest.reasoning);
+        out.content.push_str(&rest.content);
+        out
+    }
+}
+
+/// The length of the longest end of `text` that starts `tag` (a tag that
+/// may be completed by the next delta), at a char boundary.
+fn partial_tag_len(text: &str, tag: &str) -> usize {
+    (1..tag.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn whole(format: ReasoningFormat, text: &str) -> (String, String) {
+        let s = ReasoningSplitter::whole(format, text);
+        (s.reasoning, s.content)
+    }
+
+    #[test]
+    fn qwen3_thinks_only_when_it_opens_a_think_tag() {
+        let q = ReasoningFormat::Qwen3;
+        assert_eq!(whole(q, "<think>\nhm\n</think>\n\nHi"), ("\nhm\n".into(), "\n\nHi".into()));
+        assert_eq!(whole(q, "Hi <think>x</think>"), (String::new(), "Hi <think>x</think>".into()));
+        assert_eq!(whole(q, "<think>never closed"), ("never closed".into(), String::new()));
+        assert_eq!(whole(q, "<thi"), (String::new(), "<thi".into()));
+        assert_eq!(whole(q, ""), (String::new(), String::new()));
+    }
+
+    #[test]
+    fn deepseek_r1_starts_inside_its_thinking() {
+        let r1 = ReasoningFormat::DeepSeekR1;
+        assert_eq!(whole(r1, "hm</think>Hi"), ("hm".into(), "Hi".into()));
+        assert_eq!(whole(r1, "<think>hm</think>Hi"), ("hm".into(), "Hi".into()));
+        assert_eq!(whole(r1, "all thinking"), ("all thinking".into(), String::new()));
+        assert_eq!(whole(r1, "a</think>b</think>c"), ("a".into(), "b</think>c".into()));
+    }
+
+    proptest! {
+        /// Streamed in pieces cut at every char boundary, the split is the
+        /// whole text's.
+        #[test]
+        fn every_cut_gives_the_whole_split(
+            parts in proptest::collection::vec(prop_oneof![
+                Just("<think>".to_string()), Just("</think>".to_string()), Just("<".to_string()),
+                Just("</th".to_string()), "[a-z é\n]{0,6}",
+            ], 0..8),
+            cut in 1usize..9,
+            r1 in any::<bool>(),
+        ) {
+            let text: String = parts.concat();
+            let format = if r1 { ReasoningFormat::DeepSeekR1 } else { ReasoningFormat::Qwen3 };
+            let want = ReasoningSplitter::whole(format, &text);
+            let mut splitter = ReasoningSplitter::new(format);
+            let mut got = Split::default();
+            let chars: Vec<char> = text.chars().collect();
+            for piece in chars.chunks(cut) {
+                let s = splitter.push(&piece.iter().collect::<String>());
+                got.reasoning.push_str(&s.reasoning);
+                got.content.push_str(&s.content);
+            }
+            let rest = splitter.finish();
+            got.reasoning.push_str(&rest.reasoning);
+            got.content.push_str(&rest.content);
+            prop_assert_eq!(got, want);
+        }
+    }
+}
