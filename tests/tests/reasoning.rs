@@ -48,3 +48,60 @@ fn chat_completions_split_the_thinking_from_the_answer() {
         "{whole}"
     );
 }
+
+/// Events of an SSE response: (event name, data).
+fn events(url: &str, body: Value) -> Vec<(String, Value)> {
+    let resp = ureq::post(url).send_json(body).expect("stream");
+    let mut out = Vec::new();
+    let mut name = String::new();
+    for line in std::io::BufReader::new(resp.into_reader()).lines() {
+        let line = line.expect("line");
+        if let Some(n) = line.strip_prefix("event: ") {
+            name = n.to_string();
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            out.push((name.clone(), serde_json::from_str(data).expect("event JSON")));
+        }
+    }
+    out
+}
+
+/// With `deepseek_r1` the output starts inside the thinking: a random
+/// model that never closes it thinks the whole reply, which the agent APIs
+/// give as Anthropic's `thinking` block and the Responses API's
+/// `reasoning` item, whole and streamed, with no answer text.
+#[test]
+fn the_agent_apis_carry_the_thinking_apart() {
+    let cluster = Coordinator::start("tiny-qwen3", 1, &["--reasoning-parser", "deepseek_r1"]);
+    let hello = json!([{"role": "user", "content": "Hello"}]);
+    let messages = json!({"max_tokens": 8, "temperature": 0, "messages": hello});
+    let (status, whole) = post_json(&cluster.url("/v1/messages"), &messages);
+    assert_eq!(status, 200, "{whole}");
+    let blocks = whole["content"].as_array().expect("content");
+    assert_eq!((blocks.len(), &blocks[0]["type"]), (1, &json!("thinking")), "{whole}");
+    let thinking = blocks[0]["thinking"].as_str().expect("thinking").to_string();
+    assert!(!thinking.is_empty());
+    let mut body = messages.clone();
+    body["stream"] = json!(true);
+    let streamed: String = events(&cluster.url("/v1/messages"), body)
+        .iter()
+        .filter(|(name, data)| name == "content_block_delta" && data["delta"]["type"] == "thinking_delta")
+        .map(|(_, data)| data["delta"]["thinking"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(streamed, thinking);
+    let responses = json!({"input": "Hello", "max_output_tokens": 8, "temperature": 0});
+    let (status, whole) = post_json(&cluster.url("/v1/responses"), &responses);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["output"][0]["type"], "reasoning", "{whole}");
+    assert_eq!(whole["output"][0]["content"][0]["text"], json!(thinking), "{whole}");
+    let mut body = responses.clone();
+    body["stream"] = json!(true);
+    let events = events(&cluster.url("/v1/responses"), body);
+    let streamed: String = events
+        .iter()
+        .filter(|(name, _)| name == "response.reasoning_text.delta")
+        .map(|(_, data)| data["delta"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(streamed, thinking);
+    let (_, completed) = events.last().expect("events");
+    assert_eq!(completed["response"]["output"][0]["type"], "reasoning", "{completed}");
+}

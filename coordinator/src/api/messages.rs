@@ -33,6 +33,7 @@ use super::run::{self, ChoiceEnd, Update};
 use super::sse::{self, Events};
 use super::tool_calls::{ChoiceTools, ToolCall, ToolDelta};
 use crate::app::AppState;
+use crate::reasoning::{ReasoningSplitter, Split};
 
 /// `POST /v1/messages`.
 pub async fn messages(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
@@ -49,18 +50,26 @@ pub async fn messages(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError
     let id = format!("msg_{}", app.next_id());
     let tools = tools.map(|t| ChoiceTools::new(t.format, t.parallel, app.next_id()));
     if req.sampling.stream() {
-        let stream = MessageStream { id, tools, prompt_tokens };
+        let reasoning = app.reasoning_format.map(ReasoningSplitter::new);
+        let stream = MessageStream { id, tools, reasoning, prompt_tokens };
         return Ok(sse::stream_named(&app.clone(), ApiError::anthropic_body, move |events| {
             stream.write(events, app, rx)
         }));
     }
     let choice = run::collect(rx, 1).await?.pop().ok_or_else(|| ApiError::internal("no choice came back"))?;
     let end = choice.end.ok_or_else(|| ApiError::internal("the choice did not end"))?;
+    let Split { reasoning, content: answer } = match app.reasoning_format {
+        Some(format) => ReasoningSplitter::whole(format, &choice.text),
+        None => Split { reasoning: String::new(), content: choice.text },
+    };
     let (text, calls) = match tools {
-        Some(t) => t.whole(&choice.text),
-        None => (Some(choice.text), Vec::new()),
+        Some(t) => t.whole(&answer),
+        None => (Some(answer), Vec::new()),
     };
     let mut content: Vec<Value> = Vec::new();
+    if !reasoning.is_empty() {
+        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
+    }
     if let Some(text) = text.filter(|t| !t.is_empty()) {
         content.push(json!({"type": "text", "text": text}));
     }
@@ -385,6 +394,7 @@ impl Usage {
 #[derive(Clone, Copy, PartialEq)]
 enum Open {
     None,
+    Thinking,
     Text,
     Tool,
 }
@@ -393,6 +403,8 @@ enum Open {
 struct MessageStream {
     id: String,
     tools: Option<ChoiceTools>,
+    /// The thinking split from the answer (`--reasoning-parser`).
+    reasoning: Option<ReasoningSplitter>,
     prompt_tokens: usize,
 }
 
@@ -428,6 +440,17 @@ impl Blocks<'_> {
     async fn delta(&mut self, delta: Value) -> Result<(), sse::ClientGone> {
         let event = json!({"type": "content_block_delta", "index": self.next - 1, "delta": delta});
         self.events.send_named("content_block_delta", &event).await
+    }
+
+    /// A piece of thinking, in a `thinking` block.
+    async fn think(&mut self, thinking: String) -> Result<(), sse::ClientGone> {
+        if thinking.is_empty() {
+            return Ok(());
+        }
+        if self.open != Open::Thinking {
+            self.start(Open::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""})).await?;
+        }
+        self.delta(json!({"type": "thinking_delta", "thinking": thinking})).await
     }
 
     /// Text and call pieces, in order: text first (it came before the calls' markup).
@@ -477,6 +500,14 @@ impl MessageStream {
             match update {
                 Update::PromptLogprobs { .. } => {}
                 Update::Delta { text, .. } => {
+                    let text = match &mut self.reasoning {
+                        Some(splitter) => {
+                            let Split { reasoning, content } = splitter.push(&text);
+                            blocks.think(reasoning).await?;
+                            content
+                        }
+                        None => text,
+                    };
                     let delta = match &mut self.tools {
                         Some(tools) => tools.push(&text),
                         None => ToolDelta { content: text, calls: Vec::new() },
@@ -484,13 +515,27 @@ impl MessageStream {
                     blocks.show(delta).await?;
                 }
                 Update::End(end) => {
+                    let held = match &mut self.reasoning {
+                        Some(splitter) => {
+                            let Split { reasoning, content } = splitter.finish();
+                            blocks.think(reasoning).await?;
+                            content
+                        }
+                        None => String::new(),
+                    };
                     let called = match &mut self.tools {
                         Some(tools) => {
-                            let rest = tools.finish();
+                            let mut rest = tools.push(&held);
+                            let last = tools.finish();
+                            rest.content.push_str(&last.content);
+                            rest.calls.extend(last.calls);
                             blocks.show(rest).await?;
                             tools.called()
                         }
-                        None => false,
+                        None => {
+                            blocks.show(ToolDelta { content: held, calls: Vec::new() }).await?;
+                            false
+                        }
                     };
                     blocks.close().await?;
                     let (stop_reason, stop_sequence) = stop_reason(&end, called);

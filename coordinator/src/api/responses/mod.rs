@@ -28,17 +28,19 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::FinishReason;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 
 use super::chat::{self, Plan};
 use super::error::ApiError;
 use super::prepare::now;
 use super::reply::Reply;
 use super::request::{ChatRequest, SamplingFields};
-use super::run::{self, ChoiceEnd, Update};
-use super::sse::{self, Events};
-use super::tool_calls::{ChoiceTools, ToolCall, ToolDelta};
+use super::run::{self, ChoiceEnd};
+use super::sse;
+use super::tool_calls::{ChoiceTools, ToolCall};
 use crate::app::AppState;
+use crate::reasoning::{ReasoningSplitter, Split};
+
+mod stream;
 
 /// Responses kept for `previous_response_id` and `GET`.
 pub const STORED_RESPONSES: usize = 1024;
@@ -127,18 +129,30 @@ pub async fn create(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> 
     let rx = run::launch(&app, "/v1/responses", specs)?;
     let base = app.next_id();
     let tools = tools.map(|t| ChoiceTools::new(t.format, t.parallel, app.next_id()));
-    let out = Output { id: format!("resp_{base}"), message_id: format!("msg_{base}"), echo, conversation, store };
+    let out = Output {
+        id: format!("resp_{base}"),
+        message_id: format!("msg_{base}"),
+        reasoning_id: format!("rs_{base}"),
+        echo,
+        conversation,
+        store,
+    };
     if req.sampling.stream() {
+        let reasoning = app.reasoning_format.map(ReasoningSplitter::new);
         let cut = |e: &ApiError| json!({"type": "error", "code": "server_error", "message": e.message, "param": null});
-        return Ok(sse::stream_named(&app.clone(), cut, move |events| out.stream(events, app, rx, tools)));
+        return Ok(sse::stream_named(&app.clone(), cut, move |events| out.stream(events, app, rx, tools, reasoning)));
     }
     let choice = run::collect(rx, 1).await?.pop().ok_or_else(|| ApiError::internal("no choice came back"))?;
     let end = choice.end.ok_or_else(|| ApiError::internal("the choice did not end"))?;
-    let (text, calls) = match tools {
-        Some(t) => t.whole(&choice.text),
-        None => (Some(choice.text), Vec::new()),
+    let Split { reasoning, content: answer } = match app.reasoning_format {
+        Some(format) => ReasoningSplitter::whole(format, &choice.text),
+        None => Split { reasoning: String::new(), content: choice.text },
     };
-    Ok(Reply::json(&out.finish(&app, text.unwrap_or_default(), &calls, &end)))
+    let (text, calls) = match tools {
+        Some(t) => t.whole(&answer),
+        None => (Some(answer), Vec::new()),
+    };
+    Ok(Reply::json(&out.finish(&app, &reasoning, text.unwrap_or_default(), &calls, &end)))
 }
 
 fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
@@ -366,6 +380,7 @@ fn function_tool(i: usize, tool: &Value) -> Result<Value, ApiError> {
 struct Output {
     id: String,
     message_id: String,
+    reasoning_id: String,
     echo: Value,
     conversation: Vec<Value>,
     store: bool,
@@ -388,9 +403,17 @@ impl Output {
                "content": [{"type": "output_text", "text": text, "annotations": []}]})
     }
 
+    fn reasoning_item(&self, text: &str, status: &str) -> Value {
+        json!({"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
+               "content": [{"type": "reasoning_text", "text": text}]})
+    }
+
     /// The whole response, stored when asked.
-    fn finish(self, app: &AppState, text: String, calls: &[ToolCall], end: &ChoiceEnd) -> Value {
+    fn finish(self, app: &AppState, reasoning: &str, text: String, calls: &[ToolCall], end: &ChoiceEnd) -> Value {
         let mut output = Vec::new();
+        if !reasoning.is_empty() {
+            output.push(self.reasoning_item(reasoning, "completed"));
+        }
         if !text.is_empty() || calls.is_empty() {
             output.push(self.message_item(&text, "completed"));
         }
@@ -410,159 +433,6 @@ impl Output {
             app.responses.put(&self.id, response.clone(), conversation);
         }
         response
-    }
-
-    async fn stream(
-        self,
-        events: Events,
-        app: Arc<AppState>,
-        mut rx: mpsc::UnboundedReceiver<Update>,
-        mut tools: Option<ChoiceTools>,
-    ) {
-        let mut sink = Sink { events: &events, sequence: 0, message_shown: false };
-        let created = self.response("in_progress", Vec::new(), Value::Null, Value::Null);
-        if sink.send("response.created", json!({"response": created})).await.is_err() {
-            return;
-        }
-        let mut text = String::new();
-        let mut calls: Vec<ToolCall> = Vec::new();
-        let mut message_open = false;
-        while let Some(update) = rx.recv().await {
-            let delta = match update {
-                Update::PromptLogprobs { .. } => continue,
-                Update::Delta { text: piece, .. } => match &mut tools {
-                    Some(t) => t.push(&piece),
-                    None => ToolDelta { content: piece, calls: Vec::new() },
-                },
-                Update::End(end) => {
-                    let rest = tools.as_mut().map(|t| t.finish()).unwrap_or_default();
-                    if self.show(&mut sink, rest, &mut text, &mut calls, &mut message_open).await.is_err() {
-                        return;
-                    }
-                    if message_open || calls.is_empty() {
-                        if !message_open && self.open_message(&mut sink).await.is_err() {
-                            return;
-                        }
-                        if self.close_message(&mut sink, &text).await.is_err() {
-                            return;
-                        }
-                    }
-                    if self.close_call(&mut sink, &calls).await.is_err() {
-                        return;
-                    }
-                    let response = self.finish(&app, text, &calls, &end);
-                    let _ = sink.send("response.completed", json!({"response": response})).await;
-                    return;
-                }
-                Update::Failed { message, .. } => {
-                    let _ =
-                        sink.send("error", json!({"code": "server_error", "message": message, "param": null})).await;
-                    return;
-                }
-            };
-            if self.show(&mut sink, delta, &mut text, &mut calls, &mut message_open).await.is_err() {
-                return;
-            }
-        }
-    }
-
-    /// Output index of the message item (0) and of call `i`.
-    fn call_index(&self, message: bool, i: usize) -> usize {
-        i + usize::from(message)
-    }
-
-    async fn open_message(&self, sink: &mut Sink<'_>) -> Result<(), sse::ClientGone> {
-        let item = json!({"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant", "content": []});
-        sink.send("response.output_item.added", json!({"output_index": 0, "item": item})).await?;
-        let part = json!({"type": "output_text", "text": "", "annotations": []});
-        let added = json!({"item_id": self.message_id, "output_index": 0, "content_index": 0, "part": part});
-        sink.send("response.content_part.added", added).await
-    }
-
-    async fn close_message(&self, sink: &mut Sink<'_>, text: &str) -> Result<(), sse::ClientGone> {
-        let at = json!({"item_id": self.message_id, "output_index": 0, "content_index": 0});
-        let mut done = at.clone();
-        done["text"] = json!(text);
-        sink.send("response.output_text.done", done).await?;
-        let mut part = at;
-        part["part"] = json!({"type": "output_text", "text": text, "annotations": []});
-        sink.send("response.content_part.done", part).await?;
-        sink.send("response.output_item.done", json!({"output_index": 0, "item": self.message_item(text, "completed")}))
-            .await
-    }
-
-    /// Ends the last call's item, if one is open.
-    async fn close_call(&self, sink: &mut Sink<'_>, calls: &[ToolCall]) -> Result<(), sse::ClientGone> {
-        let Some(call) = calls.last() else { return Ok(()) };
-        let index = self.call_index(sink.message_shown, calls.len() - 1);
-        let item = function_call_item(&self.id, call);
-        let done = json!({"item_id": item["id"], "output_index": index, "arguments": call.function.arguments});
-        sink.send("response.function_call_arguments.done", done).await?;
-        sink.send("response.output_item.done", json!({"output_index": index, "item": item})).await
-    }
-
-    async fn show(
-        &self,
-        sink: &mut Sink<'_>,
-        ToolDelta { content, calls: pieces }: ToolDelta,
-        text: &mut String,
-        calls: &mut Vec<ToolCall>,
-        message_open: &mut bool,
-    ) -> Result<(), sse::ClientGone> {
-        if !content.is_empty() && calls.is_empty() {
-            if !*message_open {
-                self.open_message(sink).await?;
-                *message_open = true;
-                sink.message_shown = true;
-            }
-            text.push_str(&content);
-            let delta = json!({"item_id": self.message_id, "output_index": 0, "content_index": 0, "delta": content});
-            sink.send("response.output_text.delta", delta).await?;
-        }
-        for piece in pieces {
-            if let (Some(id), Some(name)) = (piece.id, piece.function.name) {
-                if *message_open {
-                    self.close_message(sink, text).await?;
-                    *message_open = false;
-                }
-                self.close_call(sink, calls).await?;
-                calls.push(ToolCall {
-                    id,
-                    kind: "function",
-                    function: super::tool_calls::FunctionCall { name, arguments: String::new() },
-                });
-                let call = calls.last().map(|c| function_call_item(&self.id, c)).unwrap_or_default();
-                let mut item = call;
-                item["status"] = json!("in_progress");
-                let index = self.call_index(sink.message_shown, calls.len() - 1);
-                sink.send("response.output_item.added", json!({"output_index": index, "item": item})).await?;
-            }
-            if let Some(call) = calls.last_mut().filter(|_| !piece.function.arguments.is_empty()) {
-                call.function.arguments.push_str(&piece.function.arguments);
-                let item_id = function_call_id(&self.id, &call.id);
-                let index = self.call_index(sink.message_shown, calls.len() - 1);
-                let delta = json!({"item_id": item_id, "output_index": index, "delta": piece.function.arguments});
-                sink.send("response.function_call_arguments.delta", delta).await?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Numbered events of one stream.
-struct Sink<'a> {
-    events: &'a Events,
-    sequence: u64,
-    /// Whether a message item took output index 0.
-    message_shown: bool,
-}
-
-impl Sink<'_> {
-    async fn send(&mut self, kind: &str, mut event: Value) -> Result<(), sse::ClientGone> {
-        event["type"] = json!(kind);
-        event["sequence_number"] = json!(self.sequence);
-        self.sequence += 1;
-        self.events.send_named(kind, &event).await
     }
 }
 
