@@ -105,3 +105,43 @@ fn the_agent_apis_carry_the_thinking_apart() {
     let (_, completed) = events.last().expect("events");
     assert_eq!(completed["response"]["output"][0]["type"], "reasoning", "{completed}");
 }
+
+/// `chat_template_kwargs` reach the template (vLLM's field): Qwen3's
+/// published template closes an empty thinking in the prompt when
+/// `enable_thinking` is false, on `/tokenize` as on chat completions.
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let template = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../coordinator/src/text/testdata/published/qwen3.jinja"),
+    )
+    .expect("Qwen3's published template");
+    let dir = tinyvllm_tests::TempDir::new("qwen3-template");
+    let source = tinyvllm_tests::model_dir("tiny-qwen3");
+    for entry in std::fs::read_dir(&source).expect("model dir") {
+        let name = entry.expect("entry").file_name();
+        if name != "tokenizer_config.json" {
+            std::os::unix::fs::symlink(source.join(&name), dir.0.join(&name)).expect("link");
+        }
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("tokenizer_config.json")).unwrap()).unwrap();
+    config["chat_template"] = json!(template);
+    std::fs::write(dir.0.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let cluster = Coordinator::start(dir.0.to_str().unwrap(), 1, &["--served-model-name", "tiny-qwen3"]);
+    let messages = json!([{"role": "user", "content": "Hello"}]);
+    let tokens = |kwargs: Value| {
+        let body = json!({"messages": messages, "chat_template_kwargs": kwargs, "return_token_strs": true});
+        let (status, out) = post_json(&cluster.url("/tokenize"), &body);
+        assert_eq!(status, 200, "{out}");
+        out["token_strs"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect::<String>()
+    };
+    let (thinking, not) = (tokens(json!({})), tokens(json!({"enable_thinking": false})));
+    assert!(!thinking.contains("</think>") && not.contains("</think>"), "{thinking:?} / {not:?}");
+    let body = json!({"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, out) = post_json(&cluster.url("/v1/chat/completions"), &body);
+    assert_eq!(status, 200, "{out}");
+    let (status, out) =
+        post_json(&cluster.url("/v1/chat/completions"), &json!({"messages": messages, "chat_template_kwargs": 3}));
+    assert_eq!((status, out["error"]["param"].as_str()), (400, Some("chat_template_kwargs")), "{out}");
+}

@@ -28,6 +28,7 @@ const FIELDS: &[(&str, Shape)] = &[
     ("top_logprobs", Shape::Int),
     ("tool_choice", Shape::Any),
     ("parallel_tool_calls", Shape::Bool),
+    ("chat_template_kwargs", Shape::Object),
 ];
 
 /// How the choices' output is read for tool calls.
@@ -127,7 +128,8 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
     let messages = std::mem::take(&mut req.messages);
     tool_calls::check_messages(&messages)?;
     let template_tools = tool_request.as_ref().map(|t| t.tools.as_slice());
-    let prompt_ids = chat_prompt_ids(app, &messages, template_tools, true, false, Some(max_len))?;
+    let kwargs = req.chat_template_kwargs.as_ref();
+    let prompt_ids = chat_prompt_ids(app, &messages, (template_tools, kwargs), true, false, Some(max_len))?;
     check_prompt(app, &prompt_ids, max_len)?;
     // Chat's default is the whole room left (OpenAI's, vLLM's).
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;

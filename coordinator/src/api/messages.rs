@@ -190,6 +190,7 @@ fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, Api
         tools,
         tool_choice,
         parallel_tool_calls,
+        chat_template_kwargs: None,
         unserved: Default::default(),
         sampling,
     })

@@ -152,7 +152,7 @@ pub fn n_choices(
 pub fn chat_prompt_ids(
     app: &AppState,
     messages: &[Value],
-    tools: Option<&[Value]>,
+    (tools, template_kwargs): (Option<&[Value]>, Option<&serde_json::Map<String, Value>>),
     add_generation_prompt: bool,
     add_special_tokens: bool,
     max_len: Option<usize>,
@@ -165,7 +165,7 @@ pub fn chat_prompt_ids(
             "This model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions",
         )
     })?;
-    let options = RenderOptions { add_generation_prompt, tools, extra: None };
+    let options = RenderOptions { add_generation_prompt, tools, extra: template_kwargs };
     let text = template.render_with(messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     if let Some(max_len) = max_len {
         check_text_fits(app, "messages", &text, max_len)?;

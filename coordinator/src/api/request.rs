@@ -245,6 +245,8 @@ pub struct ChatRequest {
     pub tools: Option<Vec<serde_json::Value>>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: extra variables for the chat template (`enable_thinking`, ...).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(flatten)]
     pub unserved: UnservedFields,
     #[serde(flatten)]
@@ -316,6 +318,8 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
     pub return_token_strs: Option<bool>,
+    /// vLLM's: extra variables for the chat template (`enable_thinking`, ...).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// `POST /detokenize`.

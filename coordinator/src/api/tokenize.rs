@@ -43,6 +43,7 @@ fn tokenize_body(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
         ("add_special_tokens", Shape::Bool),
         ("add_generation_prompt", Shape::Bool),
         ("return_token_strs", Shape::Bool),
+        ("chat_template_kwargs", Shape::Object),
     ];
     let req: TokenizeRequest = validate::parse(body, &[], &fields, &[])?;
     check_model(app, req.model.as_deref())?;
@@ -54,7 +55,7 @@ fn tokenize_body(app: &AppState, body: &[u8]) -> Result<Reply, ApiError> {
         (None, Some(messages)) => chat_prompt_ids(
             app,
             messages,
-            req.tools.as_deref(),
+            (req.tools.as_deref(), req.chat_template_kwargs.as_ref()),
             req.add_generation_prompt.unwrap_or(true),
             req.add_special_tokens.unwrap_or(false),
             None,

@@ -250,6 +250,7 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         tools,
         tool_choice,
         parallel_tool_calls: boolean("parallel_tool_calls")?,
+        chat_template_kwargs: None,
         unserved: Default::default(),
         sampling,
     };
