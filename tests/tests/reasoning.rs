@@ -112,8 +112,7 @@ fn the_agent_apis_carry_the_thinking_apart() {
 #[test]
 fn chat_template_kwargs_reach_the_template() {
     let template = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../coordinator/src/text/testdata/published/qwen3.jinja"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../coordinator/src/text/testdata/published/qwen3.jinja"),
     )
     .expect("Qwen3's published template");
     let dir = tinyvllm_tests::TempDir::new("qwen3-template");
