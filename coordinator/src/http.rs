@@ -102,6 +102,21 @@ fn refuse_at_once(app: &AppState, req: Request<Incoming>) -> Result<Request<Inco
     Err(Reply::error_lingering(&error, until))
 }
 
+/// The endpoints that take a JSON body.
+const POST_PATHS: [&str; 8] = [
+    "/tokenize",
+    "/detokenize",
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+];
+
+/// The fixed endpoints that are only read.
+const GET_PATHS: [&str; 5] = ["/health", "/metrics", "/v1/prometheus/targets", "/v1/models", "/v1/workers"];
+
 async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiError> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
@@ -126,17 +141,7 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
         (&Method::DELETE, p) if p.starts_with("/v1/responses/") => {
             responses::delete(&app, &p["/v1/responses/".len()..])
         }
-        (
-            &Method::POST,
-            "/tokenize"
-            | "/detokenize"
-            | "/generate"
-            | "/v1/completions"
-            | "/v1/chat/completions"
-            | "/v1/messages"
-            | "/v1/messages/count_tokens"
-            | "/v1/responses",
-        ) => {
+        (&Method::POST, p) if POST_PATHS.contains(&p) => {
             check_content_type(req.headers())?;
             let counting = ["/tokenize", "/detokenize", "/v1/messages/count_tokens"].contains(&path.as_str());
             if !counting && app.shutting_down() {
@@ -163,22 +168,7 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
                 () = app.cut() => Err(ApiError::unavailable("the server is shutting down; the request was cut")),
             }
         }
-        (
-            _,
-            "/health"
-            | "/metrics"
-            | "/v1/prometheus/targets"
-            | "/v1/models"
-            | "/v1/workers"
-            | "/tokenize"
-            | "/detokenize"
-            | "/generate"
-            | "/v1/completions"
-            | "/v1/chat/completions"
-            | "/v1/messages"
-            | "/v1/messages/count_tokens"
-            | "/v1/responses",
-        ) => Err(ApiError::method_not_allowed()),
+        (_, p) if POST_PATHS.contains(&p) || GET_PATHS.contains(&p) => Err(ApiError::method_not_allowed()),
         _ => Err(ApiError::not_found(&path)),
     }
 }

@@ -15,10 +15,10 @@ use super::reply::Reply;
 use super::request::{ChatRequest, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec};
 use super::structured::constrain;
-use super::tool_calls::{self, ChoiceTools, ToolRequest};
+use super::tool_calls::{self, ChoiceTools, ToolCall, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
-use crate::reasoning::{ReasoningSplitter, Split};
+use crate::reasoning::{ReasoningFormat, ReasoningSplitter, Split};
 use crate::tool_parser::ToolFormat;
 
 /// Fields of a chat body besides the sampling ones.
@@ -74,19 +74,15 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let (reasoning_content, answer) = match app.reasoning_format {
-                Some(format) => {
-                    let Split { reasoning, content } = ReasoningSplitter::whole(format, &c.text);
-                    (Some(reasoning), content)
-                }
-                None => (None, c.text.clone()),
-            };
-            let (content, tool_calls) = match tools {
-                Some(t) => t.choice(&app).whole(&answer),
-                None => (Some(answer), Vec::new()),
-            };
-            let called = !tool_calls.is_empty();
-            let message = Content::Message(Message { role: "assistant", content, reasoning_content, tool_calls });
+            let Answer { reasoning, content, calls } =
+                answer(app.reasoning_format, &c.text, tools.map(|t| t.choice(&app)));
+            let called = !calls.is_empty();
+            let message = Content::Message(Message {
+                role: "assistant",
+                content,
+                reasoning_content: reasoning,
+                tool_calls: calls,
+            });
             let lp = logprobs.map(|_| Logprobs::Chat(ChatLogprobs::new(&app.tokenizer, &c.token_ids, &c.logprobs)));
             let mut choice = Choice::ended(i, message, lp, c.end.as_ref());
             choice.finish_reason = c.end.as_ref().map(|e| tool_calls::finish_reason(called, e.finish_reason));
@@ -96,6 +92,31 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
     let object = "chat.completion";
     let model = &app.served_model_name;
     Ok(Reply::json(&Completion { id: &id, object, created: now(), model, choices, usage: Some(usage) }))
+}
+
+/// A whole output read: the thinking (with a reasoning parser), then the
+/// answer's content (`None` if there is none) and tool calls.
+pub(super) struct Answer {
+    pub reasoning: Option<String>,
+    pub content: Option<String>,
+    pub calls: Vec<ToolCall>,
+}
+
+/// Reads a whole output as every chat API does: the thinking split off
+/// first, then the rest read for tool calls.
+pub(super) fn answer(format: Option<ReasoningFormat>, text: &str, tools: Option<ChoiceTools>) -> Answer {
+    let (reasoning, rest) = match format {
+        Some(format) => {
+            let Split { reasoning, content } = ReasoningSplitter::whole(format, text);
+            (Some(reasoning), content)
+        }
+        None => (None, text.to_string()),
+    };
+    let (content, calls) = match tools {
+        Some(t) => t.whole(&rest),
+        None => (Some(rest), Vec::new()),
+    };
+    Answer { reasoning, content, calls }
 }
 
 /// Everything before the request runs: the body read and checked, the

@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::chat::{self, Plan};
+use super::chat::{self, Answer, Plan};
 use super::error::ApiError;
 use super::reply::Reply;
 use super::request::{ChatRequest, SamplingFields, StopInput};
@@ -58,16 +58,9 @@ pub async fn messages(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError
     }
     let choice = run::collect(rx, 1).await?.pop().ok_or_else(|| ApiError::internal("no choice came back"))?;
     let end = choice.end.ok_or_else(|| ApiError::internal("the choice did not end"))?;
-    let Split { reasoning, content: answer } = match app.reasoning_format {
-        Some(format) => ReasoningSplitter::whole(format, &choice.text),
-        None => Split { reasoning: String::new(), content: choice.text },
-    };
-    let (text, calls) = match tools {
-        Some(t) => t.whole(&answer),
-        None => (Some(answer), Vec::new()),
-    };
+    let Answer { reasoning, content: text, calls } = chat::answer(app.reasoning_format, &choice.text, tools);
     let mut content: Vec<Value> = Vec::new();
-    if !reasoning.is_empty() {
+    if let Some(reasoning) = reasoning.filter(|r| !r.is_empty()) {
         content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
     }
     if let Some(text) = text.filter(|t| !t.is_empty()) {
@@ -526,11 +519,7 @@ impl MessageStream {
                     };
                     let called = match &mut self.tools {
                         Some(tools) => {
-                            let mut rest = tools.push(&held);
-                            let last = tools.finish();
-                            rest.content.push_str(&last.content);
-                            rest.calls.extend(last.calls);
-                            blocks.show(rest).await?;
+                            blocks.show(tools.finish_after(&held)).await?;
                             tools.called()
                         }
                         None => {

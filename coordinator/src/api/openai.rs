@@ -336,11 +336,7 @@ impl ChunkStream {
                     }
                     if let Some(choice_tools) = tools.get_mut(end.index) {
                         // What the parser held back until the end.
-                        let mut pending = choice_tools.push(&held);
-                        let ToolDelta { content: rest, calls: more } = choice_tools.finish();
-                        pending.content.push_str(&rest);
-                        pending.calls.extend(more);
-                        let ToolDelta { content, calls } = pending;
+                        let ToolDelta { content, calls } = choice_tools.finish_after(&held);
                         called = choice_tools.called();
                         if !content.is_empty() || !calls.is_empty() {
                             for delta in Delta::chat(!started[end.index], content, calls) {

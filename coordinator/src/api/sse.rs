@@ -52,20 +52,7 @@ pub fn stream<F>(app: &AppState, write: impl FnOnce(Events) -> F) -> Reply
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let (tx, rx) = mpsc::channel(BUFFER_EVENTS);
-    let cut = app.cut();
-    let writing = write(Events { tx: tx.clone() });
-    tokio::spawn(async move {
-        tokio::select! {
-            () = writing => {}
-            () = cut => {
-                let error = ApiError::unavailable("the server is shutting down; the stream was cut");
-                let _ = Events { tx: tx.clone() }.send(&error.to_body()).await;
-            }
-        }
-        let _ = tx.send(DONE.to_string()).await;
-    });
-    Reply::sse(rx)
+    spawn(app, write, None)
 }
 
 /// [`stream`] with named events and no `[DONE]` (Anthropic's API, OpenAI's
@@ -78,6 +65,19 @@ pub fn stream_named<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    spawn(app, write, Some(cut_event))
+}
+
+/// The writer's task: OpenAI's framing (`cut_event` None: an error body,
+/// then `[DONE]`) or named events.
+fn spawn<F>(
+    app: &AppState,
+    write: impl FnOnce(Events) -> F,
+    cut_event: Option<fn(&ApiError) -> serde_json::Value>,
+) -> Reply
+where
+    F: Future<Output = ()> + Send + 'static,
+{
     let (tx, rx) = mpsc::channel(BUFFER_EVENTS);
     let cut = app.cut();
     let writing = write(Events { tx: tx.clone() });
@@ -86,8 +86,15 @@ where
             () = writing => {}
             () = cut => {
                 let error = ApiError::unavailable("the server is shutting down; the stream was cut");
-                let _ = Events { tx }.send_named("error", &cut_event(&error)).await;
+                let events = Events { tx: tx.clone() };
+                let _ = match cut_event {
+                    Some(event) => events.send_named("error", &event(&error)).await,
+                    None => events.send(&error.to_body()).await,
+                };
             }
+        }
+        if cut_event.is_none() {
+            let _ = tx.send(DONE.to_string()).await;
         }
     });
     Reply::sse(rx)

@@ -361,13 +361,20 @@ impl ChoiceTools {
         out
     }
 
-    /// A whole output's content (`None` if there is none) and calls.
-    pub fn whole(mut self, text: &str) -> (Option<String>, Vec<ToolCall>) {
+    /// The last piece of output, then the end: everything still held.
+    pub fn finish_after(&mut self, text: &str) -> ToolDelta {
         let mut delta = self.push(text);
         let rest = self.finish();
         delta.content.push_str(&rest.content);
+        delta.calls.extend(rest.calls);
+        delta
+    }
+
+    /// A whole output's content (`None` if there is none) and calls.
+    pub fn whole(mut self, text: &str) -> (Option<String>, Vec<ToolCall>) {
+        let delta = self.finish_after(text);
         let mut calls: Vec<ToolCall> = Vec::new();
-        for piece in delta.calls.into_iter().chain(rest.calls) {
+        for piece in delta.calls {
             match (piece.id, piece.function.name) {
                 (Some(id), Some(name)) => calls.push(ToolCall {
                     id,

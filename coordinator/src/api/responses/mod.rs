@@ -29,7 +29,7 @@ use bytes::Bytes;
 use common::FinishReason;
 use serde_json::{Value, json};
 
-use super::chat::{self, Plan};
+use super::chat::{self, Answer, Plan};
 use super::error::ApiError;
 use super::prepare::now;
 use super::reply::Reply;
@@ -38,7 +38,7 @@ use super::run::{self, ChoiceEnd};
 use super::sse;
 use super::tool_calls::{ChoiceTools, ToolCall};
 use crate::app::AppState;
-use crate::reasoning::{ReasoningSplitter, Split};
+use crate::reasoning::ReasoningSplitter;
 
 mod stream;
 
@@ -144,15 +144,9 @@ pub async fn create(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> 
     }
     let choice = run::collect(rx, 1).await?.pop().ok_or_else(|| ApiError::internal("no choice came back"))?;
     let end = choice.end.ok_or_else(|| ApiError::internal("the choice did not end"))?;
-    let Split { reasoning, content: answer } = match app.reasoning_format {
-        Some(format) => ReasoningSplitter::whole(format, &choice.text),
-        None => Split { reasoning: String::new(), content: choice.text },
-    };
-    let (text, calls) = match tools {
-        Some(t) => t.whole(&answer),
-        None => (Some(answer), Vec::new()),
-    };
-    Ok(Reply::json(&out.finish(&app, &reasoning, text.unwrap_or_default(), &calls, &end)))
+    let Answer { reasoning, content, calls } = chat::answer(app.reasoning_format, &choice.text, tools);
+    let reasoning = reasoning.unwrap_or_default();
+    Ok(Reply::json(&out.finish(&app, &reasoning, content.unwrap_or_default(), &calls, &end)))
 }
 
 fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {

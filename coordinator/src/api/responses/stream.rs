@@ -67,13 +67,7 @@ impl Output {
                         None => String::new(),
                     };
                     let rest = match tools.as_mut() {
-                        Some(t) => {
-                            let mut rest = t.push(&held);
-                            let last = t.finish();
-                            rest.content.push_str(&last.content);
-                            rest.calls.extend(last.calls);
-                            rest
-                        }
+                        Some(t) => t.finish_after(&held),
                         None => ToolDelta { content: held, calls: Vec::new() },
                     };
                     let reasoning = sink.reasoning.clone().unwrap_or_default();
