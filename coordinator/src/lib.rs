@@ -9,6 +9,7 @@ pub mod connections;
 /// test turn it on); not part of the production build.
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod harmony;
 pub mod http;
 pub mod local_pipelines;
 pub mod metrics;

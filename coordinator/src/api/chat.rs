@@ -19,7 +19,7 @@ use super::tool_calls::{self, ChoiceTools, ToolCall, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
 use crate::reasoning::{ReasoningFormat, ReasoningSplitter, Split};
-use crate::tool_parser::ToolFormat;
+use crate::tool_parser::{Function, ToolFormat};
 
 /// Fields of a chat body besides the sampling ones.
 const FIELDS: &[(&str, Shape)] = &[
@@ -32,15 +32,17 @@ const FIELDS: &[(&str, Shape)] = &[
 ];
 
 /// How the choices' output is read for tool calls.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct ToolParsing {
     pub format: ToolFormat,
+    pub functions: Arc<[Function]>,
     pub parallel: bool,
 }
 
 impl ToolParsing {
-    fn choice(self, app: &AppState) -> ChoiceTools {
-        ChoiceTools::new(self.format, self.parallel, app.next_id())
+    /// One choice's reader, its call ids unique.
+    pub fn choice(&self, app: &AppState) -> ChoiceTools {
+        ChoiceTools::new(self.format, &self.functions, self.parallel, app.next_id())
     }
 }
 
@@ -60,7 +62,7 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
     let id = format!("chatcmpl-{}", app.next_id());
     if req.sampling.stream() {
         let include_usage = req.sampling.include_usage();
-        let tools = tools.map(|t| (0..n).map(|_| t.choice(&app)).collect()).unwrap_or_default();
+        let tools = tools.as_ref().map(|t| (0..n).map(|_| t.choice(&app)).collect()).unwrap_or_default();
         let reasoning = app.reasoning_format.map(|f| (0..n).map(|_| ReasoningSplitter::new(f)).collect());
         let echo = EchoStream::default();
         let reasoning = reasoning.unwrap_or_default();
@@ -75,7 +77,7 @@ pub async fn chat(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> {
         .enumerate()
         .map(|(i, c)| {
             let Answer { reasoning, content, calls } =
-                answer(app.reasoning_format, &c.text, tools.map(|t| t.choice(&app)));
+                answer(app.reasoning_format, &c.text, tools.as_ref().map(|t| t.choice(&app)));
             let called = !calls.is_empty();
             let message = Content::Message(Message {
                 role: "assistant",
@@ -156,7 +158,11 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;
     let mut params = req.sampling.to_params(default_max, logprobs)?;
     constrain(app, &req.sampling.structured, &mut params)?;
-    if let Some(forced) = tool_request.as_ref().zip(format).and_then(|(t, f)| t.constraint(f)) {
+    if let Some(forced) = tool_request
+        .as_ref()
+        .zip(format)
+        .and_then(|(t, f)| t.constraint(f, &|marker| app.tokenizer.special_token_id(marker)))
+    {
         if params.structured_output.is_some() {
             return Err(ApiError::invalid(
                 "tool_choice",
@@ -174,5 +180,7 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
     let params = fit_completion(app, max_len, "messages", prompt_ids.len(), named, &params)?;
     let specs = n_choices(&prompt_ids, &params, &stops, req.sampling.priority()?, n);
     let parallel = tool_request.as_ref().is_none_or(|t| t.parallel);
-    Ok(Plan { req, specs, logprobs, tools: format.map(|format| ToolParsing { format, parallel }) })
+    let functions: Arc<[Function]> =
+        tool_request.map(|t| Arc::from(t.functions)).unwrap_or_else(|| Arc::from(Vec::new()));
+    Ok(Plan { req, specs, logprobs, tools: format.map(|format| ToolParsing { format, functions, parallel }) })
 }

@@ -48,7 +48,7 @@ pub async fn messages(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError
     let Plan { req, specs, tools, .. } = plan;
     let rx = run::launch(&app, "/v1/messages", specs)?;
     let id = format!("msg_{}", app.next_id());
-    let tools = tools.map(|t| ChoiceTools::new(t.format, t.parallel, app.next_id()));
+    let tools = tools.map(|t| t.choice(&app));
     if req.sampling.stream() {
         let reasoning = app.reasoning_format.map(ReasoningSplitter::new);
         let stream = MessageStream { id, tools, reasoning, prompt_tokens };

@@ -408,7 +408,7 @@ mod tests {
             for update in updates {
                 tx.send(update).expect("send");
             }
-            let tools = vec![ChoiceTools::new(format, parallel, "t".into())];
+            let tools = vec![ChoiceTools::new(format, &[], parallel, "t".into())];
             let stream = ChunkStream {
                 id: "c".into(),
                 n: 1,

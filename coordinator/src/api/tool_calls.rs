@@ -15,7 +15,8 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::error::ApiError;
-use crate::tool_parser::{Function, ToolCallParser, ToolEvent, ToolFormat, call_grammar};
+use crate::tool_parser::grammar::SpecialIds;
+use crate::tool_parser::{Function, ToolCallParser, ToolEvent, ToolFormat, call_grammar, valid_name};
 
 /// What the request asks of the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,13 +39,6 @@ pub struct ToolRequest {
     /// `tool_choice` was given (not the default `auto`): errors about the
     /// choice name it rather than `tools`.
     explicit_choice: bool,
-}
-
-/// OpenAI's rule for function names, with `.` and `:` also allowed (MCP
-/// tools use them).
-fn valid_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'))
 }
 
 impl ToolRequest {
@@ -99,16 +93,17 @@ impl ToolRequest {
     }
 
     /// The grammar that forces the calls `required` or a named function asks for.
-    pub fn constraint(&self, format: ToolFormat) -> Option<StructuredOutput> {
+    /// `special` gives the id of a marker that is one special token.
+    pub fn constraint(&self, format: ToolFormat, special: SpecialIds) -> Option<StructuredOutput> {
         let grammar = match &self.choice {
             ToolChoice::None | ToolChoice::Auto => return None,
             ToolChoice::Required => {
                 let all: Vec<&Function> = self.functions.iter().collect();
-                call_grammar(format, &all, self.parallel)
+                call_grammar(format, &all, self.parallel, special)
             }
             ToolChoice::Named(name) => {
                 let named: Vec<&Function> = self.functions.iter().filter(|f| &f.name == name).collect();
-                call_grammar(format, &named, false)
+                call_grammar(format, &named, false, special)
             }
         };
         Some(StructuredOutput::Lark(grammar))
@@ -311,8 +306,9 @@ pub struct ToolDelta {
 }
 
 impl ChoiceTools {
-    pub fn new(format: ToolFormat, parallel: bool, id_base: String) -> Self {
-        Self { parser: ToolCallParser::new(format), parallel, id_base }
+    /// `functions` (the request's tools) type Qwen3-Coder's parameters.
+    pub fn new(format: ToolFormat, functions: &[Function], parallel: bool, id_base: String) -> Self {
+        Self { parser: ToolCallParser::new(format, functions), parallel, id_base }
     }
 
     pub fn push(&mut self, text: &str) -> ToolDelta {
@@ -482,7 +478,7 @@ mod tests {
         assert_eq!(auto.format(None).unwrap_err().param.as_deref(), Some("tools"));
         let explicit = read(tools.clone(), Some(json!("auto"))).unwrap().unwrap();
         assert_eq!(explicit.format(None).unwrap_err().param.as_deref(), Some("tool_choice"));
-        assert!(auto.constraint(ToolFormat::Hermes).is_none());
+        assert!(auto.constraint(ToolFormat::Hermes, &|_| None).is_none());
         let none = read(tools.clone(), Some(json!("none"))).unwrap().unwrap();
         assert_eq!(none.format(None).unwrap(), None);
     }
@@ -493,7 +489,7 @@ mod tests {
         let lark = |choice: Value, parallel: bool| {
             let request =
                 ToolRequest::read(tools.as_array().map(Vec::as_slice), Some(&choice), Some(parallel)).unwrap().unwrap();
-            match request.constraint(ToolFormat::Hermes) {
+            match request.constraint(ToolFormat::Hermes, &|_| None) {
                 Some(StructuredOutput::Lark(grammar)) => grammar,
                 other => panic!("{other:?}"),
             }
@@ -533,7 +529,7 @@ mod tests {
     fn calls_become_openai_deltas_and_messages() {
         let text = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n\
                     </tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
-        let mut stream = ChoiceTools::new(ToolFormat::Hermes, true, "7".into());
+        let mut stream = ChoiceTools::new(ToolFormat::Hermes, &[], true, "7".into());
         let mut deltas = Vec::new();
         for piece in [&text[..20], &text[20..60], &text[60..]] {
             deltas.push(stream.push(piece));
@@ -550,7 +546,7 @@ mod tests {
         assert_eq!(wire["function"]["name"], "get_weather");
         assert!(wire["function"]["arguments"].is_string());
 
-        let (content, calls) = ChoiceTools::new(ToolFormat::Hermes, true, "7".into()).whole(text);
+        let (content, calls) = ChoiceTools::new(ToolFormat::Hermes, &[], true, "7".into()).whole(text);
         assert_eq!(content.as_deref(), Some("Checking."));
         assert_eq!(calls.len(), 2);
         assert_eq!(
@@ -567,11 +563,11 @@ mod tests {
         assert_eq!(streamed, calls[0].function.arguments);
 
         // Without parallel calls only the first counts; without calls, all is content.
-        let (_, calls) = ChoiceTools::new(ToolFormat::Hermes, false, "8".into()).whole(text);
+        let (_, calls) = ChoiceTools::new(ToolFormat::Hermes, &[], false, "8".into()).whole(text);
         assert_eq!(calls.len(), 1);
-        let plain = ChoiceTools::new(ToolFormat::Hermes, true, "9".into());
+        let plain = ChoiceTools::new(ToolFormat::Hermes, &[], true, "9".into());
         assert_eq!(plain.whole("just words "), (Some("just words ".to_string()), vec![]));
-        let empty = ChoiceTools::new(ToolFormat::Hermes, true, "9".into());
+        let empty = ChoiceTools::new(ToolFormat::Hermes, &[], true, "9".into());
         assert_eq!(empty.whole(""), (None, vec![]));
     }
 }

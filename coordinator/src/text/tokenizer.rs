@@ -188,6 +188,12 @@ impl Tokenizer {
         self.byte_ids.contains(&id)
     }
 
+    /// The id of `text` when the vocabulary has it as one special token
+    /// (`[TOOL_CALLS]`, `<|channel|>`).
+    pub fn special_token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text).filter(|id| self.special_ids.contains(id))
+    }
+
     pub(crate) fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
     }

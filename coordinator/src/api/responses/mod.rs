@@ -36,7 +36,7 @@ use super::reply::Reply;
 use super::request::{ChatRequest, SamplingFields};
 use super::run::{self, ChoiceEnd};
 use super::sse;
-use super::tool_calls::{ChoiceTools, ToolCall};
+use super::tool_calls::ToolCall;
 use crate::app::AppState;
 use crate::reasoning::ReasoningSplitter;
 
@@ -128,7 +128,7 @@ pub async fn create(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> 
     let Plan { req, specs, tools, .. } = plan;
     let rx = run::launch(&app, "/v1/responses", specs)?;
     let base = app.next_id();
-    let tools = tools.map(|t| ChoiceTools::new(t.format, t.parallel, app.next_id()));
+    let tools = tools.map(|t| t.choice(&app));
     let out = Output {
         id: format!("resp_{base}"),
         message_id: format!("msg_{base}"),

@@ -1,6 +1,13 @@
-//! Finds tool calls in a model's output as it streams, for the Hermes and
-//! Llama 3 JSON formats (see `tools`), as vLLM's `hermes` and
-//! `llama3_json` parsers do.
+//! Finds tool calls written as JSON in a model's output as it streams, as
+//! vLLM's `hermes`, `llama3_json` and `mistral` parsers do:
+//!
+//! * Hermes (Qwen 2.5/3): `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`;
+//! * Llama 3.1/3.2: `{"name": ..., "parameters": ...}`, optionally after
+//!   `<|python_tag|>`, several joined by `; `;
+//! * Mistral: `[TOOL_CALLS]` then a list of call objects (Mistral Nemo and
+//!   the v3 tokenizers) or, one call per marker, `NAME[ARGS]{...}` (the v11
+//!   tokenizers: Mistral Small 3.2, Devstral, Magistral), with
+//!   `[CALL_ID]id` before `[ARGS]` in some.
 //!
 //! Text is pushed in the pieces the detokenizer produces; events come out
 //! as soon as they are certain: content outside calls, a call's start (its
@@ -13,32 +20,34 @@
 //! Whitespace between calls and text is dropped, so the content of a
 //! reply with calls is the words around them. The result does not depend
 //! on how the text was split, and a whole output parses through the same
-//! path ([`ToolCallParser::parse`]).
+//! path.
 
 use serde_json::Value;
 
-use super::ToolFormat;
+use super::ToolEvent;
 use super::json_scan::JsonScan;
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ToolEvent {
-    /// Text outside calls.
-    Content(String),
-    /// Call number `index` (from 0) begins: its function's name.
-    CallStart { index: usize, name: String },
-    /// The next piece of call `index`'s arguments (JSON text).
-    Arguments { index: usize, fragment: String },
-}
+use super::{Events, held_prefix, valid_name};
 
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
+pub(super) const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+pub(super) const MISTRAL_ARGS: &str = "[ARGS]";
+const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 /// The keys a call's arguments go under (Hermes writes the first, Llama the second).
 const ARGUMENT_KEYS: [&str; 2] = ["\"arguments\"", "\"parameters\""];
 
+/// Which of the JSON formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Style {
+    Hermes,
+    Llama3,
+    Mistral,
+}
+
 enum State {
-    /// Hermes: text outside calls. Llama 3: the start, before it is known
-    /// whether the output is text or calls.
+    /// Hermes, Mistral: text outside calls. Llama 3: the start, before it
+    /// is known whether the output is text or calls.
     Text,
     /// Llama 3: the output is text: all of it is content.
     PlainText,
@@ -52,58 +61,48 @@ enum State {
     /// Hermes: skipping up to `</tool_call>`.
     CloseTag,
     /// A call in another shape, read whole before it is parsed: up to
-    /// `</tool_call>` (Hermes) or the object's end (Llama 3, `scanned`
-    /// bytes of it seen).
+    /// `</tool_call>` (Hermes) or the object's end (Llama 3, a Mistral
+    /// list; `scanned` bytes of it seen).
     Whole {
         scan: JsonScan,
         scanned: usize,
     },
+    /// Mistral, after `[TOOL_CALLS]`: a list, or a name and `[ARGS]`.
+    MistralOpen,
+    /// Mistral: `NAME[ARGS]` or `NAME[CALL_ID]id[ARGS]`, not yet read whole
+    /// (the buffer still holds all of it, for text if it is no call).
+    MistralName,
+    /// Mistral's list: the next call or the list's end.
+    ListItem,
+    /// Mistral's list, after a call: `,` or `]`.
+    ListNext,
 }
 
-pub struct ToolCallParser {
-    format: ToolFormat,
+pub struct JsonCalls {
+    style: Style,
     state: State,
     /// Text received and not yet decided on.
     buf: String,
-    calls: usize,
-    /// Whitespace outside calls, held until text follows it.
-    pending_ws: String,
-    /// A call ended and no text came after it yet.
-    after_call: bool,
-    events: Vec<ToolEvent>,
+    /// Inside Mistral's list of calls.
+    in_list: bool,
+    out: Events,
 }
 
-impl ToolCallParser {
-    pub fn new(format: ToolFormat) -> Self {
-        Self {
-            format,
-            state: State::Text,
-            buf: String::new(),
-            calls: 0,
-            pending_ws: String::new(),
-            after_call: false,
-            events: Vec::new(),
-        }
-    }
-
-    /// Everything in a whole output, as the events of a stream.
-    pub fn parse(format: ToolFormat, text: &str) -> Vec<ToolEvent> {
-        let mut parser = Self::new(format);
-        let mut events = parser.push(text);
-        events.extend(parser.finish());
-        events
+impl JsonCalls {
+    pub fn new(style: Style) -> Self {
+        Self { style, state: State::Text, buf: String::new(), in_list: false, out: Events::default() }
     }
 
     /// Calls started so far.
     pub fn calls(&self) -> usize {
-        self.calls
+        self.out.calls()
     }
 
     /// The events `text` makes certain.
     pub fn push(&mut self, text: &str) -> Vec<ToolEvent> {
         self.buf.push_str(text);
         while self.step() {}
-        std::mem::take(&mut self.events)
+        self.out.take()
     }
 
     /// The output ended: what was held back is decided (an unfinished call
@@ -111,40 +110,56 @@ impl ToolCallParser {
     pub fn finish(&mut self) -> Vec<ToolEvent> {
         while self.step() {}
         let rest = std::mem::take(&mut self.buf);
-        match (&self.state, self.format) {
-            // After calls, an unfinished `<tool_call>` is the next call cut short, not text.
-            (State::Text, ToolFormat::Hermes) if self.calls > 0 && CALL_OPEN.starts_with(rest.as_str()) => {}
-            (State::Text | State::PlainText | State::BetweenCalls, _) => self.outside(&rest),
-            (State::Header | State::Whole { .. }, ToolFormat::Hermes) => {
+        match (&self.state, self.style) {
+            // After calls, an unfinished opening marker is the next call cut short, not text.
+            (State::Text, Style::Hermes) if self.out.calls() > 0 && CALL_OPEN.starts_with(rest.as_str()) => {}
+            (State::Text, Style::Mistral) if self.out.calls() > 0 && MISTRAL_CALLS.starts_with(rest.as_str()) => {}
+            (State::Text | State::PlainText | State::BetweenCalls | State::ListItem | State::ListNext, _) => {
+                self.out.outside(&rest)
+            }
+            (State::MistralOpen | State::MistralName, _) => {
+                self.out.outside(MISTRAL_CALLS);
+                self.state = State::Text;
+                self.buf = rest;
+                return self.finish();
+            }
+            (State::Header | State::Whole { .. }, Style::Hermes) => {
                 self.whole_call(&rest, &format!("{CALL_OPEN}{rest}"))
             }
-            (State::Header | State::Whole { .. }, ToolFormat::Llama3Json) => self.whole_call(&rest, &rest),
+            (State::Header | State::Whole { .. }, _) => self.whole_call(&rest, &rest),
             (State::Arguments(_) | State::ObjectEnd(_) | State::CloseTag, _) => {}
         }
-        if self.calls == 0 {
-            let ws = std::mem::take(&mut self.pending_ws);
-            self.emit(ToolEvent::Content(ws));
-        }
         self.state = State::PlainText;
-        std::mem::take(&mut self.events)
+        self.out.finish()
+    }
+
+    /// Text up to `marker` is content and the state becomes `next`; a
+    /// possible start of the marker is held. False when it needs more text.
+    fn until_marker(&mut self, marker: &str, next: State) -> bool {
+        if let Some(i) = self.buf.find(marker) {
+            let before = self.buf[..i].to_string();
+            self.buf.drain(..i + marker.len());
+            self.out.outside(&before);
+            self.state = next;
+            return true;
+        }
+        let sure = self.buf.len() - held_prefix(&self.buf, marker);
+        let text: String = self.buf.drain(..sure).collect();
+        self.out.outside(&text);
+        sure > 0
+    }
+
+    /// A call begins: its name is sent and its arguments' scan starts.
+    fn start_call(&mut self, name: String) {
+        self.out.start_call(name);
+        self.state = State::Arguments(JsonScan::new());
     }
 
     /// Decides on some of `buf`; false when it needs more text.
     fn step(&mut self) -> bool {
         match &mut self.state {
-            State::Text if self.format == ToolFormat::Hermes => {
-                if let Some(i) = self.buf.find(CALL_OPEN) {
-                    let before = self.buf[..i].to_string();
-                    self.buf.drain(..i + CALL_OPEN.len());
-                    self.outside(&before);
-                    self.state = State::Header;
-                    return true;
-                }
-                let sure = self.buf.len() - held_prefix(&self.buf, CALL_OPEN);
-                let text: String = self.buf.drain(..sure).collect();
-                self.outside(&text);
-                sure > 0
-            }
+            State::Text if self.style == Style::Hermes => self.until_marker(CALL_OPEN, State::Header),
+            State::Text if self.style == Style::Mistral => self.until_marker(MISTRAL_CALLS, State::MistralOpen),
             State::Text => {
                 let trimmed = self.buf.trim_start();
                 if trimmed.starts_with(PYTHON_TAG) {
@@ -153,7 +168,7 @@ impl ToolCallParser {
                     self.state = State::BetweenCalls;
                 } else if trimmed.starts_with('{') {
                     let ws: String = self.buf.drain(..self.buf.len() - trimmed.len()).collect();
-                    self.outside(&ws);
+                    self.out.outside(&ws);
                     self.state = State::Header;
                 } else if trimmed.is_empty() || PYTHON_TAG.starts_with(trimmed) {
                     return false;
@@ -164,22 +179,79 @@ impl ToolCallParser {
             }
             State::PlainText => {
                 let text = std::mem::take(&mut self.buf);
-                self.outside(&text);
+                self.out.outside(&text);
                 !text.is_empty()
             }
             State::BetweenCalls => {
                 let trimmed = self.buf.trim_start();
                 let ws = self.buf.len() - trimmed.len();
-                if trimmed.starts_with(';') && self.after_call {
+                if trimmed.starts_with(';') && self.out.after_call() {
                     self.buf.drain(..ws + 1);
                 } else if trimmed.starts_with('{') {
                     let ws: String = self.buf.drain(..ws).collect();
-                    self.outside(&ws);
+                    self.out.outside(&ws);
                     self.state = State::Header;
                 } else if trimmed.is_empty() {
                     return false;
                 } else {
                     self.state = State::PlainText;
+                }
+                true
+            }
+            State::MistralOpen => {
+                let trimmed = self.buf.trim_start();
+                if trimmed.is_empty() {
+                    return false;
+                }
+                if trimmed.starts_with('[') {
+                    let end = self.buf.len() - trimmed.len() + 1;
+                    self.buf.drain(..end);
+                    self.in_list = true;
+                    self.state = State::ListItem;
+                } else {
+                    self.state = State::MistralName;
+                }
+                true
+            }
+            State::MistralName => match read_mistral_name(&self.buf) {
+                MistralName::Incomplete => false,
+                // The marker is text; what follows is read again as text.
+                MistralName::Text => {
+                    self.out.outside(MISTRAL_CALLS);
+                    self.state = State::Text;
+                    true
+                }
+                MistralName::Done { name, arguments_start } => {
+                    self.buf.drain(..arguments_start);
+                    self.in_list = false;
+                    self.start_call(name);
+                    true
+                }
+            },
+            State::ListItem | State::ListNext => {
+                let item = matches!(self.state, State::ListItem);
+                let trimmed = self.buf.trim_start();
+                let ws = self.buf.len() - trimmed.len();
+                match trimmed.chars().next() {
+                    None => return false,
+                    Some('{') if item => {
+                        self.buf.drain(..ws);
+                        self.state = State::Header;
+                    }
+                    Some(',') if !item => {
+                        self.buf.drain(..ws + 1);
+                        self.state = State::ListItem;
+                    }
+                    Some(']') => {
+                        self.buf.drain(..ws + 1);
+                        self.in_list = false;
+                        self.state = State::Text;
+                    }
+                    // Not a list of calls after all: the rest is text.
+                    Some(_) => {
+                        self.in_list = false;
+                        self.state = State::Text;
+                    }
                 }
                 true
             }
@@ -190,12 +262,8 @@ impl ToolCallParser {
                     true
                 }
                 Header::Done { name, value_start } => {
-                    let index = self.calls;
-                    self.calls += 1;
-                    self.pending_ws.clear();
-                    self.emit(ToolEvent::CallStart { index, name });
                     self.buf.drain(..value_start);
-                    self.state = State::Arguments(JsonScan::new());
+                    self.start_call(name);
                     true
                 }
             },
@@ -203,10 +271,14 @@ impl ToolCallParser {
                 let used = scan.feed(&self.buf);
                 let done = scan.done();
                 let fragment: String = self.buf.drain(..used).collect();
-                let index = self.calls - 1;
-                self.emit(ToolEvent::Arguments { index, fragment });
+                self.out.arguments(fragment);
                 if done {
-                    self.state = State::ObjectEnd(JsonScan::inside_object());
+                    self.state = if self.style == Style::Mistral && !self.in_list {
+                        self.out.end_call();
+                        State::Text
+                    } else {
+                        State::ObjectEnd(JsonScan::inside_object())
+                    };
                 }
                 used > 0 || done
             }
@@ -215,11 +287,8 @@ impl ToolCallParser {
                 let done = scan.done();
                 self.buf.drain(..used);
                 if done {
-                    self.after_call = true;
-                    self.state = match self.format {
-                        ToolFormat::Hermes => State::CloseTag,
-                        ToolFormat::Llama3Json => State::BetweenCalls,
-                    };
+                    self.out.end_call();
+                    self.state = self.after_object();
                 }
                 used > 0 || done
             }
@@ -233,8 +302,8 @@ impl ToolCallParser {
                 self.buf.drain(..skip);
                 skip > 0
             }
-            State::Whole { scan, scanned } => match self.format {
-                ToolFormat::Hermes => {
+            State::Whole { scan, scanned } => match self.style {
+                Style::Hermes => {
                     let Some(i) = self.buf.find(CALL_CLOSE) else { return false };
                     let body = self.buf[..i].to_string();
                     self.buf.drain(..i + CALL_CLOSE.len());
@@ -242,7 +311,7 @@ impl ToolCallParser {
                     self.whole_call(&body, &format!("{CALL_OPEN}{body}{CALL_CLOSE}"));
                     true
                 }
-                ToolFormat::Llama3Json => {
+                Style::Llama3 | Style::Mistral => {
                     let used = scan.feed(&self.buf[*scanned..]);
                     *scanned += used;
                     if !scan.done() {
@@ -250,7 +319,7 @@ impl ToolCallParser {
                     }
                     let end = *scanned;
                     let body: String = self.buf.drain(..end).collect();
-                    self.state = State::BetweenCalls;
+                    self.state = self.after_object();
                     self.whole_call(&body, &body);
                     true
                 }
@@ -258,57 +327,26 @@ impl ToolCallParser {
         }
     }
 
+    /// Where a call's object ends.
+    fn after_object(&self) -> State {
+        match self.style {
+            Style::Hermes => State::CloseTag,
+            Style::Llama3 => State::BetweenCalls,
+            Style::Mistral => State::ListNext,
+        }
+    }
+
     /// A call read whole: sent as one if it is one, else `raw` is text.
     fn whole_call(&mut self, body: &str, raw: &str) {
         match parse_call(body.trim()) {
             Some((name, arguments)) => {
-                let index = self.calls;
-                self.calls += 1;
-                self.pending_ws.clear();
-                self.after_call = true;
-                self.emit(ToolEvent::CallStart { index, name });
-                self.emit(ToolEvent::Arguments { index, fragment: arguments });
+                self.out.start_call(name);
+                self.out.arguments(arguments);
+                self.out.end_call();
             }
-            None => self.outside(raw),
+            None => self.out.outside(raw),
         }
     }
-
-    /// Text outside calls: sent up to its last non-whitespace character;
-    /// whitespace right after a call is dropped.
-    fn outside(&mut self, text: &str) {
-        self.pending_ws.push_str(text);
-        let Some((last, c)) = self.pending_ws.char_indices().rev().find(|(_, c)| !c.is_whitespace()) else {
-            return;
-        };
-        let rest = self.pending_ws.split_off(last + c.len_utf8());
-        let sure = std::mem::replace(&mut self.pending_ws, rest);
-        let sure = if self.after_call { sure.trim_start().to_string() } else { sure };
-        self.after_call = false;
-        self.emit(ToolEvent::Content(sure));
-    }
-
-    /// Queues `event`, merged into the last one when it continues it.
-    fn emit(&mut self, event: ToolEvent) {
-        match (self.events.last_mut(), event) {
-            (_, ToolEvent::Content(text) | ToolEvent::Arguments { fragment: text, .. }) if text.is_empty() => {}
-            (Some(ToolEvent::Content(last)), ToolEvent::Content(text)) => last.push_str(&text),
-            (Some(ToolEvent::Arguments { index: a, fragment: last }), ToolEvent::Arguments { index: b, fragment })
-                if *a == b =>
-            {
-                last.push_str(&fragment)
-            }
-            (_, event) => self.events.push(event),
-        }
-    }
-}
-
-/// The length of the longest end of `text` that `marker` starts with:
-/// what may still become the marker.
-fn held_prefix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
 }
 
 /// A call in any key order: `{"name": "...", "arguments"|"parameters": ...}`.
@@ -320,6 +358,47 @@ fn parse_call(text: &str) -> Option<(String, String)> {
         Some(value) => value.to_string(),
     };
     Some((name, arguments))
+}
+
+enum MistralName {
+    Incomplete,
+    /// Not `NAME[ARGS]`: the marker and what follows are text.
+    Text,
+    Done {
+        name: String,
+        arguments_start: usize,
+    },
+}
+
+/// Reads `NAME[ARGS]` or `NAME[CALL_ID]id[ARGS]` at the start of `text`.
+fn read_mistral_name(text: &str) -> MistralName {
+    let name_end = [MISTRAL_ARGS, MISTRAL_CALL_ID].iter().filter_map(|m| text.find(m)).min();
+    let Some(name_end) = name_end else {
+        // The name so far, without what may be the start of a marker.
+        let held = held_prefix(text, MISTRAL_ARGS).max(held_prefix(text, MISTRAL_CALL_ID));
+        let name = text[..text.len() - held].trim_start();
+        let plausible = name.len() <= 64 && (name.is_empty() || valid_name(name));
+        return if plausible { MistralName::Incomplete } else { MistralName::Text };
+    };
+    let name = text[..name_end].trim();
+    if !valid_name(name) {
+        return MistralName::Text;
+    }
+    let rest = &text[name_end..];
+    if rest.starts_with(MISTRAL_ARGS) {
+        return MistralName::Done { name: name.to_string(), arguments_start: name_end + MISTRAL_ARGS.len() };
+    }
+    // `[CALL_ID]id[ARGS]`: the id is ours to give, not the model's.
+    let after_id = &rest[MISTRAL_CALL_ID.len()..];
+    match after_id.find(MISTRAL_ARGS) {
+        Some(i) if !after_id[..i].contains(char::is_whitespace) => MistralName::Done {
+            name: name.to_string(),
+            arguments_start: name_end + MISTRAL_CALL_ID.len() + i + MISTRAL_ARGS.len(),
+        },
+        Some(_) => MistralName::Text,
+        None if after_id.trim_end().contains(char::is_whitespace) || after_id.len() > 64 => MistralName::Text,
+        None => MistralName::Incomplete,
+    }
 }
 
 enum Header {
@@ -406,60 +485,12 @@ impl Reader<'_> {
 mod tests {
     use super::*;
 
-    /// Content and (name, arguments) calls from events, checking that each
-    /// call starts before its arguments and calls come in order.
-    fn fold(events: &[ToolEvent]) -> (String, Vec<(String, String)>) {
-        let mut content = String::new();
-        let mut calls: Vec<(String, String)> = Vec::new();
-        for event in events {
-            match event {
-                ToolEvent::Content(text) => content.push_str(text),
-                ToolEvent::CallStart { index, name } => {
-                    assert_eq!(*index, calls.len(), "{events:?}");
-                    calls.push((name.clone(), String::new()));
-                }
-                ToolEvent::Arguments { index, fragment } => {
-                    assert_eq!(*index + 1, calls.len(), "{events:?}");
-                    calls[*index].1.push_str(fragment);
-                }
-            }
-        }
-        (content, calls)
-    }
+    use crate::tool_parser::testing::{call, cut, fold, parse_every_way, streamed};
+    use crate::tool_parser::{MistralCalls, ToolCallParser, ToolFormat};
 
-    /// The events of `text` pushed in the given pieces.
-    fn streamed(format: ToolFormat, pieces: &[&str]) -> Vec<ToolEvent> {
-        let mut parser = ToolCallParser::new(format);
-        let mut events: Vec<ToolEvent> = pieces.iter().flat_map(|p| parser.push(p)).collect();
-        events.extend(parser.finish());
-        events
-    }
-
-    /// Parses `text` whole, then split at every character boundary (two
-    /// pieces) and one character at a time: every way gives the same
-    /// content and calls, and no content shows a piece of call markup.
-    fn parse_every_way(format: ToolFormat, text: &str) -> (String, Vec<(String, String)>) {
-        let whole = fold(&ToolCallParser::parse(format, text));
-        for (i, _) in text.char_indices().skip(1) {
-            let events = streamed(format, &[&text[..i], &text[i..]]);
-            assert_eq!(fold(&events), whole, "split at {i} of {text:?}");
-        }
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
-        let events = streamed(format, &pieces);
-        assert_eq!(fold(&events), whole, "char by char: {text:?}");
-        if !whole.1.is_empty() {
-            for event in &events {
-                if let ToolEvent::Content(c) = event {
-                    assert!(!c.contains('<') && !c.contains('{'), "markup in content {c:?} of {text:?}");
-                }
-            }
-        }
-        whole
-    }
-
-    fn call(name: &str, arguments: &str) -> (String, String) {
-        (name.to_string(), arguments.to_string())
+    /// Both ways of splitting, and no `<` or `{` in the content of a reply with calls.
+    fn every_way(format: ToolFormat, text: &str) -> (String, Vec<(String, String)>) {
+        parse_every_way(format, &[], text, &["<", "{", "[TOOL"])
     }
 
     #[test]
@@ -467,28 +498,26 @@ mod tests {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \
                     \"note\": \"a } and \\\" inside\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": \
                     {}}\n</tool_call>";
-        let (content, calls) = parse_every_way(ToolFormat::Hermes, text);
+        let (content, calls) = every_way(ToolFormat::Hermes, text);
         assert_eq!(content, "Let me check.");
         assert_eq!(
             calls,
             [call("get_weather", r#"{"city": "Zürich", "note": "a } and \" inside"}"#), call("now", "{}")]
         );
         // Only calls: no content at all.
-        let (content, calls) = parse_every_way(
-            ToolFormat::Hermes,
-            "<tool_call>\n{\"name\":\"f\",\"arguments\":{\"x\":[1,2]}}\n</tool_call>\n",
-        );
+        let (content, calls) =
+            every_way(ToolFormat::Hermes, "<tool_call>\n{\"name\":\"f\",\"arguments\":{\"x\":[1,2]}}\n</tool_call>\n");
         assert_eq!((content.as_str(), calls), ("", vec![call("f", r#"{"x":[1,2]}"#)]));
         // Text after a call, its leading whitespace dropped.
         let text = "<tool_call>{\"name\": \"f\", \"arguments\": 7}</tool_call>\n\nDone.";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), ("Done.".to_string(), vec![call("f", "7")]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), ("Done.".to_string(), vec![call("f", "7")]));
     }
 
     #[test]
     fn hermes_text_without_calls_passes_unchanged() {
         for text in ["  Hello\n\n", "a < b, <tool and <tool_cal", "{\"name\": \"not a call\"}", "x </tool_call> y", ""]
         {
-            assert_eq!(parse_every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]), "{text:?}");
+            assert_eq!(every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]), "{text:?}");
         }
     }
 
@@ -496,36 +525,36 @@ mod tests {
     fn hermes_calls_in_other_shapes() {
         // Keys swapped: read whole, then parsed.
         let text = "<tool_call>\n{\"arguments\": {\"a\": 1}, \"name\": \"f\"}\n</tool_call>";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", r#"{"a":1}"#)]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", r#"{"a":1}"#)]));
         // Not a call after all: the markup is the model's text.
         let text = "<tool_call>\n{\"oops\": 1}\n</tool_call> ok";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
         let text = "<tool_call>not json</tool_call>";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
         // Extra keys after the arguments are skipped.
         let text = "<tool_call>{\"name\": \"f\", \"arguments\": {}, \"id\": \"}\"}</tool_call>";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
         // Arguments missing or null are an empty object.
         let text = "<tool_call>{\"name\": \"f\"}</tool_call>";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
     }
 
     #[test]
     fn hermes_cut_short() {
         // Cut inside the arguments (max_tokens): the call as far as it got.
         let text = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Par";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", r#"{"city": "Par"#)]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", r#"{"city": "Par"#)]));
         // Cut inside the opening: that is text.
         let text = "Hi <tool_call>\n{\"name\": \"f";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (text.to_string(), vec![]));
         // Cut inside the next call's tag: no markup shows.
         let text = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n<tool_";
-        assert_eq!(parse_every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
+        assert_eq!(every_way(ToolFormat::Hermes, text), (String::new(), vec![call("f", "{}")]));
     }
 
     #[test]
     fn arguments_stream_in_fragments() {
-        let mut parser = ToolCallParser::new(ToolFormat::Hermes);
+        let mut parser = ToolCallParser::new(ToolFormat::Hermes, &[]);
         assert_eq!(parser.push("<tool_call>\n{\"name\": \"get_"), vec![]);
         assert_eq!(parser.push("weather\", \"arguments\": "), vec![]);
         assert_eq!(
@@ -549,23 +578,28 @@ mod tests {
     fn llama3_json_calls() {
         let text = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Zürich\"}}; {\"name\": \"now\", \"parameters\": {}}";
         let expected = vec![call("get_weather", r#"{"city": "Zürich"}"#), call("now", "{}")];
-        assert_eq!(parse_every_way(ToolFormat::Llama3Json, text), (String::new(), expected.clone()));
+        assert_eq!(every_way(ToolFormat::Llama3Json, text), (String::new(), expected.clone()));
         let tagged = format!("<|python_tag|>{text}");
-        assert_eq!(parse_every_way(ToolFormat::Llama3Json, &tagged), (String::new(), expected));
+        assert_eq!(every_way(ToolFormat::Llama3Json, &tagged), (String::new(), expected));
         let text = "\n{\"parameters\": {\"a\": 1}, \"name\": \"f\"}";
-        assert_eq!(parse_every_way(ToolFormat::Llama3Json, text), (String::new(), vec![call("f", r#"{"a":1}"#)]));
+        assert_eq!(every_way(ToolFormat::Llama3Json, text), (String::new(), vec![call("f", r#"{"a":1}"#)]));
         let text = "{\"name\": \"f\", \"arguments\": [true]}";
-        assert_eq!(parse_every_way(ToolFormat::Llama3Json, text), (String::new(), vec![call("f", "[true]")]));
+        assert_eq!(every_way(ToolFormat::Llama3Json, text), (String::new(), vec![call("f", "[true]")]));
     }
 
     /// Pieces of call markup and text, for random outputs.
-    const PIECES: [&str; 22] = [
+    const PIECES: [&str; 28] = [
         "{\"name\": \"f\", \"arguments\": ",
         "{\"name\": \"g\", \"parameters\": ",
         "<tool_call>",
         "</tool_call>",
         "<tool",
         "<|python_tag|>",
+        "[TOOL_CALLS]",
+        "[TOOL_",
+        "[ARGS]",
+        "[CALL_ID]",
+        "get_x",
         "{",
         "}",
         "[",
@@ -582,6 +616,7 @@ mod tests {
         "\n",
         " ",
         "ü2",
+        ",",
     ];
 
     proptest::proptest! {
@@ -591,32 +626,58 @@ mod tests {
         fn any_split_gives_the_same_result(
             picks in proptest::collection::vec(0..PIECES.len(), 0..40),
             cuts in proptest::collection::vec(0..usize::MAX, 0..6),
-            llama in proptest::prelude::any::<bool>(),
+            which in 0..3usize,
         ) {
             let text: String = picks.iter().map(|&i| PIECES[i]).collect();
-            let format = if llama { ToolFormat::Llama3Json } else { ToolFormat::Hermes };
-            let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
-            bounds.sort_unstable();
-            let mut pieces = Vec::new();
-            let mut start = 0;
-            for end in bounds.into_iter().chain([text.len()]) {
-                pieces.push(&text[start..end]);
-                start = end;
-            }
-            proptest::prop_assert_eq!(fold(&streamed(format, &pieces)), fold(&ToolCallParser::parse(format, &text)));
+            let format = [ToolFormat::Hermes, ToolFormat::Llama3Json, ToolFormat::Mistral(MistralCalls::List)][which];
+            let pieces = cut(&text, &cuts);
+            proptest::prop_assert_eq!(fold(&streamed(format, &[], &pieces)), fold(&ToolCallParser::parse(format, &[], &text)));
         }
+    }
+
+    const MISTRAL: ToolFormat = ToolFormat::Mistral(MistralCalls::List);
+
+    #[test]
+    fn mistral_lists_of_calls() {
+        let text = "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}, {\"name\": \
+                    \"now\", \"arguments\": {}}]";
+        let expected = vec![call("get_weather", r#"{"city": "Zürich"}"#), call("now", "{}")];
+        assert_eq!(every_way(MISTRAL, text), (String::new(), expected));
+        // Text before the calls, keys swapped, and a list cut short.
+        let text = "Checking.[TOOL_CALLS][{\"arguments\": {\"a\": 1}, \"name\": \"f\"}]";
+        assert_eq!(every_way(MISTRAL, text), ("Checking.".to_string(), vec![call("f", r#"{"a":1}"#)]));
+        let text = "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": [1, 2";
+        assert_eq!(every_way(MISTRAL, text), (String::new(), vec![call("f", r#"{"a": [1, 2"#)]));
+    }
+
+    #[test]
+    fn mistral_calls_by_name() {
+        // v11: NAME[ARGS]{...}, one marker per call; [CALL_ID] before [ARGS] in some.
+        let text = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]now[CALL_ID]a1B2c3D4e[ARGS]{}";
+        let expected = vec![call("get_weather", r#"{"city": "Paris"}"#), call("now", "{}")];
+        assert_eq!(every_way(MISTRAL, text), (String::new(), expected.clone()));
+        let args = ToolFormat::Mistral(MistralCalls::Args);
+        assert_eq!(every_way(args, text), (String::new(), expected));
+        // Not a name: the marker is the model's text.
+        let text = "[TOOL_CALLS]Hello there, no call.";
+        assert_eq!(every_way(MISTRAL, text), (text.to_string(), vec![]));
+        // Words after a call, and a cut inside the next marker.
+        let text = "[TOOL_CALLS]f[ARGS]{\"x\": 1} done[TOOL_";
+        assert_eq!(every_way(MISTRAL, text), ("done".to_string(), vec![call("f", r#"{"x": 1}"#)]));
+        let text = "[TOOL_CALLS]f[ARGS]{\"x\": 1}[TOOL_";
+        assert_eq!(every_way(MISTRAL, text), (String::new(), vec![call("f", r#"{"x": 1}"#)]));
+        // Cut before [ARGS]: text.
+        let text = "[TOOL_CALLS]get_wea";
+        assert_eq!(every_way(MISTRAL, text), (text.to_string(), vec![]));
     }
 
     #[test]
     fn llama3_json_text() {
         for text in [" Hello {\"name\": 1}", "{\"answer\": 42} is JSON", "<|python", "{\"name\": \"f\", \"parameters\""]
         {
-            assert_eq!(parse_every_way(ToolFormat::Llama3Json, text), (text.to_string(), vec![]), "{text:?}");
+            assert_eq!(every_way(ToolFormat::Llama3Json, text), (text.to_string(), vec![]), "{text:?}");
         }
         let text = "{\"name\": \"f\", \"parameters\": {}} and then words";
-        assert_eq!(
-            parse_every_way(ToolFormat::Llama3Json, text),
-            ("and then words".to_string(), vec![call("f", "{}")])
-        );
+        assert_eq!(every_way(ToolFormat::Llama3Json, text), ("and then words".to_string(), vec![call("f", "{}")]));
     }
 }
