@@ -96,6 +96,10 @@ pub enum StructuredOutput {
     Choice(Vec<String>),
     /// A grammar in llguidance's Lark dialect (which may embed JSON schemas).
     Lark(String),
+    /// A Lark grammar that reaches `answer` through `@answer`: what a
+    /// reasoning model writes before the constrained part (its thinking,
+    /// free), then the constraint.
+    Then { lark: String, answer: Box<StructuredOutput> },
 }
 
 impl Default for SamplingParams {

@@ -133,6 +133,16 @@ pub fn top_level_grammar(constraint: &StructuredOutput) -> Result<TopLevelGramma
             TopLevelGrammar::from_regex(&format!("(?:{})", alternatives.join("|")))
         }
         StructuredOutput::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        StructuredOutput::Then { lark, answer } => {
+            let mut answer = top_level_grammar(answer)?;
+            let Some(first) = answer.grammars.first_mut() else {
+                return Err(StructuredError("the answer's constraint has no grammar".into()));
+            };
+            first.name = Some("answer".into());
+            let mut grammar = TopLevelGrammar::from_lark(lark.clone());
+            grammar.grammars.extend(answer.grammars);
+            grammar
+        }
     })
 }
 

@@ -13,7 +13,9 @@ use clap::Parser;
 use common::model::{ModelFiles, ModelSource, Need, default_served_name};
 use coordinator::app::AppState;
 use coordinator::cluster::Cluster;
+use coordinator::reasoning::ReasoningFormat;
 use coordinator::text::{ChatTemplate, Tokenizer};
+use coordinator::tool_parser::ToolFormat;
 
 #[derive(Parser)]
 #[command(name = "tinyvllm-coordinator", version, about = "tinyvllm coordinator: HTTP front door of a worker cluster")]
@@ -93,9 +95,11 @@ struct Args {
     /// blocking thread (default: half the cores, at least 1).
     #[arg(long)]
     tokenizer_pool_size: Option<usize>,
-    /// How the model writes tool calls, for `tools` on chat completions:
-    /// hermes (`<tool_call>` JSON; Hermes, Qwen 2.5/3) or llama3_json
-    /// (Llama 3.1/3.2 JSON). Default: detected from the chat template.
+    /// How the model writes tool calls, for `tools` on the chat APIs:
+    /// hermes (`<tool_call>` JSON; Hermes, Qwen 2.5/3), llama3_json (Llama
+    /// 3.1/3.2 JSON), qwen3_coder (Qwen3-Coder's XML), mistral
+    /// (`[TOOL_CALLS]`) or harmony (gpt-oss; also `openai`). Default:
+    /// detected from the chat template.
     #[arg(long)]
     tool_call_parser: Option<coordinator::tool_parser::ToolFormat>,
     /// Cap every request's generated tokens at N, whatever its `max_tokens`
@@ -103,11 +107,32 @@ struct Args {
     /// for agents that ask for 32000 tokens a turn.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     max_tokens_cap: Option<u32>,
-    /// How the model writes its thinking, split from the answer into chat's
-    /// `reasoning_content`: qwen3 (`<think>...</think>` when the output
-    /// opens with it) or deepseek_r1 (the output starts inside it).
-    #[arg(long)]
-    reasoning_parser: Option<coordinator::reasoning::ReasoningFormat>,
+    /// How the model writes its thinking, split from the answer (chat's
+    /// `reasoning_content`, Messages' thinking blocks, Responses' reasoning
+    /// items): qwen3 (`<think>...</think>` when the output opens with it),
+    /// deepseek_r1 (the output starts inside it), gpt_oss (Harmony's
+    /// analysis channel), or none. Default: detected from the chat template.
+    #[arg(long, value_name = "PARSER")]
+    reasoning_parser: Option<ReasoningParserArg>,
+}
+
+/// `--reasoning-parser`: a format, or `none` to keep the thinking in the
+/// answer when the template would have it split.
+#[derive(Clone, Copy, Debug)]
+enum ReasoningParserArg {
+    None,
+    Format(ReasoningFormat),
+}
+
+impl std::str::FromStr for ReasoningParserArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Self::None),
+            other => other.parse().map(Self::Format),
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -182,12 +207,26 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         limits,
     )
     .with_grammar_compiler(grammar_compiler);
-    app.tool_format = args.tool_call_parser.or(app.tool_format);
+    let template_source = app.chat_template.as_ref().map(|t| t.source().to_string()).unwrap_or_default();
+    app.tool_format = match args.tool_call_parser {
+        Some(format) => Some(format.for_template(&template_source)),
+        None => ToolFormat::detect(&template_source),
+    };
     app.max_tokens_cap = args.max_tokens_cap;
-    app.reasoning_format = args.reasoning_parser;
+    app.reasoning_format = match args.reasoning_parser {
+        Some(ReasoningParserArg::None) => None,
+        Some(ReasoningParserArg::Format(format)) => Some(format),
+        // Harmony's calls come with its channels: the analysis is never the answer.
+        None if app.tool_format == Some(ToolFormat::Harmony) => Some(ReasoningFormat::GptOss),
+        None => ReasoningFormat::detect(&template_source),
+    };
     match app.tool_format {
         Some(format) => tracing::info!("tool calls are read in the {format} format"),
         None => tracing::info!("no tool-call format (see --tool-call-parser); tool_choice \"none\" only"),
+    }
+    match app.reasoning_format {
+        Some(format) => tracing::info!("reasoning is read in the {format} format"),
+        None => tracing::info!("no reasoning format (see --reasoning-parser)"),
     }
     let app = Arc::new(app);
     // One line tests and scripts can parse.

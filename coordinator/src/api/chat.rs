@@ -18,6 +18,7 @@ use super::structured::constrain;
 use super::tool_calls::{self, ChoiceTools, ToolCall, ToolRequest};
 use super::validate::Kind as Shape;
 use crate::app::AppState;
+use crate::reasoning::grammar::then_answer;
 use crate::reasoning::{ReasoningFormat, ReasoningSplitter, Split};
 use crate::tool_parser::{Function, ToolFormat};
 
@@ -158,6 +159,7 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;
     let mut params = req.sampling.to_params(default_max, logprobs)?;
     constrain(app, &req.sampling.structured, &mut params)?;
+    let mut forced_call = false;
     if let Some(forced) = tool_request
         .as_ref()
         .zip(format)
@@ -175,10 +177,26 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
             ApiError::invalid("tools", format!("the tools' parameters do not compile into a call grammar: {e}"))
         })?;
         params.structured_output = Some(forced);
+        forced_call = true;
+    }
+    // A constraint applies once the thinking ends (Harmony's call grammar
+    // has its analysis message already).
+    let harmony_call = format == Some(ToolFormat::Harmony) && forced_call;
+    if let Some(reasoning) = app.reasoning_format.filter(|_| !harmony_call)
+        && let Some(constraint) = params.structured_output.take()
+    {
+        let special = |marker: &str| app.tokenizer.special_token_id(marker);
+        params.structured_output = Some(then_answer(reasoning, &special, constraint));
     }
     let named = req.sampling.names_max_tokens() && !cut_max_tokens;
     let params = fit_completion(app, max_len, "messages", prompt_ids.len(), named, &params)?;
-    let specs = n_choices(&prompt_ids, &params, &stops, req.sampling.priority()?, n);
+    let mut specs = n_choices(&prompt_ids, &params, &stops, req.sampling.priority()?, n);
+    // Markers that are special tokens must reach the parsers as text.
+    let keep_specials = app.reasoning_format.is_some_and(ReasoningFormat::needs_special_tokens)
+        || format.is_some_and(ToolFormat::needs_special_tokens);
+    for spec in &mut specs {
+        spec.skip_special_tokens = !keep_specials;
+    }
     let parallel = tool_request.as_ref().is_none_or(|t| t.parallel);
     let functions: Arc<[Function]> =
         tool_request.map(|t| Arc::from(t.functions)).unwrap_or_else(|| Arc::from(Vec::new()));

@@ -126,8 +126,13 @@ fn plan(app: &AppState, body: &[u8]) -> Result<(GenerateRequest, ChoiceSpec, Opt
     constrain(app, &req.sampling.structured, &mut params)?;
     params.prompt_logprobs = top_n("prompt_logprobs", req.prompt_logprobs)?;
     let params = fit_completion(app, max_len, "prompt", prompt_ids.len(), req.sampling.names_max_tokens(), &params)?;
-    let spec =
-        ChoiceSpec { prompt_ids, params, stops: req.sampling.stop_strings()?, priority: req.sampling.priority()? };
+    let spec = ChoiceSpec {
+        prompt_ids,
+        params,
+        stops: req.sampling.stop_strings()?,
+        priority: req.sampling.priority()?,
+        skip_special_tokens: true,
+    };
     Ok((req, spec, logprobs))
 }
 

@@ -139,7 +139,13 @@ pub fn n_choices(
         .map(|i| {
             let mut params = params.clone();
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            ChoiceSpec { prompt_ids: prompt_ids.to_vec(), params, stops: stops.to_vec(), priority }
+            ChoiceSpec {
+                prompt_ids: prompt_ids.to_vec(),
+                params,
+                stops: stops.to_vec(),
+                priority,
+                skip_special_tokens: true,
+            }
         })
         .collect()
 }

@@ -22,6 +22,10 @@ pub struct ChoiceSpec {
     pub stops: Vec<String>,
     /// Scheduling priority on the worker (lower first).
     pub priority: i32,
+    /// Special tokens decode to nothing (true, as by default in vLLM), or
+    /// to their text where a parser reads them (`[TOOL_CALLS]`,
+    /// `<|channel|>`); EOS is never text.
+    pub skip_special_tokens: bool,
 }
 
 #[derive(Debug)]
@@ -120,7 +124,9 @@ async fn drive_choice(
     tx: mpsc::UnboundedSender<Update>,
 ) {
     let mut guard = AbortGuard { cluster: app.cluster.clone(), id, armed: true };
-    let mut detok = IncrementalDetokenizer::new(app.tokenizer.clone(), &spec.prompt_ids, true);
+    let mut detok = IncrementalDetokenizer::new(app.tokenizer.clone(), &spec.prompt_ids, spec.skip_special_tokens);
+    // Kept specials are text, but the token that ends the output is not (vLLM's rule).
+    let hidden = |token: u32| !spec.skip_special_tokens && app.tokenizer.eos_token_ids().contains(&token);
     let mut stops = StopStrings::new(spec.stops.clone());
     let mut completion_tokens = 0u32;
     let started = std::time::Instant::now();
@@ -140,7 +146,8 @@ async fn drive_choice(
                 // the choice at its own token, dropping those after it.
                 let (mut text, mut stopped) = (String::new(), None);
                 for (n, &token) in ids.iter().enumerate() {
-                    let out = stops.push(&detok.push(&[token]));
+                    let piece = if hidden(token) { String::new() } else { detok.push(&[token]) };
+                    let out = stops.push(&piece);
                     text.push_str(&out.text);
                     if out.stopped.is_some() {
                         stopped = out.stopped;

@@ -32,17 +32,15 @@
 use serde_json::{Value, json};
 
 use super::{Function, MistralCalls, ToolFormat};
+use crate::reasoning::ReasoningFormat;
+use crate::reasoning::grammar::{marker, thinking_rules};
 
-/// The id of a marker when the vocabulary has it as one special token.
-pub type SpecialIds<'a> = &'a dyn Fn(&str) -> Option<u32>;
+pub use crate::reasoning::grammar::SpecialIds;
 
 /// The Lark grammar of one call (`parallel` false) or one or more calls to
 /// `functions` (at least one), in `format`.
 pub fn call_grammar(format: ToolFormat, functions: &[&Function], parallel: bool, special: SpecialIds) -> String {
-    let marker = |text: &str| match special(text) {
-        Some(id) => format!("<[{id}]>"),
-        None => json!(text).to_string(),
-    };
+    let marker = |text: &str| marker(special, text);
     let repeat = |separator: &str| {
         if parallel { format!("call ({separator} call)*") } else { "call".to_string() }
     };
@@ -77,20 +75,9 @@ pub fn call_grammar(format: ToolFormat, functions: &[&Function], parallel: bool,
         }
         ToolFormat::Qwen3Coder => qwen3_coder_grammar(functions, parallel),
         ToolFormat::Harmony => {
-            let [channel, message, end, start, constrain] =
-                ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>"].map(marker);
-            let mut grammar = format!("{header}start: analysis? call\n");
-            // Free text up to the end marker: as a token, text cannot hold it;
-            // as characters, the text stops at their first appearance.
-            match special("<|end|>") {
-                Some(_) => grammar.push_str(&format!(
-                    "analysis: {channel} \"analysis\" {message} thinking {end} {start} \"assistant\"\nthinking: /(?s:.*)/\n"
-                )),
-                None => grammar.push_str(&format!(
-                    "analysis: {channel} \"analysis\" {message} thinking {start} \"assistant\"\n\
-                     thinking[suffix={end}]: /(?s:.*)/\n"
-                )),
-            }
+            let [channel, message, constrain] = ["<|channel|>", "<|message|>", "<|constrain|>"].map(marker);
+            let mut grammar = format!("{header}start: reasoning? call\n");
+            grammar.push_str(&thinking_rules(ReasoningFormat::GptOss, special));
             let options: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
             grammar.push_str(&format!("call: {channel} \"commentary to=functions.\" ({})\n", options.join(" | ")));
             for (i, f) in functions.iter().enumerate() {
@@ -122,9 +109,15 @@ fn qwen3_coder_grammar(functions: &[&Function], parallel: bool) -> String {
             let optional = if required.contains(&name.as_str()) { "" } else { "?" };
             body.push(format!("p_{i}_{j}{optional}"));
             let open = json!(format!("<parameter={name}>\n"));
-            let is_string =
-                schema.get("type").and_then(Value::as_str) == Some("string") && schema.get("enum").is_none();
-            if is_string {
+            let is_string = schema.get("type").and_then(Value::as_str) == Some("string");
+            let choices: Option<Vec<String>> = schema
+                .get("enum")
+                .and_then(Value::as_array)
+                .and_then(|e| e.iter().map(|v| v.as_str().map(|s| json!(s).to_string())).collect());
+            if let Some(choices) = choices.filter(|c| is_string && !c.is_empty()) {
+                // One of the strings, written as text like any string.
+                grammar.push_str(&format!("p_{i}_{j}: {open} ({}) \"\\n</parameter>\\n\"\n", choices.join(" | ")));
+            } else if is_string {
                 // Free text that stops at the closing tag's first appearance.
                 grammar.push_str(&format!("p_{i}_{j}: {open} v_{i}_{j}\n"));
                 grammar.push_str(&format!("v_{i}_{j}[suffix=\"\\n</parameter>\\n\"]: /(?s:.*)/\n"));
@@ -356,6 +349,14 @@ mod tests {
             ),
             (ToolFormat::Harmony, "<|channel|>final<|message|>No call."),
         ];
+        // Qwen3-Coder writes a string from an enum as text, not as JSON.
+        let pick = Function {
+            name: "pick".into(),
+            parameters: json!({"type": "object", "properties": {"c": {"type": "string", "enum": ["a b", "c"]}}, "required": ["c"]}),
+        };
+        let text = "<tool_call>\n<function=pick>\n<parameter=c>\na b\n</parameter>\n</function>\n</tool_call>";
+        assert!(accepts(ToolFormat::Qwen3Coder, &[&pick], &[], text));
+        assert!(!accepts(ToolFormat::Qwen3Coder, &[&pick], &[], &text.replace("a b", "\"a b\"")));
         for (format, text) in refused {
             assert!(!accepts(format, &functions, &markers, text), "{format} accepted {text}");
         }

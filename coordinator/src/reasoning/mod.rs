@@ -18,6 +18,8 @@
 
 use std::str::FromStr;
 
+pub mod grammar;
+
 use crate::harmony::{HarmonyReader, Piece, call_text};
 
 const OPEN: &str = "<think>";
