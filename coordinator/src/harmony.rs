@@ -125,15 +125,15 @@ impl HarmonyReader {
                 false
             }
             State::Header => {
-                let Some(i) = self.buf.find(MESSAGE) else {
-                    if self.buf.len() > MAX_HEADER {
-                        let text = std::mem::take(&mut self.buf);
-                        self.emit(Piece::Answer(format!("{}{text}", self.opened_by)));
-                        self.state = State::Outside;
-                        return true;
-                    }
-                    return false;
-                };
+                let found = self.buf.find(MESSAGE);
+                let header_len = found.unwrap_or(self.buf.len() - held_prefix(&self.buf, MESSAGE));
+                if header_len > MAX_HEADER {
+                    // No header: the marker is answer text, and what follows is read again.
+                    self.emit(Piece::Answer(self.opened_by.to_string()));
+                    self.state = State::Outside;
+                    return true;
+                }
+                let Some(i) = found else { return false };
                 let header = self.buf[..i].to_string();
                 self.buf.drain(..i + MESSAGE.len());
                 let body = match recipient(&header) {

@@ -12,7 +12,7 @@ use super::logprobs::ChatLogprobs;
 use super::openai::{Choice, ChunkStream, Completion, Content, EchoStream, Kind, Logprobs, Message, Usage};
 use super::prepare::{chat_prompt_ids, check_model, check_prompt, fit_completion, n_choices, now, parse};
 use super::reply::Reply;
-use super::request::{ChatRequest, top_n};
+use super::request::{ChatRequest, reasoning_effort_kwargs, top_n};
 use super::run::{self, ChoiceEnd, ChoiceSpec};
 use super::structured::constrain;
 use super::tool_calls::{self, ChoiceTools, ToolCall, ToolRequest};
@@ -30,6 +30,7 @@ const FIELDS: &[(&str, Shape)] = &[
     ("tool_choice", Shape::Any),
     ("parallel_tool_calls", Shape::Bool),
     ("chat_template_kwargs", Shape::Object),
+    ("reasoning_effort", Shape::Any),
 ];
 
 /// How the choices' output is read for tool calls.
@@ -152,6 +153,9 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
     let messages = std::mem::take(&mut req.messages);
     tool_calls::check_messages(&messages)?;
     let template_tools = tool_request.as_ref().map(|t| t.tools.as_slice());
+    if let Some(effort) = req.reasoning_effort.take().filter(|e| !e.is_null()) {
+        reasoning_effort_kwargs("reasoning_effort", &effort, &mut req.chat_template_kwargs)?;
+    }
     let kwargs = req.chat_template_kwargs.as_ref();
     let prompt_ids = chat_prompt_ids(app, &messages, (template_tools, kwargs), true, false, Some(max_len))?;
     check_prompt(app, &prompt_ids, max_len)?;

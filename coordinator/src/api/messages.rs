@@ -175,6 +175,22 @@ fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, Api
         stream,
         ..SamplingFields::default()
     };
+    // Extended thinking on or off, as the template switches it; adaptive
+    // (Claude Code's) leaves the template's default.
+    let chat_template_kwargs = match field("thinking") {
+        None => None,
+        Some(thinking) => match thinking.get("type").and_then(Value::as_str) {
+            Some("enabled") => Some(json!({"enable_thinking": true})),
+            Some("disabled") => Some(json!({"enable_thinking": false})),
+            Some("adaptive") => None,
+            _ => {
+                return Err(ApiError::invalid(
+                    "thinking.type",
+                    "thinking.type must be \"enabled\", \"disabled\" or \"adaptive\"",
+                ));
+            }
+        },
+    };
     Ok(ChatRequest {
         model: string("model")?,
         messages,
@@ -183,7 +199,8 @@ fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, Api
         tools,
         tool_choice,
         parallel_tool_calls,
-        chat_template_kwargs: None,
+        chat_template_kwargs: chat_template_kwargs.and_then(|k| k.as_object().cloned()),
+        reasoning_effort: None,
         unserved: Default::default(),
         sampling,
     })
@@ -236,8 +253,8 @@ fn refused_block(param: &str, kind: Option<&str>) -> ApiError {
 
 /// One Messages turn as chat messages: a user turn's `tool_result` blocks
 /// become tool messages (before its text, as they answer the last turn's
-/// calls); an assistant turn's `tool_use` blocks, its tool calls. Thinking
-/// blocks sent back are dropped.
+/// calls); an assistant turn's `tool_use` blocks, its tool calls; its
+/// `thinking` blocks, its reasoning (redacted ones are dropped).
 fn chat_messages(i: usize, turn: &Value) -> Result<Vec<Value>, ApiError> {
     let param = format!("messages[{i}]");
     let role = turn.get("role").and_then(Value::as_str).unwrap_or_default();
@@ -251,11 +268,15 @@ fn chat_messages(i: usize, turn: &Value) -> Result<Vec<Value>, ApiError> {
         Value::Array(blocks) => blocks,
         _ => return Err(ApiError::invalid(format!("{param}.content"), "content must be a string or a list of blocks")),
     };
-    let (mut texts, mut calls, mut results) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut texts, mut calls, mut results, mut thinking) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (j, block) in blocks.iter().enumerate() {
         let at = format!("{param}.content[{j}]");
         match block_type(block) {
             Some("text") => texts.push(block_text(&at, block)?),
+            // Thinking sent back goes to the template as the turn's reasoning.
+            Some("thinking") if role == "assistant" => {
+                thinking.extend(block.get("thinking").and_then(Value::as_str).map(str::to_string))
+            }
             Some("thinking" | "redacted_thinking") => {}
             Some("tool_use") if role == "assistant" => {
                 let id = block
@@ -290,6 +311,9 @@ fn chat_messages(i: usize, turn: &Value) -> Result<Vec<Value>, ApiError> {
         let mut message = json!({"role": role, "content": texts.join("\n")});
         if !calls.is_empty() {
             message["tool_calls"] = Value::Array(calls);
+        }
+        if !thinking.is_empty() {
+            message["reasoning_content"] = json!(thinking.join("\n"));
         }
         out.push(message);
     }
@@ -582,6 +606,12 @@ mod tests {
             (req.sampling.max_tokens, req.sampling.stream, req.sampling.temperature),
             (Some(32000), Some(true), Some(1.0))
         );
+        // Adaptive thinking leaves the template's default; enabled and disabled switch it.
+        assert!(req.chat_template_kwargs.is_none());
+        for (thinking, enabled) in [("enabled", true), ("disabled", false)] {
+            let req = chat(json!({"max_tokens": 5, "messages": [], "thinking": {"type": thinking, "budget_tokens": 1024}}));
+            assert_eq!(req.chat_template_kwargs.unwrap()["enable_thinking"], enabled);
+        }
     }
 
     /// tool_use blocks are the assistant's calls; tool_result blocks the
@@ -605,6 +635,7 @@ mod tests {
         }));
         assert_eq!(req.messages[1]["tool_calls"][0]["function"]["arguments"], "{\"city\":\"Paris\"}");
         assert_eq!(req.messages[1]["content"], "Let me check.");
+        assert_eq!(req.messages[1]["reasoning_content"], "...");
         assert_eq!(req.messages[2], json!({"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}));
         assert_eq!(req.messages[3], json!({"role": "user", "content": "thanks"}));
         let tools = req.tools.unwrap();
@@ -628,6 +659,7 @@ mod tests {
         assert_eq!(err(json!({"max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]})), "messages[0].role");
         assert_eq!(err(json!({"max_tokens": 5, "messages": [], "tool_choice": {"type": "maybe"}})), "tool_choice.type");
         assert_eq!(err(json!({"max_tokens": "5", "messages": []})), "max_tokens");
+        assert_eq!(err(json!({"max_tokens": 5, "messages": [], "thinking": {"type": "deep"}})), "thinking.type");
         assert!(chat_request(&json!({"messages": []}), false).is_ok(), "count_tokens needs no max_tokens");
     }
 }

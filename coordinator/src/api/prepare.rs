@@ -155,6 +155,38 @@ pub fn n_choices(
 /// the model wants it). `tools` go to the template as transformers passes
 /// them. With `max_len`, a rendering too long to fit is refused before
 /// tokenizing.
+/// The history's reasoning under every name templates read it by: an
+/// assistant turn's thinking sent back as `reasoning_content` (vLLM's
+/// field, read by Qwen3's and GLM's templates), `reasoning` (newer
+/// vLLM's) or `thinking` (read by gpt-oss's) is given under the other names
+/// too. gpt-oss's template refuses a tool-calling turn with both content
+/// and thinking (its content is the analysis there): that turn is left as is.
+fn reasoning_for_templates(messages: &[Value]) -> std::borrow::Cow<'_, [Value]> {
+    const NAMES: [&str; 3] = ["reasoning_content", "reasoning", "thinking"];
+    fn reasoning_of(m: &Value) -> Option<&str> {
+        NAMES.iter().find_map(|n| m.get(*n).and_then(Value::as_str)).filter(|r| !r.is_empty())
+    }
+    if !messages.iter().any(|m| m["role"] == "assistant" && reasoning_of(m).is_some()) {
+        return std::borrow::Cow::Borrowed(messages);
+    }
+    let filled = messages
+        .iter()
+        .map(|m| {
+            let Some(reasoning) = reasoning_of(m).filter(|_| m["role"] == "assistant") else { return m.clone() };
+            let mut m = m.clone();
+            let calls_with_content = m.get("tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty())
+                && m.get("content").and_then(Value::as_str).is_some_and(|c| !c.is_empty());
+            let reasoning = Value::String(reasoning.to_string());
+            m["reasoning_content"] = reasoning.clone();
+            if !calls_with_content {
+                m["thinking"] = reasoning;
+            }
+            m
+        })
+        .collect();
+    std::borrow::Cow::Owned(filled)
+}
+
 pub fn chat_prompt_ids(
     app: &AppState,
     messages: &[Value],
@@ -172,9 +204,36 @@ pub fn chat_prompt_ids(
         )
     })?;
     let options = RenderOptions { add_generation_prompt, tools, extra: template_kwargs };
-    let text = template.render_with(messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let messages = reasoning_for_templates(messages);
+    let text = template.render_with(&messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     if let Some(max_len) = max_len {
         check_text_fits(app, "messages", &text, max_len)?;
     }
     app.tokenizer.encode(&text, add_special_tokens).map_err(|e| ApiError::invalid("messages", e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Reasoning sent back under any name reaches the template under all
+    /// of them, but for gpt-oss's refused shape (a call with content).
+    #[test]
+    fn reasoning_in_history_is_given_under_every_name() {
+        let messages = [
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "assistant", "content": "Hello", "reasoning_content": "Greet."}),
+            json!({"role": "assistant", "content": "Checking.", "reasoning": "Look up.",
+                   "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+            json!({"role": "assistant", "content": "x", "thinking": "T."}),
+        ];
+        let out = reasoning_for_templates(&messages);
+        assert_eq!(out[0], messages[0]);
+        assert_eq!((out[1]["reasoning_content"].as_str(), out[1]["thinking"].as_str()), (Some("Greet."), Some("Greet.")));
+        assert_eq!((out[2]["reasoning_content"].as_str(), out[2].get("thinking")), (Some("Look up."), None));
+        assert_eq!(out[3]["reasoning_content"], "T.");
+        let plain = [json!({"role": "user", "content": "hi"})];
+        assert!(matches!(reasoning_for_templates(&plain), std::borrow::Cow::Borrowed(_)));
+    }
 }

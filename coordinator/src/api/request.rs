@@ -247,10 +247,36 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     /// vLLM's: extra variables for the chat template (`enable_thinking`, ...).
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// OpenAI's: how hard a reasoning model thinks (see [`reasoning_effort_kwargs`]).
+    pub reasoning_effort: Option<serde_json::Value>,
     #[serde(flatten)]
     pub unserved: UnservedFields,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+}
+
+/// A reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`)
+/// as the chat templates take it: `none` switches thinking off
+/// (`enable_thinking: false`, Qwen3's and GLM's); any other level is
+/// `reasoning_effort` (gpt-oss's). Variables `kwargs` already sets win.
+pub fn reasoning_effort_kwargs(
+    param: &str,
+    effort: &serde_json::Value,
+    kwargs: &mut Option<serde_json::Map<String, serde_json::Value>>,
+) -> Result<(), super::error::ApiError> {
+    const LEVELS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "xhigh"];
+    let Some(level) = effort.as_str().filter(|l| LEVELS.contains(l)) else {
+        return Err(super::error::ApiError::invalid(
+            param,
+            format!("{param} must be one of none, minimal, low, medium, high, xhigh; got {effort}"),
+        ));
+    };
+    let kwargs = kwargs.get_or_insert_with(Default::default);
+    match level {
+        "none" => kwargs.entry("enable_thinking").or_insert(serde_json::Value::Bool(false)),
+        level => kwargs.entry("reasoning_effort").or_insert(serde_json::Value::from(level)),
+    };
+    Ok(())
 }
 
 /// `POST /generate`: the simple API.
@@ -426,5 +452,17 @@ mod tests {
         assert_eq!(fields(r#"{"priority": -5}"#).priority().unwrap(), -5);
         let err = fields(r#"{"priority": 4294967296}"#).priority().unwrap_err();
         assert_eq!((err.param.as_deref(), err.status), (Some("priority"), hyper::StatusCode::BAD_REQUEST));
+    }
+
+    #[test]
+    fn reasoning_effort_becomes_template_variables() {
+        let mut kwargs = None;
+        reasoning_effort_kwargs("reasoning_effort", &serde_json::json!("high"), &mut kwargs).unwrap();
+        assert_eq!(kwargs.as_ref().unwrap()["reasoning_effort"], "high");
+        let mut kwargs = Some(serde_json::json!({"enable_thinking": true}).as_object().unwrap().clone());
+        reasoning_effort_kwargs("reasoning_effort", &serde_json::json!("none"), &mut kwargs).unwrap();
+        assert_eq!(kwargs.unwrap()["enable_thinking"], true, "the request's own variables win");
+        let err = reasoning_effort_kwargs("reasoning.effort", &serde_json::json!("max"), &mut None).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("reasoning.effort"));
     }
 }

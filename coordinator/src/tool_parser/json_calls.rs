@@ -376,7 +376,7 @@ fn read_mistral_name(text: &str) -> MistralName {
     let Some(name_end) = name_end else {
         // The name so far, without what may be the start of a marker.
         let held = held_prefix(text, MISTRAL_ARGS).max(held_prefix(text, MISTRAL_CALL_ID));
-        let name = text[..text.len() - held].trim_start();
+        let name = text[..text.len() - held].trim();
         let plausible = name.len() <= 64 && (name.is_empty() || valid_name(name));
         return if plausible { MistralName::Incomplete } else { MistralName::Text };
     };

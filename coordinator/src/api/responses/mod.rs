@@ -245,6 +245,7 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         tool_choice,
         parallel_tool_calls: boolean("parallel_tool_calls")?,
         chat_template_kwargs: None,
+        reasoning_effort: body.pointer("/reasoning/effort").filter(|e| !e.is_null()).cloned(),
         unserved: Default::default(),
         sampling,
     };
@@ -312,7 +313,10 @@ fn input_item(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
                     ));
                 }
             };
-            out.push(json!({"role": role, "content": content}));
+            match out.last_mut() {
+                Some(last) if role == "assistant" && reasoning_only(last) => last["content"] = json!(content),
+                _ => out.push(json!({"role": role, "content": content})),
+            }
         }
         "function_call" => {
             let get = |name: &str| {
@@ -328,6 +332,7 @@ fn input_item(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
                         calls.push(call);
                     }
                 }
+                Some(last) if reasoning_only(last) => last["tool_calls"] = json!([call]),
                 _ => out.push(json!({"role": "assistant", "content": "", "tool_calls": [call]})),
             }
         }
@@ -343,7 +348,14 @@ fn input_item(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
             };
             out.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
         }
-        "reasoning" => {}
+        // Reasoning sent back: the next assistant turn's, for the template.
+        "reasoning" => {
+            let parts = item.get("content").or_else(|| item.get("summary")).and_then(Value::as_array);
+            let text: Vec<&str> = parts.into_iter().flatten().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
+            if !text.is_empty() {
+                out.push(json!({"role": "assistant", "content": "", "reasoning_content": text.join("\n")}));
+            }
+        }
         other => {
             return Err(ApiError::invalid(
                 format!("{param}.type"),
@@ -352,6 +364,14 @@ fn input_item(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
         }
     }
     Ok(())
+}
+
+/// An assistant turn that so far holds only the reasoning sent back before it.
+fn reasoning_only(message: &Value) -> bool {
+    message["role"] == "assistant"
+        && message["content"] == ""
+        && message.get("tool_calls").is_none()
+        && message.get("reasoning_content").is_some()
 }
 
 /// A Responses function tool (flat: `name`, `parameters`) as chat's.
@@ -464,13 +484,13 @@ mod tests {
 
     /// Messages (developer as system, text parts joined), one turn's calls
     /// in one assistant message, their outputs as tool messages; reasoning
-    /// items dropped.
+    /// items sent back, the next assistant turn's reasoning.
     #[test]
     fn input_items_read_as_chat_messages() {
         let got = conversation(json!([
             {"role": "developer", "content": "Be brief."},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
-            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call f."}]},
             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
             {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\":1}"},
             {"type": "function_call_output", "call_id": "c1", "output": "ok"},
@@ -478,7 +498,13 @@ mod tests {
         assert_eq!(got[0], json!({"role": "system", "content": "Be brief."}));
         assert_eq!(got[1], json!({"role": "user", "content": "a\nb"}));
         assert_eq!(got[2]["tool_calls"].as_array().map(Vec::len), Some(2));
+        assert_eq!(got[2]["reasoning_content"], "Call f.");
         assert_eq!(got[3], json!({"role": "tool", "tool_call_id": "c1", "content": "ok"}));
+        let got = conversation(json!([
+            {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Greet."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]},
+        ]));
+        assert_eq!(got, [json!({"role": "assistant", "content": "Hi", "reasoning_content": "Greet."})]);
         let mut out = Vec::new();
         let image = json!({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]});
         assert_eq!(input_item(4, &image, &mut out).unwrap_err().param.as_deref(), Some("input[4].content[0].type"));
