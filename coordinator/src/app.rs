@@ -62,6 +62,10 @@ pub struct AppState {
     /// `--max-tokens-cap`: no request generates more tokens than this
     /// (llama.cpp server's `--n-predict`), whatever its `max_tokens` says.
     pub max_tokens_cap: Option<u32>,
+    /// A structured output covers the thinking too (vLLM's
+    /// `structured_outputs_config.enable_in_reasoning`); by default it
+    /// applies once the thinking ends.
+    pub constrain_reasoning: bool,
     /// `--reasoning-parser`: how the model's thinking is split from its answer.
     pub reasoning_format: Option<crate::reasoning::ReasoningFormat>,
     /// `/v1/responses` kept for `previous_response_id` and `GET`.
@@ -107,6 +111,7 @@ impl AppState {
             tokenizer,
             tool_format: chat_template.as_ref().and_then(|t| ToolFormat::detect(t.source())),
             max_tokens_cap: None,
+            constrain_reasoning: false,
             reasoning_format: None,
             responses: Default::default(),
             chat_template,

@@ -114,6 +114,11 @@ struct Args {
     /// analysis channel), or none. Default: detected from the chat template.
     #[arg(long, value_name = "PARSER")]
     reasoning_parser: Option<ReasoningParserArg>,
+    /// A structured output (response_format, guided decoding) covers the
+    /// thinking too, as vLLM's `enable_in_reasoning`; by default the
+    /// thinking is free and the constraint applies once it ends.
+    #[arg(long)]
+    structured_outputs_in_reasoning: bool,
 }
 
 /// `--reasoning-parser`: a format, or `none` to keep the thinking in the
@@ -213,6 +218,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         None => ToolFormat::detect(&template_source),
     };
     app.max_tokens_cap = args.max_tokens_cap;
+    app.constrain_reasoning = args.structured_outputs_in_reasoning;
     app.reasoning_format = match args.reasoning_parser {
         Some(ReasoningParserArg::None) => None,
         Some(ReasoningParserArg::Format(format)) => Some(format),

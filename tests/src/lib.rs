@@ -93,6 +93,31 @@ impl Drop for TempDir {
     }
 }
 
+/// A copy of test model `model` (its other files linked) whose
+/// tokenizer_config.json carries `template` as its chat template.
+pub fn model_with_template(model: &str, tag: &str, template: &str) -> TempDir {
+    let dir = TempDir::new(tag);
+    let source = model_dir(model);
+    for entry in std::fs::read_dir(&source).expect("model dir") {
+        let name = entry.expect("entry").file_name();
+        if name != "tokenizer_config.json" {
+            std::os::unix::fs::symlink(source.join(&name), dir.0.join(&name)).expect("link");
+        }
+    }
+    let config = std::fs::read_to_string(source.join("tokenizer_config.json")).expect("tokenizer_config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&config).expect("json");
+    config["chat_template"] = serde_json::Value::String(template.to_string());
+    std::fs::write(dir.0.join("tokenizer_config.json"), config.to_string()).expect("write");
+    dir
+}
+
+/// A chat template published with a model family, as the repository keeps
+/// it (coordinator/src/text/testdata/published).
+pub fn published_template(file: &str) -> String {
+    let path = repo_root().join("coordinator/src/text/testdata/published").join(file);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// A draft model for speculative decoding made from a test model: its first
 /// `layers` decoder layers with its embeddings, final norm and lm_head (a
 /// layer-skipping self-draft), as a directory of its own: a config.json with

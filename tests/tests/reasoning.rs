@@ -1,6 +1,8 @@
 //! Reasoning split from the answer (`--reasoning-parser`) on a real
 //! cluster: the model is made to write `<think>...</think>` then an answer
-//! (a regex constraint drives tiny-qwen3's random weights), and chat
+//! (a regex constraint over the whole output, thinking included, with
+//! `--structured-outputs-in-reasoning`, drives tiny-qwen3's random
+//! weights), and chat
 //! completions give the thinking as `reasoning_content`, whole and
 //! streamed, the answer as `content`.
 
@@ -19,7 +21,8 @@ fn request(stream: bool) -> Value {
 
 #[test]
 fn chat_completions_split_the_thinking_from_the_answer() {
-    let cluster = Coordinator::start("tiny-qwen3", 1, &["--reasoning-parser", "qwen3"]);
+    let cluster =
+        Coordinator::start("tiny-qwen3", 1, &["--reasoning-parser", "qwen3", "--structured-outputs-in-reasoning"]);
     let url = cluster.url("/v1/chat/completions");
     let (status, whole) = post_json(&url, &request(false));
     assert_eq!(status, 200, "{whole}");
@@ -71,7 +74,11 @@ fn events(url: &str, body: Value) -> Vec<(String, Value)> {
 /// `reasoning` item, whole and streamed, with no answer text.
 #[test]
 fn the_agent_apis_carry_the_thinking_apart() {
-    let cluster = Coordinator::start("tiny-qwen3", 1, &["--reasoning-parser", "deepseek_r1"]);
+    let cluster = Coordinator::start(
+        "tiny-qwen3",
+        1,
+        &["--reasoning-parser", "deepseek_r1", "--structured-outputs-in-reasoning"],
+    );
     let hello = json!([{"role": "user", "content": "Hello"}]);
     let messages = json!({"max_tokens": 8, "temperature": 0, "messages": hello});
     let (status, whole) = post_json(&cluster.url("/v1/messages"), &messages);
@@ -143,4 +150,97 @@ fn chat_template_kwargs_reach_the_template() {
     let (status, out) =
         post_json(&cluster.url("/v1/chat/completions"), &json!({"messages": messages, "chat_template_kwargs": 3}));
     assert_eq!((status, out["error"]["param"].as_str()), (400, Some("chat_template_kwargs")), "{out}");
+}
+
+/// A copy of tiny-qwen3 with the published template `file`, served with
+/// the reasoning parser detected from it.
+fn with_published(file: &str) -> (tinyvllm_tests::TempDir, Coordinator) {
+    let model = tinyvllm_tests::model_with_template(
+        "tiny-qwen3",
+        &format!("published-{file}"),
+        &tinyvllm_tests::published_template(file),
+    );
+    let cluster = Coordinator::start(model.0.to_str().expect("path"), 1, &["--served-model-name", "tiny-qwen3"]);
+    (model, cluster)
+}
+
+/// A structured output applies once the thinking ends (vLLM's rule): the
+/// model may think first, in its own markup, and the answer is what the
+/// schema asks for. Qwen3's and gpt-oss's published templates make their
+/// parsers detected; a random model's thinking rarely ends, so a few seeds
+/// are tried until one finishes, each reply checked on the way.
+#[test]
+fn structured_outputs_follow_the_thinking() {
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["n"], "additionalProperties": false});
+    for file in ["qwen3.jinja", "gpt-oss.jinja"] {
+        let (_model, cluster) = with_published(file);
+        let mut finished = 0;
+        for seed in 0..16 {
+            let body = json!({
+                "messages": [{"role": "user", "content": "Pick a digit."}], "max_tokens": 48, "seed": seed,
+                "temperature": 0.8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}},
+            });
+            let (status, reply) = post_json(&cluster.url("/v1/chat/completions"), &body);
+            assert_eq!(status, 200, "{file}: {reply}");
+            let message = &reply["choices"][0]["message"];
+            let reasoning = message["reasoning_content"].as_str().unwrap_or("");
+            assert!(!reasoning.contains("<|") && !reasoning.contains("</think>"), "{file}: {reply}");
+            if reply["choices"][0]["finish_reason"] != "stop" {
+                assert!(message["content"].is_null(), "{file}: cut while thinking, no answer yet: {reply}");
+                continue;
+            }
+            let content = message["content"].as_str().expect("an answer");
+            let answer: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{file}: {e}: {content:?}"));
+            assert!(answer["n"].as_i64().is_some_and(|n| (0..=9).contains(&n)), "{file}: {answer}");
+            finished += 1;
+        }
+        assert!(finished > 0, "{file}: no reply finished in 16 seeds");
+    }
+}
+
+/// Reasoning sent back in the history renders through the template: chat's
+/// `reasoning_content` as Qwen3's `<think>` and gpt-oss's analysis message,
+/// Anthropic's thinking blocks the same way.
+#[test]
+fn reasoning_in_the_history_renders_through_the_template() {
+    let call = json!([{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let messages = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Need the tool.", "tool_calls": call},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]);
+    for (file, expected) in [
+        ("qwen3.jinja", "<think>\nNeed the tool.\n</think>"),
+        ("gpt-oss.jinja", "<|channel|>analysis<|message|>Need the tool.<|end|>"),
+    ] {
+        let (_model, cluster) = with_published(file);
+        let rendered = |messages: &Value| {
+            let (status, out) = post_json(&cluster.url("/tokenize"), &json!({"messages": messages, "tools": tools}));
+            assert_eq!(status, 200, "{file}: {out}");
+            let (status, text) = post_json(&cluster.url("/detokenize"), &json!({"tokens": out["tokens"]}));
+            assert_eq!(status, 200, "{file}: {text}");
+            text["prompt"].as_str().expect("prompt").to_string()
+        };
+        let prompt = rendered(&messages);
+        assert!(prompt.contains(expected), "{file}: {prompt}");
+        // Anthropic's thinking block is the same reasoning.
+        let body = json!({"model": "tiny-qwen3", "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need the tool.", "signature": ""},
+                {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]},
+        ], "tools": [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}]});
+        let (status, counted) = post_json(&cluster.url("/v1/messages/count_tokens"), &body);
+        assert_eq!(status, 200, "{file}: {counted}");
+        let (_, without) = post_json(&cluster.url("/v1/messages/count_tokens"), &{
+            let mut b = body.clone();
+            b["messages"][1]["content"].as_array_mut().expect("blocks").remove(0);
+            b
+        });
+        assert!(counted["input_tokens"].as_u64() > without["input_tokens"].as_u64(), "{file}: {counted} / {without}");
+    }
 }

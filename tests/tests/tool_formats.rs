@@ -10,25 +10,11 @@
 //! streamed, on chat completions and on Anthropic's Messages.
 
 use serde_json::{Value, json};
-use tinyvllm_tests::{Coordinator, TempDir, model_dir, post_json, post_sse, repo_root};
+use tinyvllm_tests::{Coordinator, TempDir, post_json, post_sse, published_template};
 
-/// A copy of tiny-qwen3 whose tokenizer_config.json carries the published template `file`.
+/// A copy of tiny-qwen3 with the published template `file`.
 fn model_with_template(file: &str) -> TempDir {
-    let path = repo_root().join("coordinator/src/text/testdata/published").join(file);
-    let template = std::fs::read_to_string(&path).expect("published template");
-    let dir = TempDir::new(&format!("tool-format-{file}"));
-    let source = model_dir("tiny-qwen3");
-    for entry in std::fs::read_dir(&source).expect("model dir") {
-        let name = entry.expect("entry").file_name();
-        if name != "tokenizer_config.json" {
-            std::os::unix::fs::symlink(source.join(&name), dir.0.join(&name)).expect("link");
-        }
-    }
-    let config = std::fs::read_to_string(source.join("tokenizer_config.json")).expect("tokenizer_config.json");
-    let mut config: Value = serde_json::from_str(&config).expect("json");
-    config["chat_template"] = json!(template);
-    std::fs::write(dir.0.join("tokenizer_config.json"), config.to_string()).expect("write");
-    dir
+    tinyvllm_tests::model_with_template("tiny-qwen3", &format!("tool-format-{file}"), &published_template(file))
 }
 
 fn tools() -> Value {

@@ -184,9 +184,10 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
         forced_call = true;
     }
     // A constraint applies once the thinking ends (Harmony's call grammar
-    // has its analysis message already).
+    // has its analysis message already), unless it is to cover the thinking.
     let harmony_call = format == Some(ToolFormat::Harmony) && forced_call;
-    if let Some(reasoning) = app.reasoning_format.filter(|_| !harmony_call)
+    let free_thinking = !harmony_call && (forced_call || !app.constrain_reasoning);
+    if let Some(reasoning) = app.reasoning_format.filter(|_| free_thinking)
         && let Some(constraint) = params.structured_output.take()
     {
         let special = |marker: &str| app.tokenizer.special_token_id(marker);

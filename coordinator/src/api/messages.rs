@@ -609,7 +609,8 @@ mod tests {
         // Adaptive thinking leaves the template's default; enabled and disabled switch it.
         assert!(req.chat_template_kwargs.is_none());
         for (thinking, enabled) in [("enabled", true), ("disabled", false)] {
-            let req = chat(json!({"max_tokens": 5, "messages": [], "thinking": {"type": thinking, "budget_tokens": 1024}}));
+            let req =
+                chat(json!({"max_tokens": 5, "messages": [], "thinking": {"type": thinking, "budget_tokens": 1024}}));
             assert_eq!(req.chat_template_kwargs.unwrap()["enable_thinking"], enabled);
         }
     }

@@ -230,7 +230,10 @@ mod tests {
         ];
         let out = reasoning_for_templates(&messages);
         assert_eq!(out[0], messages[0]);
-        assert_eq!((out[1]["reasoning_content"].as_str(), out[1]["thinking"].as_str()), (Some("Greet."), Some("Greet.")));
+        assert_eq!(
+            (out[1]["reasoning_content"].as_str(), out[1]["thinking"].as_str()),
+            (Some("Greet."), Some("Greet."))
+        );
         assert_eq!((out[2]["reasoning_content"].as_str(), out[2].get("thinking")), (Some("Look up."), None));
         assert_eq!(out[3]["reasoning_content"], "T.");
         let plain = [json!({"role": "user", "content": "hi"})];

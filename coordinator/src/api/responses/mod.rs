@@ -351,7 +351,8 @@ fn input_item(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
         // Reasoning sent back: the next assistant turn's, for the template.
         "reasoning" => {
             let parts = item.get("content").or_else(|| item.get("summary")).and_then(Value::as_array);
-            let text: Vec<&str> = parts.into_iter().flatten().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
+            let text: Vec<&str> =
+                parts.into_iter().flatten().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
             if !text.is_empty() {
                 out.push(json!({"role": "assistant", "content": "", "reasoning_content": text.join("\n")}));
             }
