@@ -20,3 +20,13 @@ fn the_openai_responses_api_works() {
     let cluster = Coordinator::start("tiny-qwen3", 1, &["--tool-call-parser", "hermes"]);
     run_python_client(&python, "responses_client.py", &cluster.url("/v1"), "tiny-qwen3", "responses client: ok");
 }
+
+/// The OpenAI Agents SDK running one tool-using turn (a forced call, the
+/// tool run by the SDK, its output sent back, an answer), over the
+/// Responses API and over chat completions (tests/python/agents_sdk.py).
+#[test]
+fn the_openai_agents_sdk_completes_a_tool_turn() {
+    let Some(python) = test_python("`openai-agents`") else { return };
+    let cluster = Coordinator::start("tiny-qwen3", 1, &["--tool-call-parser", "hermes"]);
+    run_python_client(&python, "agents_sdk.py", &cluster.url("/v1"), "tiny-qwen3", "agents sdk: ok");
+}

@@ -177,14 +177,14 @@ fn bad_tool_requests_are_400s_naming_the_field() {
             json!({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]}),
             "messages",
         ),
-        // A forced call needs a schema the grammar compiler takes, and no other constraint.
+        // A forced call needs a schema the grammar compiler takes, and no guided decoding.
         (
             json!({"messages": user, "tool_choice": "required", "tools": [{"function": {"name": "f", "parameters":
                 {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 3}}, "required": ["n"]}}}]}),
             "tools",
         ),
         (
-            json!({"messages": user, "tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}}),
+            json!({"messages": user, "tools": [tool], "tool_choice": "required", "guided_regex": "[a-z]+"}),
             "tool_choice",
         ),
     ] {

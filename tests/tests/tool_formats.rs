@@ -136,6 +136,35 @@ fn forced_calls(file: &str, seed: u64) {
     for block in blocks {
         no_markup(block["text"].as_str().or(block["thinking"].as_str()).unwrap_or(""));
     }
+
+    // Streamed: the tool_use block's input_json_delta pieces make a valid
+    // input (Messages has no seed: sampling differs, so a few tries).
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    for attempt in 0.. {
+        assert!(attempt < 12, "{file}: no streamed call in 12 tries");
+        let (events, _) = post_sse(&cluster.url("/v1/messages"), &stream_body);
+        for event in &events {
+            no_markup(event["delta"]["text"].as_str().or(event["delta"]["thinking"].as_str()).unwrap_or(""));
+        }
+        let delta = events.iter().find(|e| e["type"] == "message_delta").expect("message_delta");
+        let started =
+            events.iter().find(|e| e["type"] == "content_block_start" && e["content_block"]["type"] == "tool_use");
+        let Some(started) = started else {
+            assert_eq!(delta["delta"]["stop_reason"], "max_tokens", "{file}: {events:?}");
+            continue;
+        };
+        assert_eq!(delta["delta"]["stop_reason"], "tool_use", "{file}");
+        let index = &started["index"];
+        let input: String = events
+            .iter()
+            .filter(|e| e["type"] == "content_block_delta" && &e["index"] == index)
+            .filter_map(|e| e["delta"]["partial_json"].as_str())
+            .collect();
+        let input: Value = serde_json::from_str(&input).expect("streamed input");
+        check_arguments(started["content_block"]["name"].as_str().expect("name"), &input);
+        break;
+    }
 }
 
 #[test]

@@ -169,12 +169,20 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
         .zip(format)
         .and_then(|(t, f)| t.constraint(f, &|marker| app.tokenizer.special_token_id(marker)))
     {
-        if params.structured_output.is_some() {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "tool_choice \"required\" or a named function cannot be combined with another output constraint \
-                 (response_format or guided decoding)",
-            ));
+        // A turn that must call has no text for response_format to shape
+        // (OpenAI's meaning: the Agents SDK sends both); guided decoding
+        // asks for the whole output and cannot be both.
+        match req.sampling.structured.constraint()? {
+            Some((_, "response_format")) | None => {}
+            Some((_, param)) => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "tool_choice \"required\" or a named function cannot be combined with {param}, which \
+                         constrains the whole output"
+                    ),
+                ));
+            }
         }
         let compiler = app.grammar_compiler().map_err(|why| ApiError::invalid("tool_choice", why.to_string()))?;
         compiler.compile(&forced).map_err(|e| {

@@ -143,7 +143,12 @@ fn normalize_message(index: usize, message: &Value) -> Result<Value, TemplateErr
     }
     let mut fields = fields.clone();
     match fields.get("content") {
-        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        None | Some(Value::String(_)) => {}
+        // A call-only turn's `null` is empty text, as vLLM renders it:
+        // templates that join content to strings cannot take `none`.
+        Some(Value::Null) => {
+            fields.insert("content".into(), Value::String(String::new()));
+        }
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for (j, part) in parts.iter().enumerate() {
@@ -315,7 +320,7 @@ mod tests {
             json!({"role": "assistant", "content": null}),
             json!({"role": "user", "content": []}),
         ];
-        assert_eq!(template.render(&messages, false).expect("render"), "[user:one\ntwo][assistant:None][user:]");
+        assert_eq!(template.render(&messages, false).expect("render"), "[user:one\ntwo][assistant:][user:]");
         let image = json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
         let err = template.render(&[image], false).expect_err("image part");
         assert!(
