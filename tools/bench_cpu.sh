@@ -24,10 +24,10 @@ for t in f16 q8_0; do
   f="$GGUF/tinyllama-1.1b-random-$t.gguf"
   [ -f "$f" ] || $W export-gguf --model random:tinyllama-1.1b --type "$t" --out "$f"
 done
-[ -f "$GGUF/stories260K-f32.gguf" ] || $W export-gguf --model ../shared/models/stories260K --type f32 --out "$GGUF/stories260K-f32.gguf"
+[ -f "$GGUF/stories260K-f32.gguf" ] || $W export-gguf --model tests/models/stories260K --type f32 --out "$GGUF/stories260K-f32.gguf"
 # The coordinator needs a tokenizer beside the file; prompts are token ids,
 # so any 32000-token vocabulary will do (tiny-qwen3's).
-cp ../shared/models/tiny-qwen3/tokenizer.json ../shared/models/tiny-qwen3/tokenizer_config.json "$GGUF/"
+cp tests/models/tiny-qwen3/tokenizer.json tests/models/tiny-qwen3/tokenizer_config.json "$GGUF/"
 export RAYON_NUM_THREADS=$THREADS
 
 echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime

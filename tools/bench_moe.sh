@@ -23,7 +23,7 @@ mkdir -p "$DIR"
 cargo build --release -q -p tinyvllm-worker
 W=target/release/tinyvllm-worker
 [ -f "$DIR/q3moe8/config.json" ] || $W export-random --preset qwen3-30b-a3b --num-layers 8 \
-  --tokenizer-from ../shared/models/tiny-qwen3 --out "$DIR/q3moe8"
+  --tokenizer-from tests/models/tiny-qwen3 --out "$DIR/q3moe8"
 for t in q8_0 q4_k_m; do
   [ -f "$DIR/q3moe8-$t.gguf" ] || $W export-gguf --model "$DIR/q3moe8" --out "$DIR/q3moe8-$t.gguf" --type "$t"
 done

@@ -4,7 +4,7 @@ are killed with SIGKILL at a fixed period. Every stream is compared with its
 no-fault output, so a token lost, repeated or wrong anywhere is counted.
 
 It starts one coordinator with --local-workers N (the coordinator restarts a
-killed worker) on a model from ../shared/models, measures each case's
+killed worker) on a model from tests/models, measures each case's
 reference output before any fault, then runs CONCURRENCY clients, each
 streaming /generate requests back to back, and kills one worker every
 --kill-every seconds. Cases mix greedy, seeded sampling and penalties, all of
@@ -182,7 +182,7 @@ async def wait_ready(port: int, workers: int, timeout: float):
 
 async def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(REPO / "../shared/models/stories260K"))
+    ap.add_argument("--model", default=str(REPO / "tests/models/stories260K"))
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--duration", type=float, default=600)
     ap.add_argument("--concurrency", type=int, default=1000)

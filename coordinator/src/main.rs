@@ -20,8 +20,10 @@ use coordinator::tool_parser::ToolFormat;
 #[derive(Parser)]
 #[command(name = "tinyvllm-coordinator", version, about = "tinyvllm coordinator: HTTP front door of a worker cluster")]
 struct Args {
-    /// A Hugging Face model directory or hub id (workers must serve the same model).
-    #[arg(long)]
+    /// A Hugging Face model directory or hub id (workers must serve the same
+    /// model); the default, builtin:stories260K, is a 1 MB trained model in
+    /// the binary, served with no download.
+    #[arg(long, default_value = common::model::DEFAULT_MODEL)]
     model: String,
     /// HTTP listen address, HOST:PORT (a host name such as localhost, or an IP address).
     #[arg(long, default_value = "0.0.0.0:8080")]

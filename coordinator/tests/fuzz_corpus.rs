@@ -81,7 +81,7 @@ fn detok_input_round_trips() {
 }
 
 fn golden(name: &str) -> Value {
-    let path = fuzzing::shared_dir().join("golden").join(name);
+    let path = fuzzing::test_data_dir().join("golden").join(name);
     serde_json::from_str(&std::fs::read_to_string(&path).expect("golden file")).expect("golden json")
 }
 

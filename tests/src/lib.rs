@@ -1,5 +1,5 @@
 //! Helpers for tinyvllm's end-to-end tests: they run the real binaries, as a
-//! user would, against the real models in ../shared/models.
+//! user would, against the real models in tests/models.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,13 +10,13 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
 }
 
-/// `../shared` beside the repository.
-pub fn shared() -> PathBuf {
-    repo_root().join("../shared")
+/// The test models (`models/`) and transformers' reference outputs (`golden/`), in the repository's `tests/`.
+pub fn test_data() -> PathBuf {
+    repo_root().join("tests")
 }
 
 pub fn model_dir(name: &str) -> PathBuf {
-    shared().join("models").join(name)
+    test_data().join("models").join(name)
 }
 
 /// Path to a workspace binary, built (once per test process) with the same
@@ -57,9 +57,9 @@ pub fn plan_device() -> &'static str {
     }
 }
 
-/// A golden file of ../shared/golden as JSON.
+/// A golden file of tests/golden as JSON.
 pub fn golden(file: &str) -> serde_json::Value {
-    let path = shared().join("golden").join(file);
+    let path = test_data().join("golden").join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("golden JSON")
 }
@@ -153,7 +153,8 @@ pub fn terminate(child: &mut std::process::Child) {
 }
 
 impl Coordinator {
-    /// Starts `tinyvllm-coordinator` on `model` with `extra` arguments and
+    /// Starts `tinyvllm-coordinator` on `model` (a test model's name, a
+    /// path, or "" for the coordinator's default) with `extra` arguments and
     /// waits until it listens (and, with local workers, until they are ready).
     pub fn start(model: &str, local_workers: usize, extra: &[&str]) -> Self {
         Self::start_wrapped(&[], model, local_workers, extra)
@@ -187,15 +188,14 @@ impl Coordinator {
             }
             None => Command::new(&coordinator),
         };
+        // No model: the coordinator's default (the built-in one).
+        let model_args: Vec<String> = match model {
+            "" => Vec::new(),
+            _ => vec!["--model".into(), model_dir(model).to_str().expect("utf-8 path").into()],
+        };
         let child = command
-            .args([
-                "--model",
-                model_dir(model).to_str().expect("utf-8 path"),
-                "--http",
-                "127.0.0.1:0",
-                "--quic",
-                "127.0.0.1:0",
-            ])
+            .args(&model_args)
+            .args(["--http", "127.0.0.1:0", "--quic", "127.0.0.1:0"])
             .args(["--local-workers", &local_workers.to_string()])
             .arg("--cluster-secret-file")
             .arg(&secret_file)

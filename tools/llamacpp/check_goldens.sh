@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp against ../shared/golden on the GGUF files `export-gguf` writes:
+# llama.cpp against tests/golden on the GGUF files `export-gguf` writes:
 # every golden case's greedy ids from llama.cpp itself (tools/llamacpp/greedy.cpp,
 # f32 KV cache, flash attention off: llama.cpp's CPU flash attention rounds
 # through f16). Not part of CI (it needs a llama.cpp build, ~30 min on 2 cores).
@@ -20,11 +20,11 @@ cargo build --release -p tinyvllm-worker --quiet
 status=0
 for model in "$@"; do
     gguf="$OUT/$model-f32.gguf"
-    target/release/tinyvllm-worker export-gguf --model "../shared/models/$model" --out "$gguf" --type f32 >/dev/null
+    target/release/tinyvllm-worker export-gguf --model "tests/models/$model" --out "$gguf" --type f32 >/dev/null
     GREEDY="$OUT/greedy" python3 - "$model" "$gguf" <<'PY' || status=1
 import json, os, subprocess, sys
 model, gguf = sys.argv[1], sys.argv[2]
-cases = json.load(open(f"../shared/golden/{model}.json"))["cases"]
+cases = json.load(open(f"tests/golden/{model}.json"))["cases"]
 differ = []
 for c in cases:
     want = c["generated_ids"]

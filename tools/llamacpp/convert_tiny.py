@@ -1,6 +1,6 @@
 """Runs llama.cpp's own `convert_hf_to_gguf.py` on a tiny test model.
 
-The tiny models in ../shared/models share one byte-fallback (SentencePiece
+The tiny models in tests/models share one byte-fallback (SentencePiece
 style) vocabulary. llama.cpp's converter reads it as such for Llama, Qwen3
 and Gemma 3, but its gpt-oss, GLM-4.5 and Qwen3-MoE classes only know the
 byte-level BPE vocabularies of the published checkpoints, and refuse one

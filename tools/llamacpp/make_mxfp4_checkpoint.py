@@ -2,7 +2,7 @@
 its experts in MXFP4 (`*_blocks` and `*_scales`, Hugging Face's layout,
 `quantization_config.quant_method: mxfp4`), everything else as it is.
 
-    python make_mxfp4_checkpoint.py ../shared/models/tiny-gpt-oss OUT_DIR
+    python make_mxfp4_checkpoint.py tests/models/tiny-gpt-oss OUT_DIR
 
 The codes come from GGML's MXFP4 quantizer (`quantize_row_mxfp4_ref`: the
 exponent puts the block's largest magnitude in [4, 8) of the E2M1 grid

@@ -19,7 +19,7 @@ PYTHON="${PYTHON:-python3}"
 OUT=worker/tests/data/llamacpp
 mkdir -p "$OUT"
 for model in tiny-qwen3-yarn tiny-gemma3 tiny-glm4-moe tiny-gpt-oss tiny-mixtral tiny-qwen3-moe; do
-    LLAMA_CPP="$LLAMA_CPP" "$PYTHON" tools/llamacpp/convert_tiny.py "../shared/models/$model" "$OUT/$model-f32.gguf"
+    LLAMA_CPP="$LLAMA_CPP" "$PYTHON" tools/llamacpp/convert_tiny.py "tests/models/$model" "$OUT/$model-f32.gguf"
 done
 
 # gpt-oss with MXFP4 experts (the other matrices Q8_0), and llama.cpp's own
@@ -31,7 +31,7 @@ g++ -O2 -std=c++17 tools/llamacpp/greedy.cpp -I"$LLAMA_CPP/include" -I"$LLAMA_CP
 GREEDY="$GREEDY" python3 - "$OUT/tiny-gpt-oss-mxfp4.gguf" "$OUT/tiny-gpt-oss-mxfp4.llama-cpp.json" <<'PY'
 import json, os, subprocess, sys
 gguf, out = sys.argv[1], sys.argv[2]
-cases = json.load(open("../shared/golden/tiny-gpt-oss.json"))["cases"]
+cases = json.load(open("tests/golden/tiny-gpt-oss.json"))["cases"]
 def next_id(context):
     run = subprocess.run([os.environ["GREEDY"], gguf, "1", ",".join(map(str, context))], capture_output=True,
                          text=True, check=True, env=dict(os.environ, GREEDY_NO_FA="1"))
@@ -46,6 +46,6 @@ PY
 # tiny-gpt-oss as the published gpt-oss checkpoints are stored (experts in
 # MXFP4, Hugging Face's layout), and llama.cpp's conversion of it (its
 # MXFP4 repacking path).
-"$PYTHON" tools/llamacpp/make_mxfp4_checkpoint.py ../shared/models/tiny-gpt-oss worker/tests/data/tiny-gpt-oss-mxfp4
+"$PYTHON" tools/llamacpp/make_mxfp4_checkpoint.py tests/models/tiny-gpt-oss worker/tests/data/tiny-gpt-oss-mxfp4
 chmod u+w worker/tests/data/tiny-gpt-oss-mxfp4/*
 LLAMA_CPP="$LLAMA_CPP" "$PYTHON" tools/llamacpp/convert_tiny.py worker/tests/data/tiny-gpt-oss-mxfp4 "$OUT/tiny-gpt-oss-mxfp4-hf.gguf"

@@ -10,7 +10,7 @@ use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 fn model() -> ModelFiles {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models/stories260K"));
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/models/stories260K"));
     ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap()
 }
 

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use support::{greedy, shared};
+use support::{greedy, test_data};
 use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
@@ -28,7 +28,7 @@ fn export(dir: &Path, ty: Quantization, via_f16: bool) -> PathBuf {
 }
 
 fn export_model(dir: &Path, model: &str, ty: Quantization, via_f16: bool) -> PathBuf {
-    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(model)), Need::Weights).unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(test_data().join("models").join(model)), Need::Weights).unwrap();
     let mut tensors: HashMap<_, _> = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
     if via_f16 {
         for t in tensors.values_mut() {
@@ -53,7 +53,7 @@ fn run_model_cases(
     dtype: DType,
     quantization: Option<Quantization>,
 ) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let golden_file = shared().join(format!("golden/{model}.json"));
+    let golden_file = test_data().join(format!("golden/{model}.json"));
     let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(golden_file).unwrap()).unwrap();
     let files = ModelFiles::resolve(&ModelSource::parse(source).unwrap(), Need::Weights).unwrap();
     assert_eq!(files.config.vocab_size, 512);
@@ -86,7 +86,7 @@ fn gguf_exports_load_and_match() {
     }
     // Quantized files hold exactly the blocks `--quantize` makes from the
     // same weights (GGML's rounding, same layout), so the tokens are the same.
-    let model_dir = shared().join("models/stories260K");
+    let model_dir = test_data().join("models/stories260K");
     for q in Quantization::BLOCK_FORMATS {
         let file = export(&dir, q, true);
         let from_file = run_cases(file.to_str().unwrap(), DType::F16, None);
@@ -116,7 +116,7 @@ fn mixtures_of_experts_travel_as_stacked_experts() {
         {
             assert_eq!(got, want, "{model} f32 GGUF case {i}");
         }
-        let model_dir = shared().join("models").join(model);
+        let model_dir = test_data().join("models").join(model);
         for q in [Quantization::Q8_0, Quantization::Q4_0] {
             let file = export_model(&dir, model, q, true);
             let from_file = run_model_cases(model, file.to_str().unwrap(), DType::F16, None);
@@ -163,7 +163,7 @@ fn llama3_rope_scaling_travels_as_rope_freqs() {
     let header = common::model::gguf::GgufHeader::open(&file).unwrap();
     let freqs = &header.tensors["rope_freqs.weight"];
     assert_eq!((freqs.dims.as_slice(), freqs.ggml_type), ([16].as_slice(), 0));
-    // Without the factors the goldens differ (../shared/models/README.md:
+    // Without the factors the goldens differ (tests/models/README.md:
     // 6 of 13 cases), so matching them shows the factors are applied.
     let cases = run_model_cases("tiny-llama3", file.to_str().unwrap(), DType::F32, None);
     assert!(!cases.is_empty());
@@ -200,7 +200,7 @@ fn bad_gguf_files_are_clear_errors() {
 fn llama_cpp_s_converted_files_carry_the_hf_config() {
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/llamacpp");
     for model in ["tiny-qwen3-yarn", "tiny-gemma3", "tiny-glm4-moe", "tiny-gpt-oss", "tiny-mixtral", "tiny-qwen3-moe"] {
-        let hf = ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(model)), Need::Weights).unwrap();
+        let hf = ModelFiles::resolve(&ModelSource::Dir(test_data().join("models").join(model)), Need::Weights).unwrap();
         let file = data.join(format!("{model}-f32.gguf"));
         let mut from_gguf = worker::models::gguf::read_info(&file).unwrap().config;
         // llama.cpp's converter adds Gemma's 1 to the norm weights.
@@ -248,7 +248,7 @@ fn mxfp4_experts_stay_in_blocks_and_give_llama_cpp_s_tokens() {
     assert!(resident <= widest, "{resident} bytes resident, at most {widest} with MXFP4 experts");
     let read =
         |path: PathBuf| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap() };
-    let golden = read(shared().join("golden/tiny-gpt-oss.json"));
+    let golden = read(test_data().join("golden/tiny-gpt-oss.json"));
     let llama_cpp = read(data.join("tiny-gpt-oss-mxfp4.llama-cpp.json"));
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
@@ -291,12 +291,12 @@ fn published_mxfp4_checkpoints_load_as_llama_cpp_converts_them() {
     };
     let mut hf = engine(ModelSource::Dir(data.join("tiny-gpt-oss-mxfp4")));
     let mut gguf = engine(ModelSource::Gguf(data.join("llamacpp/tiny-gpt-oss-mxfp4-hf.gguf")));
-    let dense = engine(ModelSource::Dir(shared().join("models/tiny-gpt-oss")));
+    let dense = engine(ModelSource::Dir(test_data().join("models/tiny-gpt-oss")));
     let expert_weights = 4 * 8 * 3 * 64 * 64;
     let widest = dense.resident_weight_bytes() - expert_weights * 4 + expert_weights * 17 / 32;
     assert!(hf.resident_weight_bytes() <= widest, "{} > {widest}", hf.resident_weight_bytes());
     let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(shared().join("golden/tiny-gpt-oss.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(test_data().join("golden/tiny-gpt-oss.json")).unwrap()).unwrap();
     for case in golden["cases"].as_array().unwrap() {
         let prompt: Vec<u32> =
             case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();

@@ -5,7 +5,7 @@
 //! * A small Llama whose in-features are multiples of 256 (so the
 //!   k-quants are really used: Q4_K, Q6_K for lm_head and half of v/down),
 //!   with seeded random weights.
-//! * The five tiny models of ../shared on their golden prompts. Their
+//! * The five tiny models of tests/models on their golden prompts. Their
 //!   in-features (64, 128, ...) are not multiples of 256, so every matrix
 //!   falls back to Q8_0 (as llama.cpp falls back for such rows); the
 //!   figure printed is the greedy agreement of that file with f32.
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use common::model::ModelConfig;
-use support::{dequantized_copy, greedy, shared};
+use support::{dequantized_copy, greedy, test_data};
 use worker::models::gguf::Vocab;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
@@ -100,7 +100,8 @@ fn q4_k_m_small_llama_agrees_with_f32() {
 fn q4_k_m_tiny_models_agree_with_f32_on_golden_prompts() {
     let dir = temp_dir("q4km-golden");
     for model in ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"] {
-        let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(model)), Need::Weights).unwrap();
+        let files =
+            ModelFiles::resolve(&ModelSource::Dir(test_data().join("models").join(model)), Need::Weights).unwrap();
         if files.config.rope_scaling.is_some() {
             eprintln!("q4_k_m {model}: skipped, export does not write RoPE scaling");
             continue;
@@ -113,7 +114,7 @@ fn q4_k_m_tiny_models_agree_with_f32_on_golden_prompts() {
         export(&f32_path, &files.config, &tensors, Quantization::F32);
         export(&q_path, &files.config, &tensors, Quantization::Q4KM);
         let golden: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(shared().join(format!("golden/{model}.json"))).unwrap())
+            serde_json::from_str(&std::fs::read_to_string(test_data().join(format!("golden/{model}.json"))).unwrap())
                 .unwrap();
         let ids = |v: &serde_json::Value| -> Vec<u32> {
             v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()

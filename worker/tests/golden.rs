@@ -1,5 +1,5 @@
 //! The worker against Hugging Face transformers: every golden case of every
-//! model in ../shared/golden must give the same 48 greedy tokens, and the
+//! model in tests/golden must give the same 48 greedy tokens, and the
 //! same top-5 logits (1e-3) at the recorded steps; alone, all cases of a
 //! model in one batch, with prompts prefilled in chunks of 32 tokens, and
 //! in a KV cache so small that requests are preempted and recomputed;
@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use common::{RequestId, SamplingParams};
 use engine_core::{SpecMethod, SpeculativeConfig};
 use serde::Deserialize;
-use support::shared;
+use support::test_data;
 use worker::engine::LogprobsMode;
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::runner::device::test_plan;
@@ -45,7 +45,7 @@ struct TopLogits {
 }
 
 fn load_golden(file: &str) -> Golden {
-    let path = shared().join("golden").join(file);
+    let path = test_data().join("golden").join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap()
 }
@@ -110,16 +110,16 @@ fn engine_on(
     Engine::new(&files, config).unwrap()
 }
 
-/// A golden model's directory in ../shared, and where the engine loads it
+/// A golden model's directory in tests/, and where the engine loads it
 /// from: that directory, or for `NAME-f32.gguf` the file llama.cpp's
 /// converter made of it (`tests/data/llamacpp`, see `tests/gguf.rs`).
 fn model_source(model: &str) -> (PathBuf, ModelSource) {
     match model.strip_suffix("-f32.gguf") {
         Some(name) => {
             let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/llamacpp").join(model);
-            (shared().join("models").join(name), ModelSource::Gguf(file))
+            (test_data().join("models").join(name), ModelSource::Gguf(file))
         }
-        None => (shared().join("models").join(model), ModelSource::Dir(shared().join("models").join(model))),
+        None => (test_data().join("models").join(model), ModelSource::Dir(test_data().join("models").join(model))),
     }
 }
 
@@ -455,7 +455,7 @@ fn top1_agreement(format: kernels::KvCacheDtype) -> (usize, usize) {
     let (mut agree, mut total) = (0, 0);
     for file in GOLDEN_FILES {
         let golden = load_golden(file);
-        let dir = shared().join("models").join(&golden.model);
+        let dir = test_data().join("models").join(&golden.model);
         let files = ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap();
         let config = EngineConfig {
             num_blocks: Some(512),
@@ -610,7 +610,8 @@ fn f16_weights_on_metal_emulated_agree_with_transformers() {
     for file in ["stories260K.json", "tiny-qwen2.json"] {
         let golden = load_golden(file);
         let files =
-            ModelFiles::resolve(&ModelSource::Dir(shared().join("models").join(&golden.model)), Need::Weights).unwrap();
+            ModelFiles::resolve(&ModelSource::Dir(test_data().join("models").join(&golden.model)), Need::Weights)
+                .unwrap();
         let (target, device) = test_plan();
         let config = EngineConfig {
             dtype: candle_core::DType::F16,

@@ -101,7 +101,7 @@ fn gguf_blocks_stay_quantized_and_give_the_cpu_tokens_on_metal_emulated() {
 
 #[test]
 fn quantize_at_load_keeps_blocks_on_metal_emulated() {
-    let model = support::shared().join("models/tiny-qwen2");
+    let model = support::test_data().join("models/tiny-qwen2");
     let model = model.to_str().unwrap();
     let dense = engine(model, true, None).resident_weight_bytes();
     for (q, ratio) in [(Quantization::Q8_0, 34.0 / 128.0), (Quantization::Q4_0, 18.0 / 128.0)] {
@@ -125,7 +125,7 @@ fn quantize_at_load_keeps_blocks_on_metal_emulated() {
 /// (other sums), which moves a seeded draw only at a boundary.
 #[test]
 fn seeded_sampling_on_metal_emulated_gives_the_cpu_tokens() {
-    let model = support::shared().join("models/tiny-llama3");
+    let model = support::test_data().join("models/tiny-llama3");
     let model = model.to_str().unwrap();
     let seeded = |seed, p: SamplingParams| SamplingParams { seed: Some(seed), max_tokens: 24, ..p };
     let base = SamplingParams::default();
@@ -194,7 +194,7 @@ fn the_plan_refuses_what_it_cannot_run_by_name() {
         ("tiny-gemma3", "layers with different attention windows"),
     ];
     for (model, what) in cases {
-        let model = support::shared().join("models").join(model);
+        let model = support::test_data().join("models").join(model);
         let files = ModelFiles::resolve(&ModelSource::parse(model.to_str().unwrap()).unwrap(), Need::Weights).unwrap();
         let (target, device) = test_plan();
         let config = EngineConfig { num_blocks: Some(16), plan: Some(target), device, ..EngineConfig::default() };

@@ -15,7 +15,7 @@ use worker::runner::kv_cache;
 use worker::runner::kv_cache::stage_kv_config;
 
 fn files(model: &str) -> ModelFiles {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models")).join(model);
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/models")).join(model);
     ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap()
 }
 

@@ -11,8 +11,8 @@ use common::{RequestId, SamplingParams};
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig, Quantization};
 
-fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+fn test_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests")
 }
 
 /// Greedy generation of `n` tokens: ids and the chosen token's logprob at each step.
@@ -41,10 +41,11 @@ fn greedy(engine: &mut Engine, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>)
 /// at a near-tie then costs one position, not the rest of the sequence.
 /// Returns (agreeing positions, positions, mean |Δ top-1 logprob| where they agree).
 fn teacher_forced(quantization: Quantization) -> (usize, usize, f64) {
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(shared().join("golden/stories260K.json")).expect("golden file"))
-            .unwrap();
-    let files = ModelFiles::resolve(&ModelSource::Dir(shared().join("models/stories260K")), Need::Weights).unwrap();
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(test_data().join("golden/stories260K.json")).expect("golden file"),
+    )
+    .unwrap();
+    let files = ModelFiles::resolve(&ModelSource::Dir(test_data().join("models/stories260K")), Need::Weights).unwrap();
     let config = |quantization| EngineConfig { num_blocks: Some(512), quantization, ..EngineConfig::default() };
     let mut f32_engine = Engine::new(&files, config(None)).unwrap();
     let mut q_engine = Engine::new(&files, config(Some(quantization))).unwrap();

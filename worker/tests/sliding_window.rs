@@ -9,13 +9,13 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use candle_core::DType;
-use support::{greedy, shared};
+use support::{greedy, test_data};
 use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 /// tiny-mistral's files with `sliding_window` = `window`.
 fn windowed_model(window: usize) -> PathBuf {
-    support::model_with_config(&shared().join("models/tiny-mistral"), &format!("window-{window}"), |config| {
+    support::model_with_config(&test_data().join("models/tiny-mistral"), &format!("window-{window}"), |config| {
         config["sliding_window"] = window.into();
     })
 }
@@ -54,7 +54,7 @@ fn released_blocks_serve_new_positions_without_changing_a_token() {
 /// tiny-mistral as published: the same weights, no window.
 fn engine_without_window() -> Engine {
     let files = ModelFiles::resolve(
-        &ModelSource::parse(shared().join("models/tiny-mistral").to_str().unwrap()).unwrap(),
+        &ModelSource::parse(test_data().join("models/tiny-mistral").to_str().unwrap()).unwrap(),
         Need::Weights,
     )
     .unwrap();

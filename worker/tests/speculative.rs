@@ -15,7 +15,7 @@ use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 fn engine(speculative: SpeculativeConfig, num_blocks: usize) -> Engine {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models/stories260K"));
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/models/stories260K"));
     let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
     // The draft: stories260K's first 2 of 5 layers.
     let draft_model = (speculative.default_method == SpecMethod::Draft)

@@ -13,7 +13,7 @@ use worker::models::{ModelFiles, ModelSource, Need};
 use worker::{Engine, EngineConfig};
 
 fn model() -> ModelFiles {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models/tiny-qwen3"));
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/models/tiny-qwen3"));
     ModelFiles::resolve(&ModelSource::Dir(dir), Need::Weights).unwrap()
 }
 

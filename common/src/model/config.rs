@@ -581,7 +581,7 @@ mod tests {
     use crate::model::presets::random_preset;
 
     /// gpt-oss's YaRN (its `rope_scaling`, theta 150000, head dim 32): the
-    /// figures ../shared/models/README.md derives for tiny-gpt-oss.
+    /// figures tests/models/README.md derives for tiny-gpt-oss.
     #[test]
     fn yarn_ramps_the_frequencies_and_scales_cos_and_sin() {
         let cfg = ModelConfig::from_json(
@@ -611,7 +611,7 @@ mod tests {
     }
 
     fn shared(path: &str) -> String {
-        let p = format!("{}/../../shared/models/{path}", env!("CARGO_MANIFEST_DIR"));
+        let p = format!("{}/../tests/models/{path}", env!("CARGO_MANIFEST_DIR"));
         std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
     }
 
@@ -643,7 +643,7 @@ mod tests {
         let models = ["stories260K", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-yarn"];
         for model in models.into_iter().chain(["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe"]) {
             let cfg = ModelConfig::from_json(&shared(&format!("{model}/config.json"))).unwrap();
-            let dir = format!("{}/../../shared/models/{model}", env!("CARGO_MANIFEST_DIR"));
+            let dir = format!("{}/../tests/models/{model}", env!("CARGO_MANIFEST_DIR"));
             let file: u64 = std::fs::read_dir(&dir)
                 .unwrap()
                 .map(|e| e.unwrap().path())
@@ -660,7 +660,7 @@ mod tests {
 
     #[test]
     fn llama3_scaling_matches_the_documented_pairs() {
-        // ../shared/models/README.md: pairs 0-7 unchanged, pair 8 scaled by
+        // tests/models/README.md: pairs 0-7 unchanged, pair 8 scaled by
         // 0.3037, pairs 9-15 by 1/32.
         let cfg = ModelConfig::from_json(&shared("tiny-llama3/config.json")).unwrap();
         let unscaled = ModelConfig { rope_scaling: None, ..cfg.clone() }.rope_inv_freq();

@@ -26,11 +26,15 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// `random:<preset>`, an existing directory, a `.gguf` file, or else a
-    /// hub id `org/name`.
+    /// `random:<preset>`, `builtin:<name>` (a model embedded in the binary,
+    /// see `builtin`), an existing directory, a `.gguf` file, or else a hub
+    /// id `org/name`.
     pub fn parse(spec: &str) -> Result<Self> {
         if let Some(preset) = spec.strip_prefix("random:") {
             return Ok(Self::Random(preset.to_string()));
+        }
+        if let Some(name) = spec.strip_prefix("builtin:") {
+            return Ok(Self::Dir(super::builtin::materialize(name)?));
         }
         let path = Path::new(spec);
         if path.is_dir() {
@@ -54,6 +58,9 @@ impl ModelSource {
 /// must agree): a directory's base name, else the model string (hub id,
 /// file, preset) as given.
 pub fn default_served_name(model: &str) -> String {
+    if let Some(name) = model.strip_prefix("builtin:") {
+        return name.to_string();
+    }
     let path = Path::new(model);
     path.canonicalize()
         .ok()
@@ -245,7 +252,7 @@ mod tests {
     use super::*;
 
     fn shared_model(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models").join(name)
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models").join(name)
     }
 
     fn temp_dir(tag: &str) -> PathBuf {

@@ -6,6 +6,7 @@
 //! and to check that workers serve the same model; the worker adds the
 //! tensors on top (with candle). Nothing here links a tensor library.
 
+pub mod builtin;
 pub mod config;
 pub mod files;
 pub mod gguf;
@@ -15,6 +16,7 @@ pub mod rope;
 
 use std::path::PathBuf;
 
+pub use builtin::DEFAULT_MODEL;
 pub use config::{Activation, Architecture, LayerAttention, ModelConfig, MoeConfig, RouterScoring, truncate_layers};
 pub use files::{ModelFiles, ModelSource, Need, default_served_name};
 pub use gguf::{GgufInfo, read_info};

@@ -226,7 +226,7 @@ mod tests {
     use std::path::Path;
 
     fn tokenizer(model: &str) -> Arc<Tokenizer> {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models").join(model);
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models").join(model);
         Arc::new(Tokenizer::from_dir(&dir).expect("load tokenizer"))
     }
 

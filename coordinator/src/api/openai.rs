@@ -388,7 +388,7 @@ mod tests {
 
     /// A coordinator's state with tiny-qwen3's tokenizer and no workers.
     fn app() -> Arc<AppState> {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/tiny-qwen3");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models/tiny-qwen3");
         let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
         let identity = ModelIdentity { name: "m".into(), config_hash: 0 };
         let cluster = Cluster::new("test".into(), identity, 8, Default::default(), 16);

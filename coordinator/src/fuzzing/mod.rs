@@ -11,7 +11,7 @@
 //!   request streams them.
 //! * [`chat_template`]: real chat templates on arbitrary conversations.
 //!
-//! The targets that need a tokenizer use the test models in `../shared`
+//! The targets that need a tokenizer use the test models in `tests/`
 //! beside the repository (as every test does), loaded once per process.
 
 mod chat;
@@ -41,16 +41,16 @@ pub struct Fixtures {
     pub templates: Vec<(String, ChatTemplate)>,
 }
 
-/// `../shared` beside the repository.
-pub fn shared_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+/// The test models (`models/`) and transformers' reference outputs (`golden/`), in the repository's `tests/`.
+pub fn test_data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests")
 }
 
 /// Loaded on first use; a missing model is a setup error, so it panics.
 pub fn fixtures() -> &'static Fixtures {
     static FIXTURES: OnceLock<Fixtures> = OnceLock::new();
     FIXTURES.get_or_init(|| {
-        let models = shared_dir().join("models");
+        let models = test_data_dir().join("models");
         let tokenizers: Vec<Arc<Tokenizer>> = MODELS
             .iter()
             .map(|m| Arc::new(Tokenizer::from_dir(&models.join(m)).unwrap_or_else(|e| panic!("fixture {m}: {e}"))))

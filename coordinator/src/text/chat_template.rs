@@ -215,21 +215,21 @@ mod tests {
     use serde_json::json;
     use std::path::Path;
 
-    const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared");
+    const TEST_DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests");
 
     fn read_json(path: &Path) -> Value {
         serde_json::from_str(&std::fs::read_to_string(path).expect("read")).expect("json")
     }
 
     fn qwen3() -> Tokenizer {
-        Tokenizer::from_dir(&Path::new(SHARED).join("models/tiny-qwen3")).expect("load tokenizer")
+        Tokenizer::from_dir(&Path::new(TEST_DATA).join("models/tiny-qwen3")).expect("load tokenizer")
     }
 
     #[test]
     fn golden_chat_prompts_and_ids() {
         let tokenizer = qwen3();
         let template = ChatTemplate::for_tokenizer(&tokenizer).expect("template");
-        let golden = read_json(&Path::new(SHARED).join("golden/tiny-qwen3-chat.json"));
+        let golden = read_json(&Path::new(TEST_DATA).join("golden/tiny-qwen3-chat.json"));
         let cases = golden["cases"].as_array().expect("cases");
         assert_eq!(cases.len(), 4);
         for case in cases {
@@ -389,7 +389,7 @@ mod tests {
 
     #[test]
     fn missing_and_broken_templates() {
-        let stories = Tokenizer::from_dir(&Path::new(SHARED).join("models/stories260K")).expect("load");
+        let stories = Tokenizer::from_dir(&Path::new(TEST_DATA).join("models/stories260K")).expect("load");
         assert!(matches!(ChatTemplate::for_tokenizer(&stories), Err(TemplateError::NoTemplate)));
         assert!(ChatTemplate::from_tokenizer(&stories).expect("no error").is_none());
         assert!(ChatTemplate::from_tokenizer(&qwen3()).expect("compiles").is_some());

@@ -105,10 +105,10 @@ mod tests {
     use serde_json::Value;
     use std::path::Path;
 
-    const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared");
+    const TEST_DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests");
 
     fn tokenizer(model: &str) -> Arc<Tokenizer> {
-        Arc::new(Tokenizer::from_dir(&Path::new(SHARED).join("models").join(model)).expect("load tokenizer"))
+        Arc::new(Tokenizer::from_dir(&Path::new(TEST_DATA).join("models").join(model)).expect("load tokenizer"))
     }
 
     /// Streams `ids` in steps of the given sizes (cycled); returns every delta.
@@ -160,7 +160,7 @@ mod tests {
 
     #[test]
     fn golden_sequences_stream_like_decode() {
-        let dir = Path::new(SHARED).join("golden");
+        let dir = Path::new(TEST_DATA).join("golden");
         let mut files: Vec<_> =
             std::fs::read_dir(&dir).expect("golden dir").filter_map(|e| e.ok().map(|e| e.path())).collect();
         files.retain(|p| p.extension().is_some_and(|e| e == "json"));

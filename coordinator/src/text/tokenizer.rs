@@ -281,14 +281,14 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared");
+    const TEST_DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests");
 
     fn model(name: &str) -> Tokenizer {
-        Tokenizer::from_dir(&Path::new(SHARED).join("models").join(name)).expect("load tokenizer")
+        Tokenizer::from_dir(&Path::new(TEST_DATA).join("models").join(name)).expect("load tokenizer")
     }
 
     fn golden(name: &str) -> Value {
-        let path = Path::new(SHARED).join("golden").join(name);
+        let path = Path::new(TEST_DATA).join("golden").join(name);
         serde_json::from_str(&std::fs::read_to_string(path).expect("read golden")).expect("golden json")
     }
 
@@ -441,7 +441,7 @@ mod tests {
     #[test]
     fn errors_name_the_file() {
         let tokenizer_json =
-            std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
+            std::fs::read_to_string(Path::new(TEST_DATA).join("models/stories260K/tokenizer.json")).expect("read");
         let missing = scratch_dir("missing", &[]);
         let err = Tokenizer::from_dir(&missing).err().expect("missing tokenizer.json");
         assert!(matches!(err, TokenizerError::Io { .. }) && err.to_string().contains("tokenizer.json"), "{err}");
@@ -476,7 +476,7 @@ mod tests {
     #[test]
     fn eos_fallbacks() {
         let tokenizer_json =
-            std::fs::read_to_string(Path::new(SHARED).join("models/stories260K/tokenizer.json")).expect("read");
+            std::fs::read_to_string(Path::new(TEST_DATA).join("models/stories260K/tokenizer.json")).expect("read");
         // config.json when generation_config.json has none; a list is kept whole.
         let dir =
             scratch_dir("cfg", &[("tokenizer.json", &tokenizer_json), ("config.json", "{\"eos_token_id\": [2, 5]}")]);

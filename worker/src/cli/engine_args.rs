@@ -56,10 +56,11 @@ pub enum DeviceArg {
 
 #[derive(Args)]
 pub struct EngineArgs {
-    /// A Hugging Face model directory, a hub id (e.g. Qwen/Qwen3-0.6B), or random:<preset>
+    /// A Hugging Face model directory, a hub id (e.g. Qwen/Qwen3-0.6B), a GGUF file, random:<preset>
     /// (smollm-135m, tinyllama-1.1b, qwen3-0.6b, llama-3.2-1b, qwen3-30b-a3b, gpt-oss-20b,
-    /// gemma3-4b, mixtral-8x7b) for seeded random weights.
-    #[arg(long)]
+    /// gemma3-4b, mixtral-8x7b) for seeded random weights, or builtin:stories260K (the default:
+    /// a 1 MB trained model in the binary).
+    #[arg(long, default_value = common::model::DEFAULT_MODEL)]
     pub model: String,
     /// Precision of the weights: auto keeps the checkpoint's (bf16 loads as f32
     /// on CPUs other than x86-64; random presets use f16).
@@ -106,7 +107,7 @@ pub struct EngineArgs {
     pub speculative: SpeculativeArgs,
     /// A tokenizer.json to read the vocabulary from (for structured
     /// outputs, and text), for a model that has none, such as a random:<preset>
-    /// (tinyllama-1.1b has Llama 2's 32,000 tokens, as ../shared/models/tiny-qwen3 does).
+    /// (tinyllama-1.1b has Llama 2's 32,000 tokens, as tests/models/tiny-qwen3 does).
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
 }

@@ -585,7 +585,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tinyvllm-gguf-reader-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         for model in ["stories260K", "tiny-qwen3"] {
-            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models").join(model);
+            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models").join(model);
             let files = ModelFiles::resolve(&ModelSource::Dir(src), Need::Weights).unwrap();
             let tensors = candle_core::safetensors::load(&files.weights[0], &Device::Cpu).unwrap();
             let vocab =

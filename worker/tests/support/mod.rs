@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use common::{RequestId, SamplingParams};
 use worker::Engine;
 
-/// `../shared`: the test models and golden outputs.
-pub fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+/// The test models and golden outputs (the repository's `tests/`).
+pub fn test_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests")
 }
 
 /// `n` greedy tokens after `prompt` (EOS ignored), as request 0.
