@@ -4,7 +4,11 @@
 //! (its source, files, config and GGUF metadata) short of its tensors.
 
 pub mod block_hash;
+#[cfg(feature = "transport")]
+pub mod discovery;
 pub mod ids;
+#[cfg(feature = "transport")]
+pub mod join;
 pub mod kv_events;
 pub mod log;
 pub mod model;

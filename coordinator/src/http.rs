@@ -120,9 +120,10 @@ const GET_PATHS: [&str; 5] = ["/health", "/metrics", "/v1/prometheus/targets", "
 async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiError> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    // Health and metrics stay open to probes; the API needs the key.
+    // Health, metrics and the page's files stay open; the API needs the key.
     match (&method, path.as_str()) {
         (&Method::GET, "/health") => return Ok(info::health(&app)),
+        (&Method::GET, p) if let Some(file) = crate::page::file(p) => return Ok(file),
         (&Method::GET, "/metrics") => {
             return Ok(Reply::text(StatusCode::OK, PROMETHEUS_TEXT, app.metrics.render(&app.cluster)));
         }

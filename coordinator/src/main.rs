@@ -19,7 +19,10 @@ use coordinator::tool_parser::ToolFormat;
 
 #[derive(Parser)]
 #[command(name = "tinyvllm-coordinator", version, about = "tinyvllm coordinator: HTTP front door of a worker cluster")]
+#[command(args_conflicts_with_subcommands = true)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// A Hugging Face model directory or hub id (workers must serve the same
     /// model); the default, builtin:stories260K, is a 1 MB trained model in
     /// the binary, served with no download.
@@ -97,6 +100,11 @@ struct Args {
     /// blocking thread (default: half the cores, at least 1).
     #[arg(long)]
     tokenizer_pool_size: Option<usize>,
+    /// Do not announce this coordinator on the local network (mDNS/DNS-SD
+    /// `_tinyvllm._udp`), which lets workers started without --coordinator
+    /// find it. The cluster secret is required either way.
+    #[arg(long)]
+    no_discovery: bool,
     /// How the model writes tool calls, for `tools` on the chat APIs:
     /// hermes (`<tool_call>` JSON; Hermes, Qwen 2.5/3), llama3_json (Llama
     /// 3.1/3.2 JSON), qwen3_coder (Qwen3-Coder's XML), mistral
@@ -142,9 +150,22 @@ impl std::str::FromStr for ReasoningParserArg {
     }
 }
 
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Print the token a worker joins this cluster with (`tinyvllm-worker
+    /// serve --join TOKEN`): the cluster secret (created if missing) and the
+    /// coordinator's address. Keep it as private as the secret.
+    JoinToken(coordinator::join_token::JoinTokenArgs),
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     common::log::init(args.log_format);
+    if let Some(Command::JoinToken(join)) = &args.command {
+        let secret = load_or_create_secret(&join.cluster_secret_file)?;
+        println!("{}", coordinator::join_token::token(join, secret)?);
+        return Ok(());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     // The workers' QUIC links and the liveness watchdog get a runtime of
     // their own: however long HTTP handlers keep the main runtime's threads
@@ -174,8 +195,9 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     let stages = pipeline_stages(&args, &layer_weights)?;
 
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
-    let cluster = Cluster::new(secret, files.identity(), args.max_queued_requests, args.policy, args.block_size)
-        .with_formation(layer_weights, args.pipeline_parallel_size);
+    let cluster =
+        Cluster::new(secret.clone(), files.identity(), args.max_queued_requests, args.policy, args.block_size)
+            .with_formation(layer_weights, args.pipeline_parallel_size);
     let (cert, key) = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => common::transport::pem_cert(cert, key)?,
         _ => common::transport::self_signed_cert()?,
@@ -243,6 +265,20 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         args.policy
     );
 
+    // Workers without --coordinator find it by this; kept until shutdown.
+    let _announcement = match args.no_discovery {
+        true => None,
+        false => match common::discovery::Announcement::start(quic_addr.port(), &served_model_name, &secret) {
+            Ok(announcement) => {
+                tracing::info!("announced on the local network as {}", common::discovery::SERVICE_TYPE);
+                Some(announcement)
+            }
+            Err(e) => {
+                tracing::warn!("not announced on the local network ({e}); workers need --coordinator");
+                None
+            }
+        },
+    };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let connect = SocketAddr::new(
         if quic_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { quic_addr.ip() },

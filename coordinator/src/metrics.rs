@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use hyper::StatusCode;
@@ -26,6 +26,7 @@ pub struct Metrics {
     workers: IntGaugeVec,
     in_flight: IntGauge,
     queue_depth: IntGauge,
+    generated_tokens: IntCounter,
 }
 
 impl Metrics {
@@ -80,8 +81,12 @@ impl Metrics {
             &["endpoint"],
         )
         .expect("valid metric");
+        let generated_tokens =
+            IntCounter::new("tinyvllm_generation_tokens_total", "Tokens generated for clients, all endpoints")
+                .expect("valid metric");
         for c in [
             Box::new(http_requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(generated_tokens.clone()),
             Box::new(http_latency.clone()),
             Box::new(ttft.clone()),
             Box::new(e2e.clone()),
@@ -117,7 +122,13 @@ impl Metrics {
             workers,
             in_flight,
             queue_depth,
+            generated_tokens,
         }
+    }
+
+    /// Tokens a step sent to a client.
+    pub fn tokens_generated(&self, n: usize) {
+        self.generated_tokens.inc_by(n as u64);
     }
 
     pub fn first_token(&self, endpoint: &str, elapsed: Duration) {

@@ -127,7 +127,7 @@ fn forced_calls(file: &str, seed: u64) {
         "messages": [{"role": "user", "content": "What time is it in UTC?"}],
         "tools": anthropic_tools, "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
     });
-    let (_, reply) = reply_with_a_call(&cluster, "/v1/messages", &body, seed);
+    let (body, reply) = reply_with_a_call(&cluster, "/v1/messages", &body, seed);
     assert_eq!(reply["stop_reason"], "tool_use", "{file}: {reply}");
     let blocks = reply["content"].as_array().expect("content");
     let uses: Vec<&Value> = blocks.iter().filter(|b| b["type"] == "tool_use").collect();
@@ -137,34 +137,29 @@ fn forced_calls(file: &str, seed: u64) {
         no_markup(block["text"].as_str().or(block["thinking"].as_str()).unwrap_or(""));
     }
 
-    // Streamed: the tool_use block's input_json_delta pieces make a valid
-    // input (Messages has no seed: sampling differs, so a few tries).
+    // Streamed with the same seed (vLLM's extra field): the tool_use block's
+    // input_json_delta pieces make the same input.
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);
-    for attempt in 0.. {
-        assert!(attempt < 12, "{file}: no streamed call in 12 tries");
-        let (events, _) = post_sse(&cluster.url("/v1/messages"), &stream_body);
-        for event in &events {
-            no_markup(event["delta"]["text"].as_str().or(event["delta"]["thinking"].as_str()).unwrap_or(""));
-        }
-        let delta = events.iter().find(|e| e["type"] == "message_delta").expect("message_delta");
-        let started =
-            events.iter().find(|e| e["type"] == "content_block_start" && e["content_block"]["type"] == "tool_use");
-        let Some(started) = started else {
-            assert_eq!(delta["delta"]["stop_reason"], "max_tokens", "{file}: {events:?}");
-            continue;
-        };
-        assert_eq!(delta["delta"]["stop_reason"], "tool_use", "{file}");
-        let index = &started["index"];
-        let input: String = events
-            .iter()
-            .filter(|e| e["type"] == "content_block_delta" && &e["index"] == index)
-            .filter_map(|e| e["delta"]["partial_json"].as_str())
-            .collect();
-        let input: Value = serde_json::from_str(&input).expect("streamed input");
-        check_arguments(started["content_block"]["name"].as_str().expect("name"), &input);
-        break;
+    let (events, _) = post_sse(&cluster.url("/v1/messages"), &stream_body);
+    for event in &events {
+        no_markup(event["delta"]["text"].as_str().or(event["delta"]["thinking"].as_str()).unwrap_or(""));
     }
+    let delta = events.iter().find(|e| e["type"] == "message_delta").expect("message_delta");
+    let started = events
+        .iter()
+        .find(|e| e["type"] == "content_block_start" && e["content_block"]["type"] == "tool_use")
+        .unwrap_or_else(|| panic!("{file}: no tool_use block in {events:?}"));
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use", "{file}");
+    let index = &started["index"];
+    let input: String = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_delta" && &e["index"] == index)
+        .filter_map(|e| e["delta"]["partial_json"].as_str())
+        .collect();
+    let input: Value = serde_json::from_str(&input).expect("streamed input");
+    assert_eq!(started["content_block"]["name"], uses[0]["name"], "{file}");
+    assert_eq!(input, uses[0]["input"], "{file}");
 }
 
 #[test]

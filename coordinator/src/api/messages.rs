@@ -171,6 +171,8 @@ fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, Api
         temperature: number("temperature")?,
         top_p: number("top_p")?,
         top_k: int("top_k")?,
+        // Not Anthropic's: vLLM's extra, for reproducible sampling (the SDKs' extra_body).
+        seed: int("seed")?,
         stop,
         stream,
         ..SamplingFields::default()

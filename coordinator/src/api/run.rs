@@ -157,6 +157,7 @@ async fn drive_choice(
                     }
                 }
                 completion_tokens += ids.len() as u32;
+                app.metrics.tokens_generated(ids.len());
                 if tx.send(Update::Delta { index, text, token_ids: ids, logprobs }).is_err() {
                     return; // client gone: the guard aborts
                 }

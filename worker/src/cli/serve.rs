@@ -19,7 +19,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     engine: EngineArgs,
     /// The coordinator's QUIC address, HOST:PORT (every worker but a later
-    /// pipeline stage, which talks to the stages beside it only).
+    /// pipeline stage, which talks to the stages beside it only). Default:
+    /// the one a join token names, else this cluster's coordinator found on
+    /// the local network (mDNS).
     #[arg(long)]
     coordinator: Option<String>,
     /// Hold only decoder layers FIRST-LAST (inclusive, e.g. 0-11): one stage
@@ -56,8 +58,13 @@ pub struct ServeArgs {
     #[arg(long)]
     name: Option<String>,
     /// File holding the cluster secret (the coordinator writes one at start).
-    #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE")]
-    cluster_secret_file: std::path::PathBuf,
+    #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE", required_unless_present = "join")]
+    cluster_secret_file: Option<std::path::PathBuf>,
+    /// A join token (`tinyvllm-coordinator join-token` prints one): the
+    /// cluster secret and, unless --coordinator says otherwise, the
+    /// coordinator's address. Instead of --cluster-secret-file.
+    #[arg(long, env = "TINYVLLM_JOIN_TOKEN", conflicts_with = "cluster_secret_file", hide_env_values = true)]
+    join: Option<String>,
     /// Serve Prometheus metrics (vLLM's names) on HOST:PORT (a host name or
     /// an IP address); port 0 picks a free one. The coordinator lists it at
     /// /v1/prometheus/targets.
@@ -81,12 +88,27 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     });
     // Every log line from here on says which worker wrote it.
     common::log::set_process_name(format!("worker {name}"));
-    // Under 16 bytes is refused; short, or readable by others, is warned about.
-    let read = common::transport::read_secret_file(&args.cluster_secret_file)?;
-    for warning in &read.warnings {
-        tracing::warn!("{warning}");
+    let secret = match (&args.join, &args.cluster_secret_file) {
+        (Some(token), _) => {
+            let token = common::join::JoinToken::decode(token)?;
+            if args.coordinator.is_none() {
+                args.coordinator = token.coordinator;
+            }
+            token.secret
+        }
+        (None, Some(path)) => {
+            // Under 16 bytes is refused; short, or readable by others, is warned about.
+            let read = common::transport::read_secret_file(path)?;
+            for warning in &read.warnings {
+                tracing::warn!("{warning}");
+            }
+            read.secret
+        }
+        (None, None) => anyhow::bail!("--cluster-secret-file or --join is required"),
+    };
+    if secret.len() < common::transport::MIN_SECRET_BYTES {
+        anyhow::bail!("the cluster secret is under {} bytes", common::transport::MIN_SECRET_BYTES);
     }
-    let secret = read.secret;
     if args.exit_with_parent {
         watch_parent();
     }
@@ -148,7 +170,7 @@ fn serve_layers(
         }
         return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(args, name, secret), runtime);
     }
-    let coordinator = args.coordinator.clone().context("--coordinator HOST:PORT is required")?;
+    let coordinator = coordinator_address(args, &secret)?;
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
     let mut later_stages = Vec::new();
     if let (Some(next), Some(l)) = (&args.next_stage, layers) {
@@ -243,6 +265,25 @@ fn serve_layers(
     Ok(result?)
 }
 
+/// How long a worker without --coordinator looks for one on the network.
+const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `--coordinator`, or the coordinator of this cluster found on the local
+/// network (mDNS), for a worker that talks to it.
+fn coordinator_address(args: &ServeArgs, secret: &str) -> anyhow::Result<String> {
+    if let Some(address) = &args.coordinator {
+        return Ok(address.clone());
+    }
+    tracing::info!("no --coordinator: looking for this cluster's coordinator on the local network (mDNS)");
+    let found = common::discovery::find_coordinator(secret, DISCOVERY_TIMEOUT)?;
+    tracing::info!(
+        "found the coordinator at {} (serving {})",
+        found.address,
+        found.model.as_deref().unwrap_or("an unnamed model")
+    );
+    Ok(found.address.to_string())
+}
+
 /// `--layers auto`: offers this worker to the coordinator and takes the
 /// layers, next stage and listen address it is assigned; `None` on SIGTERM.
 async fn offer_and_wait(
@@ -251,7 +292,7 @@ async fn offer_and_wait(
     secret: &str,
     resolved: &super::engine_args::Resolved,
 ) -> anyhow::Result<Option<LayerRange>> {
-    let coordinator = args.coordinator.clone().context("--layers auto needs --coordinator HOST:PORT")?;
+    let coordinator = coordinator_address(args, secret)?;
     anyhow::ensure!(
         args.next_stage.is_none(),
         "--layers auto: the coordinator assigns the next stage, not --next-stage"
