@@ -61,9 +61,35 @@ pub struct Handshake {
     /// itself with every layer, for a worker that is no pipeline. Each
     /// stage's layers and resident memory (weights, KV cache).
     pub stages: Vec<crate::pipeline::StageInfo>,
+    /// How the worker found the coordinator (for `/v1/workers`).
+    pub joined_by: JoinedBy,
     /// Proof that the worker knows the cluster secret, bound to this TLS
     /// session (`transport::auth_tag`): the secret itself never travels.
     pub auth_tag: Vec<u8>,
+}
+
+/// How a worker found the coordinator it registers with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JoinedBy {
+    /// Started by the coordinator itself (`--local-workers`).
+    Local,
+    /// `--coordinator HOST:PORT`.
+    Address,
+    /// The address in its join token.
+    Token,
+    /// mDNS discovery on the local network.
+    Discovery,
+}
+
+impl JoinedBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::Address => "address",
+            Self::Token => "join token",
+            Self::Discovery => "discovery",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -41,6 +41,7 @@ try {
   if (!table.includes("pipeline of 2 stages")) fail("no pipeline in the cluster view: " + table);
   if (!/layers 0-\d/.test(table)) fail("no layer ranges: " + table);
   if (!table.includes("extra")) fail("the second worker is missing: " + table);
+  if (!table.includes("joined by local") || !table.includes("joined by address")) fail("how workers joined: " + table);
   await page.waitForFunction(() => document.getElementById("model").textContent.includes("stories260K"));
 
   // The built-in model has no chat template: the playground continues text.

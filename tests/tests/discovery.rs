@@ -156,6 +156,7 @@ fn a_worker_in_another_namespace_joins_by_discovery_and_a_token() {
         let ready = workers["data"].as_array()?.iter().any(|w| w["name"] == "discovered" && w["state"] == "ready");
         ready.then_some(workers)
     });
+    assert_eq!(workers["data"][0]["joined_by"], "discovery", "{workers}");
     let address = workers["data"][0]["address"].as_str().expect("address").to_string();
     assert!(address.starts_with(&network.address(1)), "joined from host w: {address}");
     let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0});

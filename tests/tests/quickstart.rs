@@ -20,4 +20,5 @@ fn the_first_command_serves_the_builtin_model_offline() {
     assert!(text.starts_with(", there was a little girl named Lily."), "{text:?}");
     let workers = cluster.workers();
     assert_eq!(workers["data"].as_array().map(Vec::len), Some(2), "{workers}");
+    assert!(workers["data"].as_array().into_iter().flatten().all(|w| w["joined_by"] == "local"), "{workers}");
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::WorkerId;
 use common::pipeline::StageInfo;
-use common::protocol::{CoordinatorMessage, Handshake, WorkerStats};
+use common::protocol::{CoordinatorMessage, Handshake, JoinedBy, WorkerStats};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -39,6 +39,8 @@ pub struct WorkerInfo {
     pub metrics_address: Option<String>,
     /// What the worker's engine runs on, as it reported it.
     pub device: String,
+    /// How it found the coordinator: local, address, join token or discovery.
+    pub joined_by: &'static str,
     /// Its pipeline, first stage (this worker) first, with each stage's
     /// layers and resident bytes; one stage for a worker that is no pipeline.
     pub stages: Vec<StageInfo>,
@@ -73,6 +75,7 @@ pub(super) struct WorkerEntry {
     pub address: SocketAddr,
     metrics_address: Option<String>,
     device: String,
+    joined_by: JoinedBy,
     stages: Vec<StageInfo>,
     block_size: u64,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
@@ -113,6 +116,7 @@ impl Registry {
                 address,
                 metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
                 device: hello.device.clone(),
+                joined_by: hello.joined_by,
                 stages: hello.stages.clone(),
                 block_size: hello.block_size.into(),
                 tx,
@@ -162,6 +166,7 @@ impl Registry {
                 address: w.address.to_string(),
                 metrics_address: w.metrics_address.clone(),
                 device: w.device.clone(),
+                joined_by: w.joined_by.as_str(),
                 stages: w.stages.clone(),
                 kv_cache_dtype: w.stages.first().map_or_else(String::new, |s| s.kv_cache_dtype.clone()),
                 kv_capacity_tokens: w.stats.kv_blocks_total * w.block_size,

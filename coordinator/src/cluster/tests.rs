@@ -39,6 +39,7 @@ fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::Unbound
             metrics_address: None,
             device: "cpu".into(),
             stages: Vec::new(),
+            joined_by: common::protocol::JoinedBy::Address,
             auth_tag: Vec::new(),
         };
         let (tx, rx) = mpsc::unbounded_channel();

@@ -149,6 +149,7 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             kv_cache_dtype: "q8_0".into(),
             kv_capacity_tokens: 65_536,
         }],
+        joined_by: common::protocol::JoinedBy::Address,
         auth_tag: vec![0xab; 32],
     };
     let replies = [

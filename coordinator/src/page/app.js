@@ -217,7 +217,15 @@ function renderWorkers(list) {
     row.dataset.worker = w.name;
     const stats = w.stats || {};
     const load = w.load || {};
-    cell(row, w.name);
+    const who = document.createElement("div");
+    who.textContent = w.name;
+    if (w.joined_by) {
+      const how = document.createElement("span");
+      how.className = "stage muted";
+      how.textContent = "joined by " + w.joined_by;
+      who.append(how);
+    }
+    cell(row, who);
     cell(row, w.state);
     cell(row, w.device || "");
     const stages = document.createElement("div");

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Args;
 
 use common::pipeline::{LayerRange, StageInfo};
+use common::protocol::JoinedBy;
 
 use worker::pipeline::metrics::PipelineMetrics;
 
@@ -65,6 +66,9 @@ pub struct ServeArgs {
     /// coordinator's address. Instead of --cluster-secret-file.
     #[arg(long, env = "TINYVLLM_JOIN_TOKEN", conflicts_with = "cluster_secret_file", hide_env_values = true)]
     join: Option<String>,
+    /// Set when --coordinator came from the join token (not a flag).
+    #[arg(skip)]
+    coordinator_from_token: bool,
     /// Serve Prometheus metrics (vLLM's names) on HOST:PORT (a host name or
     /// an IP address); port 0 picks a free one. The coordinator lists it at
     /// /v1/prometheus/targets.
@@ -91,8 +95,9 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     let secret = match (&args.join, &args.cluster_secret_file) {
         (Some(token), _) => {
             let token = common::join::JoinToken::decode(token)?;
-            if args.coordinator.is_none() {
+            if args.coordinator.is_none() && token.coordinator.is_some() {
                 args.coordinator = token.coordinator;
+                args.coordinator_from_token = true;
             }
             token.secret
         }
@@ -170,7 +175,7 @@ fn serve_layers(
         }
         return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(args, name, secret), runtime);
     }
-    let coordinator = coordinator_address(args, &secret)?;
+    let (coordinator, joined_by) = coordinator_address(args, &secret)?;
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
     let mut later_stages = Vec::new();
     if let (Some(next), Some(l)) = (&args.next_stage, layers) {
@@ -227,6 +232,7 @@ fn serve_layers(
     let pipeline_lost = std::sync::Arc::new(std::sync::OnceLock::new());
     let config = ServeConfig {
         coordinator,
+        joined_by,
         name,
         secret,
         model: files.identity(),
@@ -268,11 +274,17 @@ fn serve_layers(
 /// How long a worker without --coordinator looks for one on the network.
 const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// `--coordinator`, or the coordinator of this cluster found on the local
-/// network (mDNS), for a worker that talks to it.
-fn coordinator_address(args: &ServeArgs, secret: &str) -> anyhow::Result<String> {
+/// `--coordinator` (or the join token's), or the coordinator of this
+/// cluster found on the local network (mDNS), for a worker that talks to
+/// it; and how it was found.
+fn coordinator_address(args: &ServeArgs, secret: &str) -> anyhow::Result<(String, JoinedBy)> {
     if let Some(address) = &args.coordinator {
-        return Ok(address.clone());
+        let how = match (args.exit_with_parent, args.coordinator_from_token) {
+            (true, _) => JoinedBy::Local,
+            (false, true) => JoinedBy::Token,
+            (false, false) => JoinedBy::Address,
+        };
+        return Ok((address.clone(), how));
     }
     tracing::info!("no --coordinator: looking for this cluster's coordinator on the local network (mDNS)");
     let found = common::discovery::find_coordinator(secret, DISCOVERY_TIMEOUT)?;
@@ -281,7 +293,7 @@ fn coordinator_address(args: &ServeArgs, secret: &str) -> anyhow::Result<String>
         found.address,
         found.model.as_deref().unwrap_or("an unnamed model")
     );
-    Ok(found.address.to_string())
+    Ok((found.address.to_string(), JoinedBy::Discovery))
 }
 
 /// `--layers auto`: offers this worker to the coordinator and takes the
@@ -292,7 +304,7 @@ async fn offer_and_wait(
     secret: &str,
     resolved: &super::engine_args::Resolved,
 ) -> anyhow::Result<Option<LayerRange>> {
-    let coordinator = coordinator_address(args, secret)?;
+    let (coordinator, _) = coordinator_address(args, secret)?;
     anyhow::ensure!(
         args.next_stage.is_none(),
         "--layers auto: the coordinator assigns the next stage, not --next-stage"

@@ -29,6 +29,8 @@ pub use common::protocol::STATS_INTERVAL;
 
 pub struct ServeConfig {
     pub coordinator: String,
+    /// How `coordinator` was found.
+    pub joined_by: common::protocol::JoinedBy,
     pub name: String,
     pub secret: String,
     pub model: ModelIdentity,
@@ -354,6 +356,7 @@ async fn session(
         metrics_address: config.metrics_address.clone(),
         device: config.device.clone(),
         stages: config.stages.clone(),
+        joined_by: config.joined_by,
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
     transport::write_frame(&mut send, &WorkerHello::Register(hello)).await?;
