@@ -63,6 +63,9 @@ pub struct Handshake {
     pub stages: Vec<crate::pipeline::StageInfo>,
     /// How the worker found the coordinator (for `/v1/workers`).
     pub joined_by: JoinedBy,
+    /// The worker's stable id, kept in its state directory: a second live
+    /// worker with the same one is refused.
+    pub instance_id: String,
     /// Proof that the worker knows the cluster secret, bound to this TLS
     /// session (`transport::auth_tag`): the secret itself never travels.
     pub auth_tag: Vec<u8>,

@@ -49,6 +49,8 @@ enum Authenticated {
 /// What a refusal check reads of a handshake or an offer.
 struct Credentials<'a> {
     protocol_version: u32,
+    /// A registering worker's stable id (offers have none yet).
+    instance_id: Option<&'a str>,
     auth_tag: &'a [u8],
     block_size: u32,
     model: &'a ModelIdentity,
@@ -120,6 +122,7 @@ impl Cluster {
                 &h.worker_name,
                 Credentials {
                     protocol_version: h.protocol_version,
+                    instance_id: Some(&h.instance_id),
                     auth_tag: &h.auth_tag,
                     block_size: h.block_size,
                     model: &h.model,
@@ -129,6 +132,7 @@ impl Cluster {
                 &o.worker_name,
                 Credentials {
                     protocol_version: o.protocol_version,
+                    instance_id: None,
                     auth_tag: &o.auth_tag,
                     block_size: o.block_size,
                     model: &o.model,
@@ -220,6 +224,14 @@ impl Cluster {
         }
         if hello.model.config_hash != self.model.config_hash {
             return Some(format!("serves model {:?}, the cluster serves {:?}", hello.model.name, self.model.name));
+        }
+        if let Some(id) = hello.instance_id
+            && let Some(other) = self.lock().registry.with_instance_id(id)
+        {
+            return Some(format!(
+                "worker {other:?} has the same id ({id}) and is connected: two workers share one state directory? \
+                 Give each its own --name or --state-dir"
+            ));
         }
         None
     }

@@ -41,6 +41,8 @@ pub struct WorkerInfo {
     pub device: String,
     /// How it found the coordinator: local, address, join token or discovery.
     pub joined_by: &'static str,
+    /// Its stable id (kept in its state directory).
+    pub instance_id: String,
     /// Its pipeline, first stage (this worker) first, with each stage's
     /// layers and resident bytes; one stage for a worker that is no pipeline.
     pub stages: Vec<StageInfo>,
@@ -76,6 +78,7 @@ pub(super) struct WorkerEntry {
     metrics_address: Option<String>,
     device: String,
     joined_by: JoinedBy,
+    instance_id: String,
     stages: Vec<StageInfo>,
     block_size: u64,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
@@ -117,6 +120,7 @@ impl Registry {
                 metrics_address: hello.metrics_address.as_deref().map(|m| metrics_address(m, address)),
                 device: hello.device.clone(),
                 joined_by: hello.joined_by,
+                instance_id: hello.instance_id.clone(),
                 stages: hello.stages.clone(),
                 block_size: hello.block_size.into(),
                 tx,
@@ -155,6 +159,11 @@ impl Registry {
             .collect()
     }
 
+    /// The name of the live worker with stable id `instance_id`, if any.
+    pub fn with_instance_id(&self, instance_id: &str) -> Option<&str> {
+        self.workers.values().find(|w| !instance_id.is_empty() && w.instance_id == instance_id).map(|w| w.name.as_str())
+    }
+
     /// What `/v1/workers` shows; `load` gives the router's view of each.
     pub fn infos(&self, load: impl Fn(WorkerId) -> WorkerLoadInfo) -> Vec<WorkerInfo> {
         self.workers
@@ -167,6 +176,7 @@ impl Registry {
                 metrics_address: w.metrics_address.clone(),
                 device: w.device.clone(),
                 joined_by: w.joined_by.as_str(),
+                instance_id: w.instance_id.clone(),
                 stages: w.stages.clone(),
                 kv_cache_dtype: w.stages.first().map_or_else(String::new, |s| s.kv_cache_dtype.clone()),
                 kv_capacity_tokens: w.stats.kv_blocks_total * w.block_size,

@@ -40,6 +40,7 @@ fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::Unbound
             device: "cpu".into(),
             stages: Vec::new(),
             joined_by: common::protocol::JoinedBy::Address,
+            instance_id: String::new(),
             auth_tag: Vec::new(),
         };
         let (tx, rx) = mpsc::unbounded_channel();

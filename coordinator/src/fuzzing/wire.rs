@@ -150,6 +150,7 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
             kv_capacity_tokens: 65_536,
         }],
         joined_by: common::protocol::JoinedBy::Address,
+        instance_id: String::new(),
         auth_tag: vec![0xab; 32],
     };
     let replies = [

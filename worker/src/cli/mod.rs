@@ -5,6 +5,7 @@ mod bench;
 mod engine_args;
 mod export;
 mod generate;
+mod identity;
 mod offer;
 mod serve;
 mod stage;
@@ -31,7 +32,7 @@ enum Command {
     /// Offline throughput benchmark (vLLM's benchmark_throughput style).
     Bench(bench::BenchArgs),
     /// Join a cluster: dial the coordinator over QUIC and serve its requests.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Write a Hugging Face directory with seeded random weights at a real
     /// model's shape and another model's tokenizer (for cluster benchmarks
     /// that need realistic compute without downloading a model).
@@ -47,7 +48,7 @@ impl Cli {
         match self.command {
             Command::Generate(args) => generate::run(args),
             Command::Bench(args) => bench::run(args),
-            Command::Serve(args) => serve::run(args),
+            Command::Serve(args) => serve::run(*args),
             Command::ExportRandom(args) => export::random(args),
             Command::ExportGguf(args) => export::gguf(args),
         }

@@ -55,9 +55,15 @@ pub struct ServeArgs {
     /// (default: the number of stages; 1 makes them take turns).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     pipeline_micro_batches: Option<u16>,
-    /// This worker's name in logs, metrics and /v1/workers (default: host name and pid).
+    /// This worker's name in logs, metrics and /v1/workers (default: host
+    /// name and the start of its stable id).
     #[arg(long)]
     name: Option<String>,
+    /// Where this worker keeps its stable id, one file per --name (default:
+    /// $XDG_STATE_HOME/tinyvllm, else ~/.local/state/tinyvllm). A directory
+    /// copied from another machine is noticed and the id renewed.
+    #[arg(long, env = "TINYVLLM_STATE_DIR")]
+    state_dir: Option<std::path::PathBuf>,
     /// File holding the cluster secret (the coordinator writes one at start).
     #[arg(long, env = "TINYVLLM_CLUSTER_SECRET_FILE", required_unless_present = "join")]
     cluster_secret_file: Option<std::path::PathBuf>,
@@ -69,6 +75,9 @@ pub struct ServeArgs {
     /// Set when --coordinator came from the join token (not a flag).
     #[arg(skip)]
     coordinator_from_token: bool,
+    /// The stable id, once read from the state directory (not a flag).
+    #[arg(skip)]
+    instance_id: String,
     /// Serve Prometheus metrics (vLLM's names) on HOST:PORT (a host name or
     /// an IP address); port 0 picks a free one. The coordinator lists it at
     /// /v1/prometheus/targets.
@@ -85,13 +94,31 @@ pub struct ServeArgs {
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
+    let state_dir = args.state_dir.clone().unwrap_or_else(super::identity::default_state_dir);
+    let key = args.name.clone().unwrap_or_else(|| "default".into());
+    let identity = match super::identity::load_or_create(&state_dir, &key) {
+        Ok(identity) => identity,
+        Err(e) => {
+            // A read-only home must not stop a worker: it runs with an id for this run only.
+            eprintln!("warning: cannot keep this worker's id in {}: {e}", state_dir.display());
+            super::identity::Identity { id: common::transport::generate_secret()[..16].to_string(), copied_from: None }
+        }
+    };
     let name = args.name.clone().unwrap_or_else(|| {
         let host =
             std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "worker".into());
-        format!("{host}-{}", std::process::id())
+        format!("{host}-{}", &identity.id[..6])
     });
     // Every log line from here on says which worker wrote it.
     common::log::set_process_name(format!("worker {name}"));
+    if let Some(machine) = &identity.copied_from {
+        tracing::warn!(
+            "{} was made on another machine ({machine}): this worker takes a new id ({}), so the two never join as one",
+            state_dir.display(),
+            identity.id
+        );
+    }
+    args.instance_id = identity.id;
     let secret = match (&args.join, &args.cluster_secret_file) {
         (Some(token), _) => {
             let token = common::join::JoinToken::decode(token)?;
@@ -233,6 +260,7 @@ fn serve_layers(
     let config = ServeConfig {
         coordinator,
         joined_by,
+        instance_id: args.instance_id.clone(),
         name,
         secret,
         model: files.identity(),

@@ -31,6 +31,8 @@ pub struct ServeConfig {
     pub coordinator: String,
     /// How `coordinator` was found.
     pub joined_by: common::protocol::JoinedBy,
+    /// The worker's stable id (from its state directory).
+    pub instance_id: String,
     pub name: String,
     pub secret: String,
     pub model: ModelIdentity,
@@ -357,6 +359,7 @@ async fn session(
         device: config.device.clone(),
         stages: config.stages.clone(),
         joined_by: config.joined_by,
+        instance_id: config.instance_id.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
     };
     transport::write_frame(&mut send, &WorkerHello::Register(hello)).await?;
