@@ -16,11 +16,11 @@
 //! `<|return|>` end generation, so the output may also just stop.
 //!
 //! [`HarmonyReader`] turns the text into [`Piece`]s; the `gpt_oss`
-//! reasoning parser and the `harmony` tool-call parser are both built on
-//! it. A marker's start at the end of a delta is held back, so the pieces
+//! reasoning parser and the `harmony` tool-call parser
+//! (`tool_parser::harmony_calls`) are both built on it. A marker's start at the end of a delta is held back, so the pieces
 //! do not depend on how the text was split.
 
-use crate::tool_parser::{Events, ToolEvent, held_prefix};
+use crate::text::held_prefix;
 
 const START: &str = "<|start|>";
 const CHANNEL: &str = "<|channel|>";
@@ -220,58 +220,6 @@ pub fn call_text(piece: &Piece) -> Option<String> {
         Piece::Arguments(text) => Some(text.clone()),
         Piece::CallEnd => Some(CALL.to_string()),
         Piece::Reasoning(_) | Piece::Answer(_) => None,
-    }
-}
-
-/// The `harmony` tool-call parser: messages to `functions.NAME` are calls
-/// (other recipients, gpt-oss's built-in tools, keep their whole name),
-/// the answer is content, and reasoning (left here only without the
-/// `gpt_oss` reasoning parser) is not the answer's.
-pub struct HarmonyCalls {
-    reader: HarmonyReader,
-    out: Events,
-}
-
-impl Default for HarmonyCalls {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl HarmonyCalls {
-    pub fn new() -> Self {
-        Self { reader: HarmonyReader::new(), out: Events::default() }
-    }
-
-    pub fn calls(&self) -> usize {
-        self.out.calls()
-    }
-
-    pub fn push(&mut self, text: &str) -> Vec<ToolEvent> {
-        let pieces = self.reader.push(text);
-        self.take(pieces);
-        self.out.take()
-    }
-
-    pub fn finish(&mut self) -> Vec<ToolEvent> {
-        let pieces = self.reader.finish();
-        self.take(pieces);
-        self.out.finish()
-    }
-
-    fn take(&mut self, pieces: Vec<Piece>) {
-        for piece in pieces {
-            match piece {
-                Piece::Answer(text) => self.out.outside(&text),
-                Piece::Reasoning(_) => {}
-                Piece::CallStart(to) => {
-                    let name = to.strip_prefix("functions.").unwrap_or(&to).to_string();
-                    self.out.start_call(name);
-                }
-                Piece::Arguments(text) => self.out.arguments(text),
-                Piece::CallEnd => self.out.end_call(),
-            }
-        }
     }
 }
 

@@ -237,10 +237,10 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     )
     .with_grammar_compiler(grammar_compiler);
     let template_source = app.chat_template.as_ref().map(|t| t.source().to_string()).unwrap_or_default();
-    app.tool_format = match args.tool_call_parser {
-        Some(format) => Some(format.for_template(&template_source)),
-        None => ToolFormat::detect(&template_source),
-    };
+    // Detected from the template by default (AppState::new); a named one fits it.
+    if let Some(format) = args.tool_call_parser {
+        app.tool_format = Some(format.for_template(&template_source));
+    }
     app.max_tokens_cap = args.max_tokens_cap;
     app.constrain_reasoning = args.structured_outputs_in_reasoning;
     app.reasoning_format = match args.reasoning_parser {

@@ -162,7 +162,7 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
     // Chat's default is the whole room left (OpenAI's, vLLM's).
     let default_max = max_len.saturating_sub(prompt_ids.len()) as u32;
     let mut params = req.sampling.to_params(default_max, logprobs)?;
-    constrain(app, &req.sampling.structured, &mut params)?;
+    let constrained_by = constrain(app, &req.sampling.structured, &mut params)?;
     let mut forced_call = false;
     if let Some(forced) = tool_request
         .as_ref()
@@ -172,9 +172,9 @@ pub(super) fn plan_request(app: &AppState, mut req: ChatRequest, cut_max_tokens:
         // A turn that must call has no text for response_format to shape
         // (OpenAI's meaning: the Agents SDK sends both); guided decoding
         // asks for the whole output and cannot be both.
-        match req.sampling.structured.constraint()? {
-            Some((_, "response_format")) | None => {}
-            Some((_, param)) => {
+        match constrained_by {
+            Some("response_format") | None => {}
+            Some(param) => {
                 return Err(ApiError::invalid(
                     "tool_choice",
                     format!(

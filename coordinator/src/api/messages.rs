@@ -27,6 +27,7 @@ use tokio::sync::mpsc;
 
 use super::chat::{self, Answer, Plan};
 use super::error::ApiError;
+use super::fields::Fields;
 use super::reply::Reply;
 use super::request::{ChatRequest, SamplingFields, StopInput};
 use super::run::{self, ChoiceEnd, Update};
@@ -107,41 +108,23 @@ fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
 /// The chat request a Messages body stands for (`max_tokens` required
 /// unless `counting`, which only templates it).
 fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, ApiError> {
-    let field = |name: &str| body.get(name).filter(|v| !v.is_null());
-    let string = |name: &str| -> Result<Option<String>, ApiError> {
-        field(name)
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| ApiError::invalid(name, format!("{name} must be a string")))
-            })
-            .transpose()
-    };
-    let int = |name: &str| -> Result<Option<i64>, ApiError> {
-        field(name)
-            .map(|v| v.as_i64().ok_or_else(|| ApiError::invalid(name, format!("{name} must be an integer"))))
-            .transpose()
-    };
-    let number = |name: &str| -> Result<Option<f64>, ApiError> {
-        field(name)
-            .map(|v| v.as_f64().ok_or_else(|| ApiError::invalid(name, format!("{name} must be a number"))))
-            .transpose()
-    };
-    let max_tokens = int("max_tokens")?;
+    let fields = Fields(body);
+    let max_tokens = fields.int("max_tokens")?;
     if needs_max_tokens && max_tokens.is_none() {
         return Err(ApiError::invalid("max_tokens", "max_tokens: Field required"));
     }
     let mut messages = Vec::new();
-    if let Some(system) = field("system") {
+    if let Some(system) = fields.get("system") {
         messages.push(json!({"role": "system", "content": text_of("system", system)?}));
     }
-    let turns = field("messages")
+    let turns = fields
+        .get("messages")
         .and_then(Value::as_array)
         .ok_or_else(|| ApiError::invalid("messages", "messages must be a list of messages"))?;
     for (i, turn) in turns.iter().enumerate() {
         messages.extend(chat_messages(i, turn)?);
     }
-    let stop = match field("stop_sequences") {
+    let stop = match fields.get("stop_sequences") {
         None => None,
         Some(Value::Array(list)) => Some(StopInput::Many(
             list.iter()
@@ -151,35 +134,35 @@ fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, Api
         )),
         Some(_) => return Err(ApiError::invalid("stop_sequences", "stop_sequences must be a list of strings")),
     };
-    let stream = match field("stream") {
+    let stream = match fields.get("stream") {
         None => None,
         Some(v) => Some(v.as_bool().ok_or_else(|| ApiError::invalid("stream", "stream must be a boolean"))?),
     };
-    let tools = match field("tools") {
+    let tools = match fields.get("tools") {
         None => None,
         Some(Value::Array(tools)) => {
             Some(tools.iter().enumerate().map(|(i, t)| function_tool(i, t)).collect::<Result<_, _>>()?)
         }
         Some(_) => return Err(ApiError::invalid("tools", "tools must be a list")),
     };
-    let (tool_choice, parallel_tool_calls) = match field("tool_choice") {
+    let (tool_choice, parallel_tool_calls) = match fields.get("tool_choice") {
         None => (None, None),
         Some(choice) => tool_choice(choice)?,
     };
     let sampling = SamplingFields {
         max_tokens,
-        temperature: number("temperature")?,
-        top_p: number("top_p")?,
-        top_k: int("top_k")?,
+        temperature: fields.number("temperature")?,
+        top_p: fields.number("top_p")?,
+        top_k: fields.int("top_k")?,
         // Not Anthropic's: vLLM's extra, for reproducible sampling (the SDKs' extra_body).
-        seed: int("seed")?,
+        seed: fields.int("seed")?,
         stop,
         stream,
         ..SamplingFields::default()
     };
     // Extended thinking on or off, as the template switches it; adaptive
     // (Claude Code's) leaves the template's default.
-    let chat_template_kwargs = match field("thinking") {
+    let chat_template_kwargs = match fields.get("thinking") {
         None => None,
         Some(thinking) => match thinking.get("type").and_then(Value::as_str) {
             Some("enabled") => Some(json!({"enable_thinking": true})),
@@ -194,7 +177,7 @@ fn chat_request(body: &Value, needs_max_tokens: bool) -> Result<ChatRequest, Api
         },
     };
     Ok(ChatRequest {
-        model: string("model")?,
+        model: fields.string("model")?,
         messages,
         logprobs: None,
         top_logprobs: None,

@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod completions;
 pub mod error;
+mod fields;
 pub mod generate;
 pub mod info;
 pub mod logprobs;

@@ -97,12 +97,12 @@ pub fn constrain(
     app: &AppState,
     fields: &StructuredFields,
     params: &mut common::SamplingParams,
-) -> Result<(), ApiError> {
-    let Some((constraint, param)) = fields.constraint()? else { return Ok(()) };
+) -> Result<Option<&'static str>, ApiError> {
+    let Some((constraint, param)) = fields.constraint()? else { return Ok(None) };
     let compiler = app.grammar_compiler().map_err(|why| ApiError::invalid(param, why.to_string()))?;
     compiler.compile(&constraint).map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
     params.structured_output = Some(constraint);
-    Ok(())
+    Ok(Some(param))
 }
 
 /// OpenAI's `response_format`: `None` for plain text.

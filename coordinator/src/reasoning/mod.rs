@@ -21,6 +21,7 @@ use std::str::FromStr;
 pub mod grammar;
 
 use crate::harmony::{HarmonyReader, Piece, call_text};
+use crate::text::held_prefix;
 
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
@@ -162,7 +163,7 @@ impl ReasoningSplitter {
                         self.state = State::Answer;
                     }
                     None => {
-                        let keep = partial_tag_len(&self.held, CLOSE);
+                        let keep = held_prefix(&self.held, CLOSE);
                         let give = self.held.len() - keep;
                         out.reasoning.push_str(&self.held[..give]);
                         self.held.drain(..give);
@@ -201,15 +202,6 @@ impl ReasoningSplitter {
         out.content.push_str(&rest.content);
         out
     }
-}
-
-/// The length of the longest end of `text` that starts `tag` (a tag that
-/// may be completed by the next delta), at a char boundary.
-fn partial_tag_len(text: &str, tag: &str) -> usize {
-    (1..tag.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -9,5 +9,5 @@ pub mod tokenizer;
 
 pub use chat_template::{ChatTemplate, RenderOptions, TemplateError};
 pub use detokenizer::IncrementalDetokenizer;
-pub use stop::{StopOutput, StopStrings};
+pub use stop::{StopOutput, StopStrings, held_prefix};
 pub use tokenizer::{Tokenizer, TokenizerError};

@@ -107,20 +107,18 @@ impl StopStrings {
 
     /// The longest suffix of `held` that is a proper prefix of a stop string.
     fn partial_suffix_len(&self) -> usize {
-        let mut keep = 0;
-        for stop in &self.stops {
-            let longest = (stop.len() - 1).min(self.held.len());
-            // Prefixes end on char boundaries of `stop`; a byte-equal suffix
-            // then starts on a char boundary of `held` too.
-            for len in (keep + 1..=longest).rev() {
-                if stop.is_char_boundary(len) && self.held.ends_with(&stop[..len]) {
-                    keep = len;
-                    break;
-                }
-            }
-        }
-        keep
+        self.stops.iter().map(|stop| held_prefix(&self.held, stop)).max().unwrap_or(0)
     }
+}
+
+/// The length of the longest end of `text` that `marker` starts with, short
+/// of the whole marker: what may still become the marker once more text
+/// comes (a stop string, a tool call's or a thinking block's tag).
+pub fn held_prefix(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
 }
 
 /// `str::floor_char_boundary`, which is not stable yet.

@@ -26,7 +26,8 @@ use serde_json::Value;
 
 use super::ToolEvent;
 use super::json_scan::JsonScan;
-use super::{Events, held_prefix, valid_name};
+use super::{Events, valid_name};
+use crate::text::held_prefix;
 
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";

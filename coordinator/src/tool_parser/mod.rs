@@ -9,9 +9,10 @@
 //! * `qwen3_coder`: Qwen3-Coder's XML, `<function=NAME>` with one
 //!   `<parameter=NAME>` per argument, typed by the tool's schema (`xml_calls`);
 //! * `harmony` (vLLM's `openai`): gpt-oss's messages to `functions.NAME`
-//!   (`crate::harmony`).
+//!   (`harmony_calls`, over `crate::harmony`'s reader).
 
 pub mod grammar;
+mod harmony_calls;
 mod json_calls;
 mod json_scan;
 mod xml_calls;
@@ -21,7 +22,7 @@ pub use grammar::call_grammar;
 use json_calls::{JsonCalls, Style};
 use xml_calls::XmlCalls;
 
-use crate::harmony::HarmonyCalls;
+use harmony_calls::HarmonyCalls;
 
 /// How a model writes tool calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -281,15 +282,6 @@ impl Events {
             (_, event) => self.events.push(event),
         }
     }
-}
-
-/// The length of the longest end of `text` that `marker` starts with:
-/// what may still become the marker.
-pub(crate) fn held_prefix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -26,7 +26,8 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-use super::{Events, Function, ToolEvent, held_prefix, valid_name};
+use super::{Events, Function, ToolEvent, valid_name};
+use crate::text::held_prefix;
 
 const BLOCK_OPEN: &str = "<tool_call>";
 const BLOCK_CLOSE: &str = "</tool_call>";
@@ -143,30 +144,19 @@ impl XmlCalls {
                     self.state = State::Text;
                     true
                 }
-                Next::Other => {
-                    let raw = std::mem::take(&mut self.raw);
-                    self.out.outside(&raw);
-                    self.state = State::Text;
-                    true
-                }
+                Next::Other => self.not_a_call(),
             },
             State::Name => {
                 let Some(end) = self.buf.find('>') else {
                     // A name is short and on one line: anything else is text.
                     if self.buf.len() > 64 || self.buf.contains('\n') {
-                        let raw = std::mem::take(&mut self.raw);
-                        self.out.outside(&raw);
-                        self.state = State::Text;
-                        return true;
+                        return self.not_a_call();
                     }
                     return false;
                 };
                 let name = self.buf[..end].trim().to_string();
                 if self.buf[..end].contains('\n') || !valid_name(&name) {
-                    let raw = std::mem::take(&mut self.raw);
-                    self.out.outside(&raw);
-                    self.state = State::Text;
-                    return true;
+                    return self.not_a_call();
                 }
                 self.buf.drain(..=end);
                 self.raw.clear();
@@ -234,6 +224,15 @@ impl XmlCalls {
                 }
             },
         }
+    }
+
+    /// The opening read so far was no call: its markup is text, and what
+    /// follows is read again as text.
+    fn not_a_call(&mut self) -> bool {
+        let raw = std::mem::take(&mut self.raw);
+        self.out.outside(&raw);
+        self.state = State::Text;
+        true
     }
 
     /// After whitespace: which of `markers` comes next (consumed, with the

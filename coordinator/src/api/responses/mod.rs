@@ -31,6 +31,7 @@ use serde_json::{Value, json};
 
 use super::chat::{self, Answer, Plan};
 use super::error::ApiError;
+use super::fields::Fields;
 use super::prepare::now;
 use super::reply::Reply;
 use super::request::{ChatRequest, SamplingFields};
@@ -152,14 +153,14 @@ pub async fn create(app: Arc<AppState>, body: Bytes) -> Result<Reply, ApiError> 
 fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
     let body: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body is not JSON: {e}")))?;
-    let field = |name: &str| body.get(name).filter(|v| !v.is_null());
+    let fields = Fields(&body);
     let mut conversation = Vec::new();
-    if let Some(instructions) = field("instructions") {
+    if let Some(instructions) = fields.get("instructions") {
         let text =
             instructions.as_str().ok_or_else(|| ApiError::invalid("instructions", "instructions must be a string"))?;
         conversation.push(json!({"role": "system", "content": text}));
     }
-    let previous = match field("previous_response_id") {
+    let previous = match fields.get("previous_response_id") {
         None => None,
         Some(id) => {
             let id = id.as_str().ok_or_else(|| ApiError::invalid("previous_response_id", "must be a string"))?;
@@ -177,7 +178,7 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
             Some(id.to_string())
         }
     };
-    match field("input") {
+    match fields.get("input") {
         None => return Err(ApiError::invalid("input", "input is required")),
         Some(Value::String(text)) => conversation.push(json!({"role": "user", "content": text})),
         Some(Value::Array(items)) => {
@@ -187,22 +188,7 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         }
         Some(_) => return Err(ApiError::invalid("input", "input must be a string or a list of items")),
     }
-    let int = |name: &str| -> Result<Option<i64>, ApiError> {
-        field(name)
-            .map(|v| v.as_i64().ok_or_else(|| ApiError::invalid(name, format!("{name} must be an integer"))))
-            .transpose()
-    };
-    let number = |name: &str| -> Result<Option<f64>, ApiError> {
-        field(name)
-            .map(|v| v.as_f64().ok_or_else(|| ApiError::invalid(name, format!("{name} must be a number"))))
-            .transpose()
-    };
-    let boolean = |name: &str| -> Result<Option<bool>, ApiError> {
-        field(name)
-            .map(|v| v.as_bool().ok_or_else(|| ApiError::invalid(name, format!("{name} must be a boolean"))))
-            .transpose()
-    };
-    let tools = match field("tools") {
+    let tools = match fields.get("tools") {
         None => None,
         Some(Value::Array(tools)) => Some(
             tools
@@ -215,7 +201,7 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         .filter(|t: &Vec<Value>| !t.is_empty()),
         Some(_) => return Err(ApiError::invalid("tools", "tools must be a list")),
     };
-    let tool_choice = match field("tool_choice") {
+    let tool_choice = match fields.get("tool_choice") {
         Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
             let name = o
                 .get("name")
@@ -226,10 +212,10 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         other => other.cloned(),
     };
     let mut sampling = SamplingFields {
-        max_tokens: int("max_output_tokens")?,
-        temperature: number("temperature")?,
-        top_p: number("top_p")?,
-        stream: boolean("stream")?,
+        max_tokens: fields.int("max_output_tokens")?,
+        temperature: fields.number("temperature")?,
+        top_p: fields.number("top_p")?,
+        stream: fields.boolean("stream")?,
         ..SamplingFields::default()
     };
     if let Some(format) = body.pointer("/text/format").filter(|f| f["type"] == "json_schema") {
@@ -237,13 +223,13 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         sampling.structured.response_format = Some(json!({"type": "json_schema", "json_schema": schema}));
     }
     let req = ChatRequest {
-        model: field("model").and_then(Value::as_str).map(str::to_string),
+        model: fields.get("model").and_then(Value::as_str).map(str::to_string),
         messages: conversation.clone(),
         logprobs: None,
         top_logprobs: None,
         tools,
         tool_choice,
-        parallel_tool_calls: boolean("parallel_tool_calls")?,
+        parallel_tool_calls: fields.boolean("parallel_tool_calls")?,
         chat_template_kwargs: None,
         reasoning_effort: body.pointer("/reasoning/effort").filter(|e| !e.is_null()).cloned(),
         unserved: Default::default(),
@@ -251,18 +237,18 @@ fn prepare(app: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
     };
     let plan = chat::plan_request(app, req, true)?;
     let echo = json!({
-        "instructions": field("instructions"),
-        "max_output_tokens": field("max_output_tokens"),
-        "parallel_tool_calls": boolean("parallel_tool_calls")?.unwrap_or(true),
+        "instructions": fields.get("instructions"),
+        "max_output_tokens": fields.get("max_output_tokens"),
+        "parallel_tool_calls": fields.boolean("parallel_tool_calls")?.unwrap_or(true),
         "previous_response_id": previous,
-        "temperature": number("temperature")?.unwrap_or(1.0),
-        "top_p": number("top_p")?.unwrap_or(1.0),
-        "tool_choice": field("tool_choice").cloned().unwrap_or(json!("auto")),
-        "tools": field("tools").cloned().unwrap_or(json!([])),
-        "text": field("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
-        "metadata": field("metadata").cloned().unwrap_or(json!({})),
+        "temperature": fields.number("temperature")?.unwrap_or(1.0),
+        "top_p": fields.number("top_p")?.unwrap_or(1.0),
+        "tool_choice": fields.get("tool_choice").cloned().unwrap_or(json!("auto")),
+        "tools": fields.get("tools").cloned().unwrap_or(json!([])),
+        "text": fields.get("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
+        "metadata": fields.get("metadata").cloned().unwrap_or(json!({})),
     });
-    Ok(Prepared { plan, conversation, echo, store: boolean("store")?.unwrap_or(true) })
+    Ok(Prepared { plan, conversation, echo, store: fields.boolean("store")?.unwrap_or(true) })
 }
 
 /// One input item as chat messages.
