@@ -10,7 +10,7 @@ pub use crate::sampling::TokenLogprobs;
 use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -115,6 +115,68 @@ pub enum HandshakeReply {
 pub enum WorkerHello {
     Register(Handshake),
     Offer(StageOffer),
+    /// A worker fetching and loading its weights says so, then streams
+    /// [`PrepareProgress`] until it registers (or, as a later stage, links).
+    Prepare(Preparing),
+}
+
+/// A worker about to download and load its stage's weights (issue 57): it
+/// shows in `/v1/workers` with its progress until it is ready. Answered as
+/// an offer is, `OfferReply::Accepted` or `Refused`; then the worker sends
+/// [`PrepareProgress`] frames and finishes the stream when it is done.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Preparing {
+    pub protocol_version: u32,
+    pub worker_name: String,
+    pub model: ModelIdentity,
+    pub block_size: u32,
+    /// The layers it will hold, inclusive ("0-11"), as `StageInfo::layers`.
+    pub layers: String,
+    pub joined_by: JoinedBy,
+    /// As `Handshake::auth_tag`.
+    pub auth_tag: Vec<u8>,
+}
+
+/// What a preparing worker is doing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PreparePhase {
+    /// Fetching its stage's files from the hub.
+    #[default]
+    Downloading,
+    /// Reading its weights into memory.
+    Loading,
+}
+
+impl PreparePhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Downloading => "downloading",
+            Self::Loading => "loading",
+        }
+    }
+}
+
+/// A preparing worker's progress, sent when it changes (a few times a second at most).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrepareProgress {
+    pub phase: PreparePhase,
+    pub download: DownloadProgress,
+}
+
+/// How far a model download is: files of its plan (config and tokenizer
+/// files, then the stage's weight shards) and bytes fetched. A file already
+/// in the cache counts as done with no bytes fetched.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DownloadProgress {
+    pub files_done: u32,
+    /// Known once the weights index is read; until then the files named so far.
+    pub files_total: u32,
+    /// Bytes fetched so far, over every file.
+    pub bytes_done: u64,
+    /// The file being fetched ("" between files), its bytes fetched and size.
+    pub file: String,
+    pub file_bytes_done: u64,
+    pub file_bytes_total: u64,
 }
 
 /// A worker's offer to be a replica or a pipeline stage (issue 30): what

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+pub mod hub;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
@@ -382,6 +384,24 @@ impl Coordinator {
             .expect("starting the coordinator");
         let log = Log::collect(child.stderr.take().expect("piped stderr"));
         (Self::attach(child, secret_file, dir, local_workers), log)
+    }
+
+    /// Starts `command` (the coordinator binary with the caller's model,
+    /// arguments and environment) on loopback ports with a cluster secret
+    /// and no local workers, its stderr collected.
+    pub fn start_command(mut command: Command) -> (Self, Log) {
+        let dir = TempDir::new("cluster");
+        let secret_file = dir.0.join("secret");
+        let mut child = command
+            .args(["--http", "127.0.0.1:0", "--quic", "127.0.0.1:0", "--local-workers", "0"])
+            .arg("--cluster-secret-file")
+            .arg(&secret_file)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting the coordinator");
+        let log = Log::collect(child.stderr.take().expect("piped stderr"));
+        (Self::attach(child, secret_file, dir, 0), log)
     }
 
     /// The pid of local worker `name` (a child started with `--name NAME`).

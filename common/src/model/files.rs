@@ -13,7 +13,8 @@ use serde::Deserialize;
 use super::config::ModelConfig;
 use super::hub::{self, WEIGHTS_FILE, WEIGHTS_INDEX};
 use super::{ModelError, Result, gguf};
-use crate::protocol::{ModelIdentity, config_hash};
+use crate::pipeline::LayerRange;
+use crate::protocol::{DownloadProgress, ModelIdentity, config_hash};
 
 /// Where a model comes from, parsed from `--model`.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,10 +74,14 @@ pub fn default_served_name(model: &str) -> String {
 /// only the worker runs the weights, so only it downloads and looks for them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
-    /// Config and tokenizer files (the coordinator).
+    /// Config and tokenizer files (the coordinator, or a worker before it
+    /// knows its layers).
     Tokenizer,
-    /// Those and the weights (the worker).
+    /// Those and the weights (a worker holding every layer).
     Weights,
+    /// Those and the weight files holding these layers' tensors (a
+    /// pipeline stage): of sharded weights, only the shards it reads.
+    Layers(LayerRange),
 }
 
 /// A model's files on disk (or, for a random preset, none).
@@ -85,8 +90,8 @@ pub struct ModelFiles {
     /// What the user asked for, for logs and the served model name.
     pub name: String,
     pub config: ModelConfig,
-    /// The safetensors files; empty unless [`Need::Weights`] was asked for
-    /// on a directory or hub id.
+    /// The safetensors files; empty unless [`Need::Weights`] or
+    /// [`Need::Layers`] was asked for on a directory or hub id.
     pub weights: Vec<PathBuf>,
     /// Set when the weights are one GGUF file.
     pub gguf: Option<PathBuf>,
@@ -126,10 +131,19 @@ impl ModelFiles {
 
     /// Finds (or downloads) the files of `source` that `need` asks for.
     pub fn resolve(source: &ModelSource, need: Need) -> Result<Self> {
+        Self::resolve_reporting(source, need, &mut |_| {})
+    }
+
+    /// As [`ModelFiles::resolve`], calling `progress` as a hub download goes.
+    pub fn resolve_reporting(
+        source: &ModelSource,
+        need: Need,
+        progress: &mut dyn FnMut(&DownloadProgress),
+    ) -> Result<Self> {
         match source {
             ModelSource::Dir(dir) => Self::from_dir(dir, dir.display().to_string(), need),
             ModelSource::Hub(repo) => {
-                let dir = hub::download(repo, need)?;
+                let dir = hub::download(repo, need, progress)?;
                 Self::from_dir(&dir, repo.clone(), need)
             }
             ModelSource::Gguf(path) => {
@@ -172,7 +186,8 @@ impl ModelFiles {
         let config_text = read_file(&config_path)?;
         let config = ModelConfig::from_json(&config_text).map_err(|e| ModelError::file(&config_path, e.to_string()))?;
         let weights = match need {
-            Need::Weights => find_weight_files(dir)?,
+            Need::Weights => find_weight_files(dir, None)?,
+            Need::Layers(range) => find_weight_files(dir, Some((range, config.tie_word_embeddings)))?,
             Need::Tokenizer => Vec::new(),
         };
         let optional = |file: &str| Some(dir.join(file)).filter(|p| p.is_file());
@@ -210,21 +225,52 @@ fn parse_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     serde_json::from_str(&read_file(path)?).map_err(|e| ModelError::file(path, e.to_string()))
 }
 
+/// `model.safetensors.index.json`: which shard holds each tensor.
+#[derive(Deserialize)]
+struct WeightsIndex {
+    weight_map: HashMap<String, String>,
+}
+
 /// The shard files a `model.safetensors.index.json` lists, sorted, each once.
 pub fn shards_in_index(index_json: &str) -> std::result::Result<Vec<String>, String> {
-    #[derive(Deserialize)]
-    struct Index {
-        weight_map: HashMap<String, String>,
-    }
-    let index: Index = serde_json::from_str(index_json).map_err(|e| e.to_string())?;
+    let index: WeightsIndex = serde_json::from_str(index_json).map_err(|e| e.to_string())?;
     let mut shards: Vec<String> = index.weight_map.into_values().collect();
     shards.sort();
     shards.dedup();
     Ok(shards)
 }
 
-/// `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
-fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The shards of a `model.safetensors.index.json` that hold a tensor the
+/// pipeline stage of `layers` reads (`LayerRange::holds_tensor`), sorted,
+/// each once: all a stage downloads of sharded weights.
+pub fn shards_for_layers(
+    index_json: &str,
+    layers: LayerRange,
+    tied_embeddings: bool,
+) -> std::result::Result<Vec<String>, String> {
+    let index: WeightsIndex = serde_json::from_str(index_json).map_err(|e| e.to_string())?;
+    let mut shards: Vec<String> = index
+        .weight_map
+        .into_iter()
+        .filter(|(tensor, _)| layers.holds_tensor(tensor, tied_embeddings))
+        .map(|(_, shard)| shard)
+        .collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
+}
+
+/// Whether the config at `path` ties the lm_head to the embeddings (the
+/// last stage then reads the embeddings too).
+pub(super) fn tied_embeddings(config_path: &Path) -> Result<bool> {
+    let text = read_file(config_path)?;
+    let config = ModelConfig::from_json(&text).map_err(|e| ModelError::file(config_path, e.to_string()))?;
+    Ok(config.tie_word_embeddings)
+}
+
+/// `model.safetensors`, or the shards listed in `model.safetensors.index.json`
+/// (of a stage, only those holding its tensors: `(layers, tied embeddings)`).
+fn find_weight_files(dir: &Path, stage: Option<(LayerRange, bool)>) -> Result<Vec<PathBuf>> {
     let single = dir.join(WEIGHTS_FILE);
     if single.is_file() {
         return Ok(vec![single]);
@@ -233,7 +279,12 @@ fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if !index_path.is_file() {
         return Err(ModelError::file(dir, format!("neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX} found")));
     }
-    let shards = shards_in_index(&read_file(&index_path)?).map_err(|e| ModelError::file(&index_path, e))?;
+    let index = read_file(&index_path)?;
+    let shards = match stage {
+        Some((layers, tied)) => shards_for_layers(&index, layers, tied),
+        None => shards_in_index(&index),
+    }
+    .map_err(|e| ModelError::file(&index_path, e))?;
     shards
         .into_iter()
         .map(|shard| {
@@ -303,6 +354,45 @@ mod tests {
         let files = ModelFiles::resolve(&ModelSource::Dir(dir.clone()), Need::Weights).unwrap();
         assert_eq!(files.weights, [dir.join("a.safetensors"), dir.join("b.safetensors")]);
         assert!(shards_in_index("{}").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A stage fetches and maps only the shards holding its tensors: its
+    /// layers', the embeddings on the first stage (and on the last when
+    /// they are tied), the final norm and lm_head on the last.
+    #[test]
+    fn a_stage_reads_only_its_shards() {
+        let index = r#"{"metadata":{"total_size":1},"weight_map":{
+            "model.embed_tokens.weight":"s1.safetensors",
+            "model.layers.0.self_attn.q_proj.weight":"s1.safetensors",
+            "model.layers.1.mlp.up_proj.weight":"s2.safetensors",
+            "model.layers.2.mlp.experts.7.down_proj.weight":"s3.safetensors",
+            "model.layers.3.input_layernorm.weight":"s4.safetensors",
+            "model.norm.weight":"s4.safetensors",
+            "lm_head.weight":"s5.safetensors"}}"#;
+        let stage = |start, end, tied| shards_for_layers(index, LayerRange { start, end, total: 4 }, tied).unwrap();
+        assert_eq!(
+            stage(0, 4, false),
+            ["s1.safetensors", "s2.safetensors", "s3.safetensors", "s4.safetensors", "s5.safetensors"]
+        );
+        assert_eq!(stage(0, 2, false), ["s1.safetensors", "s2.safetensors"]);
+        assert_eq!(stage(1, 3, false), ["s2.safetensors", "s3.safetensors"]);
+        assert_eq!(stage(2, 4, false), ["s3.safetensors", "s4.safetensors", "s5.safetensors"]);
+        assert_eq!(stage(3, 4, true), ["s1.safetensors", "s4.safetensors", "s5.safetensors"]);
+        assert!(shards_for_layers("{}", LayerRange::full(4), false).is_err());
+
+        // From a directory holding only a middle stage's shards.
+        let dir = temp_dir("stage-shards");
+        std::fs::copy(shared_model("tiny-qwen3/config.json"), dir.join("config.json")).unwrap();
+        std::fs::write(dir.join(WEIGHTS_INDEX), index).unwrap();
+        for shard in ["s2.safetensors", "s3.safetensors"] {
+            std::fs::write(dir.join(shard), b"").unwrap();
+        }
+        let source = ModelSource::Dir(dir.clone());
+        let files = ModelFiles::resolve(&source, Need::Layers(LayerRange { start: 1, end: 3, total: 4 })).unwrap();
+        assert_eq!(files.weights, [dir.join("s2.safetensors"), dir.join("s3.safetensors")]);
+        let err = ModelFiles::resolve(&source, Need::Weights).unwrap_err().to_string();
+        assert!(err.contains("s1.safetensors") && err.contains("is missing"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

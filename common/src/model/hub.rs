@@ -1,18 +1,22 @@
 //! Downloads of a hub model into the standard Hugging Face cache (honouring
 //! HF_HOME and HF_TOKEN), fetching only what the asking side reads: the
 //! coordinator the config and tokenizer files, the worker those and the
-//! safetensors weights. What to fetch is decided by [`plan`], a pure
-//! function; the network part needs the `hub` feature. On a terminal a
-//! download shows hf-hub's progress bar; elsewhere (systemd, launchd,
-//! nohup, where a bar's carriage returns make no log lines) it logs
-//! [`ProgressLines`]: a line per file at its start, every tenth of it or
-//! few seconds, and at its end.
+//! safetensors weights (a pipeline stage only the shards holding its
+//! layers). What to fetch is decided by [`plan`] and
+//! `files::shards_for_layers`, pure functions; the network part needs the
+//! `hub` feature. A download logs [`ProgressLines`] (a line per file at its
+//! start, every tenth of it or few seconds, and at its end; a progress
+//! bar's carriage returns make no lines under systemd or launchd), and
+//! hands its [`DownloadProgress`] to the caller (a worker reports it to the
+//! coordinator, which shows it in `/v1/workers`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::files::Need;
 use super::{ModelError, Result};
+use crate::pipeline::LayerRange;
+use crate::protocol::DownloadProgress;
 
 /// The one file a model cannot do without.
 pub const CONFIG_FILE: &str = "config.json";
@@ -37,13 +41,18 @@ pub struct HubPlan {
     /// Fetched when the repo has them.
     pub optional: &'static [&'static str],
     /// Then the weights: [`WEIGHTS_FILE`], or else [`WEIGHTS_INDEX`] and
-    /// every shard it lists.
+    /// every shard it lists (of `layers` only, when set).
     pub weights: bool,
+    pub layers: Option<LayerRange>,
 }
 
 /// The files `need` asks for.
 pub fn plan(need: Need) -> HubPlan {
-    HubPlan { required: CONFIG_FILE, optional: &TOKENIZER_FILES, weights: need == Need::Weights }
+    let layers = match need {
+        Need::Layers(range) => Some(range),
+        Need::Tokenizer | Need::Weights => None,
+    };
+    HubPlan { required: CONFIG_FILE, optional: &TOKENIZER_FILES, weights: need != Need::Tokenizer, layers }
 }
 
 /// How often a download off a terminal logs at most, besides every tenth.
@@ -95,67 +104,115 @@ fn megabytes(bytes: u64) -> String {
     format!("{:.1} MB", bytes as f64 / 1e6)
 }
 
-/// hf-hub's progress hook writing [`ProgressLines`] to stderr.
+/// A download's progress over all its files: kept as [`DownloadProgress`]
+/// for the caller's hook (a worker reports it to the coordinator), and as
+/// [`ProgressLines`] for the log.
 #[cfg(feature = "hub")]
-struct LogProgress {
+struct Tracker<'a> {
     repo: String,
+    progress: DownloadProgress,
     lines: Option<ProgressLines>,
+    hook: &'a mut dyn FnMut(&DownloadProgress),
 }
 
 #[cfg(feature = "hub")]
-impl hf_hub::api::Progress for LogProgress {
+impl Tracker<'_> {
+    fn file_done(&mut self) {
+        self.progress.files_done += 1;
+        self.progress.file.clear();
+        self.progress.file_bytes_done = 0;
+        self.progress.file_bytes_total = 0;
+        (self.hook)(&self.progress);
+    }
+}
+
+/// hf-hub's progress hook for one file, feeding the [`Tracker`].
+#[cfg(feature = "hub")]
+struct FileProgress<'t, 'a>(&'t mut Tracker<'a>);
+
+#[cfg(feature = "hub")]
+impl hf_hub::api::Progress for FileProgress<'_, '_> {
     fn init(&mut self, size: usize, filename: &str) {
-        let (lines, first) = ProgressLines::start(&self.repo, filename, size as u64, Instant::now());
-        tracing::info!("{first}");
-        self.lines = Some(lines);
+        let tracker = &mut *self.0;
+        // A retry calls `init` again: the file starts over only in the log.
+        if tracker.progress.file != filename {
+            let (lines, first) = ProgressLines::start(&tracker.repo, filename, size as u64, Instant::now());
+            tracing::info!("{first}");
+            tracker.lines = Some(lines);
+            tracker.progress.file = filename.to_string();
+            tracker.progress.file_bytes_done = 0;
+        }
+        tracker.progress.file_bytes_total = size as u64;
+        (tracker.hook)(&tracker.progress);
     }
 
     fn update(&mut self, size: usize) {
-        if let Some(line) = self.lines.as_mut().and_then(|l| l.advance(size as u64, Instant::now())) {
+        let tracker = &mut *self.0;
+        tracker.progress.file_bytes_done += size as u64;
+        tracker.progress.bytes_done += size as u64;
+        if let Some(line) = tracker.lines.as_mut().and_then(|l| l.advance(size as u64, Instant::now())) {
             tracing::info!("{line}");
         }
+        (tracker.hook)(&tracker.progress);
     }
 
     fn finish(&mut self) {
-        if let Some(lines) = &self.lines {
+        if let Some(lines) = &self.0.lines {
             tracing::info!("{}", lines.finish());
         }
     }
 }
 
-/// Downloads what [`plan`] lists, with a progress bar on a terminal and
-/// progress lines elsewhere, and returns the snapshot directory the files
-/// are in.
+/// Downloads what [`plan`] lists into the Hugging Face cache (files already
+/// there are not fetched again), logging progress lines and calling `hook`
+/// as it goes, and returns the snapshot directory the files are in. For
+/// [`Need::Layers`] only the weight shards holding tensors of those layers
+/// are fetched (by the index's `weight_map`).
 #[cfg(feature = "hub")]
-pub fn download(repo_id: &str, need: Need) -> Result<PathBuf> {
-    use std::io::IsTerminal;
+pub fn download(repo_id: &str, need: Need, hook: &mut dyn FnMut(&DownloadProgress)) -> Result<PathBuf> {
     use std::path::Path;
 
     let hub_err = |message: String| ModelError::Hub { repo: repo_id.to_string(), message };
-    let terminal = std::io::stderr().is_terminal();
-    let api = hf_hub::api::sync::ApiBuilder::from_env()
-        .with_progress(terminal)
-        .build()
-        .map_err(|e| hub_err(e.to_string()))?;
+    // Progress goes to the log as lines (a bar's carriage returns make none
+    // under systemd or launchd) and to `hook`.
+    let api =
+        hf_hub::api::sync::ApiBuilder::from_env().with_progress(false).build().map_err(|e| hub_err(e.to_string()))?;
     let repo = api.model(repo_id.to_string());
     let cache = hf_hub::Cache::from_env().model(repo_id.to_string());
-    // `get` as hf-hub's, but off a terminal with progress lines.
-    let get = |file: &str| match cache.get(file) {
-        Some(path) => Ok(path),
-        None if terminal => repo.get(file),
-        None => repo.download_with_progress(file, LogProgress { repo: repo_id.to_string(), lines: None }),
-    };
     let plan = plan(need);
-    let config = get(plan.required).map_err(|e| hub_err(format!("{}: {e}", plan.required)))?;
+    let mut tracker = Tracker {
+        repo: repo_id.to_string(),
+        progress: DownloadProgress {
+            files_total: 1 + plan.optional.len() as u32 + u32::from(plan.weights),
+            ..DownloadProgress::default()
+        },
+        lines: None,
+        hook,
+    };
+    let get = |tracker: &mut Tracker<'_>, file: &str| {
+        let got = match cache.get(file) {
+            Some(path) => Ok(path),
+            None => repo.download_with_progress(file, FileProgress(tracker)),
+        };
+        tracker.file_done();
+        got
+    };
+    let config = get(&mut tracker, plan.required).map_err(|e| hub_err(format!("{}: {e}", plan.required)))?;
     for optional in plan.optional {
         // Absent files are normal (not every repo has a generation config).
-        let _ = get(optional);
+        let _ = get(&mut tracker, optional);
     }
-    if plan.weights && get(WEIGHTS_FILE).is_err() {
-        let index = get(WEIGHTS_INDEX).map_err(|e| hub_err(format!("no safetensors weights: {e}")))?;
+    if plan.weights && get(&mut tracker, WEIGHTS_FILE).is_err() {
+        let index = get(&mut tracker, WEIGHTS_INDEX).map_err(|e| hub_err(format!("no safetensors weights: {e}")))?;
         let text = std::fs::read_to_string(&index).map_err(|e| ModelError::file(&index, e.to_string()))?;
-        for shard in super::files::shards_in_index(&text).map_err(hub_err)? {
-            get(&shard).map_err(|e| hub_err(format!("{shard}: {e}")))?;
+        let shards = match plan.layers {
+            Some(range) => super::files::shards_for_layers(&text, range, super::files::tied_embeddings(&config)?),
+            None => super::files::shards_in_index(&text),
+        }
+        .map_err(hub_err)?;
+        tracker.progress.files_total += 1 + shards.len() as u32;
+        for shard in shards {
+            get(&mut tracker, &shard).map_err(|e| hub_err(format!("{shard}: {e}")))?;
         }
     }
     config.parent().map(Path::to_path_buf).ok_or_else(|| hub_err("bad cache path".into()))
@@ -163,7 +220,7 @@ pub fn download(repo_id: &str, need: Need) -> Result<PathBuf> {
 
 /// Without the `hub` feature a hub id is an error, not a download.
 #[cfg(not(feature = "hub"))]
-pub fn download(repo_id: &str, _need: Need) -> Result<PathBuf> {
+pub fn download(repo_id: &str, _need: Need, _hook: &mut dyn FnMut(&DownloadProgress)) -> Result<PathBuf> {
     Err(ModelError::Hub {
         repo: repo_id.to_string(),
         message: "this build cannot download (tinyvllm-common's `hub` feature is off)".into(),
@@ -232,7 +289,7 @@ mod tests {
     #[cfg(not(feature = "hub"))]
     #[test]
     fn without_the_feature_a_hub_id_is_a_clear_error() {
-        let err = download("org/name", Need::Tokenizer).unwrap_err().to_string();
+        let err = download("org/name", Need::Tokenizer, &mut |_| {}).unwrap_err().to_string();
         assert!(err.contains("org/name") && err.contains("`hub` feature"), "{err}");
     }
 }

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::error::ApiError;
 use super::reply::Reply;
 use crate::app::AppState;
-use crate::cluster::WorkerInfo;
+use crate::cluster::{PreparingInfo, WorkerInfo};
 
 /// An OpenAI list object.
 #[derive(Serialize)]
@@ -40,6 +40,8 @@ struct Health {
 struct Workers {
     #[serde(flatten)]
     list: List<WorkerInfo>,
+    /// Workers still downloading or loading their weights.
+    preparing: Vec<PreparingInfo>,
     in_flight: usize,
     redispatches: u64,
 }
@@ -102,6 +104,7 @@ pub fn health(app: &AppState) -> Reply {
 pub fn workers(app: &AppState) -> Reply {
     Reply::json(&Workers {
         list: List { object: "list", data: app.cluster.workers() },
+        preparing: app.cluster.preparing(),
         in_flight: app.cluster.in_flight(),
         redispatches: app.cluster.redispatches(),
     })

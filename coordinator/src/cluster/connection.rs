@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::WorkerId;
 use common::protocol::{
     CoordinatorMessage, Handshake, HandshakeReply, MAX_HELLO_FRAME_BYTES, ModelIdentity, OfferReply, PROTOCOL_VERSION,
-    StageOffer, WorkerHello, WorkerMessage,
+    Preparing, StageOffer, WorkerHello, WorkerMessage,
 };
 use common::transport::{self, Role};
 use tokio::sync::{Semaphore, mpsc};
@@ -35,7 +35,8 @@ enum Ended {
     Unauthenticated(String),
     /// A registered worker's connection ended.
     Worker(WorkerId, String),
-    /// An offer (`--layers auto`) was assigned layers, or withdrawn.
+    /// An offer (`--layers auto`) was assigned layers, or withdrawn; or a
+    /// preparing worker's report ended.
     Offer(Result<(), String>),
 }
 
@@ -44,6 +45,7 @@ enum Ended {
 enum Authenticated {
     Worker(quinn::Connection, Handshake, quinn::SendStream, quinn::RecvStream),
     Offer(quinn::Connection, StageOffer, quinn::SendStream),
+    Prepare(quinn::Connection, Preparing, quinn::SendStream, quinn::RecvStream),
 }
 
 /// What a refusal check reads of a handshake or an offer.
@@ -88,6 +90,10 @@ impl Cluster {
                     Ok(Ok(Authenticated::Offer(conn, offer, send))) => {
                         drop(permit);
                         Ended::Offer(cluster.serve_offer(conn, offer, send).await)
+                    }
+                    Ok(Ok(Authenticated::Prepare(conn, preparing, send, recv))) => {
+                        drop(permit);
+                        Ended::Offer(cluster.serve_prepare(conn, preparing, send, recv).await)
                     }
                     Ok(Err(why)) => Ended::Unauthenticated(why),
                     Err(_) => Ended::Unauthenticated(format!("no accepted handshake within {AUTH_TIMEOUT:?}")),
@@ -138,6 +144,16 @@ impl Cluster {
                     model: &o.model,
                 },
             ),
+            WorkerHello::Prepare(p) => (
+                &p.worker_name,
+                Credentials {
+                    protocol_version: p.protocol_version,
+                    instance_id: None,
+                    auth_tag: &p.auth_tag,
+                    block_size: p.block_size,
+                    model: &p.model,
+                },
+            ),
         };
         if let Some(reason) = self.refusal(&credentials, &binding) {
             tracing::warn!("refusing worker {name:?} at {address}: {reason}");
@@ -145,7 +161,7 @@ impl Cluster {
                 WorkerHello::Register(_) => {
                     transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await
                 }
-                WorkerHello::Offer(_) => {
+                WorkerHello::Offer(_) | WorkerHello::Prepare(_) => {
                     transport::write_frame(&mut send, &OfferReply::Refused { reason: reason.clone() }).await
                 }
             };
@@ -158,6 +174,7 @@ impl Cluster {
         Ok(match hello {
             WorkerHello::Register(hello) => Authenticated::Worker(conn, hello, send, recv),
             WorkerHello::Offer(offer) => Authenticated::Offer(conn, offer, send),
+            WorkerHello::Prepare(preparing) => Authenticated::Prepare(conn, preparing, send, recv),
         })
     }
 
@@ -243,6 +260,13 @@ impl Cluster {
         address: SocketAddr,
         tx: mpsc::UnboundedSender<CoordinatorMessage>,
     ) -> WorkerId {
+        // Registered, with every stage of its pipeline: none is preparing now.
+        let mut preparing = self.preparing_workers();
+        preparing.registered(&hello.worker_name);
+        for stage in &hello.stages {
+            preparing.registered(&stage.name);
+        }
+        drop(preparing);
         let mut state = self.lock();
         let id = state.registry.register(hello, address, tx.clone());
         // Its cache may be warm (a reconnect): learn it before trusting events.

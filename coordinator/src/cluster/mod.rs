@@ -18,6 +18,7 @@
 mod connection;
 mod offers;
 mod plan;
+mod preparing;
 mod registry;
 mod requests;
 
@@ -31,6 +32,7 @@ use tokio::sync::mpsc;
 
 pub use connection::{AUTH_TIMEOUT, MAX_UNAUTHENTICATED};
 pub use offers::{FormationStatus, OfferInfo};
+pub use preparing::{FileProgress, PreparingInfo};
 pub use registry::{WorkerInfo, WorkerLoadInfo, WorkerState};
 
 use crate::router::{Policy, Router};
@@ -148,6 +150,8 @@ pub struct Cluster {
     metrics: RoutingMetrics,
     /// Offers of `--layers auto` workers not yet formed into pipelines.
     formation: Arc<Mutex<offers::Formation>>,
+    /// Workers downloading or loading their weights.
+    preparing: Arc<Mutex<preparing::PreparingWorkers>>,
 }
 
 impl Cluster {
@@ -169,6 +173,7 @@ impl Cluster {
             block_size,
             metrics: RoutingMetrics::new(),
             formation: Arc::default(),
+            preparing: Arc::default(),
         }
     }
 

@@ -10,7 +10,7 @@
 
 use common::protocol::{
     self, CoordinatorMessage, FRAME_HEADER_BYTES, FinishReason, Handshake, HandshakeReply, MAX_FRAME_BYTES,
-    ModelIdentity, OfferReply, TokenLogprobs, WorkerHello, WorkerMessage, WorkerStats,
+    ModelIdentity, OfferReply, PrepareProgress, TokenLogprobs, WorkerHello, WorkerMessage, WorkerStats,
 };
 use common::{BlockHash, KvEvent, KvEventRecord, RequestId, SamplingParams, WorkerId};
 use serde::Serialize;
@@ -24,6 +24,7 @@ pub fn wire_frame(data: &[u8]) {
     whole_frame::<WorkerHello>(data);
     whole_frame::<HandshakeReply>(data);
     whole_frame::<OfferReply>(data);
+    whole_frame::<PrepareProgress>(data);
     // The worker reads the coordinator's frames and vice versa, one after another.
     frame_stream::<WorkerMessage>(data);
     frame_stream::<CoordinatorMessage>(data);

@@ -257,6 +257,7 @@ function renderWorkers(list) {
     cell(row, percent(stats.prefix_cache_hits || 0, stats.prefix_cache_queries || 0));
     body.append(row);
   }
+  for (const p of list.preparing || []) body.append(preparingRow(p));
   const names = new Set(list.data.map((w) => w.name));
   if (state.workerNames) {
     for (const n of names) if (!state.workerNames.has(n)) note("worker " + n + " joined");
@@ -268,6 +269,45 @@ function renderWorkers(list) {
   }
   state.redispatches = list.redispatches;
   return list;
+}
+
+function megabytes(bytes) {
+  return (bytes / 1e6).toFixed(1) + " MB";
+}
+
+// A worker still fetching or loading its weights: its download's progress.
+function preparingRow(p) {
+  const row = document.createElement("tr");
+  row.dataset.worker = p.name;
+  row.className = "preparing";
+  const who = document.createElement("div");
+  who.textContent = p.name;
+  const how = document.createElement("span");
+  how.className = "stage muted";
+  how.textContent = "joined by " + p.joined_by;
+  who.append(how);
+  cell(row, who);
+  const progress = document.createElement("div");
+  progress.textContent = p.phase;
+  if (p.phase === "downloading") {
+    const file = p.file;
+    progress.append(bar(file && file.bytes_total ? file.bytes_done / file.bytes_total : 0));
+    const detail = document.createElement("span");
+    detail.className = "muted";
+    detail.textContent =
+      "file " + Math.min(p.files_done + 1, p.files_total) + " of " + p.files_total +
+      (file ? " (" + file.name + ", " + percent(file.bytes_done, file.bytes_total) + ")" : "") +
+      ", " + megabytes(p.downloaded_bytes) + " so far";
+    progress.append(detail);
+  }
+  cell(row, progress);
+  cell(row, "");
+  const stages = document.createElement("span");
+  stages.className = "stage";
+  stages.textContent = "layers " + p.layers;
+  cell(row, stages);
+  for (let i = 0; i < 4; i++) cell(row, "");
+  return row;
 }
 
 function metricValue(text, name) {

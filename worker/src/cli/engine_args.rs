@@ -5,6 +5,7 @@ use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use common::pipeline::LayerRange;
+use common::protocol::DownloadProgress;
 use engine_core::{SchedulingPolicy, SpecMethod, SpeculativeConfig};
 use kernels::KvCacheDtype;
 use worker::models::{ModelFiles, ModelSource, Need};
@@ -193,7 +194,37 @@ pub struct Resolved {
 
 /// Finds the model's files and picks the device and dtype.
 pub fn resolve(args: &EngineArgs) -> anyhow::Result<Resolved> {
-    let mut files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, Need::Weights)?;
+    resolve_need(args, Need::Weights)
+}
+
+/// As [`resolve`] without the weights (a hub model's config and tokenizer
+/// files only): what a worker reads before it knows its layers. Then
+/// [`fetch_weights`].
+pub fn resolve_config(args: &EngineArgs) -> anyhow::Result<Resolved> {
+    resolve_need(args, Need::Tokenizer)
+}
+
+/// Finds (or downloads) the weights of `layers` (every layer if `None`):
+/// of sharded weights only the shards a pipeline stage reads. `progress`
+/// hears how a download goes.
+pub fn fetch_weights(
+    args: &EngineArgs,
+    resolved: &mut Resolved,
+    layers: Option<LayerRange>,
+    progress: &mut dyn FnMut(&DownloadProgress),
+) -> anyhow::Result<()> {
+    let need = match layers.filter(|l| !l.is_full()) {
+        Some(layers) => Need::Layers(layers),
+        None => Need::Weights,
+    };
+    let mut files = ModelFiles::resolve_reporting(&ModelSource::parse(&args.model)?, need, progress)?;
+    files.tokenizer_json = resolved.files.tokenizer_json.take();
+    resolved.files = files;
+    Ok(())
+}
+
+fn resolve_need(args: &EngineArgs, need: Need) -> anyhow::Result<Resolved> {
+    let mut files = ModelFiles::resolve(&ModelSource::parse(&args.model)?, need)?;
     if let Some(tokenizer) = &args.tokenizer {
         anyhow::ensure!(tokenizer.is_file(), "--tokenizer {}: no such file", tokenizer.display());
         files.tokenizer_json = Some(tokenizer.clone());

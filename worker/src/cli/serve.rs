@@ -7,11 +7,12 @@ use anyhow::Context;
 use clap::Args;
 
 use common::pipeline::{LayerRange, StageInfo};
-use common::protocol::JoinedBy;
+use common::protocol::{JoinedBy, PROTOCOL_VERSION, Preparing};
+use worker::serve::prepare::Reporter;
 
 use worker::pipeline::metrics::PipelineMetrics;
 
-use super::engine_args::{EngineArgs, build_engine_from, on_the_kernel_pool, resolve};
+use super::engine_args::{EngineArgs, build_engine_from, fetch_weights, on_the_kernel_pool, resolve_config};
 use super::offer::Offer;
 use super::stage::StageArgs;
 
@@ -151,22 +152,80 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         // Offer, serve what is assigned, and offer again if the pipeline
         // breaks (a stage before or after it was lost).
         loop {
-            let resolved = resolve(&args.engine)?;
+            // The weights wait for the layers: a stage fetches only its own.
+            let mut resolved = resolve_config(&args.engine)?;
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let Some(layers) = runtime.block_on(offer_and_wait(&mut args, &name, &secret, &resolved))? else {
+            let Some((layers, coordinator)) = runtime.block_on(offer_and_wait(&mut args, &name, &secret, &resolved))?
+            else {
                 return Ok(());
             };
             drop(runtime);
-            match serve_layers(&args, name.clone(), secret.clone(), resolved, Some(layers)) {
+            let report = prepare(&args, &name, &secret, &mut resolved, Some(layers), Some(&coordinator))?;
+            let prepared = Prepared { resolved, layers: Some(layers), coordinator: Some(coordinator), report };
+            match serve_layers(&args, name.clone(), secret.clone(), prepared) {
                 Err(e) if pipeline_lost(&e) => tracing::warn!("{e}; offering this worker again"),
                 other => return other,
             }
             args.next_stage = None;
         }
     }
-    let resolved = resolve(&args.engine)?;
+    let mut resolved = resolve_config(&args.engine)?;
     let layers = args.layers.as_deref().map(|l| LayerRange::parse(l, resolved.files.config.num_layers)).transpose()?;
-    serve_layers(&args, name, secret, resolved, layers)
+    // A later stage talks to the stage before it, not to the coordinator.
+    let coordinator = match layers.filter(|l| !l.is_first()) {
+        Some(_) => None,
+        None => Some(coordinator_address(&args, &secret)?),
+    };
+    let report = prepare(&args, &name, &secret, &mut resolved, layers, coordinator.as_ref())?;
+    serve_layers(&args, name, secret, Prepared { resolved, layers, coordinator, report })
+}
+
+/// A worker with its weights fetched, about to load them.
+struct Prepared {
+    resolved: super::engine_args::Resolved,
+    /// Every layer if `None`.
+    layers: Option<LayerRange>,
+    /// The coordinator and how it was found (not for a later stage).
+    coordinator: Option<(String, JoinedBy)>,
+    /// Progress shown at the coordinator until the weights are loaded.
+    report: Option<Reporter>,
+}
+
+/// Fetches the weights of `layers` (every layer if `None`), reporting the
+/// download to the coordinator when there is one (`/v1/workers` shows it);
+/// the report, kept until the weights are loaded.
+fn prepare(
+    args: &ServeArgs,
+    name: &str,
+    secret: &str,
+    resolved: &mut super::engine_args::Resolved,
+    layers: Option<LayerRange>,
+    coordinator: Option<&(String, JoinedBy)>,
+) -> anyhow::Result<Option<Reporter>> {
+    let report = match coordinator {
+        Some((address, joined_by)) => {
+            let preparing = Preparing {
+                protocol_version: PROTOCOL_VERSION,
+                worker_name: name.to_string(),
+                model: resolved.files.identity(),
+                block_size: args.engine.block_size as u32,
+                layers: layers.unwrap_or(LayerRange::full(resolved.files.config.num_layers)).to_string(),
+                joined_by: *joined_by,
+                auth_tag: Vec::new(),
+            };
+            Reporter::start(address, secret, preparing)?
+        }
+        None => None,
+    };
+    fetch_weights(&args.engine, resolved, layers, &mut |progress| {
+        if let Some(report) = &report {
+            report.download(progress);
+        }
+    })?;
+    if let Some(report) = &report {
+        report.loading();
+    }
+    Ok(report)
 }
 
 /// Whether serving ended because a stage of this worker's pipeline was lost.
@@ -176,14 +235,9 @@ fn pipeline_lost(e: &anyhow::Error) -> bool {
 }
 
 /// Serves `layers` (every layer if `None`) until SIGTERM or a fatal error.
-fn serve_layers(
-    args: &ServeArgs,
-    name: String,
-    secret: String,
-    resolved: super::engine_args::Resolved,
-    layers: Option<LayerRange>,
-) -> anyhow::Result<()> {
+fn serve_layers(args: &ServeArgs, name: String, secret: String, prepared: Prepared) -> anyhow::Result<()> {
     use worker::serve::service::{self, ServeConfig};
+    let Prepared { resolved, layers, coordinator, report } = prepared;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let num_layers = resolved.files.config.num_layers;
     let layers = layers.filter(|l| !l.is_full());
@@ -200,10 +254,13 @@ fn serve_layers(
                 "note: layers {l} are a later pipeline stage, which talks to the stage before it, not to --coordinator"
             );
         }
-        return super::stage::run_later_stage(&args.engine, resolved, l, stage_args(args, name, secret), runtime);
+        let stage = stage_args(args, name, secret);
+        return super::stage::run_later_stage(&args.engine, resolved, l, stage, runtime, report);
     }
-    let (coordinator, joined_by) = coordinator_address(args, &secret)?;
+    let (coordinator, joined_by) = coordinator.context("a first stage needs the coordinator's address")?;
     let (mut engine, files, device) = build_engine_from(&args.engine, resolved, layers)?;
+    // Loaded: this worker shows as itself in /v1/workers once it registers.
+    drop(report);
     let mut later_stages = Vec::new();
     if let (Some(next), Some(l)) = (&args.next_stage, layers) {
         let downstream = runtime.block_on(super::stage::dial_next(
@@ -325,14 +382,15 @@ fn coordinator_address(args: &ServeArgs, secret: &str) -> anyhow::Result<(String
 }
 
 /// `--layers auto`: offers this worker to the coordinator and takes the
-/// layers, next stage and listen address it is assigned; `None` on SIGTERM.
+/// layers, next stage and listen address it is assigned, and the
+/// coordinator (and how it was found); `None` on SIGTERM.
 async fn offer_and_wait(
     args: &mut ServeArgs,
     name: &str,
     secret: &str,
     resolved: &super::engine_args::Resolved,
-) -> anyhow::Result<Option<LayerRange>> {
-    let (coordinator, _) = coordinator_address(args, secret)?;
+) -> anyhow::Result<Option<(LayerRange, (String, JoinedBy))>> {
+    let (coordinator, joined_by) = coordinator_address(args, secret)?;
     anyhow::ensure!(
         args.next_stage.is_none(),
         "--layers auto: the coordinator assigns the next stage, not --next-stage"
@@ -369,7 +427,7 @@ async fn offer_and_wait(
         assignment.next_stage.as_deref().map(|n| format!(", next stage at {n}")).unwrap_or_default()
     );
     args.next_stage = assignment.next_stage;
-    Ok(Some(layers))
+    Ok(Some((layers, (coordinator, joined_by))))
 }
 
 fn stage_args(args: &ServeArgs, name: String, secret: String) -> StageArgs {

@@ -36,12 +36,15 @@ pub fn run_later_stage(
     layers: LayerRange,
     args: StageArgs,
     runtime: tokio::runtime::Runtime,
+    report: Option<worker::serve::prepare::Reporter>,
 ) -> anyhow::Result<()> {
     let listen = args.listen.with_context(|| {
         format!("layers {layers} are a later pipeline stage: give --stage-listen HOST:PORT for the stage before")
     })?;
     let runner = StageRunner::new(&resolved.files, &stage_config(engine, &resolved, layers))
         .with_context(|| format!("loading layers {layers} of {}", resolved.files.name))?;
+    // Loaded: the coordinator shows this stage in its pipeline from now on.
+    drop(report);
     let mut info = runner.info(&args.name);
     tracing::info!(
         "stage {} (layers {layers} of {}): weights {:.1} MiB, KV cache {} blocks ({} tokens), {}, {:.1} MiB",

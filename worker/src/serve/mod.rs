@@ -1,9 +1,11 @@
 //! `tinyvllm-worker serve`: the QUIC service shell around the engine and
-//! the Prometheus metrics it records, and the thread that compiles
+//! the Prometheus metrics it records, the report of a worker still
+//! fetching and loading its weights, and the thread that compiles
 //! structured-output grammars off the step loop.
 
 pub mod compile;
 
 pub mod metrics;
 pub mod metrics_server;
+pub mod prepare;
 pub mod service;
