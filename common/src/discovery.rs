@@ -11,7 +11,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use mdns_sd::{ServiceDaemon, ServiceEvent, ServiceInfo};
+use mdns_sd::{IfKind, ServiceDaemon, ServiceEvent, ServiceInfo};
 
 /// How long a browse waits for an answer before it asks again.
 const REQUERY: Duration = Duration::from_secs(3);
@@ -45,16 +45,31 @@ pub struct Announcement {
 }
 
 impl Announcement {
-    /// Announces the coordinator listening for workers on `quic_port`,
-    /// serving `model`, on every interface's addresses.
-    pub fn start(quic_port: u16, model: &str, secret: &str) -> Result<Self, DiscoveryError> {
+    /// Announces the coordinator listening for workers on `quic`, serving
+    /// `model`, with the addresses a worker can reach that socket at: the
+    /// bound address alone, or for an unspecified one every interface's
+    /// addresses of its family (IPv4 only for 0.0.0.0).
+    pub fn start(quic: SocketAddr, model: &str, secret: &str) -> Result<Self, DiscoveryError> {
         let daemon = ServiceDaemon::new()?;
         let host = hostname();
         let instance = format!("tinyvllm-{}-{}", host, std::process::id());
         let properties = [("cluster", cluster_id(secret)), ("model", model.to_string()), ("v", "1".to_string())];
-        let info =
-            ServiceInfo::new(SERVICE_TYPE, &instance, &format!("{host}.local."), (), quic_port, &properties[..])?
-                .enable_addr_auto();
+        let hostname = format!("{host}.local.");
+        let info = match quic.ip() {
+            ip if ip.is_unspecified() => {
+                if ip.is_ipv4() {
+                    // An IPv4 socket: an IPv6 address would lead workers nowhere.
+                    daemon.disable_interface(IfKind::IPv6)?;
+                }
+                ServiceInfo::new(SERVICE_TYPE, &instance, &hostname, (), quic.port(), &properties[..])?
+                    .enable_addr_auto()
+            }
+            ip => {
+                daemon.disable_interface(IfKind::All)?;
+                daemon.enable_interface(IfKind::Addr(ip))?;
+                ServiceInfo::new(SERVICE_TYPE, &instance, &hostname, ip, quic.port(), &properties[..])?
+            }
+        };
         let fullname = info.get_fullname().to_string();
         daemon.register(info)?;
         Ok(Self { daemon, fullname })
@@ -98,11 +113,10 @@ pub fn find_coordinator(secret: &str, timeout: Duration) -> Result<Found, Discov
         }
         match events.recv_timeout(deadline.min(next_query).saturating_duration_since(now)) {
             Ok(ServiceEvent::ServiceResolved(info)) if info.get_property_val_str("cluster") == Some(ours.as_str()) => {
-                let mut addresses: Vec<IpAddr> = info.get_addresses().iter().copied().collect();
-                addresses.sort_by_key(|a| (a.is_ipv6(), a.is_loopback()));
-                if let Some(ip) = addresses.first() {
+                // The records may come one by one: wait for a usable address.
+                if let Some(ip) = best_address(info.get_addresses().iter().copied()) {
                     let model = info.get_property_val_str("model").map(str::to_string);
-                    break Some(Found { address: SocketAddr::new(*ip, info.get_port()), model });
+                    break Some(Found { address: SocketAddr::new(ip, info.get_port()), model });
                 }
             }
             Ok(_) => {}
@@ -113,6 +127,17 @@ pub fn find_coordinator(secret: &str, timeout: Duration) -> Result<Found, Discov
     let _ = daemon.stop_browse(SERVICE_TYPE);
     let _ = daemon.shutdown();
     found.ok_or(DiscoveryError::NotFound(timeout))
+}
+
+/// The address to dial of those announced: IPv4 first, then not loopback.
+/// An IPv6 link-local address is of no use without its interface, which
+/// an mDNS answer does not say, and an unspecified one never is.
+fn best_address(addresses: impl Iterator<Item = IpAddr>) -> Option<IpAddr> {
+    let usable = |ip: &IpAddr| match ip {
+        IpAddr::V4(v4) => !v4.is_unspecified(),
+        IpAddr::V6(v6) => !v6.is_unspecified() && !v6.is_unicast_link_local(),
+    };
+    addresses.filter(usable).min_by_key(|ip| (ip.is_ipv6(), ip.is_loopback(), *ip))
 }
 
 fn hostname() -> String {
@@ -128,6 +153,18 @@ fn hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resolved service whose only address so far is IPv6 link-local
+    /// is not yet found (the A record may follow); IPv4 wins over IPv6.
+    #[test]
+    fn only_a_usable_address_is_dialled() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(best_address([ip("fe80::8801:66ff:fe14:1ca9")].into_iter()), None);
+        assert_eq!(best_address([ip("0.0.0.0"), ip("::")].into_iter()), None);
+        let mixed = [ip("fe80::1"), ip("2001:db8::5"), ip("10.0.0.7"), ip("127.0.0.1")];
+        assert_eq!(best_address(mixed.into_iter()), Some(ip("10.0.0.7")));
+        assert_eq!(best_address([ip("fe80::1"), ip("2001:db8::5")].into_iter()), Some(ip("2001:db8::5")));
+    }
 
     #[test]
     fn cluster_ids_tell_clusters_apart_without_the_secret() {

@@ -268,7 +268,7 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     // Workers without --coordinator find it by this; kept until shutdown.
     let _announcement = match args.no_discovery {
         true => None,
-        false => match common::discovery::Announcement::start(quic_addr.port(), &served_model_name, &secret) {
+        false => match common::discovery::Announcement::start(quic_addr, &served_model_name, &secret) {
             Ok(announcement) => {
                 tracing::info!("announced on the local network as {}", common::discovery::SERVICE_TYPE);
                 Some(announcement)
