@@ -3,10 +3,13 @@
 //! the shutdown refusal. `handle` is a plain function of a request, so
 //! tests can call it without a socket; `serve` runs it on a real listener.
 //!
-//! What hyper still answers itself, with an empty body: a request line or
-//! header it cannot parse (400), a head over its buffer (~400 KiB) or with
-//! more than `HYPER_MAX_HEADERS` headers (431), a URI over 64 KiB (414).
-//! Everything smaller that is still too large gets our JSON error.
+//! What hyper answers itself (a request line or header it cannot parse:
+//! 400; a head over its buffer, ~400 KiB, or with more than
+//! `HYPER_MAX_HEADERS` headers: 431; a URI over 64 KiB: 414) it sends with
+//! an empty body; `refusals` puts our JSON error in it on the way out.
+//! Everything smaller that is still too large gets our JSON error directly.
+
+mod refusals;
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -357,7 +360,8 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Arc<AppState>, mut sh
                 Ok::<_, Infallible>(response.map(|inner| Tracked { inner, _busy: busy }))
             }
         });
-        let conn = graceful.watch(builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+        let io = hyper_util::rt::TokioIo::new(refusals::JsonRefusals::new(stream));
+        let conn = graceful.watch(builder.serve_connection(io, service));
         tokio::spawn(async move {
             tokio::select! {
                 _ = conn => {}

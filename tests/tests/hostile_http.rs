@@ -316,6 +316,39 @@ fn hyper_level_errors_have_json_bodies() {
     let (status, _, body) = raw(&cluster.http, long_uri.as_bytes(), Duration::from_secs(5));
     assert_eq!(status, 414);
     assert_openai_error(&body, "long uri");
+
+    // What hyper refuses before any handler of ours runs has our JSON too
+    // (issue 58): a head over hyper's buffer, thousands of headers, a URI
+    // over hyper's limit, a request line or header that is not HTTP.
+    let megabyte_header = format!("GET /health HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n", "a".repeat(1 << 20));
+    let thousands: String = (0..1500).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let cases: [(&str, Vec<u8>, u16); 6] = [
+        ("a 1 MiB header", megabyte_header.into_bytes(), 431),
+        ("1500 headers", format!("GET /health HTTP/1.1\r\nhost: x\r\n{thousands}\r\n").into_bytes(), 431),
+        ("a 100 KiB URI", format!("GET /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(100_000)).into_bytes(), 414),
+        ("GARBAGE", b"GARBAGE\r\n\r\n".to_vec(), 400),
+        ("a header without a colon", b"GET /health HTTP/1.1\r\nhost x\r\n\r\n".to_vec(), 400),
+        ("a bad method", b"G@T /health HTTP/1.1\r\nhost: x\r\n\r\n".to_vec(), 400),
+    ];
+    for (name, request, expected) in cases {
+        let (status, head, body) = raw(&cluster.http, &request, Duration::from_secs(5));
+        assert_eq!(status, expected, "{name}: {head}");
+        assert!(head.to_ascii_lowercase().contains("content-type: application/json"), "{name}: {head}");
+        assert_openai_error(&body, name);
+    }
+    // A good request, then garbage on the same connection: the answer to
+    // the first as usual, then the refusal with its JSON.
+    let mut stream = TcpStream::connect(&cluster.http).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    stream.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\nGARBAGE\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    let second = text.find("HTTP/1.1 400").unwrap_or_else(|| panic!("no 400 after the 200: {text}"));
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let (_, body) = text[second..].split_once("\r\n\r\n").expect("a head");
+    assert_openai_error(body, "garbage after a request");
+    // The server is unharmed.
+    assert_eq!(get_status(&cluster, "/health", Duration::from_secs(5)), 200);
 }
 
 /// (path, body, content type, expected status, expected `param`, a word the message must hold)
