@@ -6,6 +6,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 pub mod hub;
+pub mod netem;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
