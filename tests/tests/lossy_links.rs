@@ -190,3 +190,48 @@ fn a_stage_link_cut_for_3_s_resumes_losing_no_token() {
     let workers = cluster.workers();
     assert_eq!(workers["data"][0]["id"], 0, "the pipeline was never lost: {workers}");
 }
+
+/// A pipeline the coordinator forms from `--layers auto` offers, each
+/// worker reachable only through its own impaired link: it advertises the
+/// link's address (`--advertise`), the coordinator hands that to the stage
+/// before, and the stage link runs through it.
+#[test]
+fn a_formed_pipeline_links_through_advertised_addresses() {
+    let cluster = Coordinator::start(MODEL, 0, &["--pipeline-parallel-size", "2"]);
+    let target: SocketAddr = cluster.quic.parse().expect("the coordinator's QUIC address");
+    let coordinator_link = Link::start("coordinator", localhost(), target, lan_profile(), 31).expect("a link");
+    let mut links = Vec::new();
+    let mut stages = Vec::new();
+    for (k, name) in ["a", "b"].into_iter().enumerate() {
+        // A free port for the stage listener, then the link in front of it.
+        let port = std::net::UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("a free port").port();
+        let listen: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let link = Link::start(name, localhost(), listen, lan_profile(), 40 + k as u64).expect("a link");
+        let mut child = Command::new(binary("tinyvllm-worker"))
+            .args(["serve", "--model", model_dir(MODEL).to_str().unwrap(), "--layers", "auto", "--name", name])
+            .args(["--coordinator", &coordinator_link.address().to_string()])
+            .args(["--stage-listen", &listen.to_string(), "--advertise", &link.address().to_string()])
+            .args(["--kv-cache-memory", "4000000"])
+            .arg("--cluster-secret-file")
+            .arg(&cluster.secret_file)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting a worker");
+        let log = Log::collect(child.stderr.take().expect("stderr"));
+        stages.push(Stage { child, log });
+        links.push(link);
+    }
+    let mut pipeline = LossyPipeline { stages, links, _dir: TempDir::new("advertised") };
+    wait_ready(&cluster, &mut pipeline);
+    let workers = cluster.workers();
+    let later = workers["data"][0]["stages"][1]["name"].as_str().expect("a later stage").to_string();
+    for case in golden(&format!("{MODEL}.json"))["cases"].as_array().expect("cases") {
+        let (status, out) = post_json(&cluster.url("/generate"), &greedy(case["prompt_text"].as_str().unwrap(), 48));
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["token_ids"], case["generated_ids"], "case {}\n{}", case["id"], pipeline.logs());
+    }
+    // The stage link ran through the later stage's advertised link.
+    let through = pipeline.links[if later == "a" { 0 } else { 1 }].counts();
+    assert!(through.forwarded > 100 && through.lost > 0, "{through:?}\n{}", pipeline.logs());
+    drop(coordinator_link);
+}

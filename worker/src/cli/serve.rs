@@ -48,6 +48,11 @@ pub struct ServeArgs {
     /// address the coordinator sees this worker at.
     #[arg(long)]
     stage_listen: Option<std::net::SocketAddr>,
+    /// With --layers auto, the address the stage before this one is told
+    /// to dial, HOST:PORT, when it is not the one --stage-listen binds: a
+    /// machine behind NAT or with several interfaces, or a proxy in between.
+    #[arg(long, requires = "stage_listen")]
+    advertise: Option<std::net::SocketAddr>,
     /// Write the bound --stage-listen address to this file once listening.
     #[arg(long)]
     stage_address_file: Option<std::path::PathBuf>,
@@ -407,6 +412,7 @@ async fn offer_and_wait(
         block_size: args.engine.block_size,
     };
     args.stage_listen = Some(offer.stage_listen);
+    let offer = Offer { stage_listen: args.advertise.unwrap_or(offer.stage_listen), ..offer };
     let Some(assignment) = super::offer::await_assignment(&coordinator, name, secret, resolved, offer).await? else {
         return Ok(None);
     };
