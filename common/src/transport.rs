@@ -106,10 +106,44 @@ pub const AUTHENTICATED_RECEIVE_WINDOW: u32 = 16 << 20;
 /// the backstop that needs no application task to run.
 pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The congestion controller of a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Congestion {
+    Cubic,
+    NewReno,
+    Bbr,
+}
+
+/// How the QUIC links are tuned for the networks they run on: home and
+/// office LANs and Wi-Fi (1 to 20 ms, jitter, some loss). [`Tuning::LAN`]
+/// is what every link uses; the others exist for `tinyvllm-linkbench`,
+/// which measured the choice (docs/networks.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    pub congestion: Congestion,
+    /// The round trip assumed before one is measured: it sets the first
+    /// loss-detection timeouts (quinn's default, 333 ms, is an Internet path's).
+    pub initial_rtt: std::time::Duration,
+}
+
+impl Tuning {
+    pub const LAN: Self = Self { congestion: Congestion::Cubic, initial_rtt: std::time::Duration::from_millis(333) };
+}
+
 /// `peer_bidi_streams`: how many bidirectional streams the other side may
 /// open (the worker opens the one control stream; the coordinator opens none).
-fn quic_transport(peer_bidi_streams: u32) -> Arc<quinn::TransportConfig> {
+fn quic_transport(peer_bidi_streams: u32, tuning: Tuning) -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
+    transport.initial_rtt(tuning.initial_rtt);
+    match tuning.congestion {
+        Congestion::Cubic => {
+            transport.congestion_controller_factory(Arc::new(quinn::congestion::CubicConfig::default()))
+        }
+        Congestion::NewReno => {
+            transport.congestion_controller_factory(Arc::new(quinn::congestion::NewRenoConfig::default()))
+        }
+        Congestion::Bbr => transport.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default())),
+    };
     transport.keep_alive_interval(Some(std::time::Duration::from_secs(1)));
     transport.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(IDLE_TIMEOUT).expect("a 10 s idle timeout is representable"),
@@ -136,6 +170,15 @@ pub fn server_config(
     cert: rustls::pki_types::CertificateDer<'static>,
     key: rustls::pki_types::PrivateKeyDer<'static>,
 ) -> Result<quinn::ServerConfig, TransportError> {
+    server_config_tuned(cert, key, Tuning::LAN)
+}
+
+/// As [`server_config`], tuned otherwise (for the link benchmark).
+pub fn server_config_tuned(
+    cert: rustls::pki_types::CertificateDer<'static>,
+    key: rustls::pki_types::PrivateKeyDer<'static>,
+    tuning: Tuning,
+) -> Result<quinn::ServerConfig, TransportError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -147,11 +190,16 @@ pub fn server_config(
     let crypto =
         quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    config.transport_config(quic_transport(1));
+    config.transport_config(quic_transport(1, tuning));
     Ok(config)
 }
 
 pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
+    client_config_tuned(Tuning::LAN)
+}
+
+/// As [`client_config`], tuned otherwise (for the link benchmark).
+pub fn client_config_tuned(tuning: Tuning) -> Result<quinn::ClientConfig, TransportError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -163,7 +211,7 @@ pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
     let crypto =
         quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TransportError::Tls(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(quic_transport(0));
+    config.transport_config(quic_transport(0, tuning));
     Ok(config)
 }
 

@@ -70,6 +70,8 @@ pub struct AppState {
     pub reasoning_format: Option<crate::reasoning::ReasoningFormat>,
     /// `/v1/responses` kept for `previous_response_id` and `GET`.
     pub responses: crate::api::responses::ResponseStore,
+    /// Answers kept for retries with an `Idempotency-Key`.
+    pub idempotency: crate::idempotency::IdempotencyStore,
     pub served_model_name: String,
     /// The model's context (or `--max-model-len`); see [`AppState::max_model_len`].
     model_max_len: usize,
@@ -114,6 +116,7 @@ impl AppState {
             constrain_reasoning: false,
             reasoning_format: None,
             responses: Default::default(),
+            idempotency: crate::idempotency::IdempotencyStore::in_memory(),
             chat_template,
             served_model_name,
             model_max_len: max_model_len,

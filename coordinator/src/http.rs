@@ -29,6 +29,7 @@ use crate::api::reply::{PROMETHEUS_TEXT, ReplyBody};
 use crate::api::{ApiError, Reply, chat, completions, generate, info, messages, responses, tokenize};
 use crate::app::{AppState, HttpLimits};
 use crate::connections::{Admission, Busy, Connections};
+use crate::idempotency::{self, Lookup};
 
 /// Headers we accept, in number and in bytes (request line included).
 const MAX_HEADERS: usize = 100;
@@ -151,7 +152,40 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             if !counting && app.shutting_down() {
                 return Err(ApiError::unavailable("the server is shutting down"));
             }
+            // Generations may carry a key their retries send again.
+            let key = if counting || path == "/tokenize" || path == "/detokenize" {
+                None
+            } else {
+                idempotency_key(req.headers())?
+            };
             let body = read_body(req, &app.limits).await?;
+            let held = match &key {
+                Some(key) => {
+                    let digest = idempotency::request_digest(&body);
+                    match app.idempotency.begin(&path, key, &digest) {
+                        Lookup::Run => {
+                            Some(HeldKey { app: app.clone(), path: path.clone(), key: key.clone(), finished: false })
+                        }
+                        Lookup::Replay(answer) => {
+                            let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
+                            return Ok(Reply::replayed(status, &answer.content_type, answer.body));
+                        }
+                        Lookup::Running => {
+                            return Err(ApiError::conflict(
+                                "Idempotency-Key",
+                                "A request with this Idempotency-Key is still running; retry once it has finished.",
+                            ));
+                        }
+                        Lookup::Mismatch => {
+                            return Err(ApiError::unprocessable(
+                                "Idempotency-Key",
+                                "This Idempotency-Key was used for a different request body.",
+                            ));
+                        }
+                    }
+                }
+                None => None,
+            };
             let work = async {
                 match path.as_str() {
                     "/tokenize" => tokenize::tokenize(&app, body).await,
@@ -167,13 +201,63 @@ async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Result<Reply, ApiE
             // At the shutdown timeout a whole response still waited for is
             // refused (streams end themselves, see `sse`); dropping it aborts
             // its requests on the workers.
-            tokio::select! {
+            let reply = tokio::select! {
                 reply = work => reply,
                 () = app.cut() => Err(ApiError::unavailable("the server is shutting down; the request was cut")),
+            };
+            match (reply, held) {
+                (Ok(reply), Some(held)) => Ok(reply.record(move |recorded| held.finish(recorded))),
+                // An error frees the key (dropping `held`).
+                (reply, _) => reply,
             }
         }
         (_, p) if POST_PATHS.contains(&p) || GET_PATHS.contains(&p) => Err(ApiError::method_not_allowed()),
         _ => Err(ApiError::not_found(&path)),
+    }
+}
+
+/// The `Idempotency-Key` (or, as vLLM names a request, `X-Request-Id`)
+/// header: visible ASCII, at most `idempotency::MAX_KEY_BYTES`.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key").or_else(|| headers.get("x-request-id")) else {
+        return Ok(None);
+    };
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > idempotency::MAX_KEY_BYTES || !bytes.iter().all(|b| b.is_ascii_graphic()) {
+        return Err(ApiError::invalid(
+            "Idempotency-Key",
+            format!("An Idempotency-Key is 1 to {} visible ASCII characters.", idempotency::MAX_KEY_BYTES),
+        ));
+    }
+    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// A key held by the request running under it: its answer is kept when
+/// it finishes well; dropped unfinished (an error, a cut), the key is free.
+struct HeldKey {
+    app: Arc<AppState>,
+    path: String,
+    key: String,
+    finished: bool,
+}
+
+impl HeldKey {
+    fn finish(mut self, recorded: crate::api::reply::Recorded) {
+        let answer = recorded.and_then(|(status, content_type, body)| {
+            let answer = idempotency::answer(status.as_u16(), content_type, &body)?;
+            let whole = content_type != "text/event-stream" || idempotency::stream_succeeded(&answer.body);
+            whole.then_some(answer)
+        });
+        self.app.idempotency.finish(&self.path, &self.key, answer);
+        self.finished = true;
+    }
+}
+
+impl Drop for HeldKey {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.app.idempotency.finish(&self.path, &self.key, None);
+        }
     }
 }
 

@@ -11,6 +11,7 @@ pub mod connections;
 pub mod fuzzing;
 pub mod harmony;
 pub mod http;
+pub mod idempotency;
 pub mod join_token;
 pub mod local_pipelines;
 pub mod metrics;

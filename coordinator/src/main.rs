@@ -112,6 +112,12 @@ struct Args {
     /// detected from the chat template.
     #[arg(long)]
     tool_call_parser: Option<coordinator::tool_parser::ToolFormat>,
+    /// Keep the answers of requests sent with an `Idempotency-Key` (or
+    /// `X-Request-Id`) header in this file too, so a client retrying after
+    /// a restart gets the answer the first try had (kept 24 h either way;
+    /// without a file, for this process's life).
+    #[arg(long, value_name = "FILE")]
+    idempotency_file: Option<std::path::PathBuf>,
     /// Cap every request's generated tokens at N, whatever its `max_tokens`
     /// (llama.cpp server's --n-predict): bounds each request's work, e.g.
     /// for agents that ask for 32000 tokens a turn.
@@ -242,6 +248,10 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
         app.tool_format = Some(format.for_template(&template_source));
     }
     app.max_tokens_cap = args.max_tokens_cap;
+    if let Some(file) = &args.idempotency_file {
+        app.idempotency = coordinator::idempotency::IdempotencyStore::with_file(file.clone())
+            .with_context(|| format!("--idempotency-file {}", file.display()))?;
+    }
     app.constrain_reasoning = args.structured_outputs_in_reasoning;
     app.reasoning_format = match args.reasoning_parser {
         Some(ReasoningParserArg::None) => None,
@@ -315,7 +325,8 @@ async fn run(args: Args, cluster_runtime: tokio::runtime::Handle) -> anyhow::Res
     app.cut_responses();
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    cluster.drain_all();
+    // Remote workers stay up and reconnect when a coordinator is back.
+    cluster.drain_local();
     if let Some(supervisor) = supervisor {
         let _ = tokio::time::timeout(Duration::from_secs(10), supervisor).await;
     }

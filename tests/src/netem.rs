@@ -24,8 +24,11 @@ use std::time::{Duration, Instant};
 pub struct Profile {
     /// One-way delay.
     pub delay: Duration,
-    /// Each datagram's delay is `delay` plus a uniform draw in `[-jitter, +jitter]`
-    /// (so datagrams can overtake each other, as on Wi-Fi).
+    /// Each datagram's delay is `delay` plus a uniform draw in `[-jitter,
+    /// +jitter]`, but never before the datagram sent ahead of it: a link
+    /// is a queue, and jitter that overtakes (Linux netem's) would make
+    /// every burst look like heavy reordering, which a LAN does not do.
+    /// `reorder` reorders.
     pub jitter: Duration,
     /// Probability a datagram is lost (in the good state, with `burst`).
     pub loss: f64,
@@ -114,6 +117,8 @@ struct Shared {
     dice: [Mutex<Dice>; 2],
     /// When each direction's line is next free (rate limit).
     line_free: [Mutex<Instant>; 2],
+    /// When each direction last delivers a datagram in order.
+    last_due: [Mutex<Instant>; 2],
     queue: Mutex<BinaryHeap<Scheduled>>,
     wake: Condvar,
     log: Mutex<Vec<String>>,
@@ -203,6 +208,7 @@ impl Link {
                 Mutex::new(Dice { state: seed ^ 0x5eed_0002, bad: false }),
             ],
             line_free: [Mutex::new(now), Mutex::new(now)],
+            last_due: [Mutex::new(now), Mutex::new(now)],
             queue: Mutex::new(BinaryHeap::new()),
             wake: Condvar::new(),
             log: Mutex::new(Vec::new()),
@@ -327,7 +333,7 @@ impl Shared {
         }
         let profile = self.profile.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let now = Instant::now();
-        let (lost, delays) = {
+        let (lost, reorder, delays) = {
             let mut dice = self.dice[direction].lock().unwrap_or_else(|p| p.into_inner());
             if let Some((enter, leave)) = profile.burst {
                 let flip = dice.unit();
@@ -346,7 +352,7 @@ impl Shared {
             if reorder {
                 self.counts[REORDERED].fetch_add(1, Ordering::Relaxed);
             }
-            (lost, std::iter::once(first).chain(second).collect::<Vec<_>>())
+            (lost, reorder, std::iter::once(first).chain(second).collect::<Vec<_>>())
         };
         if lost {
             self.counts[LOST].fetch_add(1, Ordering::Relaxed);
@@ -371,8 +377,15 @@ impl Shared {
         }
         let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         for delay in delays {
+            let mut due = sent + delay;
+            if !reorder {
+                // In order behind the datagram before it.
+                let mut last = self.last_due[direction].lock().unwrap_or_else(|p| p.into_inner());
+                due = due.max(*last);
+                *last = due;
+            }
             queue.push(Scheduled {
-                due: sent + delay,
+                due,
                 sequence: self.sequence.fetch_add(1, Ordering::Relaxed),
                 socket: socket.clone(),
                 to,

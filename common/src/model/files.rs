@@ -262,6 +262,7 @@ pub fn shards_for_layers(
 
 /// Whether the config at `path` ties the lm_head to the embeddings (the
 /// last stage then reads the embeddings too).
+#[cfg(feature = "hub")]
 pub(super) fn tied_embeddings(config_path: &Path) -> Result<bool> {
     let text = read_file(config_path)?;
     let config = ModelConfig::from_json(&text).map_err(|e| ModelError::file(config_path, e.to_string()))?;

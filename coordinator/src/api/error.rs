@@ -106,6 +106,19 @@ impl ApiError {
         Self::new(StatusCode::URI_TOO_LONG, "invalid_request_error", format!("The URI exceeds {limit} bytes."))
     }
 
+    /// 409: what the request asks conflicts with one running now.
+    pub fn conflict(param: &str, message: impl Into<String>) -> Self {
+        Self { param: Some(param.to_string()), ..Self::new(StatusCode::CONFLICT, "invalid_request_error", message) }
+    }
+
+    /// 422: well-formed, but not what this key was used for.
+    pub fn unprocessable(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param.to_string()),
+            ..Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error", message)
+        }
+    }
+
     pub fn unsupported_media_type(given: &str) -> Self {
         Self::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,

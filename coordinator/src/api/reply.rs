@@ -56,7 +56,12 @@ pub struct Reply {
     retry_after: Option<u64>,
     /// Sends `connection: close`: the request's body was not read.
     close: bool,
+    /// Sends `idempotent-replayed: true`: an answer kept for an `Idempotency-Key`.
+    replayed: bool,
 }
+
+/// A whole answer as it was sent: status, content type and body.
+pub type Recorded = Option<(StatusCode, &'static str, Bytes)>;
 
 const JSON: &str = "application/json";
 const SSE: &str = "text/event-stream";
@@ -77,6 +82,7 @@ impl Reply {
                 content_type: JSON,
                 retry_after: None,
                 close: false,
+                replayed: false,
             },
             Err(e) => Self::error(&ApiError::internal(format!("encoding the response: {e}"))),
         }
@@ -89,12 +95,20 @@ impl Reply {
             content_type: SSE,
             retry_after: None,
             close: false,
+            replayed: false,
         }
     }
 
     /// A body that is not JSON, served as `content_type`.
     pub fn text(status: StatusCode, content_type: &'static str, body: String) -> Self {
-        Self { status, body: ReplyBody::Full(Some(Bytes::from(body))), content_type, retry_after: None, close: false }
+        Self {
+            status,
+            body: ReplyBody::Full(Some(Bytes::from(body))),
+            content_type,
+            retry_after: None,
+            close: false,
+            replayed: false,
+        }
     }
 
     pub fn error(e: &ApiError) -> Self {
@@ -104,6 +118,7 @@ impl Reply {
             content_type: JSON,
             retry_after: e.retry_after,
             close: false,
+            replayed: false,
         }
     }
 
@@ -126,6 +141,45 @@ impl Reply {
         self.status
     }
 
+    /// An answer kept for an idempotency key, sent again as it was.
+    pub fn replayed(status: StatusCode, content_type: &str, body: String) -> Self {
+        let content_type = if content_type == SSE { SSE } else { JSON };
+        Self { replayed: true, ..Self::text(status, content_type, body) }
+    }
+
+    /// This reply, calling `done` with all of it once it is produced: a
+    /// whole body at once, a stream's events when it ends. A failure (a
+    /// status over 299, a stream the client left) gives `None`.
+    pub fn record(self, done: impl FnOnce(Recorded) + Send + 'static) -> Self {
+        let success = self.status.is_success();
+        match self.body {
+            ReplyBody::Full(Some(bytes)) => {
+                done(success.then(|| (self.status, self.content_type, bytes.clone())));
+                Self { body: ReplyBody::Full(Some(bytes)), ..self }
+            }
+            ReplyBody::Stream(mut events) if success => {
+                let (tx, rx) = mpsc::channel(64);
+                let (status, content_type) = (self.status, self.content_type);
+                tokio::spawn(async move {
+                    let mut all = String::new();
+                    while let Some(event) = events.recv().await {
+                        all.push_str(&event);
+                        if tx.send(event).await.is_err() {
+                            // The client left: dropping `events` aborts the request.
+                            return done(None);
+                        }
+                    }
+                    done(Some((status, content_type, Bytes::from(all))));
+                });
+                Self { body: ReplyBody::Stream(rx), ..self }
+            }
+            body => {
+                done(None);
+                Self { body, ..self }
+            }
+        }
+    }
+
     pub fn into_response(self) -> Response<ReplyBody> {
         let mut builder = Response::builder().status(self.status).header("content-type", self.content_type);
         if self.content_type == SSE {
@@ -133,6 +187,9 @@ impl Reply {
         }
         if self.close {
             builder = builder.header("connection", "close");
+        }
+        if self.replayed {
+            builder = builder.header("idempotent-replayed", "true");
         }
         if let Some(seconds) = self.retry_after {
             builder = builder.header("retry-after", seconds.to_string());

@@ -225,9 +225,9 @@ impl Cluster {
         self.lock().registry.label(id)
     }
 
-    /// Asks every worker to drain (finish in-flight work, take no more).
-    pub fn drain_all(&self) {
-        self.lock().registry.drain_all();
+    /// Asks the local workers to drain (see `Registry::drain_local`).
+    pub fn drain_local(&self) {
+        self.lock().registry.drain_local();
     }
 
     /// Marks workers that stopped reporting as lost.

@@ -207,9 +207,12 @@ impl Registry {
         }
     }
 
-    /// Asks every worker to drain (finish in-flight work, take no more).
-    pub fn drain_all(&mut self) {
-        for w in self.workers.values_mut() {
+    /// Asks the coordinator's own workers (`--local-workers`) to drain
+    /// (finish in-flight work, take no more, exit). Workers on other
+    /// machines are left running: they reconnect to the coordinator when it
+    /// is back, their KV caches warm.
+    pub fn drain_local(&mut self) {
+        for w in self.workers.values_mut().filter(|w| w.joined_by == JoinedBy::Local) {
             w.state = WorkerState::Draining;
             let _ = w.tx.send(CoordinatorMessage::Drain);
         }
