@@ -14,9 +14,19 @@ At the end it prints, and writes as JSON with --json: streams completed and
 failed, tokens lost / repeated / wrong, the coordinator's peak and
 first/last-minute RSS and open file descriptors, and kills done.
 
-Standard library only. Example (the figures in RELIABILITY.md):
+With --faults, the workers are remote instead (started by this script,
+restarted 2 s after a kill), each reaching the coordinator only through its
+own impaired link (tinyvllm-netem: 2% loss, 5 +/- 2 ms each way); every
+--flap-every seconds one link is cut for --flap-for seconds (longer than
+the coordinator's 3 s liveness bound, so the worker is failed over and
+comes back), and every --kill-every seconds one worker is killed. The
+defaults then are the issue 58 profile: 30 minutes, 200 streams, a flap
+every 2 minutes, a kill every 5.
+
+Standard library only. Examples (the figures in RELIABILITY.md):
     cargo build --release --bins
     python3 tools/soak.py --duration 600 --concurrency 1000 --kill-every 60
+    python3 tools/soak.py --faults
 """
 
 import argparse
@@ -180,6 +190,78 @@ async def wait_ready(port: int, workers: int, timeout: float):
     raise SystemExit(f"the cluster did not become ready in {timeout:.0f} s")
 
 
+class RemoteWorkers:
+    """--faults: workers started here, each behind its own tinyvllm-netem."""
+
+    def __init__(self, args, quic: int):
+        self.args = args
+        self.quic = quic
+        self.links = []
+        self.workers = [None] * args.workers
+        self.restart_at = [None] * args.workers
+        self.restore_at = {}
+        self.log = open(REPO / "target/soak-workers.log", "w")
+        self.netem_log = open(REPO / "target/soak-netem.log", "w")
+        for i in range(args.workers):
+            link = subprocess.Popen(
+                [f"{args.bin_dir}/tinyvllm-netem", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{quic}",
+                 "--seed", str(args.seed + i), "delay_ms=5", "jitter_ms=2", f"loss={args.loss}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.netem_log, text=True,
+            )
+            first = link.stdout.readline()
+            address = first.strip().split("listening=")[1]
+            self.links.append((link, address))
+
+    def start(self, i: int):
+        _, address = self.links[i]
+        self.workers[i] = subprocess.Popen(
+            [f"{self.args.bin_dir}/tinyvllm-worker", "serve", "--model", self.args.model, "--coordinator", address,
+             "--name", f"remote-{i}", "--cluster-secret-file", str(REPO / "target/soak-secret"),
+             "--state-dir", str(REPO / f"target/soak-state-{i}")],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def start_all(self):
+        for i in range(len(self.workers)):
+            self.start(i)
+
+    def kill(self, i: int):
+        self.workers[i].kill()
+        self.workers[i].wait()
+        self.restart_at[i] = time.time() + 2
+
+    def command(self, i: int, line: str):
+        link, _ = self.links[i]
+        link.stdin.write(line + "\n")
+        link.stdin.flush()
+
+    def flap(self, i: int, seconds: float):
+        self.command(i, "cut")
+        self.restore_at[i] = time.time() + seconds
+
+    def tend(self):
+        now = time.time()
+        for i, at in list(self.restore_at.items()):
+            if now >= at:
+                self.command(i, "restore")
+                del self.restore_at[i]
+        for i, at in enumerate(self.restart_at):
+            if at is not None and now >= at:
+                self.start(i)
+                self.restart_at[i] = None
+
+    def describe(self) -> dict:
+        return {"links": f"{self.args.loss:.0%} loss, 5 +/- 2 ms each way", "flap_every": self.args.flap_every,
+                "flap_for": self.args.flap_for, "kill_every": self.args.kill_every}
+
+    def stop(self):
+        for w in self.workers:
+            if w and w.poll() is None:
+                w.terminate()
+        for link, _ in self.links:
+            link.kill()
+
+
 async def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "tests/models/stories260K"))
@@ -190,7 +272,21 @@ async def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--bin-dir", default=str(REPO / "target/release"))
     ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--faults", action="store_true", help="remote workers behind impaired links (see above)")
+    ap.add_argument("--flap-every", type=float, default=120)
+    ap.add_argument("--flap-for", type=float, default=5)
+    ap.add_argument("--loss", type=float, default=0.02)
+    ap.add_argument("--seed", type=int, default=58)
     args = ap.parse_args()
+    if args.faults:
+        # The issue 58 profile, unless given.
+        given = set(a.split("=")[0] for a in sys.argv[1:])
+        if "--duration" not in given:
+            args.duration = 1800
+        if "--concurrency" not in given:
+            args.concurrency = 200
+        if "--kill-every" not in given:
+            args.kill_every = 300
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
@@ -202,14 +298,19 @@ async def main():
             "--model", args.model,
             "--http", f"127.0.0.1:{port}",
             "--quic", f"127.0.0.1:{quic}",
-            "--local-workers", str(args.workers),
+            "--local-workers", "0" if args.faults else str(args.workers),
             "--cluster-secret-file", str(REPO / "target/soak-secret"),
+            "--no-discovery",
             "--max-queued-requests", str(args.concurrency * 2),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    remote = RemoteWorkers(args, quic) if args.faults else None
     try:
+        if remote:
+            await asyncio.sleep(1)
+            remote.start_all()
         await wait_ready(port, args.workers, 120)
         cases = [(p, m) for p in PROMPTS for m in MODES]
         reference = {}
@@ -220,7 +321,7 @@ async def main():
                 raise SystemExit(f"reference for {mode!r} failed: {err}")
             reference[(prompt, mode)] = tokens
 
-        totals = {"streams_ok": 0, "streams_failed": 0, "lost": 0, "repeated": 0, "wrong": 0, "kills": 0}
+        totals = {"streams_ok": 0, "streams_failed": 0, "lost": 0, "repeated": 0, "wrong": 0, "kills": 0, "flaps": 0}
         failures = []
         deadline = time.time() + args.duration
 
@@ -248,15 +349,27 @@ async def main():
 
         async def monitor():
             next_kill = time.time() + args.kill_every
+            next_flap = time.time() + args.flap_every
+            faults = random.Random(args.seed)
             while time.time() < deadline:
                 samples.append((time.time(), *proc_stats(coordinator.pid)))
                 if time.time() >= next_kill:
-                    pids = worker_pids(coordinator.pid)
-                    if pids:
-                        os.kill(random.choice(pids), signal.SIGKILL)
+                    if remote:
+                        remote.kill(faults.randrange(args.workers))
                         totals["kills"] += 1
+                    else:
+                        pids = worker_pids(coordinator.pid)
+                        if pids:
+                            os.kill(faults.choice(pids), signal.SIGKILL)
+                            totals["kills"] += 1
                     next_kill += args.kill_every
-                await asyncio.sleep(2)
+                if remote and time.time() >= next_flap:
+                    remote.flap(faults.randrange(args.workers), args.flap_for)
+                    totals["flaps"] += 1
+                    next_flap += args.flap_every
+                if remote:
+                    remote.tend()
+                await asyncio.sleep(1)
 
         started = time.time()
         await asyncio.gather(monitor(), *(client(i) for i in range(args.concurrency)))
@@ -275,6 +388,7 @@ async def main():
             "coordinator_fds_peak": max(f for _, _, f in samples),
             "coordinator_fds_end": proc_stats(coordinator.pid)[1],
             "redispatches": (await get_json(port, "/v1/workers")).get("redispatches"),
+            "faults": remote.describe() if remote else None,
             "failures": failures,
         }
         print(json.dumps(report, indent=2))
@@ -283,6 +397,8 @@ async def main():
         bad = report["lost"] + report["repeated"] + report["wrong"] + report["streams_failed"]
         return 1 if bad else 0
     finally:
+        if remote:
+            remote.stop()
         coordinator.send_signal(signal.SIGTERM)
         try:
             coordinator.wait(timeout=40)

@@ -106,6 +106,12 @@ pub enum HandshakeReply {
     Refused {
         reason: String,
     },
+    /// Not now: an older session with this worker's id is still registered
+    /// (it restarted before the coordinator noticed it had gone). The
+    /// worker retries; the old session is dropped within the liveness bound.
+    Later {
+        reason: String,
+    },
 }
 
 /// The first frame a worker sends on its control stream: a registration,

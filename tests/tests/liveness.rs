@@ -65,7 +65,20 @@ fn a_slow_lossy_link_is_not_a_dead_worker_and_a_cut_one_is_noticed() {
     }
     let noticed = cut_at.elapsed();
     assert!(noticed <= Duration::from_secs(4) + Duration::from_millis(500), "{noticed:?}");
-    eprintln!("{served} requests over 5% loss and 20 +/- 20 ms, no false loss; a cut noticed after {noticed:?}");
+    // Restored: the worker registers again by itself and serves.
+    link.restore();
+    let restored = Instant::now();
+    while workers_named(&cluster, "laptop").first().is_none_or(|w| w["state"] != "ready") {
+        assert!(restored.elapsed() < Duration::from_secs(30), "never came back:\n{}", worker_log.text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let back = restored.elapsed();
+    let (status, out) = post_json(&cluster.url("/v1/completions"), &greedy("Once upon a time", 16));
+    assert_eq!(status, 200, "{out}");
+    eprintln!(
+        "{served} requests over 5% loss and 20 +/- 20 ms, no false loss; a cut noticed after {noticed:?}; \
+         back {back:?} after the link was restored"
+    );
     terminate(&mut worker);
 }
 

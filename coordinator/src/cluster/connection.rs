@@ -48,6 +48,12 @@ enum Authenticated {
     Prepare(quinn::Connection, Preparing, quinn::SendStream, quinn::RecvStream),
 }
 
+/// Why a connection is refused, and whether trying again later may succeed.
+struct Refusal {
+    reason: String,
+    retry: bool,
+}
+
 /// What a refusal check reads of a handshake or an offer.
 struct Credentials<'a> {
     protocol_version: u32,
@@ -155,9 +161,12 @@ impl Cluster {
                 },
             ),
         };
-        if let Some(reason) = self.refusal(&credentials, &binding) {
+        if let Some(Refusal { reason, retry }) = self.refusal(&credentials, &binding) {
             tracing::warn!("refusing worker {name:?} at {address}: {reason}");
             let _ = match hello {
+                WorkerHello::Register(_) if retry => {
+                    transport::write_frame(&mut send, &HandshakeReply::Later { reason: reason.clone() }).await
+                }
                 WorkerHello::Register(_) => {
                     transport::write_frame(&mut send, &HandshakeReply::Refused { reason: reason.clone() }).await
                 }
@@ -222,33 +231,37 @@ impl Cluster {
     }
 
     /// Why a worker's handshake or offer is refused, if it is.
-    fn refusal(&self, hello: &Credentials<'_>, binding: &[u8; 32]) -> Option<String> {
+    fn refusal(&self, hello: &Credentials<'_>, binding: &[u8; 32]) -> Option<Refusal> {
+        let refused = |reason: String| Some(Refusal { reason, retry: false });
         if hello.protocol_version != PROTOCOL_VERSION {
-            return Some(format!(
+            return refused(format!(
                 "protocol version {} (this coordinator speaks {PROTOCOL_VERSION})",
                 hello.protocol_version
             ));
         }
         if !transport::verify_auth_tag(self.secret.as_bytes(), Role::Worker, binding, hello.auth_tag) {
-            return Some("wrong cluster secret".into());
+            return refused("wrong cluster secret".into());
         }
         // The wire carries the block size as u32; the coordinator counts in usize.
         if usize::try_from(hello.block_size).ok() != Some(self.block_size) {
-            return Some(format!(
+            return refused(format!(
                 "block size {} (this coordinator routes with {}; start both with the same --block-size)",
                 hello.block_size, self.block_size
             ));
         }
         if hello.model.config_hash != self.model.config_hash {
-            return Some(format!("serves model {:?}, the cluster serves {:?}", hello.model.name, self.model.name));
+            return refused(format!("serves model {:?}, the cluster serves {:?}", hello.model.name, self.model.name));
         }
         if let Some(id) = hello.instance_id
             && let Some(other) = self.lock().registry.with_instance_id(id)
         {
-            return Some(format!(
-                "worker {other:?} has the same id ({id}) and is connected: two workers share one state directory? \
-                 Give each its own --name or --state-dir"
-            ));
+            // Most often this worker itself, restarted before its old
+            // session was noticed gone: it retries until that one is.
+            let reason = format!(
+                "worker {other:?} has the same id ({id}) and is connected: this worker restarted (retry), or two \
+                 workers share one state directory (give each its own --name or --state-dir)"
+            );
+            return Some(Refusal { reason, retry: true });
         }
         None
     }

@@ -7,7 +7,7 @@
 //! byte sent to the answer, median and 90th percentile.
 //!
 //! ```text
-//! cargo run --release -p tinyvllm-tests --bin tinyvllm-linkbench [-- --quick]
+//! cargo run --release -p tinyvllm-tests --bin tinyvllm-linkbench [-- --quick] [--links loopback,LAN]
 //! ```
 //!
 //! Results and the choice made from them: docs/networks.md.
@@ -28,7 +28,14 @@ struct Case {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--links loopback,LAN`: only the links whose names start so.
+    let only: Option<Vec<String>> = args
+        .iter()
+        .position(|a| a == "--links")
+        .and_then(|i| args.get(i + 1))
+        .map(|l| l.split(',').map(String::from).collect());
     let scale = if quick { 4 } else { 1 };
     let cases = [
         Case { label: "4 KiB (a decode step)", bytes: 4 << 10, count: 200 / scale },
@@ -53,6 +60,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("|---|---|{}", "---|".repeat(cases.len()));
     for (profile_name, profile) in &profiles {
+        if only.as_ref().is_some_and(|only| !only.iter().any(|o| profile_name.starts_with(o.as_str()))) {
+            continue;
+        }
         for (k, (tuning_name, tuning)) in tunings.iter().enumerate() {
             let mut cells = Vec::new();
             for case in &cases {

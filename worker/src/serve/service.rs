@@ -372,6 +372,7 @@ async fn session(
             tracing::info!("registered with the coordinator at {addr} as worker {worker_id}");
         }
         Some(HandshakeReply::Refused { reason }) => return Err(ServiceError::Refused(reason)),
+        Some(HandshakeReply::Later { reason }) => return Err(ServiceError::Connection(format!("not yet: {reason}"))),
         None => return Ok(SessionEnd::Disconnected("closed during the handshake".into())),
     }
     // Anything the engine produced while disconnected belongs to aborted requests.
