@@ -235,3 +235,50 @@ fn a_formed_pipeline_links_through_advertised_addresses() {
     assert!(through.forwarded > 100 && through.lost > 0, "{through:?}\n{}", pipeline.logs());
     drop(coordinator_link);
 }
+
+/// A stage link cut for longer than QUIC's idle timeout (10 s) is a lost
+/// pipeline, as a dead stage is: its first stage leaves the cluster and its
+/// streams move to a replica, each still exactly its unimpaired run.
+#[test]
+fn a_stage_link_cut_past_the_timeout_fails_over_losing_no_token() {
+    let cluster = Coordinator::start(MODEL, 0, &[]);
+    // 10 ms each way on the stage link: about 21 ms a token, so the streams are still running at the cut.
+    let mut pipeline = LossyPipeline::start(&cluster, &["0-2", "3-4"], &Profile::lossy(10, 0, 0.0), 9);
+    wait_ready(&cluster, &mut pipeline);
+    let prompts: Vec<String> =
+        (0..4).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i])).collect();
+    let references: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, body) = (cluster.url("/v1/completions"), greedy(p, 200));
+            std::thread::spawn(move || {
+                let (status, out) = post_json(&url, &body);
+                assert_eq!(status, 200, "{out}");
+                out["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+        })
+        .collect();
+    let reference: Vec<String> = references.into_iter().map(|h| h.join().expect("a reference")).collect();
+    // The streams start on the pipeline, the only worker.
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, tx, body) = (cluster.url("/v1/completions"), started_tx.clone(), greedy(p, 200));
+            std::thread::spawn(move || stream_completion_text(&url, body, tx))
+        })
+        .collect();
+    for _ in 0..prompts.len() {
+        started.recv_timeout(Duration::from_secs(60)).expect("every stream started");
+    }
+    // A replica joins, then the stage link goes dark for good.
+    let mut replica = cluster.start_worker(MODEL, "replica", &cluster.secret_file);
+    pipeline.links[1].cut();
+    let texts: Vec<String> = streams.into_iter().map(|h| h.join().expect("a stream")).collect();
+    assert_eq!(texts, reference, "{}", pipeline.logs());
+    let workers = cluster.workers();
+    assert!(workers["redispatches"].as_u64() >= Some(4), "the pipeline's streams moved: {workers}");
+    let names: Vec<&str> = workers["data"].as_array().unwrap().iter().filter_map(|w| w["name"].as_str()).collect();
+    assert_eq!(names, ["replica"], "the pipeline left: {workers}");
+    terminate(&mut replica);
+}
