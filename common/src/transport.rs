@@ -33,6 +33,8 @@ pub enum TransportError {
     Tls(String),
     #[error("certificate generation: {0}")]
     Cert(#[from] rcgen::Error),
+    #[error("UDP socket: {0}")]
+    Socket(#[from] std::io::Error),
 }
 
 /// Writes one message as a length-prefixed frame.
@@ -217,6 +219,15 @@ pub fn client_config_tuned(tuning: Tuning) -> Result<quinn::ClientConfig, Transp
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(quic_transport(0, tuning));
     Ok(config)
+}
+
+/// A client endpoint for dialling `peer`: a socket of its address family
+/// on any port, with [`client_config`].
+pub fn client_endpoint(peer: std::net::SocketAddr) -> Result<quinn::Endpoint, TransportError> {
+    let any: std::net::SocketAddr = if peer.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().expect("literal");
+    let mut endpoint = quinn::Endpoint::client(any)?;
+    endpoint.set_default_client_config(client_config()?);
+    Ok(endpoint)
 }
 
 /// Accepts the coordinator's self-signed certificate but checks the TLS

@@ -463,6 +463,46 @@ pub fn stream_completion_text(url: &str, mut body: serde_json::Value, started: s
     text
 }
 
+/// A greedy request of `max_tokens` that ignores EOS (so its length is known).
+pub fn greedy(prompt: &str, max_tokens: u64) -> serde_json::Value {
+    serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+/// Each prompt's greedy `/v1/completions` text (`max_tokens` tokens), the
+/// requests sent at once: the runs faults are compared with.
+pub fn greedy_texts(cluster: &Coordinator, prompts: &[String], max_tokens: u64) -> Vec<String> {
+    let requests: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, body) = (cluster.url("/v1/completions"), greedy(p, max_tokens));
+            std::thread::spawn(move || {
+                let (status, out) = post_json(&url, &body);
+                assert_eq!(status, 200, "{out}");
+                out["choices"][0]["text"].as_str().expect("a text").to_string()
+            })
+        })
+        .collect();
+    requests.into_iter().map(|h| h.join().expect("a request")).collect()
+}
+
+/// Streams each prompt's greedy completion (`max_tokens` tokens); once
+/// every stream has text, runs `fault`; returns each stream's whole text.
+pub fn streams_across(cluster: &Coordinator, prompts: &[String], max_tokens: u64, fault: impl FnOnce()) -> Vec<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, tx, body) = (cluster.url("/v1/completions"), tx.clone(), greedy(p, max_tokens));
+            std::thread::spawn(move || stream_completion_text(&url, body, tx))
+        })
+        .collect();
+    for _ in 0..prompts.len() {
+        rx.recv_timeout(std::time::Duration::from_secs(120)).expect("every stream started");
+    }
+    fault();
+    handles.into_iter().map(|h| h.join().expect("a stream")).collect()
+}
+
 /// The python that `.ci/run` gives the client tests (`TINYVLLM_TEST_PYTHON`),
 /// or `None` outside CI when unset (the test then skips, saying it needs
 /// the packages `needs` names). In CI it must be set.

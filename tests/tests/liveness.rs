@@ -11,15 +11,13 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use tinyvllm_tests::netem::{Link, Profile};
-use tinyvllm_tests::{Coordinator, Log, binary, model_dir, post_json, signal, stream_completion_text, terminate};
+use tinyvllm_tests::{
+    Coordinator, Log, binary, greedy, greedy_texts, model_dir, post_json, signal, streams_across, terminate,
+};
 
 const MODEL: &str = "stories260K";
-
-fn greedy(prompt: &str, max_tokens: u64) -> Value {
-    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
-}
 
 fn workers_named(cluster: &Coordinator, name: &str) -> Vec<Value> {
     let workers = cluster.workers();
@@ -86,35 +84,24 @@ fn a_slow_lossy_link_is_not_a_dead_worker_and_a_cut_one_is_noticed() {
 fn a_worker_asleep_for_30_s_is_failed_over_and_rejoins_cleanly() {
     let (cluster, log) = Coordinator::start_logged(MODEL, 2, &[]);
     let prompts: Vec<String> =
-        (0..4).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i])).collect();
-    let reference: Vec<String> = prompts
-        .iter()
-        .map(|p| {
-            let (_, out) = post_json(&cluster.url("/v1/completions"), &greedy(p, 400));
-            out["choices"][0]["text"].as_str().unwrap().to_string()
-        })
-        .collect();
+        ["dog", "cat", "girl", "boy"].iter().map(|a| format!("Once upon a time, there was a {a}")).collect();
+    let reference = greedy_texts(&cluster, &prompts, 400);
     let before = workers_named(&cluster, "local-0");
     assert_eq!(before.len(), 1);
     let pid = cluster.local_worker_pid("local-0").expect("local-0's pid");
-
-    let (started_tx, started) = std::sync::mpsc::channel();
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (url, tx, body) = (cluster.url("/v1/completions"), started_tx.clone(), greedy(p, 400));
-            std::thread::spawn(move || stream_completion_text(&url, body, tx))
-        })
-        .collect();
-    for _ in 0..prompts.len() {
-        started.recv_timeout(Duration::from_secs(60)).expect("every stream started");
-    }
-    signal(pid, "-STOP");
-    let slept = Instant::now();
-    // Failed over: its streams finish on local-1, exactly.
-    let texts: Vec<String> = streams.into_iter().map(|h| h.join().expect("a stream")).collect();
+    // Asleep mid-stream, it is failed over: its streams finish on local-1, exactly.
+    let mut slept = None;
+    let texts = streams_across(&cluster, &prompts, 400, || {
+        signal(pid, "-STOP");
+        slept = Some(Instant::now());
+    });
+    let slept = slept.expect("stopped");
     assert_eq!(texts, reference, "{}", log.text());
-    assert!(workers_named(&cluster, "local-0").is_empty(), "a sleeping worker is not listed");
+    // Declared lost within the liveness bound (3 missed stats and one more).
+    while !workers_named(&cluster, "local-0").is_empty() {
+        assert!(slept.elapsed() < Duration::from_secs(6), "a sleeping worker is still listed:\n{}", log.text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
     std::thread::sleep(Duration::from_secs(30).saturating_sub(slept.elapsed()));
     signal(pid, "-CONT");
 

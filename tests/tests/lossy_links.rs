@@ -9,17 +9,12 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
 use tinyvllm_tests::netem::{Link, Profile};
 use tinyvllm_tests::{
-    Coordinator, Log, TempDir, binary, golden, model_dir, post_json, stream_completion_text, terminate,
+    Coordinator, Log, TempDir, binary, golden, greedy, greedy_texts, model_dir, post_json, streams_across, terminate,
 };
 
 const MODEL: &str = "stories260K";
-
-fn greedy(prompt: &str, max_tokens: u64) -> Value {
-    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
-}
 
 struct Stage {
     child: Child,
@@ -88,6 +83,11 @@ impl LossyPipeline {
         let links = self.links.iter().map(|l| format!("{}\n{:?}", l.log().join("\n"), l.counts()));
         stages.chain(links).collect::<Vec<_>>().join("\n")
     }
+}
+
+/// Four story openings, one a stream.
+fn four_prompts() -> Vec<String> {
+    ["dog", "cat", "girl", "boy"].iter().map(|a| format!("Once upon a time, there was a {a}")).collect()
 }
 
 fn localhost() -> SocketAddr {
@@ -159,32 +159,14 @@ fn a_stage_link_cut_for_3_s_resumes_losing_no_token() {
     let cluster = Coordinator::start(MODEL, 0, &[]);
     let mut pipeline = LossyPipeline::start(&cluster, &["0-2", "3-4"], &Profile::lossy(2, 1, 0.0), 5);
     wait_ready(&cluster, &mut pipeline);
-    let prompts: Vec<String> =
-        (0..4).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i])).collect();
-    let reference: Vec<String> = prompts
-        .iter()
-        .map(|p| {
-            let (status, out) = post_json(&cluster.url("/v1/completions"), &greedy(p, 300));
-            assert_eq!(status, 200, "{out}");
-            out["choices"][0]["text"].as_str().unwrap().to_string()
-        })
-        .collect();
-    let (started_tx, started) = std::sync::mpsc::channel();
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (url, tx, body) = (cluster.url("/v1/completions"), started_tx.clone(), greedy(p, 300));
-            std::thread::spawn(move || stream_completion_text(&url, body, tx))
-        })
-        .collect();
-    for _ in 0..prompts.len() {
-        started.recv_timeout(Duration::from_secs(60)).expect("every stream started");
-    }
+    let prompts = four_prompts();
+    let reference = greedy_texts(&cluster, &prompts, 300);
     let stage_link = &pipeline.links[1];
-    stage_link.cut();
-    std::thread::sleep(Duration::from_secs(3));
-    stage_link.restore();
-    let texts: Vec<String> = streams.into_iter().map(|h| h.join().expect("a stream")).collect();
+    let texts = streams_across(&cluster, &prompts, 300, || {
+        stage_link.cut();
+        std::thread::sleep(Duration::from_secs(3));
+        stage_link.restore();
+    });
     assert_eq!(texts, reference, "{}", pipeline.logs());
     assert!(stage_link.counts().cut > 0, "the cut dropped datagrams: {:?}", stage_link.counts());
     let workers = cluster.workers();
@@ -245,40 +227,19 @@ fn a_stage_link_cut_past_the_timeout_fails_over_losing_no_token() {
     // 10 ms each way on the stage link: about 21 ms a token, so the streams are still running at the cut.
     let mut pipeline = LossyPipeline::start(&cluster, &["0-2", "3-4"], &Profile::lossy(10, 0, 0.0), 9);
     wait_ready(&cluster, &mut pipeline);
-    let prompts: Vec<String> =
-        (0..4).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl", "boy"][i])).collect();
-    let references: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (url, body) = (cluster.url("/v1/completions"), greedy(p, 200));
-            std::thread::spawn(move || {
-                let (status, out) = post_json(&url, &body);
-                assert_eq!(status, 200, "{out}");
-                out["choices"][0]["text"].as_str().unwrap().to_string()
-            })
-        })
-        .collect();
-    let reference: Vec<String> = references.into_iter().map(|h| h.join().expect("a reference")).collect();
-    // The streams start on the pipeline, the only worker.
-    let (started_tx, started) = std::sync::mpsc::channel();
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (url, tx, body) = (cluster.url("/v1/completions"), started_tx.clone(), greedy(p, 200));
-            std::thread::spawn(move || stream_completion_text(&url, body, tx))
-        })
-        .collect();
-    for _ in 0..prompts.len() {
-        started.recv_timeout(Duration::from_secs(60)).expect("every stream started");
-    }
-    // A replica joins, then the stage link goes dark for good.
-    let mut replica = cluster.start_worker(MODEL, "replica", &cluster.secret_file);
-    pipeline.links[1].cut();
-    let texts: Vec<String> = streams.into_iter().map(|h| h.join().expect("a stream")).collect();
+    let prompts = four_prompts();
+    let reference = greedy_texts(&cluster, &prompts, 200);
+    // The streams start on the pipeline, the only worker; then a replica
+    // joins, and the stage link goes dark for good.
+    let mut replica = None;
+    let texts = streams_across(&cluster, &prompts, 200, || {
+        replica = Some(cluster.start_worker(MODEL, "replica", &cluster.secret_file));
+        pipeline.links[1].cut();
+    });
     assert_eq!(texts, reference, "{}", pipeline.logs());
     let workers = cluster.workers();
     assert!(workers["redispatches"].as_u64() >= Some(4), "the pipeline's streams moved: {workers}");
     let names: Vec<&str> = workers["data"].as_array().unwrap().iter().filter_map(|w| w["name"].as_str()).collect();
     assert_eq!(names, ["replica"], "the pipeline left: {workers}");
-    terminate(&mut replica);
+    terminate(replica.as_mut().expect("the replica"));
 }

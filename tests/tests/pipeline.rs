@@ -11,13 +11,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tinyvllm_tests::{
-    Coordinator, Log, TempDir, binary, golden, model_dir, plan_device, post_json, signal, stream_completion_text,
-    terminate,
+    Coordinator, Log, TempDir, binary, golden, greedy, greedy_texts, model_dir, plan_device, post_json, signal,
+    streams_across, terminate,
 };
-
-fn greedy(prompt: &str, max_tokens: u64) -> Value {
-    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
-}
 
 /// Every golden case of `model` through `/generate` and `/v1/completions`;
 /// the second request of each prompt hits the prefix cache when the prompt
@@ -249,24 +245,6 @@ fn a_stage_of_another_model_is_refused_naming_both() {
     terminate(&mut later);
 }
 
-/// Streams `prompts` (200 greedy tokens each); once all have text, runs
-/// `kill`; returns each stream's whole text.
-fn streams_across(cluster: &Coordinator, prompts: &[String], kill: impl FnOnce()) -> Vec<String> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (url, tx, body) = (cluster.url("/v1/completions"), tx.clone(), greedy(p, 200));
-            std::thread::spawn(move || stream_completion_text(&url, body, tx))
-        })
-        .collect();
-    for _ in 0..prompts.len() {
-        rx.recv_timeout(Duration::from_secs(120)).expect("every stream started");
-    }
-    kill();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 /// Starts a first stage (layers 0-1 of stories260K) by hand, joining
 /// `cluster` with `address` as its next stage; returns it and its log.
 fn start_first_stage(cluster: &Coordinator, address: &str, name: &str) -> (std::process::Child, Log) {
@@ -285,13 +263,7 @@ fn start_first_stage(cluster: &Coordinator, address: &str, name: &str) -> (std::
 fn prompts_and_reference(cluster: &Coordinator) -> (Vec<String>, Vec<String>) {
     let prompts: Vec<String> =
         (0..6).map(|i| format!("Once upon a time, there was a {}", ["dog", "cat", "girl"][i % 3])).collect();
-    let reference = prompts
-        .iter()
-        .map(|p| {
-            let (_, out) = post_json(&cluster.url("/v1/completions"), &greedy(p, 200));
-            out["choices"][0]["text"].as_str().unwrap().to_string()
-        })
-        .collect();
+    let reference = greedy_texts(cluster, &prompts, 200);
     (prompts, reference)
 }
 
@@ -307,7 +279,7 @@ fn a_stage_killed_mid_stream_moves_its_pipelines_streams_to_a_replica_losing_no_
     let (mut first, first_log) = start_first_stage(&cluster, &address, "pipeline");
     cluster.wait_for_workers(2);
     let (prompts, reference) = prompts_and_reference(&cluster);
-    let texts = streams_across(&cluster, &prompts, || {
+    let texts = streams_across(&cluster, &prompts, 200, || {
         later.kill().unwrap(); // SIGKILL
         later.wait().unwrap();
     });
@@ -357,7 +329,7 @@ fn an_idle_first_stage_leaves_when_its_next_stage_dies() {
 fn a_local_pipeline_that_loses_a_stage_is_formed_again() {
     let cluster = Coordinator::start_pipelines("stories260K", 2, 2, &[]);
     let (prompts, reference) = prompts_and_reference(&cluster);
-    let texts = streams_across(&cluster, &prompts, || {
+    let texts = streams_across(&cluster, &prompts, 200, || {
         signal(cluster.local_worker_pid("local-0-stage-1").expect("pipeline 0's second stage"), "-KILL");
     });
     assert_eq!(texts, reference, "every stream, whole, after the kill");

@@ -187,6 +187,18 @@ impl Cluster {
         })
     }
 
+    /// Answers an authenticated offer or preparing report: accepted, with
+    /// the coordinator's own proof of the secret, bound to this session.
+    pub(super) async fn accept_proving_the_secret(
+        &self,
+        conn: &quinn::Connection,
+        send: &mut quinn::SendStream,
+    ) -> Result<(), String> {
+        let binding = transport::channel_binding(conn).map_err(|e| e.to_string())?;
+        let auth_tag = transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding);
+        transport::write_frame(send, &OfferReply::Accepted { auth_tag }).await.map_err(|e| e.to_string())
+    }
+
     /// Registers an authenticated worker and runs its frame loop until the
     /// connection ends.
     async fn serve_worker(

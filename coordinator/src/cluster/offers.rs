@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::protocol::{OfferReply, StageAssignment, StageOffer};
-use common::transport::{self, Role};
+use common::transport;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -96,10 +96,7 @@ impl Cluster {
         offer: StageOffer,
         mut send: quinn::SendStream,
     ) -> Result<(), String> {
-        let binding = transport::channel_binding(&conn).map_err(|e| e.to_string())?;
-        let accepted =
-            OfferReply::Accepted { auth_tag: transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding) };
-        transport::write_frame(&mut send, &accepted).await.map_err(|e| e.to_string())?;
+        self.accept_proving_the_secret(&conn, &mut send).await?;
         let mut stage_address = offer.stage_listen;
         if stage_address.ip().is_unspecified() {
             stage_address.set_ip(conn.remote_address().ip());

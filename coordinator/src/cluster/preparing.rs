@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use common::protocol::{OfferReply, PrepareProgress, Preparing};
-use common::transport::{self, Role};
+use common::protocol::{PrepareProgress, Preparing};
+use common::transport;
 use serde::Serialize;
 
 use super::Cluster;
@@ -111,10 +111,7 @@ impl Cluster {
         mut send: quinn::SendStream,
         mut recv: quinn::RecvStream,
     ) -> Result<(), String> {
-        let binding = transport::channel_binding(&conn).map_err(|e| e.to_string())?;
-        let accepted =
-            OfferReply::Accepted { auth_tag: transport::auth_tag(self.secret.as_bytes(), Role::Coordinator, &binding) };
-        transport::write_frame(&mut send, &accepted).await.map_err(|e| e.to_string())?;
+        self.accept_proving_the_secret(&conn, &mut send).await?;
         let _ = send.finish();
         let address = conn.remote_address().to_string();
         tracing::info!(

@@ -63,9 +63,7 @@ pub async fn await_assignment(
         .ok()
         .and_then(|mut a| a.next())
         .with_context(|| format!("--coordinator {coordinator}: not a HOST:PORT this machine can resolve"))?;
-    let bind: SocketAddr = if address.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse()?;
-    let mut endpoint = quinn::Endpoint::client(bind)?;
-    endpoint.set_default_client_config(transport::client_config()?);
+    let endpoint = transport::client_endpoint(address)?;
     let stage_offer = |binding: &[u8; 32]| StageOffer {
         protocol_version: PROTOCOL_VERSION,
         worker_name: name.to_string(),

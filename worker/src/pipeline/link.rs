@@ -124,9 +124,7 @@ pub async fn dial_until_up(address: &str, secret: &str, hello: StageHello) -> Re
 /// link's reader and writer tasks (on the current tokio runtime).
 pub async fn dial(address: &str, secret: &str, mut hello: StageHello) -> Result<Downstream, LinkError> {
     let addr = resolve(address).await?;
-    let bind: SocketAddr = if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().expect("literal address");
-    let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| LinkError::Connection(e.to_string()))?;
-    endpoint.set_default_client_config(transport::client_config()?);
+    let endpoint = transport::client_endpoint(addr)?;
     let conn = endpoint
         .connect(addr, transport::SERVER_NAME)
         .map_err(|e| LinkError::Connection(e.to_string()))?

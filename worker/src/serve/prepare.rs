@@ -105,9 +105,7 @@ async fn report(
             .map_err(|e| format!("{coordinator}: {e}"))?
             .next()
             .ok_or_else(|| format!("{coordinator}: no address"))?;
-        let bind: SocketAddr = if address.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().expect("literal");
-        let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| e.to_string())?;
-        endpoint.set_default_client_config(transport::client_config().map_err(|e| e.to_string())?);
+        let endpoint = transport::client_endpoint(address).map_err(|e| e.to_string())?;
         let conn = endpoint
             .connect(address, transport::SERVER_NAME)
             .map_err(|e| e.to_string())?

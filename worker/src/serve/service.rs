@@ -294,9 +294,7 @@ pub async fn serve(
     mut from_engine: mpsc::UnboundedReceiver<WorkerMessage>,
 ) -> Result<(), ServiceError> {
     let addr = resolve(&config.coordinator).await?;
-    let bind: SocketAddr = if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().expect("literal address");
-    let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| ServiceError::Connection(e.to_string()))?;
-    endpoint.set_default_client_config(transport::client_config()?);
+    let endpoint = transport::client_endpoint(addr)?;
     let mut backoff = Duration::from_millis(100);
     loop {
         match session(&endpoint, addr, &config, kv_capacity_blocks, &commands, &mut from_engine).await {
