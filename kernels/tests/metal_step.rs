@@ -1,8 +1,9 @@
 //! The Metal step plan (`kernels::metal::step`) run whole by the CPU
 //! emulator, against a naive f32 reference of the same model written out
 //! here: a prefill of several sequences (one split into chunks), then
-//! decode steps, with and without Qwen3's head norm, biases, and f16 or
-//! bf16 weights. It also holds the plan to its promises: no allocation
+//! decode steps, with and without Qwen3's head norm, biases, f16 or bf16
+//! weights, GGML blocks, partial rotary embeddings and mixtures of experts
+//! (softmax or sigmoid routers, group limits, shared experts). It also holds the plan to its promises: no allocation
 //! after load, one command buffer per step, and the dispatch count
 //! docs/ARCHITECTURE.md states.
 #![cfg(feature = "metal-emulated")]
@@ -13,8 +14,8 @@ use kernels::metal::emulated::EmulatedGpu;
 use kernels::metal::model::quantize;
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{
-    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Readback, SampleRow, StepInput, StepInputs,
-    StepLimits, StepOutput, StepPlan, TokenEdit, WeightFormat, dispatches_per_step,
+    Experts, FeedForward, LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Readback, Routing,
+    SampleRow, StepInput, StepInputs, StepLimits, StepOutput, StepPlan, TokenEdit, WeightFormat, dispatches_per_step,
 };
 
 mod common;
@@ -90,8 +91,98 @@ struct RefLayer {
     head_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: RefLinear,
     post_norm: Vec<f32>,
-    gate_up: RefLinear,
-    down: RefLinear,
+    mlp: RefMlp,
+}
+
+enum RefMlp {
+    Dense { gate_up: RefLinear, down: RefLinear },
+    Experts(RefExperts),
+}
+
+struct RefExperts {
+    /// `[experts, hidden]`, f32.
+    router: RefLinear,
+    correction: Option<Vec<f32>>,
+    /// Each expert's `[2 I, hidden]` and `[hidden, I]`.
+    experts: Vec<(RefLinear, RefLinear)>,
+    shared: Option<(RefLinear, RefLinear)>,
+    routing: Routing,
+}
+
+/// SwiGLU's MLP: down(silu(gate x) * up x).
+fn swiglu_mlp(gate_up: &RefLinear, down: &RefLinear, x: &[f32]) -> Vec<f32> {
+    let gu = gate_up.apply(x);
+    let i = gate_up.out / 2;
+    let act: Vec<f32> = (0..i).map(|n| gu[n] / (1.0 + (-gu[n]).exp()) * gu[i + n]).collect();
+    down.apply(&act)
+}
+
+impl RefExperts {
+    /// The kept experts (best first) and their weights, as transformers routes.
+    fn route(&self, x: &[f32]) -> Vec<(usize, f32)> {
+        let r = self.routing;
+        let logits = self.router.apply(x);
+        let scores: Vec<f32> = if r.sigmoid {
+            logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect()
+        } else {
+            let m = logits.iter().copied().fold(f32::MIN, f32::max);
+            let e: Vec<f32> = logits.iter().map(|&l| (l - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            e.iter().map(|v| v / z).collect()
+        };
+        let mut choice: Vec<f32> = match &self.correction {
+            Some(c) => scores.iter().zip(c).map(|(s, c)| s + c).collect(),
+            None => scores.clone(),
+        };
+        if r.groups_kept < r.groups {
+            let size = r.experts / r.groups;
+            let rank = |g: &[f32]| {
+                let mut v = g.to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                v.iter().take(2).sum::<f32>()
+            };
+            let group_scores: Vec<f32> = choice.chunks(size).map(rank).collect();
+            let mut order: Vec<usize> = (0..r.groups).collect();
+            order.sort_by(|&a, &b| group_scores[b].total_cmp(&group_scores[a]).then(a.cmp(&b)));
+            for &g in &order[r.groups_kept..] {
+                choice[g * size..][..size].fill(0.0);
+            }
+        }
+        let mut kept: Vec<usize> = (0..r.experts).collect();
+        kept.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+        kept.truncate(r.top_k);
+        let total: f32 = kept.iter().map(|&e| scores[e]).sum();
+        kept.iter().map(|&e| (e, if r.norm_topk { scores[e] / total } else { scores[e] } * r.scale)).collect()
+    }
+
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; x.len()];
+        for (e, w) in self.route(x) {
+            let (gate_up, down) = &self.experts[e];
+            out.iter_mut().zip(swiglu_mlp(gate_up, down, x)).for_each(|(o, y)| *o += w * y);
+        }
+        if let Some((gate_up, down)) = &self.shared {
+            out.iter_mut().zip(swiglu_mlp(gate_up, down, x)).for_each(|(o, y)| *o += y);
+        }
+        out
+    }
+}
+
+/// A mixture of experts in the test model's last layer.
+#[derive(Clone, Copy)]
+struct MoeSpec {
+    routing: Routing,
+    correction: bool,
+    /// A shared expert of this width.
+    shared: Option<usize>,
+}
+
+/// What a test model has beyond a dense Llama.
+#[derive(Clone, Copy, Default)]
+struct Extras {
+    moe: Option<MoeSpec>,
+    /// RoPE on the first dims of each head only.
+    rotary_dim: Option<usize>,
 }
 
 struct RefModel {
@@ -130,27 +221,64 @@ fn rms(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 
 impl RefModel {
     fn new(shape: ModelShape, layers: usize, head_norm: bool, bias: bool, formats: Formats, seed: u64) -> Self {
+        Self::with_extras(shape, layers, (head_norm, bias), formats, Extras::default(), seed)
+    }
+
+    /// The last layer's MLP a mixture of experts under `extras.moe`.
+    fn with_extras(
+        shape: ModelShape,
+        layers: usize,
+        (head_norm, bias): (bool, bool),
+        formats: Formats,
+        extras: Extras,
+        seed: u64,
+    ) -> Self {
         let dtype = formats.dense;
         let mut rng = Rng(seed);
-        let ModelShape { hidden, intermediate, heads, kv_heads, head_dim, vocab, .. } = shape;
+        let ModelShape { hidden, intermediate, heads, kv_heads, head_dim, vocab, rotary_dim, .. } = shape;
         let norm = |rng: &mut Rng, n: usize| (0..n).map(|_| 1.0 + rng.next(0.2)).collect::<Vec<_>>();
+        let dense = |rng: &mut Rng, width: usize| {
+            (
+                RefLinear::new(rng, 2 * width, hidden, false, formats.linear),
+                RefLinear::new(rng, hidden, width, false, formats.linear),
+            )
+        };
         let layers = (0..layers)
-            .map(|_| RefLayer {
+            .map(|l| RefLayer {
                 input_norm: norm(&mut rng, hidden),
                 qk: RefLinear::new(&mut rng, (heads + kv_heads) * head_dim, hidden, bias, formats.linear),
                 v: RefLinear::new(&mut rng, kv_heads * head_dim, hidden, bias, formats.v_o),
                 head_norm: head_norm.then(|| (norm(&mut rng, head_dim), norm(&mut rng, head_dim))),
                 o: RefLinear::new(&mut rng, hidden, heads * head_dim, false, formats.v_o),
                 post_norm: norm(&mut rng, hidden),
-                gate_up: RefLinear::new(&mut rng, 2 * intermediate, hidden, false, formats.linear),
-                down: RefLinear::new(&mut rng, hidden, intermediate, false, formats.linear),
+                mlp: match extras.moe {
+                    Some(spec) if l + 1 == layers => {
+                        let r = spec.routing;
+                        // A router three times as sharp as the others:
+                        // choices apart by far more than rounding.
+                        let mut router = RefLinear::new(&mut rng, r.experts, hidden, false, WeightFormat::F32);
+                        router.w.iter_mut().for_each(|w| *w *= 3.0);
+                        router.bytes = bytes(DType::F32, &router.w);
+                        RefMlp::Experts(RefExperts {
+                            router,
+                            correction: spec.correction.then(|| rng.vec(r.experts, 0.3)),
+                            experts: (0..r.experts).map(|_| dense(&mut rng, r.expert_intermediate)).collect(),
+                            shared: spec.shared.map(|w| dense(&mut rng, w)),
+                            routing: r,
+                        })
+                    }
+                    _ => {
+                        let (gate_up, down) = dense(&mut rng, intermediate);
+                        RefMlp::Dense { gate_up, down }
+                    }
+                },
             })
             .collect();
-        let half = head_dim / 2;
+        let half = rotary_dim / 2;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for pos in 0..shape.max_positions {
             for i in 0..half {
-                let angle = pos as f64 / 10000f64.powf(2.0 * i as f64 / head_dim as f64);
+                let angle = pos as f64 / 10000f64.powf(2.0 * i as f64 / rotary_dim as f64);
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);
             }
@@ -168,7 +296,7 @@ impl RefModel {
     }
 
     fn rope(&self, x: &mut [f32], pos: usize) {
-        let half = x.len() / 2;
+        let half = self.shape.rotary_dim / 2;
         for j in 0..half {
             let (c, s) = (self.cos[pos * half + j], self.sin[pos * half + j]);
             let (a, b) = (x[j], x[j + half]);
@@ -216,10 +344,11 @@ impl RefModel {
                 }
                 let o = layer.o.apply(&attn);
                 x.iter_mut().zip(o).for_each(|(x, o)| *x += o);
-                let gu = layer.gate_up.apply(&rms(x, &layer.post_norm, s.eps));
-                let i = s.intermediate;
-                let act: Vec<f32> = (0..i).map(|n| gu[n] / (1.0 + (-gu[n]).exp()) * gu[i + n]).collect();
-                let down = layer.down.apply(&act);
+                let normed = rms(x, &layer.post_norm, s.eps);
+                let down = match &layer.mlp {
+                    RefMlp::Dense { gate_up, down } => swiglu_mlp(gate_up, down, &normed),
+                    RefMlp::Experts(experts) => experts.apply(&normed),
+                };
                 x.iter_mut().zip(down).for_each(|(x, o)| *x += o);
             }
         }
@@ -244,6 +373,26 @@ impl RefModel {
             weight: Matrix { buffer: gpu.upload(&l.bytes).unwrap(), format: l.format, rows: l.out, cols: l.inp },
             bias: l.b.as_ref().map(|b| f32s(gpu, b)),
         };
+        // Every expert's matrix of one projection in one buffer, expert-major.
+        let stacked = |gpu: &mut EmulatedGpu, parts: Vec<&RefLinear>| {
+            let bytes: Vec<u8> = parts.iter().flat_map(|l| l.bytes.iter().copied()).collect();
+            let (format, cols) = (parts[0].format, parts[0].inp);
+            let rows = parts.iter().map(|l| l.out).sum();
+            Linear { weight: Matrix { buffer: gpu.upload(&bytes).unwrap(), format, rows, cols }, bias: None }
+        };
+        let mlp = |gpu: &mut EmulatedGpu, mlp: &RefMlp| match mlp {
+            RefMlp::Dense { gate_up, down } => {
+                FeedForward::Dense { gate_up: linear(gpu, gate_up), down: linear(gpu, down) }
+            }
+            RefMlp::Experts(x) => FeedForward::Experts(Experts {
+                router: linear(gpu, &x.router),
+                correction: x.correction.as_ref().map(|c| f32s(gpu, c)),
+                gate_up: stacked(gpu, x.experts.iter().map(|e| &e.0).collect()),
+                down: stacked(gpu, x.experts.iter().map(|e| &e.1).collect()),
+                shared: x.shared.as_ref().map(|(gu, d)| (linear(gpu, gu), linear(gpu, d))),
+                routing: x.routing,
+            }),
+        };
         let s = &self.shape;
         ModelWeights {
             embed: Some(matrix(gpu, &self.embed, s.vocab, s.hidden)),
@@ -256,8 +405,7 @@ impl RefModel {
                     head_norm: l.head_norm.as_ref().map(|(q, k)| (f32s(gpu, q), f32s(gpu, k))),
                     o_proj: linear(gpu, &l.o),
                     post_norm: f32s(gpu, &l.post_norm),
-                    gate_up: linear(gpu, &l.gate_up),
-                    down: linear(gpu, &l.down),
+                    mlp: mlp(gpu, &l.mlp),
                 })
                 .collect(),
             head: Some(OutputHead {
@@ -310,6 +458,10 @@ fn check_model(head_norm: bool, bias: bool, dtype: DType, cache: DType) {
 }
 
 fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType, hidden: usize) {
+    check_model_extras(head_norm, bias, formats, cache, hidden, Extras::default())
+}
+
+fn check_model_extras(head_norm: bool, bias: bool, formats: Formats, cache: DType, hidden: usize, extras: Extras) {
     if !metal_emu::available() {
         return common::metal_unavailable("the Metal emulator is not built for this target");
     }
@@ -325,11 +477,12 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
         heads: 4,
         kv_heads: 2,
         head_dim: 32,
+        rotary_dim: extras.rotary_dim.unwrap_or(32),
         vocab: 50,
         eps: 1e-6,
         max_positions: 64,
     };
-    let model = RefModel::new(shape, 2, head_norm, bias, formats, 7);
+    let model = RefModel::with_extras(shape, 2, (head_norm, bias), formats, extras, 7);
     let mut gpu = EmulatedGpu::new().unwrap();
     let limits = StepLimits {
         max_tokens: 16,
@@ -389,8 +542,10 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
     let after = gpu.counters();
     assert_eq!(after.allocations, loaded.allocations, "a step allocated");
     assert_eq!(after.command_buffers - before.command_buffers, 1, "one command buffer per step");
-    // q and k apart from v: one more matmul per layer than a stacked qkv.
-    assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits) + 2);
+    // q and k apart from v: one more matmul per layer than a stacked qkv; a
+    // mixture of experts takes 4 more (6 with a shared expert).
+    let experts = extras.moe.map_or(0, |m| if m.shared.is_some() { 6 } else { 4 });
+    assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits) + 2 + experts);
     // Sampled on the GPU: greedy, the argmax of the same logits; one more
     // dispatch whatever the parameters (what the draws are is
     // worker/tests/metal_sampling.rs's).
@@ -404,9 +559,9 @@ fn check_model_with(head_norm: bool, bias: bool, formats: Formats, cache: DType,
         let after = gpu.counters();
         assert_eq!(after.allocations, loaded.allocations, "a sampling step allocated");
         assert_eq!(after.command_buffers - before.command_buffers, 1, "one command buffer per sampling step");
-        let sample = dispatches_per_step(2, 1, 1, Readback::Sample(rows)) + 2;
+        let sample = dispatches_per_step(2, 1, 1, Readback::Sample(rows)) + 2 + experts;
         assert_eq!(after.dispatches - before.dispatches, sample);
-        assert_eq!(sample, dispatches_per_step(2, 1, 1, Readback::Logits) + 3);
+        assert_eq!(sample, dispatches_per_step(2, 1, 1, Readback::Logits) + 3 + experts);
         if params.temperature == 0.0 {
             assert_eq!(sampled[0].token as usize, best);
         } else {
@@ -448,6 +603,54 @@ fn the_step_plan_reads_q4_k_and_q6_k_blocks() {
     check_model_with(true, true, f(WeightFormat::Q6K, WeightFormat::Q8_0), DType::F32, 256);
 }
 
+fn routing(experts: usize, top_k: usize, width: usize) -> Routing {
+    Routing {
+        experts,
+        top_k,
+        expert_intermediate: width,
+        sigmoid: false,
+        norm_topk: false,
+        groups: 1,
+        groups_kept: 1,
+        scale: 1.0,
+    }
+}
+
+/// Mixtral's and Qwen3-MoE's routing (softmax, top-k, renormalised or
+/// not) over float and block experts: the chosen experts' matrices only,
+/// pairs grouped by expert, each token's weighted sum.
+#[test]
+fn the_step_plan_runs_mixtures_of_experts() {
+    let f = |linear| Formats { dense: DType::F32, linear, v_o: WeightFormat::F32 };
+    let moe = |routing| Extras { moe: Some(MoeSpec { routing, correction: false, shared: None }), rotary_dim: None };
+    let renormalised = Routing { norm_topk: true, ..routing(8, 2, 40) };
+    check_model_extras(false, false, f(WeightFormat::F32), DType::F32, 64, moe(renormalised));
+    // Top-4 of 16, not renormalised, f16 experts; every token on every expert.
+    check_model_extras(true, false, f(WeightFormat::F16), DType::F32, 64, moe(routing(16, 4, 24)));
+    check_model_extras(false, false, f(WeightFormat::F32), DType::F32, 64, moe(routing(4, 4, 24)));
+    // Blocks, as a GGUF file's experts: top-1 of 5 (a tile a token), Q8_0 and Q4_K.
+    check_model_extras(false, true, f(WeightFormat::Q8_0), DType::F16, 64, moe(routing(5, 1, 64)));
+    let q4k = Routing { norm_topk: true, ..routing(6, 3, 256) };
+    check_model_extras(false, false, f(WeightFormat::Q4K), DType::F32, 256, moe(q4k));
+}
+
+/// GLM-4.5's (DeepSeek-V3's) routing: sigmoid scores, the choice made with
+/// a correction bias from the best groups, weights renormalised and scaled;
+/// a shared expert; half the head's dims rotated.
+#[test]
+fn the_step_plan_runs_glm_routing_shared_experts_and_partial_rotary() {
+    let f = Formats::all(DType::F32);
+    let glm = Routing { sigmoid: true, norm_topk: true, groups: 4, groups_kept: 2, scale: 2.5, ..routing(16, 3, 40) };
+    let extras =
+        Extras { moe: Some(MoeSpec { routing: glm, correction: true, shared: Some(48) }), rotary_dim: Some(16) };
+    check_model_extras(false, true, f, DType::F32, 64, extras);
+    // Ungrouped, and partial rotary on a dense model with head norms.
+    let plain = Routing { groups: 1, groups_kept: 1, ..glm };
+    let extras = Extras { moe: Some(MoeSpec { routing: plain, correction: true, shared: None }), rotary_dim: Some(16) };
+    check_model_extras(true, false, f, DType::F16, 64, extras);
+    check_model_extras(true, true, f, DType::F32, 64, Extras { moe: None, rotary_dim: Some(8) });
+}
+
 /// A batch-1 decode step over a 600-token context (two attention
 /// partitions) touches about what it must read: every weight and every K/V
 /// of the context once, plus the activations. `bench --profile` prints the
@@ -463,6 +666,7 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
         heads: 4,
         kv_heads: 2,
         head_dim: 64,
+        rotary_dim: 64,
         vocab: 1024,
         eps: 1e-6,
         max_positions: 640,
@@ -520,6 +724,7 @@ fn stage_plans_chained_give_the_whole_plans_logits() {
         heads: 4,
         kv_heads: 2,
         head_dim: 32,
+        rotary_dim: 32,
         vocab: 50,
         eps: 1e-6,
         max_positions: 64,

@@ -591,6 +591,22 @@ fn tiny_mistral_matches_transformers_on_metal_emulated() {
     check_model_emulated("tiny-mistral.json", SpeculativeConfig::default(), BATCH_ONLY);
 }
 
+/// Mixtures of experts on the step plan: the router, the chosen experts'
+/// grouped matmuls and their weighted sum on the GPU (Mixtral's and
+/// Qwen3-MoE's softmax routers, GLM-4.5's sigmoid router with its
+/// correction bias, scale, shared expert, dense first layer and partial
+/// rotary embeddings).
+#[test]
+fn mixtures_of_experts_match_transformers_on_metal_emulated() {
+    check_model_emulated("tiny-mixtral.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: false });
+    check_model_emulated(
+        "tiny-qwen3-moe.json",
+        SpeculativeConfig::default(),
+        Passes { chunked: false, preempted: true },
+    );
+    check_model_emulated("tiny-glm4-moe.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: true });
+}
+
 #[test]
 fn speculation_is_exact_on_metal_emulated() {
     check_model_emulated("tiny-qwen2.json", speculative(), BATCH_ONLY);

@@ -251,39 +251,37 @@ struct Chunks<BlockQ6K> {
   }
 };
 
-// Grid: (ceil(N / (kMatmulSimds * kMatmulRowsPerSimd)), ceil(T /
-// kMatmulTokens)); each SIMD group computes kMatmulRowsPerSimd output rows.
+// One SIMD group's share of a matmul: output rows n0 .. n0 +
+// kMatmulRowsPerSimd (of `out_features`) for `nt` input rows, row t read
+// from x at element x_at[t] and written to y at element y_at[t] (plus n).
 // Its lanes walk the weight rows together (coalesced); each x element is
 // loaded once per SIMD group and multiplied into every row's sums, each
 // weight element widened once and multiplied into up to kMatmulTokens
-// tokens' sums, and one simd_sum per (row, token) finishes them. At decode
-// (T = 1) every weight byte is read once per step.
+// rows' sums, and one simd_sum per (row, token) finishes them. `w` and
+// `bias` start at this matrix (an expert's, under matmul_id).
 template <typename W>
-[[kernel]] void matmul(
-    device const float* x [[buffer(0)]],     // [T, K]
-    device const W* w [[buffer(1)]],         // [N, K] (or [2N, K]) in elements or blocks
-    device const float* bias [[buffer(2)]],  // [N] (or [2N]) when has_bias
-    device float* y [[buffer(3)]],           // [T, y_stride]
-    constant MatmulParams& p [[buffer(4)]],
-    uint2 group [[threadgroup_position_in_grid]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]]) {
-  const uint n0 = (group.x * kMatmulSimds + sg) * kMatmulRowsPerSimd;
-  if (n0 >= p.out_features) {
-    return;  // the whole SIMD group: no collective is left waiting
-  }
-  const uint rows = min(kMatmulRowsPerSimd, p.out_features - n0);
-  const uint t0 = group.y * kMatmulTokens;
-  const uint nt = min(kMatmulTokens, p.tokens - t0);
-  const bool glu = p.mode == kModeSwiglu;
-  const uint k = p.in_features;
+inline void matmul_simd_rows(
+    device const float* x,
+    thread const uint* x_at,
+    uint nt,
+    device const W* w,
+    device const float* bias,
+    device float* y,
+    thread const uint* y_at,
+    uint n0,
+    uint k,
+    uint out_features,
+    uint mode,
+    bool has_bias,
+    uint lane) {
+  const uint rows = min(kMatmulRowsPerSimd, out_features - n0);
+  const bool glu = mode == kModeSwiglu;
   // A row holds k elements of a float type (read 32 at a time, then a
   // tail), or k / 32 / per_block blocks (k a multiple of the block).
   const bool dense = Chunks<W>::dense();
   const uint per_block = Chunks<W>::per_block();
   const uint chunks = k / 32;
   const uint row_blocks = dense ? k : chunks / per_block;
-  device const float* xs = x + t0 * k;
   float acc[kMatmulRowsPerSimd][kMatmulTokens];
   float up[kMatmulRowsPerSimd][kMatmulTokens];
   for (uint r = 0; r < kMatmulRowsPerSimd; ++r) {
@@ -302,10 +300,10 @@ template <typename W>
       Chunks<W>::chunk(w + (n0 + r) * row_blocks + at, part, wv);
       float uv[32];
       if (glu) {
-        Chunks<W>::chunk(w + (n0 + r + p.out_features) * row_blocks + at, part, uv);
+        Chunks<W>::chunk(w + (n0 + r + out_features) * row_blocks + at, part, uv);
       }
       for (uint t = 0; t < nt; ++t) {
-        device const float* xc = xs + t * k + c * 32;
+        device const float* xc = x + x_at[t] + c * 32;
         float dot = 0.0f;
         float up_dot = 0.0f;
         for (uint i = 0; i < 32; ++i) {
@@ -323,10 +321,10 @@ template <typename W>
   for (uint i = chunks * 32 + lane; dense && i < k; i += kModelSimdWidth) {
     for (uint r = 0; r < rows; ++r) {
       const float wv = Chunks<W>::element(w + (n0 + r) * k, i);
-      const float uv = glu ? Chunks<W>::element(w + (n0 + r + p.out_features) * k, i) : 0.0f;
+      const float uv = glu ? Chunks<W>::element(w + (n0 + r + out_features) * k, i) : 0.0f;
       for (uint t = 0; t < nt; ++t) {
-        acc[r][t] += wv * xs[t * k + i];
-        up[r][t] += uv * xs[t * k + i];
+        acc[r][t] += wv * x[x_at[t] + i];
+        up[r][t] += uv * x[x_at[t] + i];
       }
     }
   }
@@ -338,19 +336,311 @@ template <typename W>
       if (lane != 0) {
         continue;
       }
-      device float* out = y + (t0 + t) * p.y_stride + p.y_offset + n;
-      if (p.has_bias != 0) {
+      device float* out = y + y_at[t] + n;
+      if (has_bias) {
         dot += bias[n];
       }
-      if (p.mode == kModeAccumulate) {
+      if (mode == kModeAccumulate) {
         *out += dot;
       } else if (glu) {
-        const float u = p.has_bias != 0 ? up_dot + bias[n + p.out_features] : up_dot;
+        const float u = has_bias ? up_dot + bias[n + out_features] : up_dot;
         *out = dot / (1.0f + exp(-dot)) * u;
       } else {
         *out = dot;
       }
     }
+  }
+}
+
+// Grid: (ceil(N / (kMatmulSimds * kMatmulRowsPerSimd)), ceil(T /
+// kMatmulTokens)); each SIMD group computes kMatmulRowsPerSimd output rows
+// for a tile of kMatmulTokens tokens (matmul_simd_rows). At decode (T = 1)
+// every weight byte is read once per step.
+template <typename W>
+[[kernel]] void matmul(
+    device const float* x [[buffer(0)]],     // [T, K]
+    device const W* w [[buffer(1)]],         // [N, K] (or [2N, K]) in elements or blocks
+    device const float* bias [[buffer(2)]],  // [N] (or [2N]) when has_bias
+    device float* y [[buffer(3)]],           // [T, y_stride]
+    constant MatmulParams& p [[buffer(4)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  const uint n0 = (group.x * kMatmulSimds + sg) * kMatmulRowsPerSimd;
+  if (n0 >= p.out_features) {
+    return;  // the whole SIMD group: no collective is left waiting
+  }
+  const uint t0 = group.y * kMatmulTokens;
+  const uint nt = min(kMatmulTokens, p.tokens - t0);
+  uint x_at[kMatmulTokens];
+  uint y_at[kMatmulTokens];
+  for (uint t = 0; t < nt; ++t) {
+    x_at[t] = (t0 + t) * p.in_features;
+    y_at[t] = (t0 + t) * p.y_stride + p.y_offset;
+  }
+  matmul_simd_rows<W>(
+      x, x_at, nt, w, bias, y, y_at, n0, p.in_features, p.out_features, p.mode, p.has_bias != 0, lane);
+}
+
+// ---------------------------------------------------------------------------
+// Mixtures of experts (llama.cpp's mul_mat_id): route each token to its
+// experts (moe_route), group the (token, expert) pairs by expert into tiles
+// of at most kMatmulTokens pairs (moe_group), run every tile's projection
+// against its expert's weights only (matmul_id: a GEMV per pair at decode,
+// a GEMM over a tile's pairs at prefill), and add each token's weighted
+// expert outputs into the residual stream (moe_combine).
+
+// Most experts a router may score (threadgroup arrays are sized by it).
+static constant constexpr const uint kMaxExperts = 512;
+// Well below every finite score, and finite itself (fast math).
+static constant constexpr const float kNoScore = -3.0e38f;
+
+struct RouteParams {
+  uint experts;
+  uint top_k;
+  uint sigmoid;         // 0: softmax scores; 1: sigmoid scores (DeepSeek-V3, GLM-4.5)
+  uint has_correction;  // 1: the choice adds correction[e] to the scores (not the weights)
+  uint norm_topk;       // 1: the kept weights are renormalised to sum to 1
+  uint groups;          // experts fall in `groups` equal groups ...
+  uint groups_kept;     // ... and a token chooses from its best `groups_kept`
+  float scale;          // the kept weights' scale (routed_scaling_factor)
+};
+
+// Grid: (T); one SIMD group a token. Scores every expert, keeps the top_k
+// best (the lower expert on a tie), best first, and their weights: the
+// unbiased scores, renormalised and scaled as the model says. A group's
+// rank is the sum of its two best choice scores; experts outside the kept
+// groups get a choice of 0 (transformers' masked_fill).
+[[kernel]] void moe_route(
+    device const float* logits [[buffer(0)]],      // [T, experts]
+    device const float* correction [[buffer(1)]],  // [experts] when has_correction
+    device uint* ids [[buffer(2)]],                // [T, top_k]
+    device float* weights [[buffer(3)]],           // [T, top_k]
+    constant RouteParams& p [[buffer(4)]],
+    uint token [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float scores[kMaxExperts];
+  threadgroup float choice[kMaxExperts];
+  threadgroup float group_score[kMaxExperts];
+  const uint n = p.experts;
+  device const float* l = logits + token * n;
+  if (p.sigmoid == 0) {
+    float m = kNoScore;
+    for (uint e = lane; e < n; e += kModelSimdWidth) {
+      m = max(m, l[e]);
+    }
+    m = simd_max(m);
+    float sum = 0.0f;
+    for (uint e = lane; e < n; e += kModelSimdWidth) {
+      const float v = exp(l[e] - m);
+      scores[e] = v;
+      sum += v;
+    }
+    sum = simd_sum(sum);
+    for (uint e = lane; e < n; e += kModelSimdWidth) {
+      scores[e] = scores[e] / sum;
+    }
+  } else {
+    for (uint e = lane; e < n; e += kModelSimdWidth) {
+      scores[e] = 1.0f / (1.0f + exp(-l[e]));
+    }
+  }
+  for (uint e = lane; e < n; e += kModelSimdWidth) {
+    choice[e] = p.has_correction != 0 ? scores[e] + correction[e] : scores[e];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane != 0) {
+    return;
+  }
+  if (p.groups > 1 && p.groups_kept < p.groups) {
+    const uint size = n / p.groups;
+    for (uint g = 0; g < p.groups; ++g) {
+      float best = kNoScore;
+      float second = kNoScore;
+      for (uint e = g * size; e < (g + 1) * size; ++e) {
+        if (choice[e] > best) {
+          second = best;
+          best = choice[e];
+        } else if (choice[e] > second) {
+          second = choice[e];
+        }
+      }
+      group_score[g] = size > 1 ? best + second : best;
+    }
+    for (uint g = 0; g < p.groups; ++g) {
+      uint rank = 0;
+      for (uint h = 0; h < p.groups; ++h) {
+        if (group_score[h] > group_score[g] || (group_score[h] == group_score[g] && h < g)) {
+          ++rank;
+        }
+      }
+      if (rank >= p.groups_kept) {
+        for (uint e = g * size; e < (g + 1) * size; ++e) {
+          choice[e] = 0.0f;
+        }
+      }
+    }
+  }
+  device uint* out_ids = ids + token * p.top_k;
+  device float* out_w = weights + token * p.top_k;
+  float total = 0.0f;
+  for (uint j = 0; j < p.top_k; ++j) {
+    // The best expert not taken yet (taken ones hold kNoScore).
+    uint best = 0;
+    for (uint e = 1; e < n; ++e) {
+      if (choice[e] > choice[best]) {
+        best = e;
+      }
+    }
+    choice[best] = kNoScore;  // taken
+    out_ids[j] = best;
+    total += scores[best];
+  }
+  for (uint j = 0; j < p.top_k; ++j) {
+    const float s = scores[out_ids[j]];
+    out_w[j] = (p.norm_topk != 0 ? s / total : s) * p.scale;
+  }
+}
+
+struct GroupParams {
+  uint pairs;      // T * top_k
+  uint experts;
+  uint max_tiles;  // ceil(pairs / kMatmulTokens) + min(experts, pairs)
+};
+
+// Grid: (1), kRowThreads threads. Groups the pairs (token t's j-th expert
+// is pair t * top_k + j) by expert, each expert's in pair order, and cuts
+// every expert's run into tiles of at most kMatmulTokens pairs:
+// tiles[g] = (expert, first index into order, pairs); unused tiles hold 0
+// pairs. Thread e counts and places expert e's pairs.
+[[kernel]] void moe_group(
+    device const uint* ids [[buffer(0)]],  // [pairs]
+    device uint* order [[buffer(1)]],      // [pairs]: pair indices by expert
+    device uint* tiles [[buffer(2)]],      // [max_tiles, 3]
+    constant GroupParams& p [[buffer(3)]],
+    uint tid [[thread_position_in_threadgroup]]) {
+  threadgroup uint counts[kMaxExperts];
+  threadgroup uint starts[kMaxExperts];
+  threadgroup uint first_tile[kMaxExperts];
+  threadgroup uint used_tiles[1];
+  for (uint e = tid; e < p.experts; e += kRowThreads) {
+    uint c = 0;
+    for (uint i = 0; i < p.pairs; ++i) {
+      c += ids[i] == e ? 1 : 0;
+    }
+    counts[e] = c;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    uint start = 0;
+    uint tile = 0;
+    for (uint e = 0; e < p.experts; ++e) {
+      starts[e] = start;
+      first_tile[e] = tile;
+      start += counts[e];
+      tile += (counts[e] + kMatmulTokens - 1) / kMatmulTokens;
+    }
+    used_tiles[0] = tile;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < p.experts; e += kRowThreads) {
+    uint placed = 0;
+    for (uint i = 0; i < p.pairs; ++i) {
+      if (ids[i] == e) {
+        order[starts[e] + placed] = i;
+        ++placed;
+      }
+    }
+    for (uint j = 0; j * kMatmulTokens < counts[e]; ++j) {
+      device uint* tile = tiles + 3 * (first_tile[e] + j);
+      tile[0] = e;
+      tile[1] = starts[e] + j * kMatmulTokens;
+      tile[2] = min(kMatmulTokens, counts[e] - j * kMatmulTokens);
+    }
+  }
+  for (uint g = used_tiles[0] + tid; g < p.max_tiles; g += kRowThreads) {
+    tiles[3 * g] = 0;
+    tiles[3 * g + 1] = 0;
+    tiles[3 * g + 2] = 0;
+  }
+}
+
+struct MatmulIdParams {
+  uint in_features;   // K
+  uint out_features;  // N per expert (each expert has 2N rows under kModeSwiglu)
+  uint mode;          // kModeSwiglu or 0 (store)
+  uint has_bias;
+  uint x_div;  // pair i reads x row i / x_div: top_k for the tokens' rows, 1 for the pairs' own
+};
+
+// Grid: (ceil(N / (kMatmulSimds * kMatmulRowsPerSimd)), max_tiles). Tile g's
+// pairs through their expert's matrix only: y[pair] = x[pair / x_div] W_e^T
+// (+ b_e), or SwiGLU's product of the expert's gate and up.
+template <typename W>
+[[kernel]] void matmul_id(
+    device const float* x [[buffer(0)]],     // [rows, K]
+    device const W* w [[buffer(1)]],         // [experts, N (or 2N), K] in elements or blocks
+    device const float* bias [[buffer(2)]],  // [experts, N (or 2N)] when has_bias
+    device float* y [[buffer(3)]],           // [pairs, N]
+    device const uint* order [[buffer(4)]],  // [pairs]
+    device const uint* tiles [[buffer(5)]],  // [max_tiles, 3]
+    constant MatmulIdParams& p [[buffer(6)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  device const uint* tile = tiles + 3 * group.y;
+  const uint nt = tile[2];
+  const uint n0 = (group.x * kMatmulSimds + sg) * kMatmulRowsPerSimd;
+  if (nt == 0 || n0 >= p.out_features) {
+    return;  // the whole SIMD group
+  }
+  const uint expert = tile[0];
+  const uint k = p.in_features;
+  const uint expert_rows = p.mode == kModeSwiglu ? 2 * p.out_features : p.out_features;
+  const uint row_units = Chunks<W>::dense() ? k : k / 32 / Chunks<W>::per_block();
+  uint x_at[kMatmulTokens];
+  uint y_at[kMatmulTokens];
+  for (uint t = 0; t < nt; ++t) {
+    const uint pair = order[tile[1] + t];
+    x_at[t] = pair / p.x_div * k;
+    y_at[t] = pair * p.out_features;
+  }
+  matmul_simd_rows<W>(
+      x,
+      x_at,
+      nt,
+      w + expert * expert_rows * row_units,
+      bias + expert * expert_rows,
+      y,
+      y_at,
+      n0,
+      k,
+      p.out_features,
+      p.mode,
+      p.has_bias != 0,
+      lane);
+}
+
+struct CombineParams {
+  uint hidden;
+  uint top_k;
+};
+
+// Grid: (T). hidden[t] += sum over j of weights[t, j] * expert_out[t * top_k + j].
+[[kernel]] void moe_combine(
+    device const float* expert_out [[buffer(0)]],  // [T * top_k, hidden]
+    device const float* weights [[buffer(1)]],     // [T, top_k]
+    device float* hidden [[buffer(2)]],            // [T, hidden]
+    constant CombineParams& p [[buffer(3)]],
+    uint token [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]]) {
+  device const float* w = weights + token * p.top_k;
+  for (uint i = tid; i < p.hidden; i += kRowThreads) {
+    float sum = 0.0f;
+    for (uint j = 0; j < p.top_k; ++j) {
+      sum += w[j] * expert_out[(token * p.top_k + j) * p.hidden + i];
+    }
+    hidden[token * p.hidden + i] += sum;
   }
 }
 
@@ -363,22 +653,58 @@ struct RopeParams {
   uint head_dim;
   uint padded_dim;  // the row length of q_out and the caches: head_dim, or the
                     // attention kernels' smallest head dim above it, zero-padded
+  uint rotary_dim;  // the leading dims RoPE turns (head_dim, or less: GLM-4.5's partial rotary)
   uint num_slots;
   uint head_norm;  // 1: RMSNorm each q and k head first (Qwen3)
   float eps;
 };
 
+// One q or k head of `d` values from x to dst: normed by `inv * norm`
+// under head_norm, its first `rot` dims turned as rotation pairs (j, j +
+// rot/2) by the position's cos and sin, the rest as they are, zero past d
+// up to pd. Lane j holds pairs j, j + 32, ...
+template <typename D>
+inline void rotate_head(
+    device const float* x,
+    device const float* c,
+    device const float* s,
+    device const float* norm,
+    float inv,
+    bool head_norm,
+    uint d,
+    uint pd,
+    uint rot,
+    device D* dst,
+    uint lane) {
+  for (uint i = d + lane; i < pd; i += kModelSimdWidth) {
+    dst[i] = static_cast<D>(0.0f);
+  }
+  const uint half_r = rot / 2;
+  for (uint j = lane; j < half_r; j += kModelSimdWidth) {
+    float a = x[j];
+    float b = x[j + half_r];
+    if (head_norm) {
+      a = a * inv * norm[j];
+      b = b * inv * norm[j + half_r];
+    }
+    dst[j] = static_cast<D>(a * c[j] - b * s[j]);
+    dst[j + half_r] = static_cast<D>(b * c[j] + a * s[j]);
+  }
+  for (uint i = rot + lane; i < d; i += kModelSimdWidth) {
+    dst[i] = static_cast<D>(head_norm ? x[i] * inv * norm[i] : x[i]);
+  }
+}
+
 // Grid: (heads + 2 kv_heads, T); one SIMD group per head of a token's fused
-// qkv row `[q heads | k heads | v heads]`. Lane j holds the rotation pairs
-// (j, j + D/2), (j + 32, j + 32 + D/2), ... (HF's rotate_half layout). A q
-// head goes to `q_out` rotated, a k head to its cache slot rotated, a v head
-// to its slot as is. Past head_dim, rows are zero up to padded_dim (a zero
-// adds nothing to q.k, and attention's padded output columns meet zero
-// columns of o_proj's weight).
+// qkv row `[q heads | k heads | v heads]` (HF's rotate_half layout within
+// the rotary dims). A q head goes to `q_out` rotated, a k head to its cache
+// slot rotated, a v head to its slot as is. Past head_dim, rows are zero up
+// to padded_dim (a zero adds nothing to q.k, and attention's padded output
+// columns meet zero columns of o_proj's weight).
 template <typename C>
 [[kernel]] void rope_qkv_cache(
     device const float* qkv [[buffer(0)]],        // [T, (H + 2 KVH) * D]
-    device const float* cos_table [[buffer(1)]],  // [max_positions, D/2]
+    device const float* cos_table [[buffer(1)]],  // [max_positions, rotary_dim/2]
     device const float* sin_table [[buffer(2)]],
     device const uint* positions [[buffer(3)]],   // [T]
     device const uint* slots [[buffer(4)]],       // [T]
@@ -394,7 +720,6 @@ template <typename C>
   const uint token = group.y;
   const uint d = p.head_dim;
   const uint pd = p.padded_dim;
-  const uint half_d = d / 2;
   const uint row_len = (p.heads + 2 * p.kv_heads) * d;
   device const float* x = qkv + token * row_len + head * d;
   const uint slot = slots[token];
@@ -413,48 +738,26 @@ template <typename C>
   float inv = 1.0f;
   if (p.head_norm != 0) {
     float squares = 0.0f;
-    for (uint j = lane; j < half_d; j += kModelSimdWidth) {
-      squares += x[j] * x[j] + x[j + half_d] * x[j + half_d];
+    for (uint i = lane; i < d; i += kModelSimdWidth) {
+      squares += x[i] * x[i];
     }
     inv = rsqrt(simd_sum(squares) / float(d) + p.eps);
   }
   device const float* norm = is_q ? q_norm : k_norm;
-  device const float* c = cos_table + positions[token] * half_d;
-  device const float* s = sin_table + positions[token] * half_d;
+  const uint half_r = p.rotary_dim / 2;
+  device const float* c = cos_table + positions[token] * half_r;
+  device const float* s = sin_table + positions[token] * half_r;
+  const bool head_norm = p.head_norm != 0;
   if (is_q) {
     device float* dst = q_out + (token * p.heads + head) * pd;
-    for (uint i = d + lane; i < pd; i += kModelSimdWidth) {
-      dst[i] = 0.0f;
-    }
-    for (uint j = lane; j < half_d; j += kModelSimdWidth) {
-      float a = x[j];
-      float b = x[j + half_d];
-      if (p.head_norm != 0) {
-        a = a * inv * norm[j];
-        b = b * inv * norm[j + half_d];
-      }
-      dst[j] = a * c[j] - b * s[j];
-      dst[j + half_d] = b * c[j] + a * s[j];
-    }
+    rotate_head<float>(x, c, s, norm, inv, head_norm, d, pd, p.rotary_dim, dst, lane);
     return;
   }
   if (slot >= p.num_slots) {
     return;
   }
   device C* dst = k_cache + (slot * p.kv_heads + (head - p.heads)) * pd;
-  for (uint i = d + lane; i < pd; i += kModelSimdWidth) {
-    dst[i] = static_cast<C>(0.0f);
-  }
-  for (uint j = lane; j < half_d; j += kModelSimdWidth) {
-    float a = x[j];
-    float b = x[j + half_d];
-    if (p.head_norm != 0) {
-      a = a * inv * norm[j];
-      b = b * inv * norm[j + half_d];
-    }
-    dst[j] = static_cast<C>(a * c[j] - b * s[j]);
-    dst[j + half_d] = static_cast<C>(b * c[j] + a * s[j]);
-  }
+  rotate_head<C>(x, c, s, norm, inv, head_norm, d, pd, p.rotary_dim, dst, lane);
 }
 
 // ---------------------------------------------------------------------------
@@ -473,6 +776,18 @@ template TINYVLLM_KERNEL("matmul_q8_0") decltype(matmul<BlockQ8_0>) matmul<Block
 template TINYVLLM_KERNEL("matmul_q4_0") decltype(matmul<BlockQ4_0>) matmul<BlockQ4_0>;
 template TINYVLLM_KERNEL("matmul_q4_k") decltype(matmul<BlockQ4K>) matmul<BlockQ4K>;
 template TINYVLLM_KERNEL("matmul_q6_k") decltype(matmul<BlockQ6K>) matmul<BlockQ6K>;
+
+#define INSTANTIATE_MATMUL_ID(W, NAME) \
+  template TINYVLLM_KERNEL("matmul_id_" #NAME) decltype(matmul_id<W>) matmul_id<W>;
+INSTANTIATE_MATMUL_ID(float, f32)
+INSTANTIATE_MATMUL_ID(half, f16)
+#if defined(__HAVE_BFLOAT__)
+INSTANTIATE_MATMUL_ID(bfloat, bf16)
+#endif
+INSTANTIATE_MATMUL_ID(BlockQ8_0, q8_0)
+INSTANTIATE_MATMUL_ID(BlockQ4_0, q4_0)
+INSTANTIATE_MATMUL_ID(BlockQ4K, q4_k)
+INSTANTIATE_MATMUL_ID(BlockQ6K, q6_k)
 
 template TINYVLLM_KERNEL("rope_qkv_cache_f32") decltype(rope_qkv_cache<float>) rope_qkv_cache<float>;
 template TINYVLLM_KERNEL("rope_qkv_cache_f16") decltype(rope_qkv_cache<half>) rope_qkv_cache<half>;

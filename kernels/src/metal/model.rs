@@ -1,6 +1,7 @@
-//! What the step plan ([`super::step`]) is given at load: a dense decoder's
-//! dimensions and its weights as GPU buffers, and the padding that lets head
-//! dims below the attention kernels' smallest run on them.
+//! What the step plan ([`super::step`]) is given at load: a decoder's
+//! dimensions and its weights as GPU buffers (each layer's MLP dense or a
+//! mixture of experts), and the padding that lets head dims below the
+//! attention kernels' smallest run on them.
 
 use candle_core::DType;
 
@@ -108,9 +109,67 @@ pub struct LayerWeights<B> {
     pub head_norm: Option<(B, B)>,
     pub o_proj: Linear<B>,
     pub post_norm: B,
-    /// gate and up stacked: `[2 I, hidden]`.
+    pub mlp: FeedForward<B>,
+}
+
+/// A layer's MLP.
+#[derive(Clone, Debug)]
+pub enum FeedForward<B> {
+    /// gate and up stacked, `[2 I, hidden]`, and down, `[hidden, I]`.
+    Dense {
+        gate_up: Linear<B>,
+        down: Linear<B>,
+    },
+    Experts(Experts<B>),
+}
+
+impl<B> FeedForward<B> {
+    /// Every linear layer, the router's included.
+    pub fn linears(&self) -> Vec<&Linear<B>> {
+        match self {
+            Self::Dense { gate_up, down } => vec![gate_up, down],
+            Self::Experts(x) => {
+                let mut all = vec![&x.router, &x.gate_up, &x.down];
+                all.extend(x.shared.iter().flat_map(|(gu, d)| [gu, d]));
+                all
+            }
+        }
+    }
+}
+
+/// A mixture of experts: the router, every expert's weights stacked
+/// expert-major (one buffer a projection, as GGUF's `ffn_*_exps`), and a
+/// shared expert where the model has one.
+#[derive(Clone, Debug)]
+pub struct Experts<B> {
+    /// `[experts, hidden]`, f32 (a rounded router could flip a choice).
+    pub router: Linear<B>,
+    /// Added to the scores for the choice only, `[experts]` (GLM-4.5's
+    /// `e_score_correction_bias`).
+    pub correction: Option<B>,
+    /// Each expert's gate and up, `[experts * 2 I, hidden]`.
     pub gate_up: Linear<B>,
+    /// `[experts * hidden, I]`.
     pub down: Linear<B>,
+    /// A dense MLP every token runs too, added unweighted.
+    pub shared: Option<(Linear<B>, Linear<B>)>,
+    pub routing: Routing,
+}
+
+/// How the router picks and weighs a token's experts (`moe_route` in
+/// model.metal): scores by softmax or sigmoid, the `top_k` best kept (by
+/// score plus the correction, from the best `groups_kept` of `groups`
+/// groups), weighted by score, renormalised when `norm_topk`, times `scale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Routing {
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    pub sigmoid: bool,
+    pub norm_topk: bool,
+    pub groups: usize,
+    pub groups_kept: usize,
+    pub scale: f32,
 }
 
 /// The model's weights on the GPU: all of them, or a pipeline stage's (its
@@ -157,6 +216,8 @@ pub struct ModelShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// The leading dims of a head RoPE turns (`head_dim`, or less).
+    pub rotary_dim: usize,
     pub vocab: usize,
     pub eps: f32,
     pub max_positions: usize,

@@ -11,7 +11,8 @@ use common::model::Activation;
 use common::pipeline::LayerRange;
 use kernels::KvCacheDtype;
 use kernels::metal::step::{
-    Gpu, ModelShape, Readback, SampleRow, StepInputs, StepLimits, StepOutput, StepPlan, WeightFormat, padded_head_dim,
+    Gpu, MAX_EXPERTS, ModelShape, Readback, SampleRow, StepInputs, StepLimits, StepOutput, StepPlan, WeightFormat,
+    padded_head_dim,
 };
 
 use crate::error::{Result, WorkerError};
@@ -259,6 +260,7 @@ pub fn plan_for<G: Gpu>(gpu: &mut G, files: &ModelFiles, spec: PlanSpec) -> Resu
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
+        rotary_dim: cfg.rotary_dim,
         vocab: cfg.vocab_size,
         eps: cfg.rms_norm_eps as f32,
         max_positions: limits.max_model_len,
@@ -271,11 +273,11 @@ fn check_supported(cfg: &ModelConfig) -> Result<()> {
     let refuse = |what: &str| {
         Err(WorkerError::Unsupported(format!("the Metal step plan does not run {what} yet ({:?})", cfg.architecture)))
     };
-    if cfg.moe.num_experts > 0 {
-        return refuse("mixtures of experts");
+    if cfg.moe.biases {
+        return refuse("experts with biases");
     }
-    if cfg.rotary_dim != cfg.head_dim {
-        return refuse("partial rotary embeddings");
+    if cfg.moe.num_experts > MAX_EXPERTS {
+        return refuse(&format!("routers of {} experts (at most {MAX_EXPERTS})", cfg.moe.num_experts));
     }
     if (0..cfg.num_layers).any(|l| cfg.layer_window(l) != cfg.uniform_window()) {
         return refuse("layers with different attention windows");

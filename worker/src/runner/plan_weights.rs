@@ -9,10 +9,12 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
+use common::model::{Architecture, RouterScoring};
 use common::pipeline::LayerRange;
 use kernels::metal::model::quantize;
 use kernels::metal::step::{
-    Gpu, LayerWeights, Linear, Matrix, ModelWeights, OutputHead, WeightFormat, pad_columns, padded_head_dim,
+    Experts, FeedForward, Gpu, LayerWeights, Linear, Matrix, ModelWeights, OutputHead, Routing, WeightFormat,
+    pad_columns, padded_head_dim,
 };
 
 use crate::error::{Result, WorkerError};
@@ -230,6 +232,86 @@ fn o_proj<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) ->
     Ok(Linear { weight, bias })
 }
 
+/// An MLP's projections as the HF checkpoints name them: gate, up, down.
+const MLP_NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// A SwiGLU MLP of `width` under `prefix`: gate and up stacked, and down.
+fn dense_mlp<G: Gpu>(
+    gpu: &mut G,
+    src: &Source,
+    prefix: &str,
+    cfg: &ModelConfig,
+    width: usize,
+    bias: bool,
+    [gate, up, down]: [&str; 3],
+) -> Result<(Linear<G::Buffer>, Linear<G::Buffer>)> {
+    let h = cfg.hidden_size;
+    let gate_up = one(linears(gpu, src, prefix, &[(gate, width), (up, width)], h, bias)?, "gate/up")?;
+    let down = one(linears(gpu, src, prefix, &[(down, h)], width, bias)?, "down_proj")?;
+    Ok((gate_up, down))
+}
+
+/// A mixture of experts under `prefix`: the router in f32, every expert's
+/// gate and up stacked expert after expert (one buffer, one format) and
+/// their down projections likewise, the correction bias and the shared
+/// expert where the model has them.
+fn experts<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) -> Result<Experts<G::Buffer>> {
+    let m = &cfg.moe;
+    let (h, i) = (cfg.hidden_size, m.expert_intermediate_size);
+    // Mixtral names an expert's projections w1 (gate), w3 (up), w2 (down).
+    let [gate, up, down] = match cfg.architecture {
+        Architecture::Mixtral => ["w1", "w3", "w2"],
+        _ => MLP_NAMES,
+    };
+    let router = src.tensor(&format!("{prefix}.gate.weight"), &[m.num_experts, h])?.to_dense(DType::F32)?;
+    let router = Linear { weight: upload_matrix(gpu, &HostTensor::Dense(router))?, bias: None };
+    let expert = |e: usize, name: &str, rows: usize, cols: usize| {
+        src.linear_weight(&format!("{prefix}.experts.{e}.{name}.weight"), rows, cols)
+    };
+    let mut gate_up = Vec::with_capacity(2 * m.num_experts);
+    let mut downs = Vec::with_capacity(m.num_experts);
+    for e in 0..m.num_experts {
+        gate_up.push(expert(e, gate, i, h)?);
+        gate_up.push(expert(e, up, i, h)?);
+        downs.push(expert(e, down, h, i)?);
+    }
+    let stacked = |gpu: &mut G, parts: &[HostTensor], what: &str| -> Result<Linear<G::Buffer>> {
+        let Some(all) = stack(parts)? else {
+            return Err(WorkerError::Unsupported(format!(
+                "{prefix}: experts' {what} in several formats (the Metal step stacks them)"
+            )));
+        };
+        Ok(Linear { weight: upload_matrix(gpu, &all)?, bias: None })
+    };
+    let correction = match m.scoring {
+        RouterScoring::SigmoidWithCorrection => {
+            Some(upload_f32(gpu, &src.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.num_experts)?)?)
+        }
+        RouterScoring::Softmax => None,
+    };
+    let shared = match m.shared_intermediate_size {
+        0 => None,
+        width => Some(dense_mlp(gpu, src, &format!("{prefix}.shared_experts"), cfg, width, false, [gate, up, down])?),
+    };
+    Ok(Experts {
+        router,
+        correction,
+        gate_up: stacked(gpu, &gate_up, "gate/up")?,
+        down: stacked(gpu, &downs, "down_proj")?,
+        shared,
+        routing: Routing {
+            experts: m.num_experts,
+            top_k: m.experts_per_token,
+            expert_intermediate: i,
+            sigmoid: m.scoring == RouterScoring::SigmoidWithCorrection,
+            norm_topk: m.norm_topk_prob,
+            groups: m.num_groups.max(1),
+            groups_kept: m.groups_per_token.max(1),
+            scale: m.routed_scaling_factor as f32,
+        },
+    })
+}
+
 /// The weights of `layers` of the model of `cfg` from `src` (with the
 /// embedding if they start at layer 0 and the head if they end at the
 /// last), and the RoPE tables for `max_positions`, uploaded to `gpu`.
@@ -276,14 +358,24 @@ pub(super) fn upload<G: Gpu>(
             None
         };
         let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)];
+        let mlp = match cfg.moe.is_moe_layer(l) {
+            // Mixtral keeps its experts under `block_sparse_moe`.
+            true if cfg.architecture == Architecture::Mixtral => {
+                FeedForward::Experts(experts(gpu, src, &format!("{p}.block_sparse_moe"), cfg)?)
+            }
+            true => FeedForward::Experts(experts(gpu, src, &mlp, cfg)?),
+            false => {
+                let (gate_up, down) = dense_mlp(gpu, src, &mlp, cfg, i, cfg.mlp_bias, MLP_NAMES)?;
+                FeedForward::Dense { gate_up, down }
+            }
+        };
         layer_weights.push(LayerWeights {
             input_norm: norm(gpu, format!("{p}.input_layernorm.weight"), h)?,
             qkv: linears(gpu, src, &attn, &qkv, h, cfg.qkv_bias)?,
             head_norm,
             o_proj: o_proj(gpu, src, &attn, cfg)?,
             post_norm: norm(gpu, format!("{p}.post_attention_layernorm.weight"), h)?,
-            gate_up: one(linears(gpu, src, &mlp, &[("gate_proj", i), ("up_proj", i)], h, cfg.mlp_bias)?, "gate/up")?,
-            down: one(linears(gpu, src, &mlp, &[("down_proj", h)], i, cfg.mlp_bias)?, "down_proj")?,
+            mlp,
         });
     }
     // The CPU path's tables.

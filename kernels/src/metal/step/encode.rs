@@ -2,8 +2,8 @@
 //! documentation): what the plan encodes into the step's command buffer.
 
 use super::{
-    Access, At, AttentionBuffers, AttentionPlan, Encoder, MATMUL_ROWS, MATMUL_SIMDS, MATMUL_TOKENS, Matrix,
-    ROW_THREADS, Readback, Result, StepPlan, bind, words,
+    Access, At, AttentionBuffers, AttentionPlan, Encoder, Experts, FeedForward, Linear, MATMUL_ROWS, MATMUL_SIMDS,
+    MATMUL_TOKENS, Matrix, ROW_THREADS, Readback, Result, StepPlan, bind, by_format, max_tiles, words,
 };
 
 impl<B: Clone> StepPlan<B> {
@@ -73,7 +73,8 @@ impl<B: Clone> StepPlan<B> {
             let num_slots = self.limits.num_blocks * self.limits.block_size;
             let head_norm = u32::from(layer.head_norm.is_some());
             let padded = u(self.padded());
-            let mut p = words(&[u(s.heads), u(s.kv_heads), u(s.head_dim), padded, u(num_slots), head_norm]);
+            let mut p =
+                words(&[u(s.heads), u(s.kv_heads), u(s.head_dim), padded, u(s.rotary_dim), u(num_slots), head_norm]);
             p.extend(s.eps.to_le_bytes());
             enc.set_bytes(10, &p);
             enc.dispatch([s.heads + 2 * s.kv_heads, t, 1], [32, 1, 1]);
@@ -91,8 +92,15 @@ impl<B: Clone> StepPlan<B> {
             );
             self.matmul(enc, layer.o_proj.parts(), &a.attn, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
             norm(enc, &layer.post_norm, &a.normed);
-            self.matmul(enc, layer.gate_up.parts(), &a.normed, Output::whole(&a.act), t, MatmulMode::Swiglu);
-            self.matmul(enc, layer.down.parts(), &a.act, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
+            match &layer.mlp {
+                FeedForward::Dense { gate_up, down } => self.dense_mlp(enc, gate_up, down, t),
+                FeedForward::Experts(x) => {
+                    self.experts(enc, x, t);
+                    if let Some((gate_up, down)) = &x.shared {
+                        self.dense_mlp(enc, gate_up, down, t);
+                    }
+                }
+            }
         }
         let (Some(head), Some(weights)) = (&self.head, &self.weights.head) else { return Ok(()) };
         if rows == 0 || matches!(readback, Readback::Hidden) {
@@ -114,6 +122,76 @@ impl<B: Clone> StepPlan<B> {
             head.sampler.encode(enc, &head.logits, rows);
         }
         Ok(())
+    }
+
+    /// `hidden += down(swiglu(gate_up(normed)))` over `t` tokens.
+    fn dense_mlp<E: Encoder<Buffer = B>>(&self, enc: &mut E, gate_up: &Linear<B>, down: &Linear<B>, t: usize) {
+        let a = &self.acts;
+        self.matmul(enc, gate_up.parts(), &a.normed, Output::whole(&a.act), t, MatmulMode::Swiglu);
+        self.matmul(enc, down.parts(), &a.act, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
+    }
+
+    /// `hidden += sum over each token's chosen experts of weight * expert(normed)`:
+    /// the router's logits, the choice, the pairs grouped by expert, the
+    /// chosen experts' gate/up and down over their pairs only, the sum.
+    fn experts<E: Encoder<Buffer = B>>(&self, enc: &mut E, x: &Experts<B>, t: usize) {
+        let (a, r) = (&self.acts, x.routing);
+        let (Some(buf), Some(k)) = (&a.experts, &self.kernels.experts) else {
+            unreachable!("a plan with experts has their buffers and kernels")
+        };
+        let u = |x: usize| x as u32; // checked against 32 bits at load
+        let pairs = t * r.top_k;
+        self.matmul(enc, x.router.parts(), &a.normed, Output::whole(&buf.logits), t, MatmulMode::Store);
+
+        enc.set_kernel(&k.route);
+        enc.set_buffer(0, &buf.logits, 0, Access::Read);
+        // Unread without a correction; bound to the logits then.
+        enc.set_buffer(1, x.correction.as_ref().unwrap_or(&buf.logits), 0, Access::Read);
+        enc.set_buffer(2, &buf.ids, 0, Access::Write);
+        enc.set_buffer(3, &buf.weights, 0, Access::Write);
+        let mut p = words(&[
+            u(r.experts),
+            u(r.top_k),
+            u32::from(r.sigmoid),
+            u32::from(x.correction.is_some()),
+            u32::from(r.norm_topk),
+            u(r.groups),
+            u(r.groups_kept),
+        ]);
+        p.extend(r.scale.to_le_bytes());
+        enc.set_bytes(4, &p);
+        enc.dispatch([t, 1, 1], [32, 1, 1]);
+
+        let tiles = max_tiles(pairs, r.experts);
+        enc.set_kernel(&k.group);
+        enc.set_buffer(0, &buf.ids, 0, Access::Read);
+        enc.set_buffer(1, &buf.order, 0, Access::Write);
+        enc.set_buffer(2, &buf.tiles, 0, Access::Write);
+        enc.set_bytes(3, &words(&[u(pairs), u(r.experts), u(tiles)]));
+        enc.dispatch([1, 1, 1], [ROW_THREADS, 1, 1]);
+
+        let matmul_id = |enc: &mut E, linear: &Linear<B>, x: &B, y: &B, out: usize, mode: MatmulMode, x_div: usize| {
+            enc.set_kernel(by_format(&k.matmuls, linear.weight.format));
+            enc.set_buffer(0, x, 0, Access::Read);
+            enc.set_buffer(1, &linear.weight.buffer, 0, Access::Read);
+            enc.set_buffer(2, linear.bias.as_ref().unwrap_or(x), 0, Access::Read);
+            enc.set_buffer(3, y, 0, Access::Write);
+            enc.set_buffer(4, &buf.order, 0, Access::Read);
+            enc.set_buffer(5, &buf.tiles, 0, Access::Read);
+            let has_bias = u32::from(linear.bias.is_some());
+            enc.set_bytes(6, &words(&[u(linear.weight.cols), u(out), mode as u32, has_bias, u(x_div)]));
+            enc.dispatch([out.div_ceil(MATMUL_ROWS), tiles, 1], [MATMUL_SIMDS * 32, 1, 1]);
+        };
+        let width = r.expert_intermediate;
+        matmul_id(enc, &x.gate_up, &a.normed, &buf.act, width, MatmulMode::Swiglu, r.top_k);
+        matmul_id(enc, &x.down, &buf.act, &buf.out, self.shape.hidden, MatmulMode::Store, 1);
+
+        enc.set_kernel(&k.combine);
+        enc.set_buffer(0, &buf.out, 0, Access::Read);
+        enc.set_buffer(1, &buf.weights, 0, Access::Read);
+        enc.set_buffer(2, &a.hidden, 0, Access::Write);
+        enc.set_bytes(3, &words(&[u(self.shape.hidden), u(r.top_k)]));
+        enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
     }
 
     /// `y (+)= x W^T (+ b)` over `t` tokens; the widths come from W
@@ -165,8 +243,9 @@ enum MatmulMode {
     Swiglu = 2,
 }
 
-/// The dispatches of a whole model's step of `layers` layers whose
-/// attention takes `attention` dispatches per layer, with `rows` wanted rows.
+/// The dispatches of a whole dense model's step of `layers` layers whose
+/// attention takes `attention` dispatches per layer, with `rows` wanted
+/// rows (a mixture of experts' layer takes 4 more, 6 with a shared expert).
 pub fn dispatches_per_step(layers: usize, attention: usize, rows: usize, readback: Readback) -> usize {
     let head = match readback {
         _ if rows == 0 => 0,

@@ -1,4 +1,4 @@
-//! A dense model's whole step on the GPU as one plan (the issue's "Metal
+//! A model's whole step on the GPU as one plan (the issue's "Metal
 //! step"), free of any GPU API like [`super::plan`]: a Mac's Metal device
 //! and the Linux emulator (kernels/metal-emu) run this same code through
 //! the [`Gpu`] trait. A pipeline stage's plan holds its share of the layers
@@ -20,7 +20,11 @@
 //! the partition reduce past 512 keys and one more when a step mixes prefill
 //! and decode), `matmul` (o_proj, adding into the residual stream),
 //! `rms_norm`, `matmul` (gate/up with SwiGLU's product), `matmul`
-//! (down_proj, adding into the residual stream): 8 at decode. Per step
+//! (down_proj, adding into the residual stream): 8 at decode. A mixture of
+//! experts' MLP is instead `matmul` (the router), `moe_route`, `moe_group`,
+//! `matmul_id` (the chosen experts' gate/up), `matmul_id` (their down) and
+//! `moe_combine` (the weighted sum into the residual stream), plus the two
+//! matmuls of a shared expert: 11 dispatches a layer at decode. Per step
 //! besides: the embedding, the final norm of the wanted rows, lm_head and,
 //! when the step samples on the GPU, the sampler (sample.rs: one dispatch
 //! for every row, whatever its parameters).
@@ -39,7 +43,8 @@ pub use encode::dispatches_per_step;
 pub use sample::{EDITS_PER_ROW, MAX_TOP_LOGPROBS, RawLogprobs, SampleRow, Sampled, Sampler, TokenEdit};
 
 pub use super::model::{
-    LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, WeightFormat, pad_columns, padded_head_dim,
+    Experts, FeedForward, LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Routing, WeightFormat,
+    pad_columns, padded_head_dim,
 };
 
 /// Threads of the row kernels (`kRowThreads` in model.metal).
@@ -168,7 +173,37 @@ struct Activations<B> {
     q: B,
     attn: B,
     act: B,
+    /// A plan with mixtures of experts.
+    experts: Option<ExpertBuffers<B>>,
 }
+
+/// The buffers of the mixture-of-experts layers, for `max_tokens` tokens
+/// at the largest router, top-k and expert width of the plan's layers.
+#[derive(Debug)]
+struct ExpertBuffers<B> {
+    /// `[T, experts]` router logits.
+    logits: B,
+    /// `[T, top_k]` each token's experts (u32), best first, and weights.
+    ids: B,
+    weights: B,
+    /// `[T * top_k]` pair indices grouped by expert (u32).
+    order: B,
+    /// `[max_tiles, 3]` (u32): expert, first index into `order`, pairs.
+    tiles: B,
+    /// `[T * top_k, I]` and `[T * top_k, hidden]`, a row per pair.
+    act: B,
+    out: B,
+}
+
+/// Tiles of at most `MATMUL_TOKENS` pairs that `pairs` (token, expert)
+/// pairs over `experts` experts can need: each active expert's last tile
+/// may be partial.
+fn max_tiles(pairs: usize, experts: usize) -> usize {
+    pairs.div_ceil(MATMUL_TOKENS) + experts.min(pairs)
+}
+
+/// Most experts a router may score (`kMaxExperts` in model.metal).
+pub const MAX_EXPERTS: usize = 512;
 
 /// The head's buffers (a plan holding the last layer): the wanted rows
 /// normed, their logits, and the sampler.
@@ -207,11 +242,26 @@ struct Kernels {
     norm: Kernel,
     matmuls: Vec<(WeightFormat, Kernel)>,
     rope: Kernel,
+    /// A plan with mixtures of experts: moe_route, moe_group, moe_combine
+    /// and a matmul_id per expert weight format.
+    experts: Option<ExpertKernels>,
+}
+
+#[derive(Debug)]
+struct ExpertKernels {
+    route: Kernel,
+    group: Kernel,
+    combine: Kernel,
+    matmuls: Vec<(WeightFormat, Kernel)>,
+}
+
+fn by_format(kernels: &[(WeightFormat, Kernel)], format: WeightFormat) -> &Kernel {
+    &kernels.iter().find(|(f, _)| *f == format).expect("every weight's matmul is planned at load").1
 }
 
 impl Kernels {
     fn matmul(&self, format: WeightFormat) -> &Kernel {
-        &self.matmuls.iter().find(|(f, _)| *f == format).expect("every weight's matmul is planned at load").1
+        by_format(&self.matmuls, format)
     }
 }
 
@@ -257,6 +307,9 @@ impl<B: Clone> StepPlan<B> {
                 HEAD_DIMS[HEAD_DIMS.len() - 1]
             ));
         };
+        if shape.rotary_dim == 0 || !shape.rotary_dim.is_multiple_of(2) || shape.rotary_dim > head_dim {
+            return invalid(format!("a rotary dim of {} in heads of {head_dim}", shape.rotary_dim));
+        }
         if kv_heads == 0 || heads % kv_heads != 0 {
             return invalid(format!("{heads} query heads are not a multiple of {kv_heads} kv heads"));
         }
@@ -294,8 +347,37 @@ impl<B: Clone> StepPlan<B> {
                 return invalid(format!("layer {l}'s q, k and v have {rows} rows, the model needs {qkv_rows}"));
             }
             check(&layer.o_proj.weight, hidden, heads * padded, &format!("layer {l}'s o_proj (padded heads)"))?;
-            check(&layer.gate_up.weight, 2 * intermediate, hidden, &format!("layer {l}'s gate/up projection"))?;
-            check(&layer.down.weight, hidden, intermediate, &format!("layer {l}'s down_proj"))?;
+            let mlp = |gate_up: &Linear<B>, down: &Linear<B>, width: usize, what: &str| -> Result<()> {
+                check(&gate_up.weight, 2 * width, hidden, &format!("layer {l}'s {what}gate/up projection"))?;
+                check(&down.weight, hidden, width, &format!("layer {l}'s {what}down_proj"))
+            };
+            match &layer.mlp {
+                FeedForward::Dense { gate_up, down } => mlp(gate_up, down, intermediate, "")?,
+                FeedForward::Experts(x) => {
+                    let Routing { experts, top_k, expert_intermediate: width, groups, groups_kept, .. } = x.routing;
+                    if top_k == 0 || top_k > experts || experts > MAX_EXPERTS {
+                        return invalid(format!(
+                            "layer {l}: {top_k} of {experts} experts a token (the Metal step routes 1 to at most \
+                             {MAX_EXPERTS})"
+                        ));
+                    }
+                    if groups == 0 || !experts.is_multiple_of(groups) || groups_kept == 0 || groups_kept > groups {
+                        return invalid(format!("layer {l}: {experts} experts in {groups} groups, {groups_kept} kept"));
+                    }
+                    if x.router.weight.format != WeightFormat::F32 {
+                        return invalid(format!(
+                            "layer {l}'s router is {:?}; the Metal step reads f32",
+                            x.router.weight.format
+                        ));
+                    }
+                    check(&x.router.weight, experts, hidden, &format!("layer {l}'s router"))?;
+                    check(&x.gate_up.weight, experts * 2 * width, hidden, &format!("layer {l}'s experts' gate/up"))?;
+                    check(&x.down.weight, experts * hidden, width, &format!("layer {l}'s experts' down_proj"))?;
+                    if let Some((gate_up, down)) = &x.shared {
+                        mlp(gate_up, down, down.weight.cols, "shared expert's ")?;
+                    }
+                }
+            }
         }
         let StepLimits { max_tokens, max_logit_rows, num_blocks, block_size, .. } = limits;
         if max_tokens == 0 || (weights.head.is_some() && max_logit_rows == 0) || limits.max_seqs == 0 || block_size == 0
@@ -304,8 +386,27 @@ impl<B: Clone> StepPlan<B> {
         }
         let f32s = |alloc: &mut A, n: usize| alloc.scratch(n.max(1) * 4);
         let row = kv_heads * padded;
+        // The widest dense MLP (a shared expert's included) and the largest
+        // router, top-k and expert of the mixtures of experts.
+        let mut dense_width = 0;
+        let (mut max_experts, mut max_top_k, mut max_expert_width) = (0, 0, 0);
+        for layer in &weights.layers {
+            match &layer.mlp {
+                FeedForward::Dense { down, .. } => dense_width = dense_width.max(down.weight.cols),
+                FeedForward::Experts(x) => {
+                    let r = x.routing;
+                    max_experts = max_experts.max(r.experts);
+                    max_top_k = max_top_k.max(r.top_k);
+                    max_expert_width = max_expert_width.max(r.expert_intermediate);
+                    dense_width = dense_width.max(x.shared.as_ref().map_or(0, |(_, d)| d.weight.cols));
+                    to_u32(x.gate_up.weight.rows * x.gate_up.weight.cols, "the experts' gate/up elements")?;
+                }
+            }
+        }
+        let pairs = max_tokens * max_top_k;
         to_u32(num_blocks * block_size * row, "KV cache elements")?;
-        to_u32(max_tokens * qkv_rows.max(2 * intermediate), "activation elements")?;
+        to_u32(max_tokens * qkv_rows.max(2 * dense_width), "activation elements")?;
+        to_u32(pairs * hidden.max(max_expert_width) + max_tokens * max_experts, "expert activation elements")?;
         if weights.head.is_some() {
             to_u32(max_logit_rows * vocab, "logits")?;
         }
@@ -321,7 +422,19 @@ impl<B: Clone> StepPlan<B> {
             qkv: f32s(alloc, max_tokens * qkv_rows)?,
             q: f32s(alloc, max_tokens * heads * padded)?,
             attn: f32s(alloc, max_tokens * heads * padded)?,
-            act: f32s(alloc, max_tokens * intermediate)?,
+            act: f32s(alloc, max_tokens * dense_width)?,
+            experts: match max_top_k {
+                0 => None,
+                _ => Some(ExpertBuffers {
+                    logits: f32s(alloc, max_tokens * max_experts)?,
+                    ids: f32s(alloc, pairs)?,
+                    weights: f32s(alloc, pairs)?,
+                    order: f32s(alloc, pairs)?,
+                    tiles: f32s(alloc, 3 * max_tiles(pairs, max_experts))?,
+                    act: f32s(alloc, pairs * max_expert_width)?,
+                    out: f32s(alloc, pairs * hidden)?,
+                }),
+            },
         };
         let head = match weights.head {
             Some(_) => Some(HeadBuffers {
@@ -338,17 +451,47 @@ impl<B: Clone> StepPlan<B> {
         let scratch_capacity = scratch_bound(&shape, &limits);
         let scratch = if scratch_capacity == 0 { None } else { Some(alloc.scratch(scratch_capacity)?) };
 
-        let mut formats: Vec<WeightFormat> = weights.head.iter().map(|h| h.lm_head.format).collect();
+        // The formats of the plain matmuls, and of the experts' (matmul_id).
+        let (mut formats, mut expert_formats) = (Vec::new(), Vec::new());
+        let add = |list: &mut Vec<WeightFormat>, f: WeightFormat| {
+            if !list.contains(&f) {
+                list.push(f);
+            }
+        };
+        if let Some(head) = &weights.head {
+            add(&mut formats, head.lm_head.format);
+        }
         for layer in &weights.layers {
-            let parts = layer.qkv.iter().chain([&layer.o_proj, &layer.gate_up, &layer.down]);
-            for f in parts.map(|l| l.weight.format) {
-                if !formats.contains(&f) {
-                    formats.push(f);
+            for part in layer.qkv.iter().chain([&layer.o_proj]) {
+                add(&mut formats, part.weight.format);
+            }
+            match &layer.mlp {
+                FeedForward::Dense { gate_up, down } => {
+                    add(&mut formats, gate_up.weight.format);
+                    add(&mut formats, down.weight.format);
+                }
+                FeedForward::Experts(x) => {
+                    add(&mut formats, x.router.weight.format);
+                    if let Some((gate_up, down)) = &x.shared {
+                        add(&mut formats, gate_up.weight.format);
+                        add(&mut formats, down.weight.format);
+                    }
+                    add(&mut expert_formats, x.gate_up.weight.format);
+                    add(&mut expert_formats, x.down.weight.format);
                 }
             }
         }
-        let matmuls =
-            formats.iter().map(|&f| (f, model_kernel(format!("matmul_{}", f.name()), MATMUL_SIMDS * 32))).collect();
+        let matmuls_named = |prefix: &str, formats: &[WeightFormat]| -> Vec<(WeightFormat, Kernel)> {
+            let kernel = |f: WeightFormat| model_kernel(format!("{prefix}_{}", f.name()), MATMUL_SIMDS * 32);
+            formats.iter().map(|&f| (f, kernel(f))).collect()
+        };
+        let matmuls = matmuls_named("matmul", &formats);
+        let experts = (!expert_formats.is_empty()).then(|| ExpertKernels {
+            route: model_kernel("moe_route".into(), 32),
+            group: model_kernel("moe_group".into(), ROW_THREADS),
+            combine: model_kernel("moe_combine".into(), ROW_THREADS),
+            matmuls: matmuls_named("matmul_id", &expert_formats),
+        });
         let attention_kernel = |source, name: &str, dtypes: &str| Kernel {
             source,
             name: format!("{name}_{dtypes}_hd{padded}"),
@@ -365,6 +508,7 @@ impl<B: Clone> StepPlan<B> {
             norm: model_kernel("rms_norm".into(), ROW_THREADS),
             matmuls,
             rope: model_kernel(format!("rope_qkv_cache_{cache_name}"), 32),
+            experts,
         };
         Ok(Self {
             shape,
@@ -400,10 +544,15 @@ impl<B: Clone> StepPlan<B> {
         all.extend(self.head.as_ref().map(|h| h.sampler.kernel()));
         all.extend(k.matmuls.iter().map(|(_, m)| m));
         all.extend(&k.attention);
+        if let Some(x) = &k.experts {
+            all.extend([&x.route, &x.group, &x.combine]);
+            all.extend(x.matmuls.iter().map(|(_, m)| m));
+        }
         all
     }
 
-    /// Bytes of weights one step reads (every matrix and vector once).
+    /// Bytes of the weights: what a dense model's step reads (every matrix
+    /// and vector once); a mixture of experts' step reads fewer.
     pub fn weight_bytes(&self) -> usize {
         let w = &self.weights;
         let s = &self.shape;
@@ -414,8 +563,7 @@ impl<B: Clone> StepPlan<B> {
             .map(|l| {
                 l.qkv.iter().map(linear).sum::<usize>()
                     + linear(&l.o_proj)
-                    + linear(&l.gate_up)
-                    + linear(&l.down)
+                    + l.mlp.linears().into_iter().map(linear).sum::<usize>()
                     + 2 * s.hidden * 4
                     + l.head_norm.as_ref().map_or(0, |_| 2 * s.head_dim * 4)
             })
