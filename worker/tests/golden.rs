@@ -536,8 +536,14 @@ const BATCH_ONLY: Passes = Passes { chunked: false, preempted: false };
 /// the CPU, and chunking and preemption each run on two families (the CPU
 /// runs them on all).
 fn check_model_emulated(golden_file: &str, spec: SpeculativeConfig, passes: Passes) {
+    check_model_emulated_from(golden_file, None, spec, passes)
+}
+
+/// [`check_model_emulated`] of the model's files in `source` (a GGUF file
+/// llama.cpp's converter wrote), or of its safetensors.
+fn check_model_emulated_from(golden_file: &str, source: Option<&str>, spec: SpeculativeConfig, passes: Passes) {
     let golden = load_golden(golden_file);
-    let model = golden.model.as_str();
+    let model = source.unwrap_or(golden.model.as_str());
     let mut e = engine_on(model, 2048, spec.clone(), true, 512);
     let run = run_cases(&mut e, &golden.cases);
     check(model, "batched", &golden.cases, &run);
@@ -605,6 +611,17 @@ fn mixtures_of_experts_match_transformers_on_metal_emulated() {
         Passes { chunked: false, preempted: true },
     );
     check_model_emulated("tiny-glm4-moe.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: true });
+}
+
+/// The same from the GGUF files llama.cpp's converter wrote (stacked
+/// experts split per expert at load, GLM-4.5's shared expert and score
+/// correction under their GGUF names).
+#[test]
+fn mixtures_of_experts_from_gguf_match_transformers_on_metal_emulated() {
+    for name in ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe"] {
+        let (golden, gguf) = (format!("{name}.json"), format!("{name}-f32.gguf"));
+        check_model_emulated_from(&golden, Some(&gguf), SpeculativeConfig::default(), BATCH_ONLY);
+    }
 }
 
 #[test]

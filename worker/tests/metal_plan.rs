@@ -67,14 +67,32 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 #[test]
 fn gguf_blocks_stay_quantized_and_give_the_cpu_tokens_on_metal_emulated() {
     // In-features of 256: the k-quants are really used (Q4_K, Q6_K).
-    let cfg = ModelConfig::from_json(
+    gguf_blocks_on_the_plan(
         r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":512,
         "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":384,
         "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":256,"tie_word_embeddings":false}"#,
-    )
-    .unwrap();
+    );
+}
+
+/// A mixture of experts' stacked experts (`ffn_*_exps`) stay in their
+/// blocks too, and the grouped matmuls over them give the CPU's tokens.
+#[test]
+fn gguf_expert_blocks_stay_quantized_and_give_the_cpu_tokens_on_metal_emulated() {
+    gguf_blocks_on_the_plan(
+        r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":256,"intermediate_size":512,
+        "moe_intermediate_size":256,"num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,"vocab_size":384,
+        "rms_norm_eps":1e-6,"rope_theta":10000.0,"max_position_embeddings":256,"tie_word_embeddings":false}"#,
+    );
+}
+
+/// The model of `config` with seeded random weights, written as Q8_0 and
+/// Q4_K_M GGUF files: on the plan, about the file's size resident and the
+/// tokens of the CPU on the same weights dequantized.
+fn gguf_blocks_on_the_plan(config: &str) {
+    let cfg = ModelConfig::from_json(config).unwrap();
     let tensors = worker::models::loader::random_weights(&cfg, DType::F32, &Device::Cpu, 11).unwrap();
-    let dir = std::env::temp_dir().join(format!("tinyvllm-metal-plan-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tinyvllm-metal-plan-{}-{:?}", std::process::id(), cfg.architecture));
     std::fs::create_dir_all(&dir).unwrap();
     let vocab = Vocab::from_tokenizer_json(None, cfg.vocab_size, 1, 2).unwrap();
     for ty in [Quantization::Q8_0, Quantization::Q4KM] {

@@ -13,6 +13,7 @@ use kernels::metal::step::WeightFormat;
 use super::gguf::{
     GgufFile, err, hf_name, invert, llama_qk_permutation, permute_tensor_rows, qk_heads, read_info, with_rope_freqs,
 };
+use super::gguf_experts::{ExpertTensor, Param, hf_expert};
 use super::gguf_file::ggml_type;
 use crate::error::Result;
 
@@ -84,6 +85,11 @@ pub fn host_tensors(path: &Path, dtype: DType) -> Result<(ModelConfig, HashMap<S
     let cfg = with_rope_freqs(info.config, &file, path)?;
     let mut out = HashMap::new();
     for gguf in file.names() {
+        if let Some(tensor) = ExpertTensor::parse(gguf) {
+            let raw = file.read(gguf)?;
+            expert_tensors(&cfg, tensor, raw, dtype, &mut out).map_err(|e| err(path, format!("{gguf}: {e}")))?;
+            continue;
+        }
         let Some(hf) = hf_name(gguf, cfg.architecture) else { continue };
         let raw = file.read(gguf)?;
         let perm = qk_heads(&cfg, &hf).map(|heads| invert(&llama_qk_permutation(raw.dims[0], heads)));
@@ -114,4 +120,61 @@ pub fn host_tensors(path: &Path, dtype: DType) -> Result<(ModelConfig, HashMap<S
         out.insert(hf, tensor);
     }
     Ok((cfg, out))
+}
+
+/// A router (or its score correction) as a tensor, or a layer's stacked
+/// experts split into each expert's weights under HF names: each expert's
+/// blocks are a contiguous slice of the stacked tensor, kept as stored.
+fn expert_tensors(
+    cfg: &ModelConfig,
+    tensor: ExpertTensor,
+    raw: super::gguf_file::RawTensor,
+    dtype: DType,
+    out: &mut HashMap<String, HostTensor>,
+) -> Result<()> {
+    let check = |experts: usize| -> Result<()> {
+        if experts != cfg.moe.num_experts {
+            return Err(crate::error::WorkerError::Unsupported(format!(
+                "{experts} experts, the config says {}",
+                cfg.moe.num_experts
+            )));
+        }
+        Ok(())
+    };
+    match tensor {
+        ExpertTensor::Router { .. } | ExpertTensor::CorrectionBias { .. } => {
+            out.insert(tensor.hf_name(cfg), HostTensor::Dense(raw.dequantize(dtype)?));
+        }
+        ExpertTensor::Stacked { layer, which, param: Param::Bias } => {
+            let all = raw.dequantize(dtype)?;
+            check(all.dims2()?.0)?;
+            for e in 0..cfg.moe.num_experts {
+                out.insert(hf_expert(cfg, layer, e, which, Param::Bias), HostTensor::Dense(all.get(e)?));
+            }
+        }
+        ExpertTensor::Stacked { layer, which, param: Param::Weight } => {
+            let [experts, rows, cols] = raw.dims[..] else {
+                return Err(crate::error::WorkerError::Unsupported(format!(
+                    "stacked experts of {} dims",
+                    raw.dims.len()
+                )));
+            };
+            check(experts)?;
+            let name = |e: usize| hf_expert(cfg, layer, e, which, Param::Weight);
+            match block_format(raw.ggml_type) {
+                Some(format) => {
+                    for (e, bytes) in raw.bytes.chunks_exact(raw.bytes.len() / experts).enumerate() {
+                        out.insert(name(e), HostTensor::Blocks { format, bytes: bytes.to_vec(), rows, cols });
+                    }
+                }
+                None => {
+                    let all = raw.dequantize(dtype)?;
+                    for e in 0..experts {
+                        out.insert(name(e), HostTensor::Dense(all.get(e)?));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
