@@ -105,6 +105,36 @@ fn long_contexts_cross_partitions() {
     compare(&gpu, &case, F32_TOL, "decode only, 5 partitions");
 }
 
+/// gpt-oss's attention sinks: each head's logit joins its softmax in the
+/// single-pass decode, the partitions' reduce and the prefill, with and
+/// without a window, sinks far below, around and above the scores.
+#[test]
+fn attention_sinks_match_reference() {
+    let Some(gpu) = Gpu::get() else { return };
+    let mut rng = StdRng::seed_from_u64(41);
+    let p = PARTITION_SIZE;
+    let seqs = [(1, 40), (1, p + 30), (12, 60), (1, 1), (20, 20)];
+    for (heads, kv_heads) in [(8, 2), (4, 4)] {
+        for offset in [-60.0f32, 0.0, 8.0] {
+            for window in [None, Some(16)] {
+                let g = Geometry { window, ..Geometry::new(heads, kv_heads, 64, 16) };
+                let case = make_case(&mut rng, &seqs, g);
+                let sinks: Vec<f32> = (0..heads).map(|h| offset + h as f32 * 0.7 - 1.0).collect();
+                let scale = 0.125;
+                let call = Attention { sinks: Some(&sinks), ..case.attention(scale) };
+                let want = reference::paged_attention(&call).unwrap();
+                let plain = reference::paged_attention(&case.attention(scale)).unwrap();
+                let got = gpu.attention(&call).unwrap();
+                let what = format!("heads {heads}/{kv_heads} sinks {offset} window {window:?}");
+                assert!(max_rel_err(&got, &want) < F32_TOL, "{what}: {}", max_rel_err(&got, &want));
+                if offset > 0.0 {
+                    assert!(max_rel_err(&plain, &want) > 0.1, "{what}: the sinks change nothing");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn sliding_window_matches_reference() {
     let Some(gpu) = Gpu::get() else { return };

@@ -14,7 +14,7 @@ use kernels::metal::emulated::EmulatedGpu;
 use kernels::metal::model::quantize;
 use kernels::metal::plan::Allocator;
 use kernels::metal::step::{
-    Experts, FeedForward, LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Readback, Routing,
+    Experts, FeedForward, Gate, LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Readback, Routing,
     SampleRow, StepInput, StepInputs, StepLimits, StepOutput, StepPlan, TokenEdit, WeightFormat, dispatches_per_step,
 };
 
@@ -92,6 +92,12 @@ struct RefLayer {
     o: RefLinear,
     post_norm: Vec<f32>,
     mlp: RefMlp,
+    window: Option<usize>,
+    sinks: Option<Vec<f32>>,
+    /// This layer's own RoPE tables (cos, sin), else the model's.
+    rope: Option<(Vec<f32>, Vec<f32>)>,
+    /// Gemma's norms of the attention's and the MLP's outputs.
+    out_norms: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 enum RefMlp {
@@ -109,11 +115,25 @@ struct RefExperts {
     routing: Routing,
 }
 
-/// SwiGLU's MLP: down(silu(gate x) * up x).
-fn swiglu_mlp(gate_up: &RefLinear, down: &RefLinear, x: &[f32]) -> Vec<f32> {
+/// A gated MLP: down(act(gate x) * up x), in f64 where the gate is.
+fn gated_mlp(gate_up: &RefLinear, down: &RefLinear, x: &[f32], gate: Gate) -> Vec<f32> {
     let gu = gate_up.apply(x);
     let i = gate_up.out / 2;
-    let act: Vec<f32> = (0..i).map(|n| gu[n] / (1.0 + (-gu[n]).exp()) * gu[i + n]).collect();
+    let act: Vec<f32> = (0..i)
+        .map(|n| {
+            let (g, u) = (f64::from(gu[n]), f64::from(gu[i + n]));
+            (match gate {
+                Gate::Silu => g / (1.0 + (-g).exp()) * u,
+                Gate::GeluTanh => {
+                    0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh()) * u
+                }
+                Gate::ClampedSwiglu { limit } => {
+                    let (l, g) = (f64::from(limit), g.min(f64::from(limit)));
+                    (u.clamp(-l, l) + 1.0) * g / (1.0 + (-1.702 * g).exp())
+                }
+            }) as f32
+        })
+        .collect();
     down.apply(&act)
 }
 
@@ -155,14 +175,14 @@ impl RefExperts {
         kept.iter().map(|&e| (e, if r.norm_topk { scores[e] / total } else { scores[e] } * r.scale)).collect()
     }
 
-    fn apply(&self, x: &[f32]) -> Vec<f32> {
+    fn apply(&self, x: &[f32], gate: Gate) -> Vec<f32> {
         let mut out = vec![0.0; x.len()];
         for (e, w) in self.route(x) {
             let (gate_up, down) = &self.experts[e];
-            out.iter_mut().zip(swiglu_mlp(gate_up, down, x)).for_each(|(o, y)| *o += w * y);
+            out.iter_mut().zip(gated_mlp(gate_up, down, x, gate)).for_each(|(o, y)| *o += w * y);
         }
         if let Some((gate_up, down)) = &self.shared {
-            out.iter_mut().zip(swiglu_mlp(gate_up, down, x)).for_each(|(o, y)| *o += y);
+            out.iter_mut().zip(gated_mlp(gate_up, down, x, gate)).for_each(|(o, y)| *o += y);
         }
         out
     }
@@ -175,14 +195,43 @@ struct MoeSpec {
     correction: bool,
     /// A shared expert of this width.
     shared: Option<usize>,
+    /// Biases on the router and every expert's projections (gpt-oss).
+    biases: bool,
 }
 
 /// What a test model has beyond a dense Llama.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 struct Extras {
     moe: Option<MoeSpec>,
     /// RoPE on the first dims of each head only.
     rotary_dim: Option<usize>,
+    /// Each layer's attention window.
+    windows: [Option<usize>; 2],
+    /// gpt-oss's attention sinks on every layer.
+    sinks: bool,
+    /// Gemma: output norms of dense sublayers, layer 0 with RoPE tables of
+    /// its own, embeddings scaled, q.k scaled by 1/sqrt(24).
+    gemma: bool,
+    activation: Gate,
+}
+
+impl Default for Extras {
+    fn default() -> Self {
+        Self { moe: None, rotary_dim: None, windows: [None; 2], sinks: false, gemma: false, activation: Gate::Silu }
+    }
+}
+
+/// RoPE tables `[positions, rotary_dim / 2]` of base `base`.
+fn rope_tables(positions: usize, rotary_dim: usize, base: f64) -> (Vec<f32>, Vec<f32>) {
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for pos in 0..positions {
+        for i in 0..rotary_dim / 2 {
+            let angle = pos as f64 / base.powf(2.0 * i as f64 / rotary_dim as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
 }
 
 struct RefModel {
@@ -256,13 +305,20 @@ impl RefModel {
                         let r = spec.routing;
                         // A router three times as sharp as the others:
                         // choices apart by far more than rounding.
-                        let mut router = RefLinear::new(&mut rng, r.experts, hidden, false, WeightFormat::F32);
+                        let mut router = RefLinear::new(&mut rng, r.experts, hidden, spec.biases, WeightFormat::F32);
                         router.w.iter_mut().for_each(|w| *w *= 3.0);
                         router.bytes = bytes(DType::F32, &router.w);
+                        let expert = |rng: &mut Rng| {
+                            let width = r.expert_intermediate;
+                            (
+                                RefLinear::new(rng, 2 * width, hidden, spec.biases, formats.linear),
+                                RefLinear::new(rng, hidden, width, spec.biases, formats.linear),
+                            )
+                        };
                         RefMlp::Experts(RefExperts {
                             router,
                             correction: spec.correction.then(|| rng.vec(r.experts, 0.3)),
-                            experts: (0..r.experts).map(|_| dense(&mut rng, r.expert_intermediate)).collect(),
+                            experts: (0..r.experts).map(|_| expert(&mut rng)).collect(),
                             shared: spec.shared.map(|w| dense(&mut rng, w)),
                             routing: r,
                         })
@@ -272,17 +328,14 @@ impl RefModel {
                         RefMlp::Dense { gate_up, down }
                     }
                 },
+                window: extras.windows[l],
+                sinks: extras.sinks.then(|| rng.vec(heads, 2.0)),
+                rope: (extras.gemma && l == 0).then(|| rope_tables(shape.max_positions, rotary_dim, 500.0)),
+                out_norms: (extras.gemma && !(extras.moe.is_some() && l + 1 == layers))
+                    .then(|| (norm(&mut rng, hidden), norm(&mut rng, hidden))),
             })
             .collect();
-        let half = rotary_dim / 2;
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for pos in 0..shape.max_positions {
-            for i in 0..half {
-                let angle = pos as f64 / 10000f64.powf(2.0 * i as f64 / rotary_dim as f64);
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
+        let (cos, sin) = rope_tables(shape.max_positions, rotary_dim, 10000.0);
         Self {
             shape,
             embed: round(dtype, &rng.vec(vocab * hidden, 1.0)),
@@ -295,10 +348,10 @@ impl RefModel {
         }
     }
 
-    fn rope(&self, x: &mut [f32], pos: usize) {
+    fn rope(&self, (cos, sin): (&[f32], &[f32]), x: &mut [f32], pos: usize) {
         let half = self.shape.rotary_dim / 2;
         for j in 0..half {
-            let (c, s) = (self.cos[pos * half + j], self.sin[pos * half + j]);
+            let (c, s) = (cos[pos * half + j], sin[pos * half + j]);
             let (a, b) = (x[j], x[j + half]);
             x[j] = a * c - b * s;
             x[j + half] = b * c + a * s;
@@ -309,9 +362,10 @@ impl RefModel {
     fn logits(&self, tokens: &[u32]) -> Vec<Vec<f32>> {
         let s = &self.shape;
         let (h, kvh, d) = (s.heads, s.kv_heads, s.head_dim);
-        let mut hidden: Vec<Vec<f32>> =
-            tokens.iter().map(|&t| self.embed[t as usize * s.hidden..][..s.hidden].to_vec()).collect();
+        let embed = |t: u32| self.embed[t as usize * s.hidden..][..s.hidden].iter().map(|v| v * s.embed_scale);
+        let mut hidden: Vec<Vec<f32>> = tokens.iter().map(|&t| embed(t).collect()).collect();
         for layer in &self.layers {
+            let tables = layer.rope.as_ref().map_or((&self.cos[..], &self.sin[..]), |(c, s)| (c, s));
             let mut qs = Vec::new();
             let mut ks = Vec::new();
             let mut vs = Vec::new();
@@ -325,31 +379,42 @@ impl RefModel {
                     (0..h).map(|i| norm(head(i), layer.head_norm.as_ref().map(|n| &n.0))).collect();
                 let mut k: Vec<Vec<f32>> =
                     (h..h + kvh).map(|i| norm(head(i), layer.head_norm.as_ref().map(|n| &n.1))).collect();
-                q.iter_mut().chain(k.iter_mut()).for_each(|x| self.rope(x, pos));
+                q.iter_mut().chain(k.iter_mut()).for_each(|x| self.rope(tables, x, pos));
                 qs.push(q);
                 ks.push(k);
                 vs.push((h + kvh..h + 2 * kvh).map(head).collect::<Vec<_>>());
             }
             for (pos, x) in hidden.iter_mut().enumerate() {
                 let mut attn = Vec::new();
+                // The keys this position sees (its window), in f64.
+                let first = layer.window.map_or(0, |w| (pos + 1).saturating_sub(w));
                 for (head, q) in qs[pos].iter().enumerate() {
                     let g = head / (h / kvh);
-                    let scores: Vec<f32> = (0..=pos)
-                        .map(|j| q.iter().zip(&ks[j][g]).map(|(a, b)| a * b).sum::<f32>() / (d as f32).sqrt())
+                    let scores: Vec<f64> = (first..=pos)
+                        .map(|j| {
+                            f64::from(q.iter().zip(&ks[j][g]).map(|(a, b)| a * b).sum::<f32>() * s.attention_scale)
+                        })
                         .collect();
-                    let m = scores.iter().cloned().fold(f32::MIN, f32::max);
-                    let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
-                    let z: f32 = e.iter().sum();
-                    attn.extend((0..d).map(|i| (0..=pos).map(|j| e[j] / z * vs[j][g][i]).sum::<f32>()));
+                    let sink = layer.sinks.as_ref().map(|sinks| f64::from(sinks[head]));
+                    let m = scores.iter().copied().chain(sink).fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
+                    let value = |i: usize| {
+                        e.iter().enumerate().map(|(n, e)| e / z * f64::from(vs[first + n][g][i])).sum::<f64>()
+                    };
+                    attn.extend((0..d).map(|i| value(i) as f32));
                 }
-                let o = layer.o.apply(&attn);
-                x.iter_mut().zip(o).for_each(|(x, o)| *x += o);
+                let add = |x: &mut Vec<f32>, y: Vec<f32>, norm: Option<&Vec<f32>>| {
+                    let y = norm.map_or(y.clone(), |w| rms(&y, w, s.eps));
+                    x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
+                };
+                add(x, layer.o.apply(&attn), layer.out_norms.as_ref().map(|n| &n.0));
                 let normed = rms(x, &layer.post_norm, s.eps);
                 let down = match &layer.mlp {
-                    RefMlp::Dense { gate_up, down } => swiglu_mlp(gate_up, down, &normed),
-                    RefMlp::Experts(experts) => experts.apply(&normed),
+                    RefMlp::Dense { gate_up, down } => gated_mlp(gate_up, down, &normed, s.activation),
+                    RefMlp::Experts(experts) => experts.apply(&normed, s.activation),
                 };
-                x.iter_mut().zip(down).for_each(|(x, o)| *x += o);
+                add(x, down, layer.out_norms.as_ref().map(|n| &n.1));
             }
         }
         hidden
@@ -373,12 +438,17 @@ impl RefModel {
             weight: Matrix { buffer: gpu.upload(&l.bytes).unwrap(), format: l.format, rows: l.out, cols: l.inp },
             bias: l.b.as_ref().map(|b| f32s(gpu, b)),
         };
-        // Every expert's matrix of one projection in one buffer, expert-major.
+        // Every expert's matrix of one projection in one buffer, expert-major
+        // (and their biases likewise).
         let stacked = |gpu: &mut EmulatedGpu, parts: Vec<&RefLinear>| {
             let bytes: Vec<u8> = parts.iter().flat_map(|l| l.bytes.iter().copied()).collect();
             let (format, cols) = (parts[0].format, parts[0].inp);
             let rows = parts.iter().map(|l| l.out).sum();
-            Linear { weight: Matrix { buffer: gpu.upload(&bytes).unwrap(), format, rows, cols }, bias: None }
+            let bias = parts[0].b.is_some().then(|| {
+                let all: Vec<f32> = parts.iter().flat_map(|l| l.b.clone().unwrap()).collect();
+                f32s(gpu, &all)
+            });
+            Linear { weight: Matrix { buffer: gpu.upload(&bytes).unwrap(), format, rows, cols }, bias }
         };
         let mlp = |gpu: &mut EmulatedGpu, mlp: &RefMlp| match mlp {
             RefMlp::Dense { gate_up, down } => {
@@ -406,6 +476,11 @@ impl RefModel {
                     o_proj: linear(gpu, &l.o),
                     post_norm: f32s(gpu, &l.post_norm),
                     mlp: mlp(gpu, &l.mlp),
+                    window: l.window,
+                    sinks: l.sinks.as_ref().map(|v| f32s(gpu, v)),
+                    rope: l.rope.as_ref().map(|(c, s)| (f32s(gpu, c), f32s(gpu, s))),
+                    attn_out_norm: l.out_norms.as_ref().map(|n| f32s(gpu, &n.0)),
+                    mlp_out_norm: l.out_norms.as_ref().map(|n| f32s(gpu, &n.1)),
                 })
                 .collect(),
             head: Some(OutputHead {
@@ -481,6 +556,9 @@ fn check_model_extras(head_norm: bool, bias: bool, formats: Formats, cache: DTyp
         vocab: 50,
         eps: 1e-6,
         max_positions: 64,
+        attention_scale: if extras.gemma { 24f32.sqrt().recip() } else { 32f32.sqrt().recip() },
+        embed_scale: if extras.gemma { (hidden as f32).sqrt() } else { 1.0 },
+        activation: extras.activation,
     };
     let model = RefModel::with_extras(shape, 2, (head_norm, bias), formats, extras, 7);
     let mut gpu = EmulatedGpu::new().unwrap();
@@ -545,6 +623,8 @@ fn check_model_extras(head_norm: bool, bias: bool, formats: Formats, cache: DTyp
     // q and k apart from v: one more matmul per layer than a stacked qkv; a
     // mixture of experts takes 4 more (6 with a shared expert).
     let experts = extras.moe.map_or(0, |m| if m.shared.is_some() { 6 } else { 4 });
+    // Gemma's output norms: a dispatch each.
+    let experts = experts + 2 * model.layers.iter().filter(|l| l.out_norms.is_some()).count();
     assert_eq!(after.dispatches - before.dispatches, dispatches_per_step(2, 1, 1, Readback::Logits) + 2 + experts);
     // Sampled on the GPU: greedy, the argmax of the same logits; one more
     // dispatch whatever the parameters (what the draws are is
@@ -622,7 +702,10 @@ fn routing(experts: usize, top_k: usize, width: usize) -> Routing {
 #[test]
 fn the_step_plan_runs_mixtures_of_experts() {
     let f = |linear| Formats { dense: DType::F32, linear, v_o: WeightFormat::F32 };
-    let moe = |routing| Extras { moe: Some(MoeSpec { routing, correction: false, shared: None }), rotary_dim: None };
+    let moe = |routing| Extras {
+        moe: Some(MoeSpec { routing, correction: false, shared: None, biases: false }),
+        ..Extras::default()
+    };
     let renormalised = Routing { norm_topk: true, ..routing(8, 2, 40) };
     check_model_extras(false, false, f(WeightFormat::F32), DType::F32, 64, moe(renormalised));
     // Top-4 of 16, not renormalised, f16 experts; every token on every expert.
@@ -641,14 +724,49 @@ fn the_step_plan_runs_mixtures_of_experts() {
 fn the_step_plan_runs_glm_routing_shared_experts_and_partial_rotary() {
     let f = Formats::all(DType::F32);
     let glm = Routing { sigmoid: true, norm_topk: true, groups: 4, groups_kept: 2, scale: 2.5, ..routing(16, 3, 40) };
-    let extras =
-        Extras { moe: Some(MoeSpec { routing: glm, correction: true, shared: Some(48) }), rotary_dim: Some(16) };
+    let extras = Extras {
+        moe: Some(MoeSpec { routing: glm, correction: true, shared: Some(48), biases: false }),
+        rotary_dim: Some(16),
+        ..Extras::default()
+    };
     check_model_extras(false, true, f, DType::F32, 64, extras);
     // Ungrouped, and partial rotary on a dense model with head norms.
     let plain = Routing { groups: 1, groups_kept: 1, ..glm };
-    let extras = Extras { moe: Some(MoeSpec { routing: plain, correction: true, shared: None }), rotary_dim: Some(16) };
+    let extras = Extras {
+        moe: Some(MoeSpec { routing: plain, correction: true, shared: None, biases: false }),
+        rotary_dim: Some(16),
+        ..Extras::default()
+    };
     check_model_extras(true, false, f, DType::F16, 64, extras);
-    check_model_extras(true, true, f, DType::F32, 64, Extras { moe: None, rotary_dim: Some(8) });
+    check_model_extras(true, true, f, DType::F32, 64, Extras { rotary_dim: Some(8), ..Extras::default() });
+}
+
+/// gpt-oss: attention sinks, a sliding layer beside a full one, biased
+/// router and experts, the clamped SwiGLU (a limit small enough to clamp),
+/// experts in f32 and in MXFP4 blocks.
+#[test]
+fn the_step_plan_runs_gpt_oss_layers() {
+    let gpt_oss = Routing { norm_topk: true, ..routing(8, 4, 32) };
+    let extras = Extras {
+        moe: Some(MoeSpec { routing: gpt_oss, correction: false, shared: None, biases: true }),
+        windows: [Some(3), None],
+        sinks: true,
+        activation: Gate::ClampedSwiglu { limit: 0.5 },
+        ..Extras::default()
+    };
+    check_model_extras(false, true, Formats::all(DType::F32), DType::F32, 64, extras);
+    let mxfp4 = Formats { dense: DType::F32, linear: WeightFormat::Mxfp4, v_o: WeightFormat::F32 };
+    check_model_extras(false, true, mxfp4, DType::F16, 64, extras);
+}
+
+/// Gemma 3: output norms of both sublayers, GeGLU, q/k norms, scaled
+/// embeddings, its own q.k scale, a local layer with its own window and
+/// RoPE base beside a global one.
+#[test]
+fn the_step_plan_runs_gemma_layers() {
+    let extras = Extras { gemma: true, windows: [Some(5), None], activation: Gate::GeluTanh, ..Extras::default() };
+    check_model_extras(true, false, Formats::all(DType::F32), DType::F32, 64, extras);
+    check_model_extras(true, false, Formats::all(DType::BF16), DType::F16, 64, extras);
 }
 
 /// A batch-1 decode step over a 600-token context (two attention
@@ -670,6 +788,9 @@ fn a_decode_step_reads_weights_and_kv_about_once() {
         vocab: 1024,
         eps: 1e-6,
         max_positions: 640,
+        attention_scale: 64f32.sqrt().recip(),
+        embed_scale: 1.0,
+        activation: Gate::Silu,
     };
     let model = RefModel::new(shape, 2, true, false, Formats::all(DType::F16), 5);
     let mut gpu = EmulatedGpu::new().unwrap();
@@ -728,6 +849,9 @@ fn stage_plans_chained_give_the_whole_plans_logits() {
         vocab: 50,
         eps: 1e-6,
         max_positions: 64,
+        attention_scale: 32f32.sqrt().recip(),
+        embed_scale: 1.0,
+        activation: Gate::Silu,
     };
     let model = RefModel::new(shape, 2, true, false, Formats::all(DType::F32), 3);
     let mut gpu = EmulatedGpu::new().unwrap();

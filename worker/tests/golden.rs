@@ -613,12 +613,22 @@ fn mixtures_of_experts_match_transformers_on_metal_emulated() {
     check_model_emulated("tiny-glm4-moe.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: true });
 }
 
+/// gpt-oss (attention sinks, sliding and full layers, YaRN, biased router
+/// and experts, its clamped SwiGLU) and Gemma 3 (output norms, GeGLU,
+/// scaled embeddings, q/k norms, `query_pre_attn_scalar`, local layers with
+/// their own window and RoPE base) on the step plan.
+#[test]
+fn gpt_oss_and_gemma3_match_transformers_on_metal_emulated() {
+    check_model_emulated("tiny-gpt-oss.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: true });
+    check_model_emulated("tiny-gemma3.json", SpeculativeConfig::default(), Passes { chunked: true, preempted: true });
+}
+
 /// The same from the GGUF files llama.cpp's converter wrote (stacked
 /// experts split per expert at load, GLM-4.5's shared expert and score
 /// correction under their GGUF names).
 #[test]
 fn mixtures_of_experts_from_gguf_match_transformers_on_metal_emulated() {
-    for name in ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe"] {
+    for name in ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe", "tiny-gpt-oss", "tiny-gemma3"] {
         let (golden, gguf) = (format!("{name}.json"), format!("{name}-f32.gguf"));
         check_model_emulated_from(&golden, Some(&gguf), SpeculativeConfig::default(), BATCH_ONLY);
     }

@@ -17,6 +17,7 @@ void tvm_register_model() {
   tvm::add_kernel("matmul_q4_0", "matmul", &tvm::invoke<matmul<BlockQ4_0>>);
   tvm::add_kernel("matmul_q4_k", "matmul", &tvm::invoke<matmul<BlockQ4K>>);
   tvm::add_kernel("matmul_q6_k", "matmul", &tvm::invoke<matmul<BlockQ6K>>);
+  tvm::add_kernel("matmul_mxfp4", "matmul", &tvm::invoke<matmul<BlockMxfp4>>);
   TVM_MATMUL_ID(float, f32)
   TVM_MATMUL_ID(half, f16)
   TVM_MATMUL_ID(bfloat, bf16)
@@ -24,6 +25,7 @@ void tvm_register_model() {
   TVM_MATMUL_ID(BlockQ4_0, q4_0)
   TVM_MATMUL_ID(BlockQ4K, q4_k)
   TVM_MATMUL_ID(BlockQ6K, q6_k)
+  TVM_MATMUL_ID(BlockMxfp4, mxfp4)
   tvm::add_kernel("moe_route", "moe_route", &tvm::invoke<moe_route>);
   tvm::add_kernel("moe_group", "moe_group", &tvm::invoke<moe_group>);
   tvm::add_kernel("moe_combine", "moe_combine", &tvm::invoke<moe_combine>);

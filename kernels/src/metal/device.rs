@@ -305,6 +305,8 @@ struct MetalAttention {
     plan: Arc<AttentionPlan>,
     meta: Arc<Buffer>,
     scratch: Option<Arc<Buffer>>,
+    /// Each head's sink logit (gpt-oss), f32.
+    sinks: Option<Arc<Buffer>>,
     pipelines: HashMap<String, ComputePipeline>,
     dtype: DType,
 }
@@ -352,6 +354,7 @@ impl CustomOp3 for MetalAttention {
                 out: At { buffer: &*out, offset: 0 },
                 meta: &*self.meta,
                 scratch: self.scratch.as_deref(),
+                sinks: self.sinks.as_deref().map(|buffer| At { buffer, offset: 0 }),
             },
         );
         drop(guard);
@@ -365,18 +368,20 @@ impl CustomOp3 for MetalAttention {
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let Attention { q, k_cache, v_cache, meta, scale, sinks } = *a;
     let dims = a.check()?;
-    if sinks.is_some() {
-        return Err(KernelError::Invalid("the Metal attention kernel has no attention sinks yet".into()));
-    }
     let device = q.device().as_metal_device()?;
-    let (plan, upload, scratch) = with_step_cache(device, |cache, alloc| {
-        cache.attention(alloc, meta, dims, (q.dtype(), k_cache.dtype()), scale)
+    let (plan, upload, scratch, sinks) = with_step_cache(device, |cache, alloc| {
+        let (plan, upload, scratch) = cache.attention(alloc, meta, dims, (q.dtype(), k_cache.dtype()), scale)?;
+        let sinks = match sinks {
+            Some(s) => Some(alloc.upload(&s.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?),
+            None => None,
+        };
+        Ok((plan, upload, scratch, sinks))
     })?;
     if dims.num_tokens == 0 {
         return Ok(Tensor::zeros((0, dims.num_heads, dims.head_dim), q.dtype(), q.device())?);
     }
     check_dtype(device, q.dtype())?;
     let pipelines = pipelines(device, plan.kernels())?;
-    let op = MetalAttention { plan, meta: upload, scratch, pipelines, dtype: q.dtype() };
+    let op = MetalAttention { plan, meta: upload, scratch, sinks, pipelines, dtype: q.dtype() };
     Ok(q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)?)
 }

@@ -42,9 +42,10 @@ static constant constexpr const uint kMatmulTokens = 8;
 struct EmbedParams {
   uint hidden;
   uint vocab;
+  float scale;  // Gemma's sqrt(hidden); 1 for the others
 };
 
-// One threadgroup per token: out[t] = table[ids[t]], widened to f32.
+// One threadgroup per token: out[t] = table[ids[t]] * scale, widened to f32.
 template <typename W>
 [[kernel]] void embed_rows(
     device const W* table [[buffer(0)]],  // [vocab, hidden]
@@ -62,7 +63,7 @@ template <typename W>
   device const W* src = table + id * p.hidden;
   device float* dst = out + token * p.hidden;
   for (uint i = tid; i < p.hidden; i += kRowThreads) {
-    dst[i] = float(src[i]);
+    dst[i] = float(src[i]) * p.scale;
   }
 }
 
@@ -71,11 +72,12 @@ template <typename W>
 
 struct NormParams {
   uint dim;
-  uint gather;  // 1: row r of the output normalises row rows[r] of x
+  uint gather;      // 1: row r of the output normalises row rows[r] of x
+  uint accumulate;  // 1: out[r] += ... (Gemma's norms of a sublayer's output, added to the residual stream)
   float eps;
 };
 
-// One threadgroup per output row: out[r] = x[src] / rms(x[src]) * weight.
+// One threadgroup per output row: out[r] (+)= x[src] / rms(x[src]) * weight.
 [[kernel]] void rms_norm(
     device const float* x [[buffer(0)]],     // [rows of x, dim]
     device const float* weight [[buffer(1)]],  // [dim]
@@ -106,7 +108,8 @@ struct NormParams {
   const float inv = rsqrt(total / float(p.dim) + p.eps);
   device float* o = out + row * p.dim;
   for (uint i = tid; i < p.dim; i += kRowThreads) {
-    o[i] = xr[i] * inv * weight[i];
+    const float v = xr[i] * inv * weight[i];
+    o[i] = p.accumulate != 0 ? o[i] + v : v;
   }
 }
 
@@ -115,7 +118,25 @@ struct NormParams {
 
 // What the matmul does with each dot product; mode 0 stores y = x W^T (+ b).
 static constant constexpr const uint kModeAccumulate = 1;  // y += x W^T (+ b): the residual add
-static constant constexpr const uint kModeSwiglu = 2;      // y = silu(x G^T) * (x U^T), W = [G; U]
+// The gated modes read W = [G; U] and store act(g) * u for g = x G^T, u = x U^T:
+static constant constexpr const uint kModeSwiglu = 2;  // silu(g) * u
+static constant constexpr const uint kModeGeglu = 3;   // gelu_tanh(g) * u (Gemma)
+// gpt-oss: (clamp(u, -limit, limit) + 1) * g' * sigmoid(1.702 g'), g' = min(g, limit)
+static constant constexpr const uint kModeClampedSwiglu = 4;
+
+// The gated modes' product of g and u.
+inline float gated(uint mode, float g, float u, float limit) {
+  if (mode == kModeGeglu) {
+    // gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)).
+    const float inner = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + exp(-inner)) * u;
+  }
+  if (mode == kModeClampedSwiglu) {
+    const float gc = min(g, limit);
+    return (clamp(u, -limit, limit) + 1.0f) * (gc / (1.0f + exp(-1.702f * gc)));
+  }
+  return g / (1.0f + exp(-g)) * u;
+}
 
 struct MatmulParams {
   uint tokens;
@@ -125,6 +146,7 @@ struct MatmulParams {
   uint has_bias;
   uint y_stride;  // elements per row of y (N, or more when y holds several outputs side by side)
   uint y_offset;  // this output's first column in y
+  float limit;    // kModeClampedSwiglu's clamp
 };
 
 // Weights in GGML's block formats, read by 32-weight chunks: a chunk is a
@@ -151,6 +173,13 @@ struct BlockQ6K {
   char scales[16];
   half d;
 };
+// MXFP4 (gpt-oss's experts): 32 E2M1 codes sharing an E8M0 exponent.
+struct BlockMxfp4 {
+  uchar e;
+  uchar qs[16];
+};
+// GGML's kvalues_mxfp4: each E2M1 code's value, doubled.
+static constant constexpr const float kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 template <typename T>
 struct Chunks;
@@ -273,9 +302,10 @@ inline void matmul_simd_rows(
     uint out_features,
     uint mode,
     bool has_bias,
+    float limit,
     uint lane) {
   const uint rows = min(kMatmulRowsPerSimd, out_features - n0);
-  const bool glu = mode == kModeSwiglu;
+  const bool glu = mode >= kModeSwiglu;
   // A row holds k elements of a float type (read 32 at a time, then a
   // tail), or k / 32 / per_block blocks (k a multiple of the block).
   const bool dense = Chunks<W>::dense();
@@ -344,13 +374,30 @@ inline void matmul_simd_rows(
         *out += dot;
       } else if (glu) {
         const float u = has_bias ? up_dot + bias[n + out_features] : up_dot;
-        *out = dot / (1.0f + exp(-dot)) * u;
+        *out = gated(mode, dot, u, limit);
       } else {
         *out = dot;
       }
     }
   }
 }
+
+template <>
+struct Chunks<BlockMxfp4> {
+  static uint per_block() { return 1; }
+  static bool dense() { return false; }
+  static float element(device const BlockMxfp4*, uint) { return 0.0f; }  // blocks have no tail
+  static void chunk(device const BlockMxfp4* b, uint, thread float* w) {
+    // The doubled values times half the scale, GGML_E8M0_TO_FP32_HALF:
+    // 2^(e - 128), subnormal for e < 2.
+    const uint e = b->e;
+    const float d = as_type<float>(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    for (uint i = 0; i < 16; ++i) {
+      w[i] = d * kMxfp4Values[b->qs[i] & 15];
+      w[i + 16] = d * kMxfp4Values[b->qs[i] >> 4];
+    }
+  }
+};
 
 // Grid: (ceil(N / (kMatmulSimds * kMatmulRowsPerSimd)), ceil(T /
 // kMatmulTokens)); each SIMD group computes kMatmulRowsPerSimd output rows
@@ -379,7 +426,7 @@ template <typename W>
     y_at[t] = (t0 + t) * p.y_stride + p.y_offset;
   }
   matmul_simd_rows<W>(
-      x, x_at, nt, w, bias, y, y_at, n0, p.in_features, p.out_features, p.mode, p.has_bias != 0, lane);
+      x, x_at, nt, w, bias, y, y_at, n0, p.in_features, p.out_features, p.mode, p.has_bias != 0, p.limit, lane);
 }
 
 // ---------------------------------------------------------------------------
@@ -568,9 +615,10 @@ struct GroupParams {
 struct MatmulIdParams {
   uint in_features;   // K
   uint out_features;  // N per expert (each expert has 2N rows under kModeSwiglu)
-  uint mode;          // kModeSwiglu or 0 (store)
+  uint mode;          // a gated mode, or 0 (store)
   uint has_bias;
   uint x_div;  // pair i reads x row i / x_div: top_k for the tokens' rows, 1 for the pairs' own
+  float limit;  // kModeClampedSwiglu's clamp
 };
 
 // Grid: (ceil(N / (kMatmulSimds * kMatmulRowsPerSimd)), max_tiles). Tile g's
@@ -596,7 +644,7 @@ template <typename W>
   }
   const uint expert = tile[0];
   const uint k = p.in_features;
-  const uint expert_rows = p.mode == kModeSwiglu ? 2 * p.out_features : p.out_features;
+  const uint expert_rows = p.mode >= kModeSwiglu ? 2 * p.out_features : p.out_features;
   const uint row_units = Chunks<W>::dense() ? k : k / 32 / Chunks<W>::per_block();
   uint x_at[kMatmulTokens];
   uint y_at[kMatmulTokens];
@@ -618,6 +666,7 @@ template <typename W>
       p.out_features,
       p.mode,
       p.has_bias != 0,
+      p.limit,
       lane);
 }
 
@@ -776,6 +825,7 @@ template TINYVLLM_KERNEL("matmul_q8_0") decltype(matmul<BlockQ8_0>) matmul<Block
 template TINYVLLM_KERNEL("matmul_q4_0") decltype(matmul<BlockQ4_0>) matmul<BlockQ4_0>;
 template TINYVLLM_KERNEL("matmul_q4_k") decltype(matmul<BlockQ4K>) matmul<BlockQ4K>;
 template TINYVLLM_KERNEL("matmul_q6_k") decltype(matmul<BlockQ6K>) matmul<BlockQ6K>;
+template TINYVLLM_KERNEL("matmul_mxfp4") decltype(matmul<BlockMxfp4>) matmul<BlockMxfp4>;
 
 #define INSTANTIATE_MATMUL_ID(W, NAME) \
   template TINYVLLM_KERNEL("matmul_id_" #NAME) decltype(matmul_id<W>) matmul_id<W>;
@@ -788,6 +838,7 @@ INSTANTIATE_MATMUL_ID(BlockQ8_0, q8_0)
 INSTANTIATE_MATMUL_ID(BlockQ4_0, q4_0)
 INSTANTIATE_MATMUL_ID(BlockQ4K, q4_k)
 INSTANTIATE_MATMUL_ID(BlockQ6K, q6_k)
+INSTANTIATE_MATMUL_ID(BlockMxfp4, mxfp4)
 
 template TINYVLLM_KERNEL("rope_qkv_cache_f32") decltype(rope_qkv_cache<float>) rope_qkv_cache<float>;
 template TINYVLLM_KERNEL("rope_qkv_cache_f16") decltype(rope_qkv_cache<half>) rope_qkv_cache<half>;

@@ -6,6 +6,7 @@
 use candle_core::DType;
 
 use super::plan::HEAD_DIMS;
+pub use crate::cpu::Gate;
 
 /// How a weight matrix stores its rows: a float type, or one of GGML's
 /// block formats (each row `cols / weights_per_block` blocks, as GGUF files
@@ -19,6 +20,8 @@ pub enum WeightFormat {
     Q4_0,
     Q4K,
     Q6K,
+    /// gpt-oss's experts (GGML type 39).
+    Mxfp4,
 }
 
 impl WeightFormat {
@@ -41,6 +44,7 @@ impl WeightFormat {
             Self::Q4_0 => "q4_0",
             Self::Q4K => "q4_k",
             Self::Q6K => "q6_k",
+            Self::Mxfp4 => "mxfp4",
         }
     }
 
@@ -53,6 +57,7 @@ impl WeightFormat {
             Self::Q4_0 => (32, 18),
             Self::Q4K => (256, 144),
             Self::Q6K => (256, 210),
+            Self::Mxfp4 => (32, 17),
         }
     }
 
@@ -110,6 +115,16 @@ pub struct LayerWeights<B> {
     pub o_proj: Linear<B>,
     pub post_norm: B,
     pub mlp: FeedForward<B>,
+    /// This layer's attention window (None: full attention).
+    pub window: Option<usize>,
+    /// Each query head's attention sink logit, `[heads]` (gpt-oss).
+    pub sinks: Option<B>,
+    /// RoPE tables of this layer's own (Gemma's local layers), else the model's.
+    pub rope: Option<(B, B)>,
+    /// Gemma: norms of the attention's and the MLP's outputs, before each is
+    /// added to the residual stream.
+    pub attn_out_norm: Option<B>,
+    pub mlp_out_norm: Option<B>,
 }
 
 /// A layer's MLP.
@@ -220,6 +235,12 @@ pub struct ModelShape {
     pub rotary_dim: usize,
     pub vocab: usize,
     pub eps: f32,
+    /// The scale of q.k (1/sqrt(head_dim), or Gemma's `query_pre_attn_scalar`'s).
+    pub attention_scale: f32,
+    /// The embeddings' scale (Gemma's sqrt(hidden); 1 for the others).
+    pub embed_scale: f32,
+    /// Every gated MLP's gate, the experts' included.
+    pub activation: Gate,
     pub max_positions: usize,
 }
 
@@ -264,6 +285,11 @@ pub fn quantize(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> cr
                 v
             };
             blocks.iter().flat_map(bytes).collect()
+        }
+        WeightFormat::Mxfp4 => {
+            let blocks = quant::quantize_matrix::<quant::BlockMxfp4>(w, rows, cols).map_err(err)?;
+            quant::dequantize_row(&blocks, &mut back);
+            blocks.iter().flat_map(|b| std::iter::once(b.e).chain(b.qs)).collect()
         }
         WeightFormat::Q6K => {
             let blocks = kquant::quantize_matrix::<kquant::BlockQ6K>(w, rows, cols).map_err(err)?;

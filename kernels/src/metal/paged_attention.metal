@@ -10,6 +10,8 @@
 // with its max and sum; `paged_attention_reduce` then merges the partitions.
 // A context that fits in one partition is finished in a single pass.
 // GQA: query head h reads kv head h / (num_heads / num_kv_heads).
+// Attention sinks (gpt-oss): each head's learned logit joins the softmax's
+// denominator, where a result is finished (the single pass or the reduce).
 
 #include <metal_stdlib>
 using namespace metal;
@@ -38,11 +40,24 @@ struct DecodeParams {
   uint sliding_window;  // 0: none; else a query at p sees keys > p - window
   uint max_partitions;  // 0: single pass into `out`; else the scratch row length
   float scale;
+  uint has_sinks;  // 1: each head's sink logit joins its softmax
 };
 
 // The first key position a query at `pos` sees.
 inline uint decode_first_visible(uint pos, uint window) {
   return (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+}
+
+// What finishes a softmax of running max m and sum s: 1 / s, or with a
+// sink logit in the denominator, exp(m - top) / (s exp(m - top) +
+// exp(sink - top)) where top = max(m, sink).
+inline float decode_finish(float m, float s, bool has_sink, float sink) {
+  if (!has_sink) {
+    return s > 0.0f ? 1.0f / s : 0.0f;
+  }
+  const float top = max(m, sink);
+  const float keep = fast::exp(m - top);
+  return keep / (s * keep + fast::exp(sink - top));
 }
 
 // Pool slot of the token at `pos` of a sequence.
@@ -109,6 +124,7 @@ template <typename T, typename C, uint HEAD_DIM>
     device float* part_max [[buffer(9)]],             // [D, num_heads, max_partitions]
     device float* part_sum [[buffer(10)]],            // [D, num_heads, max_partitions]
     constant DecodeParams& p [[buffer(11)]],
+    device const float* sinks [[buffer(12)]],         // [num_heads] under has_sinks
     uint3 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
@@ -256,7 +272,7 @@ template <typename T, typename C, uint HEAD_DIM>
     threadgroup const float* accs = sg_acc + h * kNumSimds * HEAD_DIM;
 
     if (!partitioned) {
-      const float inv = total_sum > 0.0f ? 1.0f / total_sum : 0.0f;
+      const float inv = decode_finish(total_max, total_sum, p.has_sinks != 0, p.has_sinks != 0 ? sinks[head] : 0.0f);
       device T* o = out + (row * p.num_heads + head) * HEAD_DIM;
       for (uint e = tid; e < HEAD_DIM; e += kThreads) {
         float x = 0.0f;
@@ -299,6 +315,7 @@ template <typename T, uint HEAD_DIM>
     device const uint* decode_seqs [[buffer(5)]],     // [D]
     device T* out [[buffer(6)]],                      // [num_tokens, num_heads, HEAD_DIM]
     constant DecodeParams& p [[buffer(7)]],
+    device const float* sinks [[buffer(8)]],          // [num_heads] under has_sinks
     uint2 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
@@ -326,7 +343,7 @@ template <typename T, uint HEAD_DIM>
     }
   }
   const float total_sum = decode_reduce_sum(s, scratch, lane, sg);
-  const float inv = total_sum > 0.0f ? 1.0f / total_sum : 0.0f;
+  const float inv = decode_finish(total_max, total_sum, p.has_sinks != 0, p.has_sinks != 0 ? sinks[head] : 0.0f);
 
   // Each thread finishes whole output elements. The per-partition weights
   // are recomputed per element: a few thousand exps, and no bound on the

@@ -256,7 +256,8 @@ struct DecodePlan {
     /// fits one partition and a single pass writes the output.
     max_partitions: usize,
     scratch: ScratchLayout,
-    /// `DecodeParams` in paged_attention.metal.
+    /// `DecodeParams` in paged_attention.metal, without `has_sinks`
+    /// (appended at encoding).
     params: Vec<u8>,
     decode: Kernel,
     reduce: Option<Kernel>,
@@ -265,7 +266,7 @@ struct DecodePlan {
 #[derive(Debug)]
 struct PrefillPlan {
     items: usize,
-    /// `PrefillParams` in prefill_attention.metal.
+    /// `PrefillParams` in prefill_attention.metal, without `has_sinks`.
     params: Vec<u8>,
     prefill: Kernel,
 }
@@ -281,6 +282,8 @@ pub struct AttentionBuffers<'a, B: ?Sized> {
     pub meta: &'a B,
     /// At least [`AttentionPlan::scratch_len`] bytes, when that is not 0.
     pub scratch: Option<&'a B>,
+    /// Each query head's sink logit, f32 (gpt-oss), joining its softmax.
+    pub sinks: Option<At<'a, B>>,
 }
 
 fn push_region(upload: &mut Vec<u8>, values: &[u32]) -> usize {
@@ -432,6 +435,13 @@ impl AttentionPlan {
     /// candle's encoder, which tracks whole buffers, puts a barrier before it.
     pub fn encode<E: Encoder>(&self, enc: &mut E, b: AttentionBuffers<'_, E::Buffer>) {
         let d = &self.dims;
+        // The kernels read the sinks only under has_sinks; q stands in.
+        let sinks = b.sinks.unwrap_or(b.q);
+        let with_sinks = |params: &[u8]| {
+            let mut p = params.to_vec();
+            p.extend(u32::from(b.sinks.is_some()).to_le_bytes());
+            p
+        };
         let meta = |offset| At { buffer: b.meta, offset };
         let bind_common = |enc: &mut E| {
             bind(enc, 0, b.q, Access::Read);
@@ -461,7 +471,8 @@ impl AttentionPlan {
             bind(enc, 8, part(plan.scratch.acc), Access::Write);
             bind(enc, 9, part(plan.scratch.max), Access::Write);
             bind(enc, 10, part(plan.scratch.sum), Access::Write);
-            enc.set_bytes(11, &plan.params);
+            enc.set_bytes(11, &with_sinks(&plan.params));
+            bind(enc, 12, sinks, Access::Read);
             enc.dispatch(decode_grid(plan), threads);
         }
 
@@ -470,7 +481,8 @@ impl AttentionPlan {
             bind_common(enc);
             bind(enc, 6, meta(self.layout.items), Access::Read);
             bind(enc, 7, b.out, Access::Write);
-            enc.set_bytes(8, &plan.params);
+            enc.set_bytes(8, &with_sinks(&plan.params));
+            bind(enc, 9, sinks, Access::Read);
             enc.dispatch([plan.items, d.num_kv_heads, 1], threads);
         }
 
@@ -486,7 +498,8 @@ impl AttentionPlan {
                     bind(enc, 4, meta(self.layout.context_lens), Access::Read);
                     bind(enc, 5, meta(self.layout.decode_seqs), Access::Read);
                     bind(enc, 6, b.out, Access::Write);
-                    enc.set_bytes(7, &plan.params);
+                    enc.set_bytes(7, &with_sinks(&plan.params));
+                    bind(enc, 8, sinks, Access::Read);
                     enc.dispatch([d.num_heads, plan.seqs, 1], threads);
                 }
             }
@@ -498,7 +511,8 @@ impl AttentionPlan {
                 for index in 7..=10 {
                     bind(enc, index, b.out, Access::Write);
                 }
-                enc.set_bytes(11, &plan.params);
+                enc.set_bytes(11, &with_sinks(&plan.params));
+                bind(enc, 12, sinks, Access::Read);
                 enc.dispatch(decode_grid(plan), threads);
             }
             _ => {}
@@ -639,7 +653,15 @@ mod tests {
             let plan = AttentionPlan::new(&meta, dims, (DType::F32, DType::F32), 0.125).unwrap();
             let mut grids = Grids::default();
             let at = At { buffer: &(), offset: 0 };
-            let b = AttentionBuffers { q: at, k_cache: at, v_cache: at, out: at, meta: &(), scratch: Some(&()) };
+            let b = AttentionBuffers {
+                q: at,
+                k_cache: at,
+                v_cache: at,
+                out: at,
+                meta: &(),
+                scratch: Some(&()),
+                sinks: None,
+            };
             plan.encode(&mut grids, b);
             let decode = grids.0.iter().find(|(name, _)| name.starts_with("paged_attention_decode")).unwrap();
             assert_eq!(decode.1, [want_x, 2, 2], "{heads}/{kv_heads} hd {head_dim}");

@@ -11,7 +11,8 @@
 // loaded, as in the CPU kernel. Each simdgroup owns 4 rows. Per tile of keys
 // the K and V rows are staged in threadgroup memory once, every simdgroup
 // scores its rows against them (lane j keeps key j's score), updates its
-// running max and sum with one exp per lane, and accumulates V.
+// running max and sum with one exp per lane, and accumulates V. Attention
+// sinks (gpt-oss): each head's learned logit joins its rows' denominators.
 
 #include <metal_stdlib>
 using namespace metal;
@@ -41,6 +42,7 @@ struct PrefillParams {
   uint max_blocks;      // row length of the flattened block tables
   uint sliding_window;  // 0: none; else a query at p sees keys > p - window
   float scale;
+  uint has_sinks;  // 1: each head's sink logit joins its softmax
 };
 
 // The first key position a query at `pos` sees.
@@ -61,6 +63,7 @@ template <typename T, typename C, uint HEAD_DIM>
     device const uint* items [[buffer(6)]],           // [num_items, 2]: (sequence, first row)
     device T* out [[buffer(7)]],                      // [num_tokens, num_heads, HEAD_DIM]
     constant PrefillParams& p [[buffer(8)]],
+    device const float* sinks [[buffer(9)]],          // [num_heads] under has_sinks
     uint2 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
@@ -196,7 +199,14 @@ template <typename T, typename C, uint HEAD_DIM>
     const uint flat = r0 + sg * kRowsPerSimd + r;
     const uint head = kv_head * group + flat % group;
     device T* o = out + ((q_start + flat / group) * p.num_heads + head) * HEAD_DIM;
-    const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
+    float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
+    if (p.has_sinks != 0) {
+      // The sink's logit joins the denominator: exp(m - top) / (s exp(m -
+      // top) + exp(sink - top)), top = max(m, sink).
+      const float top = max(run_max[r], sinks[head]);
+      const float keep = fast::exp(run_max[r] - top);
+      inv = keep / (run_sum[r] * keep + fast::exp(sinks[head] - top));
+    }
     for (uint i = 0; i < kPerLane; ++i) {
       o[lane + i * kSimdWidth] = static_cast<T>(acc[r][i] * inv);
     }

@@ -202,6 +202,10 @@ impl Gpu {
         }
         let q = device_copy(&a.q.contiguous()?);
         let (k, v) = (device_copy(a.k_cache), device_copy(a.v_cache));
+        let sinks = match a.sinks {
+            Some(s) => Some(alloc.upload(&s.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?),
+            None => None,
+        };
         let mut outs = Vec::new();
         for &order in self.orders {
             let out: Buf = Rc::new(Buffer::new(plan.out_elems() * dtype.size_in_bytes()).map_err(emu_err)?);
@@ -213,6 +217,7 @@ impl Gpu {
                 out: At { buffer: &out, offset: 0 },
                 meta: &meta,
                 scratch: scratch.as_ref(),
+                sinks: sinks.as_ref().map(|buffer| At { buffer, offset: 0 }),
             };
             plan.encode(&mut enc, buffers);
             enc.finish()?;

@@ -38,6 +38,16 @@ impl HostTensor {
     pub fn to_dense(&self, dtype: DType) -> Result<Tensor> {
         match self {
             Self::Dense(t) => Ok(t.to_dtype(dtype)?),
+            Self::Blocks { format: WeightFormat::Mxfp4, bytes, rows, cols } => {
+                use kernels::cpu::quant::{BlockMxfp4, dequantize_row};
+                let blocks: Vec<BlockMxfp4> = bytes
+                    .chunks_exact(17)
+                    .map(|b| BlockMxfp4 { e: b[0], qs: b[1..].try_into().expect("17-byte blocks") })
+                    .collect();
+                let mut values = vec![0f32; rows * cols];
+                dequantize_row(&blocks, &mut values);
+                Ok(Tensor::from_vec(values, (*rows, *cols), &Device::Cpu)?.to_dtype(dtype)?)
+            }
             Self::Blocks { format, bytes, rows, cols } => {
                 let q = candle_core::quantized::QTensor::new(
                     candle_core::quantized::QStorage::from_data(
@@ -62,12 +72,14 @@ fn ggml_type(format: WeightFormat) -> GgmlDType {
         WeightFormat::F16 => GgmlDType::F16,
         WeightFormat::BF16 => GgmlDType::BF16,
         WeightFormat::F32 => GgmlDType::F32,
+        WeightFormat::Mxfp4 => unreachable!("MXFP4 is dequantized by our own code"),
     }
 }
 
-/// The plan's block format of a GGML type (MXFP4 has none yet: dequantized).
+/// The plan's block format of a GGML type.
 fn block_format(ggml: u32) -> Option<WeightFormat> {
     match ggml {
+        ggml_type::MXFP4 => Some(WeightFormat::Mxfp4),
         ggml_type::Q8_0 => Some(WeightFormat::Q8_0),
         ggml_type::Q4_0 => Some(WeightFormat::Q4_0),
         ggml_type::Q4K => Some(WeightFormat::Q4K),

@@ -409,11 +409,7 @@ impl Mlp {
     /// each) and down projection (`[H, I]`).
     pub fn from_linears(activation: Activation, [gate, up]: [Linear; 2], down: Linear) -> Result<Self> {
         let intermediate = down.dims()?.1;
-        let gate_fn = match activation {
-            Activation::Silu => Gate::Silu,
-            Activation::GeluTanh => Gate::GeluTanh,
-            Activation::ClampedSwiglu { limit } => Gate::ClampedSwiglu { limit },
-        };
+        let gate_fn = gate_of(activation);
         Ok(Self { gate_up_proj: Projection::new(vec![gate, up])?, down_proj: down, intermediate, gate: gate_fn })
     }
 
@@ -500,4 +496,13 @@ pub fn embed_into(table: &Tensor, ids: &[u32], out: &Tensor) -> Result<()> {
         Ok(())
     })?;
     Ok(())
+}
+
+/// The kernels' gate of a model's MLP activation.
+pub fn gate_of(activation: Activation) -> Gate {
+    match activation {
+        Activation::Silu => Gate::Silu,
+        Activation::GeluTanh => Gate::GeluTanh,
+        Activation::ClampedSwiglu { limit } => Gate::ClampedSwiglu { limit },
+    }
 }

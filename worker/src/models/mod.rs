@@ -23,5 +23,5 @@ mod workspace;
 pub use common::model::config;
 pub use common::model::{Architecture, ModelConfig, ModelFiles, ModelSource, Need};
 pub use format::Quantization;
-pub use layers::rope_tables;
+pub use layers::{gate_of, rope_tables};
 pub use llama::CausalLm;

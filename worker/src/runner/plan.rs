@@ -7,7 +7,6 @@
 //! runs it in the CPU emulator of our Metal kernels.
 
 use candle_core::DType;
-use common::model::Activation;
 use common::pipeline::LayerRange;
 use kernels::KvCacheDtype;
 use kernels::metal::step::{
@@ -263,6 +262,9 @@ pub fn plan_for<G: Gpu>(gpu: &mut G, files: &ModelFiles, spec: PlanSpec) -> Resu
         rotary_dim: cfg.rotary_dim,
         vocab: cfg.vocab_size,
         eps: cfg.rms_norm_eps as f32,
+        attention_scale: (1.0 / cfg.query_pre_attn_scalar.sqrt()) as f32,
+        embed_scale: if cfg.gemma_norms { (cfg.hidden_size as f32).sqrt() } else { 1.0 },
+        activation: crate::models::gate_of(cfg.activation),
         max_positions: limits.max_model_len,
     };
     Ok(StepPlan::new(gpu, shape, weights, limits, cache)?)
@@ -273,17 +275,8 @@ fn check_supported(cfg: &ModelConfig) -> Result<()> {
     let refuse = |what: &str| {
         Err(WorkerError::Unsupported(format!("the Metal step plan does not run {what} yet ({:?})", cfg.architecture)))
     };
-    if cfg.moe.biases {
-        return refuse("experts with biases");
-    }
     if cfg.moe.num_experts > MAX_EXPERTS {
         return refuse(&format!("routers of {} experts (at most {MAX_EXPERTS})", cfg.moe.num_experts));
-    }
-    if (0..cfg.num_layers).any(|l| cfg.layer_window(l) != cfg.uniform_window()) {
-        return refuse("layers with different attention windows");
-    }
-    if cfg.gemma_norms || cfg.activation != Activation::Silu || cfg.attention_sinks {
-        return refuse("Gemma's norms, GELU or clamped gates, or attention sinks");
     }
     if padded_head_dim(cfg.head_dim).is_none() {
         return refuse(&format!("head_dim {} (it takes even head dims up to 256)", cfg.head_dim));

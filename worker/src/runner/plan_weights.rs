@@ -3,7 +3,9 @@
 //! quantized at load with `--quantize q8_0|q4_0|q4_k`), or a GGUF file's
 //! blocks as stored (Q8_0, Q4_0, Q4_K, Q6_K stay quantized: a Q4_K_M file
 //! takes about its size on the GPU). Linear layers that read the same input
-//! are stacked when their formats allow (q/k/v, gate/up), as on the CPU.
+//! are stacked when their formats allow (q/k/v, gate/up), as on the CPU; a
+//! mixture of experts' experts are stacked expert-major, one buffer a
+//! projection (gpt-oss's fused and MXFP4 checkpoints rearranged to it).
 
 use std::collections::HashMap;
 
@@ -85,7 +87,12 @@ impl Source {
 
     /// A linear weight, quantized when asked and possible.
     fn linear_weight(&self, name: &str, rows: usize, cols: usize) -> Result<HostTensor> {
-        let t = self.tensor(name, &[rows, cols])?;
+        self.quantized(self.tensor(name, &[rows, cols])?)
+    }
+
+    /// `t`, `[rows, cols]`, quantized when asked and its rows are whole blocks.
+    fn quantized(&self, t: HostTensor) -> Result<HostTensor> {
+        let [rows, cols] = t.dims()[..] else { return Ok(t) };
         match (self, &t) {
             (Self::Files { quantize: Some(format), .. }, HostTensor::Dense(dense))
                 if cols.is_multiple_of(format.block().0) =>
@@ -232,6 +239,12 @@ fn o_proj<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) ->
     Ok(Linear { weight, bias })
 }
 
+/// A gated MLP's gate/up (stacked) and down projections.
+type GatedMlp<B> = (Linear<B>, Linear<B>);
+
+/// A layer's RoPE tables, cos and sin.
+type RopeTables<B> = (B, B);
+
 /// An MLP's projections as the HF checkpoints name them: gate, up, down.
 const MLP_NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 
@@ -244,7 +257,7 @@ fn dense_mlp<G: Gpu>(
     width: usize,
     bias: bool,
     [gate, up, down]: [&str; 3],
-) -> Result<(Linear<G::Buffer>, Linear<G::Buffer>)> {
+) -> Result<GatedMlp<G::Buffer>> {
     let h = cfg.hidden_size;
     let gate_up = one(linears(gpu, src, prefix, &[(gate, width), (up, width)], h, bias)?, "gate/up")?;
     let down = one(linears(gpu, src, prefix, &[(down, h)], width, bias)?, "down_proj")?;
@@ -259,29 +272,63 @@ fn experts<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) -
     let m = &cfg.moe;
     let (h, i) = (cfg.hidden_size, m.expert_intermediate_size);
     // Mixtral names an expert's projections w1 (gate), w3 (up), w2 (down).
-    let [gate, up, down] = match cfg.architecture {
+    let names = match cfg.architecture {
         Architecture::Mixtral => ["w1", "w3", "w2"],
         _ => MLP_NAMES,
     };
-    let router = src.tensor(&format!("{prefix}.gate.weight"), &[m.num_experts, h])?.to_dense(DType::F32)?;
-    let router = Linear { weight: upload_matrix(gpu, &HostTensor::Dense(router))?, bias: None };
-    let expert = |e: usize, name: &str, rows: usize, cols: usize| {
-        src.linear_weight(&format!("{prefix}.experts.{e}.{name}.weight"), rows, cols)
+    let [gate, up, down] = names;
+    // gpt-oss calls its router `router`, with a bias.
+    let router_name = if m.biases { "router" } else { "gate" };
+    let router = src.tensor(&format!("{prefix}.{router_name}.weight"), &[m.num_experts, h])?.to_dense(DType::F32)?;
+    let router_bias = match m.biases {
+        true => Some(upload_f32(gpu, &src.vector(&format!("{prefix}.router.bias"), m.num_experts)?)?),
+        false => None,
     };
-    let mut gate_up = Vec::with_capacity(2 * m.num_experts);
-    let mut downs = Vec::with_capacity(m.num_experts);
-    for e in 0..m.num_experts {
-        gate_up.push(expert(e, gate, i, h)?);
-        gate_up.push(expert(e, up, i, h)?);
-        downs.push(expert(e, down, h, i)?);
-    }
-    let stacked = |gpu: &mut G, parts: &[HostTensor], what: &str| -> Result<Linear<G::Buffer>> {
+    let router = Linear { weight: upload_matrix(gpu, &HostTensor::Dense(router))?, bias: router_bias };
+    let stacked = |gpu: &mut G, parts: &[HostTensor], bias: Option<Tensor>, what: &str| -> Result<Linear<G::Buffer>> {
         let Some(all) = stack(parts)? else {
             return Err(WorkerError::Unsupported(format!(
                 "{prefix}: experts' {what} in several formats (the Metal step stacks them)"
             )));
         };
-        Ok(Linear { weight: upload_matrix(gpu, &all)?, bias: None })
+        let bias = match bias {
+            Some(b) => Some(upload_f32(gpu, &b)?),
+            None => None,
+        };
+        Ok(Linear { weight: upload_matrix(gpu, &all)?, bias })
+    };
+    let (gate_up, down) = match gpt_oss_experts(src, prefix, cfg)? {
+        Some((gate_up, gate_up_bias, down, down_bias)) => (
+            stacked(gpu, &[gate_up], Some(gate_up_bias), "gate/up")?,
+            stacked(gpu, &[down], Some(down_bias), "down_proj")?,
+        ),
+        None => {
+            let expert = |e: usize, name: &str, rows: usize, cols: usize| {
+                src.linear_weight(&format!("{prefix}.experts.{e}.{name}.weight"), rows, cols)
+            };
+            let bias = |e: usize, name: &str, n: usize| src.vector(&format!("{prefix}.experts.{e}.{name}.bias"), n);
+            let (mut gate_up, mut downs) = (Vec::new(), Vec::new());
+            let (mut gate_up_bias, mut down_bias) = (Vec::new(), Vec::new());
+            for e in 0..m.num_experts {
+                gate_up.extend([expert(e, gate, i, h)?, expert(e, up, i, h)?]);
+                downs.push(expert(e, down, h, i)?);
+                if m.biases {
+                    gate_up_bias.extend([bias(e, gate, i)?, bias(e, up, i)?]);
+                    down_bias.push(bias(e, down, h)?);
+                }
+            }
+            let cat = |parts: Vec<Tensor>| -> Result<Option<Tensor>> {
+                if parts.is_empty() {
+                    return Ok(None);
+                }
+                let parts = parts.iter().map(|p| p.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
+                Ok(Some(Tensor::cat(&parts, 0)?))
+            };
+            (
+                stacked(gpu, &gate_up, cat(gate_up_bias)?, "gate/up")?,
+                stacked(gpu, &downs, cat(down_bias)?, "down_proj")?,
+            )
+        }
     };
     let correction = match m.scoring {
         RouterScoring::SigmoidWithCorrection => {
@@ -291,13 +338,13 @@ fn experts<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) -
     };
     let shared = match m.shared_intermediate_size {
         0 => None,
-        width => Some(dense_mlp(gpu, src, &format!("{prefix}.shared_experts"), cfg, width, false, [gate, up, down])?),
+        width => Some(dense_mlp(gpu, src, &format!("{prefix}.shared_experts"), cfg, width, false, names)?),
     };
     Ok(Experts {
         router,
         correction,
-        gate_up: stacked(gpu, &gate_up, "gate/up")?,
-        down: stacked(gpu, &downs, "down_proj")?,
+        gate_up,
+        down,
         shared,
         routing: Routing {
             experts: m.num_experts,
@@ -310,6 +357,73 @@ fn experts<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) -
             scale: m.routed_scaling_factor as f32,
         },
     })
+}
+
+/// gpt-oss's experts as its Hugging Face checkpoints store them, stacked as
+/// the plan reads them: `gate_up_proj` `[E, H, 2I]` (for `x @ W`, gate and
+/// up interleaved in the columns, gate the even ones) becomes each expert's
+/// `[gate; up]` rows, `down_proj` `[E, I, H]` each expert's `[H, I]`, their
+/// biases likewise; MXFP4 checkpoints (`*_blocks`, `*_scales`, rows
+/// interleaved the same way) become GGML's MXFP4 blocks.
+fn gpt_oss_experts(
+    src: &Source,
+    prefix: &str,
+    cfg: &ModelConfig,
+) -> Result<Option<(HostTensor, Tensor, HostTensor, Tensor)>> {
+    let Source::Files { vb, .. } = src else { return Ok(None) };
+    let (e, h, i) = (cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    let vb = vb.pp(format!("{prefix}.experts"));
+    let gate_up_bias = |vb: &VarBuilder| -> Result<Tensor> {
+        // [E, 2I] interleaved -> each expert's [gate biases; up biases].
+        let b = vb.get((e, 2 * i), "gate_up_proj_bias")?.to_dtype(DType::F32)?.reshape((e, i, 2))?;
+        Ok(Tensor::cat(&[b.narrow(2, 0, 1)?.squeeze(2)?, b.narrow(2, 1, 1)?.squeeze(2)?], 1)?.flatten_all()?)
+    };
+    let down_bias = |vb: &VarBuilder| -> Result<Tensor> { Ok(vb.get((e, h), "down_proj_bias")?.flatten_all()?) };
+    if vb.contains_tensor("gate_up_proj") {
+        // [E, H, 2I] -> [E, 2I, H] -> [E, I, 2, H]: row pairs (gate, up).
+        let w = vb.get((e, h, 2 * i), "gate_up_proj")?.transpose(1, 2)?.reshape((e, i, 2, h))?;
+        let gate_up = Tensor::cat(&[w.narrow(2, 0, 1)?.squeeze(2)?, w.narrow(2, 1, 1)?.squeeze(2)?], 1)?
+            .reshape((e * 2 * i, h))?
+            .contiguous()?;
+        let down = vb.get((e, i, h), "down_proj")?.transpose(1, 2)?.reshape((e * h, i))?.contiguous()?;
+        let (gate_up, down) = (src.quantized(HostTensor::Dense(gate_up))?, src.quantized(HostTensor::Dense(down))?);
+        return Ok(Some((gate_up, gate_up_bias(&vb)?, down, down_bias(&vb)?)));
+    }
+    if !vb.contains_tensor("gate_up_proj_blocks") {
+        return Ok(None);
+    }
+    use kernels::cpu::quant::{BlockMxfp4, QK_MXFP4};
+    if !h.is_multiple_of(QK_MXFP4) || !i.is_multiple_of(QK_MXFP4) {
+        return Err(WorkerError::Unsupported(format!("MXFP4 experts of {h} x {i}: not whole blocks of 32")));
+    }
+    // Each row's GGML blocks (the exponent, then the codes), rows in `order`.
+    let blocks = |name: &str, rows: usize, cols: usize, order: &dyn Fn(usize) -> usize| -> Result<Vec<u8>> {
+        let kb = cols / QK_MXFP4;
+        let u8s = |suffix: &str, shape: &[usize]| -> Result<Vec<u8>> {
+            let t = vb.get_with_hints_dtype(shape, &format!("{name}_{suffix}"), Default::default(), DType::U8)?;
+            Ok(t.flatten_all()?.to_vec1::<u8>()?)
+        };
+        let (codes, scales) = (u8s("blocks", &[e, rows, kb, 16])?, u8s("scales", &[e, rows, kb])?);
+        let mut out = Vec::with_capacity(e * rows * kb * 17);
+        for x in 0..e {
+            for r in 0..rows {
+                let row = x * rows + order(r);
+                for b in 0..kb {
+                    let packed = codes[(row * kb + b) * 16..][..16].try_into().expect("16 bytes a block");
+                    let block = BlockMxfp4::from_hf(scales[row * kb + b], packed);
+                    out.push(block.e);
+                    out.extend(block.qs);
+                }
+            }
+        }
+        Ok(out)
+    };
+    // Gate rows are the even ones, up rows the odd ones.
+    let gate_then_up = |r: usize| if r < i { 2 * r } else { 2 * (r - i) + 1 };
+    let gate_up = blocks("gate_up_proj", 2 * i, h, &gate_then_up)?;
+    let down = blocks("down_proj", h, i, &|r| r)?;
+    let mxfp4 = |bytes, rows, cols| HostTensor::Blocks { format: WeightFormat::Mxfp4, bytes, rows, cols };
+    Ok(Some((mxfp4(gate_up, e * 2 * i, h), gate_up_bias(&vb)?, mxfp4(down, e * h, i), down_bias(&vb)?)))
 }
 
 /// The weights of `layers` of the model of `cfg` from `src` (with the
@@ -336,7 +450,11 @@ pub(super) fn upload<G: Gpu>(
     } else {
         None
     };
-    let norm = |gpu: &mut G, name: String, dim: usize| upload_f32(gpu, &src.vector(&name, dim)?);
+    // Gemma's norms multiply by `1 + w` (unless the file's weights hold the 1).
+    let offset = if cfg.gemma_norms && !cfg.norm_weights_include_one { 1.0 } else { 0.0 };
+    let norm = |gpu: &mut G, name: String, dim: usize| {
+        upload_f32(gpu, &(src.vector(&name, dim)?.to_dtype(DType::F32)? + offset)?)
+    };
     let head = match (layers.is_last(), &embed) {
         (false, _) => None,
         (true, Some(embed)) if tied => Some((embed.clone(), norm(gpu, "model.norm.weight".into(), h)?)),
@@ -348,6 +466,9 @@ pub(super) fn upload<G: Gpu>(
     let head = head.map(|(lm_head, final_norm)| OutputHead { final_norm, lm_head });
     let embed = if layers.is_first() { embed } else { None };
     let mut layer_weights = Vec::with_capacity(layers.len());
+    // RoPE tables of layers rotating other than the model (Gemma's local
+    // layers), uploaded once per distinct rotation.
+    let mut own_ropes: Vec<(ModelConfig, RopeTables<G::Buffer>)> = Vec::new();
     for l in layers.start..layers.end {
         let p = format!("model.layers.{l}");
         let attn = format!("{p}.self_attn");
@@ -369,19 +490,52 @@ pub(super) fn upload<G: Gpu>(
                 FeedForward::Dense { gate_up, down }
             }
         };
+        // Gemma normalises each sublayer's output; its MLP's input norm is
+        // `pre_feedforward_layernorm`.
+        let (post_norm, attn_out_norm, mlp_out_norm) = match cfg.gemma_norms {
+            true => (
+                norm(gpu, format!("{p}.pre_feedforward_layernorm.weight"), h)?,
+                Some(norm(gpu, format!("{p}.post_attention_layernorm.weight"), h)?),
+                Some(norm(gpu, format!("{p}.post_feedforward_layernorm.weight"), h)?),
+            ),
+            false => (norm(gpu, format!("{p}.post_attention_layernorm.weight"), h)?, None, None),
+        };
+        let rope = match cfg.layer_rope(l) {
+            std::borrow::Cow::Borrowed(_) => None,
+            std::borrow::Cow::Owned(own) => match own_ropes.iter().find(|(c, _)| *c == own) {
+                Some((_, tables)) => Some(tables.clone()),
+                None => {
+                    let tables = rope_buffers(gpu, &own, max_positions)?;
+                    own_ropes.push((own, tables.clone()));
+                    Some(tables)
+                }
+            },
+        };
+        let sinks = match cfg.attention_sinks {
+            true => Some(upload_f32(gpu, &src.vector(&format!("{attn}.sinks"), cfg.num_heads)?)?),
+            false => None,
+        };
         layer_weights.push(LayerWeights {
             input_norm: norm(gpu, format!("{p}.input_layernorm.weight"), h)?,
             qkv: linears(gpu, src, &attn, &qkv, h, cfg.qkv_bias)?,
             head_norm,
             o_proj: o_proj(gpu, src, &attn, cfg)?,
-            post_norm: norm(gpu, format!("{p}.post_attention_layernorm.weight"), h)?,
+            post_norm,
             mlp,
+            window: cfg.layer_window(l),
+            sinks,
+            rope,
+            attn_out_norm,
+            mlp_out_norm,
         });
     }
-    // The CPU path's tables.
+    let (rope_cos, rope_sin) = rope_buffers(gpu, cfg, max_positions)?;
+    Ok(ModelWeights { embed, layers: layer_weights, head, rope_cos, rope_sin })
+}
+
+/// The CPU path's RoPE tables of `cfg`, uploaded.
+fn rope_buffers<G: Gpu>(gpu: &mut G, cfg: &ModelConfig, max_positions: usize) -> Result<RopeTables<G::Buffer>> {
     let (cos, sin) = rope_tables(cfg, max_positions);
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let rope_cos = gpu.upload(&bytes(&cos))?;
-    let rope_sin = gpu.upload(&bytes(&sin))?;
-    Ok(ModelWeights { embed, layers: layer_weights, head, rope_cos, rope_sin })
+    Ok((gpu.upload(&bytes(&cos))?, gpu.upload(&bytes(&sin))?))
 }

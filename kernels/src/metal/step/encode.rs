@@ -2,18 +2,20 @@
 //! documentation): what the plan encodes into the step's command buffer.
 
 use super::{
-    Access, At, AttentionBuffers, AttentionPlan, Encoder, Experts, FeedForward, Linear, MATMUL_ROWS, MATMUL_SIMDS,
-    MATMUL_TOKENS, Matrix, ROW_THREADS, Readback, Result, StepPlan, bind, by_format, max_tiles, words,
+    Access, At, AttentionBuffers, AttentionPlan, Encoder, Experts, FeedForward, Gate, LayerWeights, Linear,
+    MATMUL_ROWS, MATMUL_SIMDS, MATMUL_TOKENS, Matrix, ROW_THREADS, Readback, Result, StepPlan, bind, by_format,
+    max_tiles, words,
 };
 
 impl<B: Clone> StepPlan<B> {
-    /// The dispatches of one step (checked inputs, written to the GPU).
+    /// The dispatches of one step (checked inputs, written to the GPU);
+    /// `attention` holds the step's attention plan for each layer window.
     pub(super) fn encode<E: Encoder<Buffer = B>>(
         &self,
         enc: &mut E,
         t: usize,
         rows: usize,
-        attention: &AttentionPlan,
+        attention: &[(Option<usize>, AttentionPlan)],
         readback: Readback,
     ) -> Result<()> {
         let (s, a, k) = (&self.shape, &self.acts, &self.kernels);
@@ -26,28 +28,40 @@ impl<B: Clone> StepPlan<B> {
             enc.set_buffer(0, &embed.buffer, 0, Access::Read);
             bind(enc, 1, input(self.layout.ids), Access::Read);
             enc.set_buffer(2, &a.hidden, 0, Access::Write);
-            enc.set_bytes(3, &words(&[u(s.hidden), u(s.vocab)]));
+            let mut p = words(&[u(s.hidden), u(s.vocab)]);
+            p.extend(s.embed_scale.to_le_bytes());
+            enc.set_bytes(3, &p);
             enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
         }
 
-        let norm_params = |gather: bool| {
-            let mut p = words(&[u(s.hidden), u32::from(gather)]);
+        let norm_params = |gather: bool, accumulate: bool| {
+            let mut p = words(&[u(s.hidden), u32::from(gather), u32::from(accumulate)]);
             p.extend(s.eps.to_le_bytes());
             p
         };
-        let norm = |enc: &mut E, weight: &B, out: &B| {
+        // out (+)= rms_norm(x) * weight over the step's rows.
+        let norm = |enc: &mut E, x: &B, weight: &B, out: &B, accumulate: bool| {
             enc.set_kernel(&k.norm);
-            enc.set_buffer(0, &a.hidden, 0, Access::Read);
+            enc.set_buffer(0, x, 0, Access::Read);
             enc.set_buffer(1, weight, 0, Access::Read);
             // Unread without gathering; bound so every parameter has a buffer.
             bind(enc, 2, input(self.layout.rows), Access::Read);
             enc.set_buffer(3, out, 0, Access::Write);
-            enc.set_bytes(4, &norm_params(false));
+            enc.set_bytes(4, &norm_params(false, accumulate));
             enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
+        };
+        // hidden += a sublayer's output: in the matmul's epilogue, or, under
+        // Gemma's output norm, stored, normed and added.
+        let add_output = |enc: &mut E, linear: &Linear<B>, x: &B, out_norm: Option<&B>| match out_norm {
+            None => self.matmul(enc, linear.parts(), x, Output::whole(&a.hidden), t, MatmulMode::Accumulate),
+            Some(weight) => {
+                self.matmul(enc, linear.parts(), x, Output::whole(&a.normed), t, MatmulMode::Store);
+                norm(enc, &a.normed, weight, &a.hidden, true);
+            }
         };
         let qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim;
         for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(&self.kv) {
-            norm(enc, &layer.input_norm, &a.normed);
+            norm(enc, &a.hidden, &layer.input_norm, &a.normed, false);
             // q, k and v side by side in each qkv row, from one matmul or several.
             let mut column = 0;
             for part in &layer.qkv {
@@ -58,8 +72,10 @@ impl<B: Clone> StepPlan<B> {
 
             enc.set_kernel(&k.rope);
             enc.set_buffer(0, &a.qkv, 0, Access::Read);
-            enc.set_buffer(1, &self.weights.rope_cos, 0, Access::Read);
-            enc.set_buffer(2, &self.weights.rope_sin, 0, Access::Read);
+            let (cos, sin) =
+                layer.rope.as_ref().map_or((&self.weights.rope_cos, &self.weights.rope_sin), |(c, s)| (c, s));
+            enc.set_buffer(1, cos, 0, Access::Read);
+            enc.set_buffer(2, sin, 0, Access::Read);
             bind(enc, 3, input(self.layout.positions), Access::Read);
             bind(enc, 4, input(self.layout.slots), Access::Read);
             // Unread without head norms; bound to the cos table then.
@@ -79,7 +95,8 @@ impl<B: Clone> StepPlan<B> {
             enc.set_bytes(10, &p);
             enc.dispatch([s.heads + 2 * s.kv_heads, t, 1], [32, 1, 1]);
 
-            attention.encode(
+            let plan = &attention.iter().find(|(w, _)| *w == layer.window).expect("a plan per layer window").1;
+            plan.encode(
                 enc,
                 AttentionBuffers {
                     q: At { buffer: &a.q, offset: 0 },
@@ -88,19 +105,12 @@ impl<B: Clone> StepPlan<B> {
                     out: At { buffer: &a.attn, offset: 0 },
                     meta: &self.meta,
                     scratch: self.scratch.as_ref(),
+                    sinks: layer.sinks.as_ref().map(|buffer| At { buffer, offset: 0 }),
                 },
             );
-            self.matmul(enc, layer.o_proj.parts(), &a.attn, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
-            norm(enc, &layer.post_norm, &a.normed);
-            match &layer.mlp {
-                FeedForward::Dense { gate_up, down } => self.dense_mlp(enc, gate_up, down, t),
-                FeedForward::Experts(x) => {
-                    self.experts(enc, x, t);
-                    if let Some((gate_up, down)) = &x.shared {
-                        self.dense_mlp(enc, gate_up, down, t);
-                    }
-                }
-            }
+            add_output(enc, &layer.o_proj, &a.attn, layer.attn_out_norm.as_ref());
+            norm(enc, &a.hidden, &layer.post_norm, &a.normed, false);
+            self.mlp(enc, layer, t, &add_output);
         }
         let (Some(head), Some(weights)) = (&self.head, &self.weights.head) else { return Ok(()) };
         if rows == 0 || matches!(readback, Readback::Hidden) {
@@ -113,7 +123,7 @@ impl<B: Clone> StepPlan<B> {
         enc.set_buffer(1, &weights.final_norm, 0, Access::Read);
         bind(enc, 2, input(self.layout.rows), Access::Read);
         enc.set_buffer(3, &head.head_in, 0, Access::Write);
-        enc.set_bytes(4, &norm_params(true));
+        enc.set_bytes(4, &norm_params(true, false));
         enc.dispatch([rows, 1, 1], [ROW_THREADS, 1, 1]);
         let lm_head = (&weights.lm_head, None);
         self.matmul(enc, lm_head, &head.head_in, Output::whole(&head.logits), rows, MatmulMode::Store);
@@ -124,11 +134,45 @@ impl<B: Clone> StepPlan<B> {
         Ok(())
     }
 
-    /// `hidden += down(swiglu(gate_up(normed)))` over `t` tokens.
-    fn dense_mlp<E: Encoder<Buffer = B>>(&self, enc: &mut E, gate_up: &Linear<B>, down: &Linear<B>, t: usize) {
+    /// A layer's MLP over `normed`, added to the residual stream by
+    /// `add_output` (through Gemma's output norm where the layer has one).
+    fn mlp<E, F>(&self, enc: &mut E, layer: &LayerWeights<B>, t: usize, add_output: &F)
+    where
+        E: Encoder<Buffer = B>,
+        F: Fn(&mut E, &Linear<B>, &B, Option<&B>),
+    {
         let a = &self.acts;
-        self.matmul(enc, gate_up.parts(), &a.normed, Output::whole(&a.act), t, MatmulMode::Swiglu);
-        self.matmul(enc, down.parts(), &a.act, Output::whole(&a.hidden), t, MatmulMode::Accumulate);
+        let dense = |enc: &mut E, gate_up: &Linear<B>, down: &Linear<B>, out_norm: Option<&B>| {
+            self.matmul(enc, gate_up.parts(), &a.normed, Output::whole(&a.act), t, self.gated());
+            add_output(enc, down, &a.act, out_norm);
+        };
+        match &layer.mlp {
+            FeedForward::Dense { gate_up, down } => dense(enc, gate_up, down, layer.mlp_out_norm.as_ref()),
+            // The plan refuses experts under an output norm at load.
+            FeedForward::Experts(x) => {
+                self.experts(enc, x, t);
+                if let Some((gate_up, down)) = &x.shared {
+                    dense(enc, gate_up, down, None);
+                }
+            }
+        }
+    }
+
+    /// The gated matmul mode of the model's activation.
+    fn gated(&self) -> MatmulMode {
+        match self.shape.activation {
+            Gate::Silu => MatmulMode::Swiglu,
+            Gate::GeluTanh => MatmulMode::Geglu,
+            Gate::ClampedSwiglu { .. } => MatmulMode::ClampedSwiglu,
+        }
+    }
+
+    /// The clamp of gpt-oss's gate (unread by the other modes).
+    fn limit(&self) -> f32 {
+        match self.shape.activation {
+            Gate::ClampedSwiglu { limit } => limit,
+            _ => 0.0,
+        }
     }
 
     /// `hidden += sum over each token's chosen experts of weight * expert(normed)`:
@@ -179,11 +223,13 @@ impl<B: Clone> StepPlan<B> {
             enc.set_buffer(4, &buf.order, 0, Access::Read);
             enc.set_buffer(5, &buf.tiles, 0, Access::Read);
             let has_bias = u32::from(linear.bias.is_some());
-            enc.set_bytes(6, &words(&[u(linear.weight.cols), u(out), mode as u32, has_bias, u(x_div)]));
+            let mut p = words(&[u(linear.weight.cols), u(out), mode as u32, has_bias, u(x_div)]);
+            p.extend(self.limit().to_le_bytes());
+            enc.set_bytes(6, &p);
             enc.dispatch([out.div_ceil(MATMUL_ROWS), tiles, 1], [MATMUL_SIMDS * 32, 1, 1]);
         };
         let width = r.expert_intermediate;
-        matmul_id(enc, &x.gate_up, &a.normed, &buf.act, width, MatmulMode::Swiglu, r.top_k);
+        matmul_id(enc, &x.gate_up, &a.normed, &buf.act, width, self.gated(), r.top_k);
         matmul_id(enc, &x.down, &buf.act, &buf.out, self.shape.hidden, MatmulMode::Store, 1);
 
         enc.set_kernel(&k.combine);
@@ -195,7 +241,7 @@ impl<B: Clone> StepPlan<B> {
     }
 
     /// `y (+)= x W^T (+ b)` over `t` tokens; the widths come from W
-    /// (`[out, in]`, or `[2 out, in]` under SwiGLU).
+    /// (`[out, in]`, or `[2 out, in]` under a gated mode).
     fn matmul<E: Encoder<Buffer = B>>(
         &self,
         enc: &mut E,
@@ -206,7 +252,7 @@ impl<B: Clone> StepPlan<B> {
         mode: MatmulMode,
     ) {
         let inp = weight.cols;
-        let out = if mode == MatmulMode::Swiglu { weight.rows / 2 } else { weight.rows };
+        let out = if mode.is_gated() { weight.rows / 2 } else { weight.rows };
         enc.set_kernel(self.kernels.matmul(weight.format));
         enc.set_buffer(0, x, 0, Access::Read);
         enc.set_buffer(1, &weight.buffer, 0, Access::Read);
@@ -216,7 +262,9 @@ impl<B: Clone> StepPlan<B> {
         let has_bias = u32::from(bias.is_some());
         // A whole output is `out` wide.
         let (stride, offset) = (y.stride.unwrap_or(out) as u32, y.offset as u32);
-        enc.set_bytes(4, &words(&[t as u32, inp as u32, out as u32, mode as u32, has_bias, stride, offset]));
+        let mut p = words(&[t as u32, inp as u32, out as u32, mode as u32, has_bias, stride, offset]);
+        p.extend(self.limit().to_le_bytes());
+        enc.set_bytes(4, &p);
         enc.dispatch([out.div_ceil(MATMUL_ROWS), t.div_ceil(MATMUL_TOKENS), 1], [MATMUL_SIMDS * 32, 1, 1]);
     }
 }
@@ -241,11 +289,21 @@ enum MatmulMode {
     Store = 0,
     Accumulate = 1,
     Swiglu = 2,
+    Geglu = 3,
+    ClampedSwiglu = 4,
+}
+
+impl MatmulMode {
+    /// Whether W is `[G; U]` and the output their gated product.
+    fn is_gated(self) -> bool {
+        matches!(self, Self::Swiglu | Self::Geglu | Self::ClampedSwiglu)
+    }
 }
 
 /// The dispatches of a whole dense model's step of `layers` layers whose
 /// attention takes `attention` dispatches per layer, with `rows` wanted
-/// rows (a mixture of experts' layer takes 4 more, 6 with a shared expert).
+/// rows (a mixture of experts' layer takes 4 more, 6 with a shared expert;
+/// each Gemma output norm 1 more).
 pub fn dispatches_per_step(layers: usize, attention: usize, rows: usize, readback: Readback) -> usize {
     let head = match readback {
         _ if rows == 0 => 0,

@@ -43,8 +43,8 @@ pub use encode::dispatches_per_step;
 pub use sample::{EDITS_PER_ROW, MAX_TOP_LOGPROBS, RawLogprobs, SampleRow, Sampled, Sampler, TokenEdit};
 
 pub use super::model::{
-    Experts, FeedForward, LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Routing, WeightFormat,
-    pad_columns, padded_head_dim,
+    Experts, FeedForward, Gate, LayerWeights, Linear, Matrix, ModelShape, ModelWeights, OutputHead, Routing,
+    WeightFormat, pad_columns, padded_head_dim,
 };
 
 /// Threads of the row kernels (`kRowThreads` in model.metal).
@@ -347,6 +347,12 @@ impl<B: Clone> StepPlan<B> {
                 return invalid(format!("layer {l}'s q, k and v have {rows} rows, the model needs {qkv_rows}"));
             }
             check(&layer.o_proj.weight, hidden, heads * padded, &format!("layer {l}'s o_proj (padded heads)"))?;
+            if layer.window == Some(0) {
+                return invalid(format!("layer {l}: a sliding window of 0 hides every key"));
+            }
+            if layer.mlp_out_norm.is_some() && matches!(layer.mlp, FeedForward::Experts(_)) {
+                return invalid(format!("layer {l}: a norm of the experts' output (no model has one)"));
+            }
             let mlp = |gate_up: &Linear<B>, down: &Linear<B>, width: usize, what: &str| -> Result<()> {
                 check(&gate_up.weight, 2 * width, hidden, &format!("layer {l}'s {what}gate/up projection"))?;
                 check(&down.weight, hidden, width, &format!("layer {l}'s {what}down_proj"))
@@ -667,14 +673,23 @@ impl<B: Clone> StepPlan<B> {
             num_blocks: l.num_blocks,
             block_size: l.block_size,
         };
-        let scale = 1.0 / (s.head_dim as f32).sqrt();
-        let attention = AttentionPlan::new(step.meta, dims, (DType::F32, self.cache_dtype), scale)?;
-        let upload = attention.upload_bytes();
-        if upload.len() > self.meta_capacity || attention.scratch_len() > self.scratch_capacity {
+        // A plan per distinct layer window; their metadata uploads are the
+        // same (the window is a kernel parameter), so one serves them all.
+        let dtypes = (DType::F32, self.cache_dtype);
+        let first = AttentionPlan::new(step.meta, dims, dtypes, s.attention_scale)?;
+        let mut attention = vec![(step.meta.sliding_window, first)];
+        for layer in &self.weights.layers {
+            if attention.iter().all(|(w, _)| *w != layer.window) {
+                let meta = AttentionMetadata { sliding_window: layer.window, ..step.meta.clone() };
+                attention.push((layer.window, AttentionPlan::new(&meta, dims, dtypes, s.attention_scale)?));
+            }
+        }
+        let upload = attention[0].1.upload_bytes();
+        let scratch = attention.iter().map(|(_, p)| p.scratch_len()).max().unwrap_or(0);
+        if upload.len() > self.meta_capacity || scratch > self.scratch_capacity {
             return invalid(format!(
-                "the step's attention needs {} bytes of metadata and {} of scratch, over the plan's {} and {}",
+                "the step's attention needs {} bytes of metadata and {scratch} of scratch, over the plan's {} and {}",
                 upload.len(),
-                attention.scratch_len(),
                 self.meta_capacity,
                 self.scratch_capacity
             ));
