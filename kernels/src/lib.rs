@@ -253,12 +253,11 @@ impl CacheWrite<'_> {
 pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     match a.q.device() {
         Device::Cpu => cpu::paged_attention(a),
-        // Head dims and cache formats without a Metal kernel (q8_0), and
-        // attention sinks, take the portable path.
+        // Head dims and cache formats without a Metal kernel (q8_0) take
+        // the portable path.
         #[cfg(target_os = "macos")]
         Device::Metal(m)
-            if a.sinks.is_none()
-                && metal::plan::kernel_dtypes_name(a.q.dtype(), a.k_cache.dtype()).is_some()
+            if metal::plan::kernel_dtypes_name(a.q.dtype(), a.k_cache.dtype()).is_some()
                 && metal::supports(m, a.q.dtype(), a.q.dims().last().copied().unwrap_or(0)) =>
         {
             metal::paged_attention(a)
