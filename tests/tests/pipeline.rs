@@ -112,12 +112,14 @@ fn two_speculating_stages_reproduce_every_models_goldens() {
 /// Both stages on the Metal step plan, in the CPU emulator: the first
 /// stage's plan holds the embedding and hands hidden states on, the last
 /// stage's holds the head. Tied embeddings (stories260K) and not
-/// (tiny-llama3); chunked prefill, prefix-cache hits and n-gram
-/// speculation verified on the last stage.
+/// (tiny-llama3); mixtures of experts (GLM-4.5's dense first layer on one
+/// stage, its experts on both) and gpt-oss's sinks and windows; chunked
+/// prefill, prefix-cache hits and n-gram speculation verified on the last
+/// stage.
 #[test]
 fn two_metal_emulated_stages_reproduce_the_goldens() {
     let device = format!("--worker-arg=--device={}", plan_device());
-    for model in ["stories260K", "tiny-llama3"] {
+    for model in ["stories260K", "tiny-llama3", "tiny-glm4-moe", "tiny-gpt-oss"] {
         let mut extra = vec!["--block-size", "4", "--worker-arg=--max-num-batched-tokens=8", &device];
         extra.extend(SPECULATE);
         let cluster = Coordinator::start_pipelines(model, 1, 2, &extra);
