@@ -5,9 +5,11 @@
 //! when printed, transformers' globals `raise_exception` and `strftime_now`,
 //! and its `tojson`.
 //!
-//! OpenAI-style content lists (`[{"type": "text", "text": ...}]`) are joined
-//! into one string first, as vLLM does for text-only models, and an
-//! assistant's tool-call arguments (JSON text) become objects.
+//! OpenAI-style content lists (`[{"type": "text", "text": ...}]`) reach the
+//! template as lists when it loops over a message's content (Gemma 3's,
+//! GLM-4.5's, Mistral Small's), else joined into one string, as vLLM's
+//! `--chat-template-content-format auto` decides; an assistant's tool-call
+//! arguments (JSON text) become objects.
 
 use minijinja::value::Value as JinjaValue;
 use minijinja::{Environment, Error, ErrorKind};
@@ -52,6 +54,67 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    content: ContentFormat,
+}
+
+/// How a message's content-part list reaches the template (vLLM's
+/// `ChatTemplateContentFormat`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ContentFormat {
+    /// Text parts joined with newlines into one string.
+    String,
+    /// The list of parts as sent.
+    OpenAi,
+}
+
+impl ContentFormat {
+    /// vLLM's detection: parts stay a list when the template loops over a
+    /// message's content (`for item in message['content']`, the message
+    /// being a loop variable over `messages` or a variable set from it).
+    pub fn detect(source: &str) -> Self {
+        let tags: Vec<&str> = source
+            .split("{%")
+            .skip(1)
+            .filter_map(|rest| rest.split_once("%}").map(|(tag, _)| tag.trim_matches(|c: char| c == '-' || c == '+')))
+            .map(str::trim)
+            .collect();
+        let starts_with_name = |expr: &str, name: &str| {
+            expr.strip_prefix(name)
+                .is_some_and(|rest| rest.chars().next().is_none_or(|c| !(c.is_alphanumeric() || c == '_')))
+        };
+        // Names bound to the message list (`set loop_messages = messages[1:]`).
+        let mut lists = vec!["messages".to_string()];
+        for tag in &tags {
+            if let Some((name, value)) = tag.strip_prefix("set ").and_then(|t| t.split_once('='))
+                && lists.iter().any(|l| starts_with_name(value.trim(), l))
+            {
+                lists.push(name.trim().to_string());
+            }
+        }
+        let loops: Vec<(&str, &str)> = tags
+            .iter()
+            .filter_map(|t| t.strip_prefix("for ")?.split_once(" in "))
+            .map(|(target, iter)| (target.trim(), iter.trim()))
+            .collect();
+        let messages: Vec<&str> = loops
+            .iter()
+            .filter(|(_, iter)| lists.iter().any(|l| starts_with_name(iter, l)))
+            .map(|(target, _)| target.rsplit(',').next().unwrap_or(target).trim())
+            .collect();
+        let over_content = |iter: &str| {
+            messages.iter().any(|m| {
+                iter.strip_prefix(m).is_some_and(|rest| {
+                    rest.strip_prefix('.').is_some_and(|r| starts_with_name(r, "content"))
+                        || rest.starts_with("['content']")
+                        || rest.starts_with("[\"content\"]")
+                })
+            })
+        };
+        match loops.iter().any(|(_, iter)| over_content(iter)) {
+            true => Self::OpenAi,
+            false => Self::String,
+        }
+    }
 }
 
 /// Everything a request may set besides the messages.
@@ -87,6 +150,7 @@ impl ChatTemplate {
             source: source.to_string(),
             bos_token: bos_token.unwrap_or_default().to_string(),
             eos_token: eos_token.unwrap_or_default().to_string(),
+            content: ContentFormat::detect(source),
         })
     }
 
@@ -116,8 +180,11 @@ impl ChatTemplate {
     }
 
     pub fn render_with(&self, messages: &[Value], options: &RenderOptions<'_>) -> Result<String, TemplateError> {
-        let messages =
-            messages.iter().enumerate().map(|(i, m)| normalize_message(i, m)).collect::<Result<Vec<_>, _>>()?;
+        let messages = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| normalize_message(i, m, self.content))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut context = options.extra.cloned().unwrap_or_default();
         context.insert("messages".into(), Value::Array(messages));
         context.insert("add_generation_prompt".into(), Value::Bool(options.add_generation_prompt));
@@ -134,8 +201,9 @@ impl ChatTemplate {
     }
 }
 
-/// Checks the shape templates rely on and flattens content-part lists.
-fn normalize_message(index: usize, message: &Value) -> Result<Value, TemplateError> {
+/// Checks the shape templates rely on and flattens content-part lists
+/// where the template takes strings.
+fn normalize_message(index: usize, message: &Value, format: ContentFormat) -> Result<Value, TemplateError> {
     let invalid = |what: String| TemplateError::InvalidMessage(format!("messages[{index}]: {what}"));
     let Value::Object(fields) = message else { return Err(invalid("expected an object".into())) };
     if !fields.get("role").is_some_and(Value::is_string) {
@@ -161,8 +229,9 @@ fn normalize_message(index: usize, message: &Value) -> Result<Value, TemplateErr
                     (None, _) => return Err(invalid(format!("content[{j}] has no `type`"))),
                 }
             }
-            let joined = texts.join("\n");
-            fields.insert("content".into(), Value::String(joined));
+            if format == ContentFormat::String {
+                fields.insert("content".into(), Value::String(texts.join("\n")));
+            }
         }
         Some(_) => return Err(invalid("`content` must be a string, a list of parts, or null".into())),
     }
@@ -291,6 +360,41 @@ mod tests {
             let text = template.render_with(case["messages"].as_array().expect("messages"), &options);
             let expected = case["expected"].as_str().expect("expected").replace("<today>", &today);
             assert_eq!(text.unwrap_or_else(|e| panic!("{name}: {e}")), expected, "{name}");
+        }
+    }
+
+    /// vLLM's content-format detection on the published templates: those
+    /// that loop over a message's content get the parts as a list.
+    #[test]
+    fn content_format_follows_the_template() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text/testdata/published");
+        let lists = ["gemma3.jinja", "glm-4.6.jinja", "mistral-small-3.2.jinja", "devstral-small.jinja"];
+        for entry in std::fs::read_dir(&dir).expect("published templates") {
+            let path = entry.expect("entry").path();
+            let name = path.file_name().and_then(|n| n.to_str()).expect("name").to_string();
+            let want = if lists.contains(&name.as_str()) { ContentFormat::OpenAi } else { ContentFormat::String };
+            let source = std::fs::read_to_string(&path).expect("template");
+            assert_eq!(ContentFormat::detect(&source), want, "{name}");
+        }
+        // A loop over something else called content is not a message's.
+        let other = "{% for m in messages %}{% for c in m.contents %}{% endfor %}{% endfor %}";
+        assert_eq!(ContentFormat::detect(other), ContentFormat::String);
+        let macro_arg = "{% macro t(content) %}{% for i in content %}{% endfor %}{% endmacro %}";
+        assert_eq!(ContentFormat::detect(macro_arg), ContentFormat::String);
+        let indexed = "{%- for i, msg in messages -%}{%- for p in msg['content'] -%}{%- endfor -%}{%- endfor -%}";
+        assert_eq!(ContentFormat::detect(indexed), ContentFormat::OpenAi);
+    }
+
+    /// Gemma 3's template refuses turns that do not alternate, by its own message.
+    #[test]
+    fn gemma3_refuses_roles_that_do_not_alternate() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text/testdata/published");
+        let source = std::fs::read_to_string(dir.join("gemma3.jinja")).expect("template");
+        let template = ChatTemplate::new(&source, Some("<bos>"), Some("<eos>")).expect("compile");
+        let twice = [json!({"role": "user", "content": "a"}), json!({"role": "user", "content": "b"})];
+        match template.render(&twice, true) {
+            Err(TemplateError::Raised(m)) => assert!(m.contains("must alternate"), "{m}"),
+            other => panic!("expected the template's refusal, got {other:?}"),
         }
     }
 

@@ -2,7 +2,8 @@
 newer families (files in published/: Qwen3's, shared by Qwen3-30B-A3B and
 the dense Qwen3 models; gpt-oss-120b's, the same as gpt-oss-20b's; GLM-4.6's,
 GLM-4.5's format; as llama.cpp keeps them in models/templates/, here from the
-llama-cpp-python 0.3.36 source distribution) rendered by Jinja2 set up as
+llama-cpp-python 0.3.36 source distribution; Gemma 3's, from the
+tokenizer_config.json of google/gemma-3-*-it, the same for every size) rendered by Jinja2 set up as
 transformers' apply_chat_template sets it up (gen_chat_templates.render).
 gpt-oss prints today's date: it is written as <today> and the Rust test puts
 the date of its run there. Run: python3 gen_published_templates.py."""
@@ -33,6 +34,15 @@ CASES = [
     ("gpt_oss_effort", "gpt-oss.jinja", "<|startoftext|>", "<|return|>", CHAT[1:], None, {"reasoning_effort": "high"}),
     ("glm46_chat", "glm-4.6.jinja", "", "<|endoftext|>", CHAT, None, None),
     ("glm46_no_thinking", "glm-4.6.jinja", "", "<|endoftext|>", CHAT, None, {"enable_thinking": False}),
+    # Gemma 3: the system prompt joins the first user turn, the assistant
+    # is "model", content parts are trimmed and joined.
+    ("gemma3_chat", "gemma3.jinja", "<bos>", "<eos>", CHAT, None, None),
+    ("gemma3_parts", "gemma3.jinja", "<bos>", "<eos>",
+     [{"content": [{"type": "text", "text": "Be brief."}], "role": "system"},
+      {"content": [{"type": "text", "text": " Hi, "}, {"type": "text", "text": "there \n"}], "role": "user"}],
+     None, None),
+    ("glm46_parts", "glm-4.6.jinja", "", "<|endoftext|>",
+     [{"content": [{"type": "text", "text": "Hi, "}, {"type": "text", "text": "there"}], "role": "user"}], None, None),
 ]
 
 out = []
