@@ -6,6 +6,8 @@
 //!
 //! `cargo bench -p tinyvllm-kernels --bench kquant_decode`
 //! (`RAYON_NUM_THREADS` sets the thread count; default: all cores).
+//! `-- experts`: the panels at 1 to 16 rows on Qwen3-30B-A3B's expert
+//! shapes, weights in cache (an expert's rows at a batched decode step).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -115,7 +117,37 @@ impl Format {
     }
 }
 
+/// Qwen3-30B-A3B's expert projections: gate/up stacked, and down.
+const EXPERT_SHAPES: [(&str, usize, usize); 2] =
+    [("expert gate/up 1536x2048", 1536, 2048), ("expert down 2048x768", 2048, 768)];
+
+/// Microseconds per call of the Q4_K and Q6_K panels at small m.
+fn experts() {
+    for (name, n, k) in EXPERT_SHAPES {
+        let base: Vec<f32> = (0..n * k).map(|i| ((i * 31) % 997) as f32 / 997.0 - 0.5).collect();
+        let q4 =
+            KPanels::pack(&quantize_matrix::<BlockQ4K>(&base, n, k).expect("aligned"), n, k / QK_K).expect("panels");
+        let q6 =
+            KPanels::pack(&quantize_matrix::<BlockQ6K>(&base, n, k).expect("aligned"), n, k / QK_K).expect("panels");
+        for round in 0..ROUNDS {
+            let mut line = format!("{name} round {round} (us per call):");
+            for m in [1, 2, 3, 4, 8, 16] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+                let mut y = vec![0f32; m * n];
+                let t4 = time_rotating(1, |_| matmul_kpanels(&x, m, &q4, &mut y).expect("shapes"));
+                let t6 = time_rotating(1, |_| matmul_kpanels(&x, m, &q6, &mut y).expect("shapes"));
+                line += &format!("  m={m} q4_K {:.0} q6_K {:.0}", t4.as_secs_f64() * 1e6, t6.as_secs_f64() * 1e6);
+                black_box(&y);
+            }
+            println!("{line}");
+        }
+    }
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "experts") {
+        return experts();
+    }
     println!("threads: {}", rayon::current_num_threads());
     println!("row-major k-quant path {:?}, panel path {:?}", best_backend(), best_panel_backend());
     let bw = measure_read_bandwidth();

@@ -29,6 +29,11 @@ trait Lanes {
     /// Whether Q4_K's high nibbles are dotted in place (16x, no shift):
     /// `vpdpbusd` takes 240 * 127 * 4, `vpmaddubsw`'s i16 pairs would not.
     const HIGH_IN_PLACE: bool;
+    /// Whether Q4_K's sub-block sums are kept in i16 pairs ([`Self::dot_i16`])
+    /// and scaled by one `vpmaddwd` a sub-block ([`Self::madd_scaled`]):
+    /// AVX2's `vpmaddubsw` then leaves no widening per 4 weights (VNNI's
+    /// `vpdpbusd` widens for free).
+    const PAIR_SUMS: bool;
 
     unsafe fn load(p: *const u8) -> Self::I;
     unsafe fn splat8(v: u8) -> Self::I;
@@ -49,6 +54,12 @@ trait Lanes {
     unsafe fn dot(acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
     /// `acc + ` sums of 2 products of i16.
     unsafe fn dot16(acc: Self::I, a: Self::I, b: Self::I) -> Self::I;
+    /// `acc + ` sums of 2 products of unsigned `w` and signed `x` bytes, in
+    /// i16 lanes (the caller bounds the sums).
+    unsafe fn dot_i16(acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
+    /// Each i32 lane's low 16 bits copied into its high 16 (a scale for
+    /// both i16 halves of a lane).
+    unsafe fn pairs(a: Self::I) -> Self::I;
     /// `LANES` bytes widened to i32 lanes.
     unsafe fn u8_to_i32(p: *const u8) -> Self::I;
     unsafe fn i8_to_i32(p: *const i8) -> Self::I;
@@ -71,6 +82,7 @@ impl Lanes for Avx512 {
     const LANES: usize = 16;
     const TILE_Q4K: usize = 4;
     const TILE_Q6K: usize = 3;
+    const PAIR_SUMS: bool = false;
     const HIGH_IN_PLACE: bool = true;
 
     // SAFETY (every method): AVX-512 F, BW and VNNI per the callers; the
@@ -136,6 +148,14 @@ impl Lanes for Avx512 {
         unsafe { _mm512_dpwssd_epi32(acc, a, b) }
     }
     #[inline(always)]
+    unsafe fn dot_i16(acc: __m512i, w: __m512i, x: __m512i) -> __m512i {
+        unsafe { _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)) }
+    }
+    #[inline(always)]
+    unsafe fn pairs(a: __m512i) -> __m512i {
+        unsafe { _mm512_or_si512(a, _mm512_slli_epi32::<16>(a)) }
+    }
+    #[inline(always)]
     unsafe fn u8_to_i32(p: *const u8) -> __m512i {
         unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())) }
     }
@@ -175,7 +195,10 @@ impl Lanes for Avx2 {
     type I = __m256i;
     type F = __m256;
     const LANES: usize = 8;
-    const TILE_Q4K: usize = 2;
+    // 3 with the sub-block sums in i16 pairs (PAIR_SUMS): their registers
+    // fit 3 rows' sums beside the codes.
+    const TILE_Q4K: usize = 3;
+    const PAIR_SUMS: bool = true;
     // 3, not 1: at 2-8 rows (experts at a batched decode step) Q6_K's
     // codes are assembled once for 3 rows; 1.3-1.7x per call at m = 2-8
     // on the Qwen3-30B-A3B expert shapes, m = 1 the same (docs/perf-log.md).
@@ -244,6 +267,14 @@ impl Lanes for Avx2 {
     #[inline(always)]
     unsafe fn dot16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn dot_i16(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        unsafe { _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)) }
+    }
+    #[inline(always)]
+    unsafe fn pairs(a: __m256i) -> __m256i {
+        unsafe { _mm256_or_si256(a, _mm256_slli_epi32::<16>(a)) }
     }
     #[inline(always)]
     unsafe fn u8_to_i32(p: *const u8) -> __m256i {
@@ -382,12 +413,26 @@ unsafe fn q4k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q4KPanel], 
                         let wh = if L::HIGH_IN_PLACE { L::and(w, high) } else { L::and(L::srl16_4(w), low) };
                         for r in 0..R {
                             let xq = t.x(r, b).q8.qs.as_ptr().add(64 * c + 4 * v);
-                            lo[r] = L::dot(lo[r], wl, L::bcast4(xq));
-                            hi[r] = L::dot(hi[r], wh, L::bcast4(xq.add(32)));
+                            if L::PAIR_SUMS {
+                                // i16 pairs: 8 vectors of 2 products of
+                                // 15 * 128 stay under 2^15.
+                                lo[r] = L::dot_i16(lo[r], wl, L::bcast4(xq));
+                                hi[r] = L::dot_i16(hi[r], wh, L::bcast4(xq.add(32)));
+                            } else {
+                                lo[r] = L::dot(lo[r], wl, L::bcast4(xq));
+                                hi[r] = L::dot(hi[r], wh, L::bcast4(xq.add(32)));
+                            }
                         }
                     }
                     let sl = L::u8_to_i32(blk.scales[2 * c].as_ptr().add(row0));
                     let sh = L::u8_to_i32(blk.scales[2 * c + 1].as_ptr().add(row0));
+                    if L::PAIR_SUMS {
+                        let (sl, sh) = (L::pairs(sl), L::pairs(sh));
+                        for r in 0..R {
+                            isum[r] = L::dot16(L::dot16(isum[r], lo[r], sl), hi[r], sh);
+                        }
+                        continue;
+                    }
                     for r in 0..R {
                         let h = L::mullo(hi[r], sh);
                         let h = if L::HIGH_IN_PLACE { L::srai4(h) } else { h };
