@@ -23,6 +23,7 @@ pub mod emulated;
 pub mod model;
 pub mod plan;
 pub mod step;
+mod step_cache;
 
 pub use plan::{HEAD_DIMS, PARTITION_SIZE};
 

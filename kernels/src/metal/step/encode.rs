@@ -2,9 +2,8 @@
 //! documentation): what the plan encodes into the step's command buffer.
 
 use super::{
-    Access, At, AttentionBuffers, AttentionPlan, Encoder, Experts, FeedForward, Gate, LayerWeights, Linear,
-    MATMUL_ROWS, MATMUL_SIMDS, MATMUL_TOKENS, Matrix, ROW_THREADS, Readback, Result, StepPlan, bind, by_format,
-    max_tiles, words,
+    Access, At, AttentionBuffers, AttentionPlan, Encoder, FeedForward, Gate, LayerWeights, Linear, MATMUL_ROWS,
+    MATMUL_SIMDS, MATMUL_TOKENS, Matrix, ROW_THREADS, Readback, Result, StepPlan, bind, words,
 };
 
 impl<B: Clone> StepPlan<B> {
@@ -159,7 +158,7 @@ impl<B: Clone> StepPlan<B> {
     }
 
     /// The gated matmul mode of the model's activation.
-    fn gated(&self) -> MatmulMode {
+    pub(super) fn gated(&self) -> MatmulMode {
         match self.shape.activation {
             Gate::Silu => MatmulMode::Swiglu,
             Gate::GeluTanh => MatmulMode::Geglu,
@@ -168,81 +167,16 @@ impl<B: Clone> StepPlan<B> {
     }
 
     /// The clamp of gpt-oss's gate (unread by the other modes).
-    fn limit(&self) -> f32 {
+    pub(super) fn limit(&self) -> f32 {
         match self.shape.activation {
             Gate::ClampedSwiglu { limit } => limit,
             _ => 0.0,
         }
     }
 
-    /// `hidden += sum over each token's chosen experts of weight * expert(normed)`:
-    /// the router's logits, the choice, the pairs grouped by expert, the
-    /// chosen experts' gate/up and down over their pairs only, the sum.
-    fn experts<E: Encoder<Buffer = B>>(&self, enc: &mut E, x: &Experts<B>, t: usize) {
-        let (a, r) = (&self.acts, x.routing);
-        let (Some(buf), Some(k)) = (&a.experts, &self.kernels.experts) else {
-            unreachable!("a plan with experts has their buffers and kernels")
-        };
-        let u = |x: usize| x as u32; // checked against 32 bits at load
-        let pairs = t * r.top_k;
-        self.matmul(enc, x.router.parts(), &a.normed, Output::whole(&buf.logits), t, MatmulMode::Store);
-
-        enc.set_kernel(&k.route);
-        enc.set_buffer(0, &buf.logits, 0, Access::Read);
-        // Unread without a correction; bound to the logits then.
-        enc.set_buffer(1, x.correction.as_ref().unwrap_or(&buf.logits), 0, Access::Read);
-        enc.set_buffer(2, &buf.ids, 0, Access::Write);
-        enc.set_buffer(3, &buf.weights, 0, Access::Write);
-        let mut p = words(&[
-            u(r.experts),
-            u(r.top_k),
-            u32::from(r.sigmoid),
-            u32::from(x.correction.is_some()),
-            u32::from(r.norm_topk),
-            u(r.groups),
-            u(r.groups_kept),
-        ]);
-        p.extend(r.scale.to_le_bytes());
-        enc.set_bytes(4, &p);
-        enc.dispatch([t, 1, 1], [32, 1, 1]);
-
-        let tiles = max_tiles(pairs, r.experts);
-        enc.set_kernel(&k.group);
-        enc.set_buffer(0, &buf.ids, 0, Access::Read);
-        enc.set_buffer(1, &buf.order, 0, Access::Write);
-        enc.set_buffer(2, &buf.tiles, 0, Access::Write);
-        enc.set_bytes(3, &words(&[u(pairs), u(r.experts), u(tiles)]));
-        enc.dispatch([1, 1, 1], [ROW_THREADS, 1, 1]);
-
-        let matmul_id = |enc: &mut E, linear: &Linear<B>, x: &B, y: &B, out: usize, mode: MatmulMode, x_div: usize| {
-            enc.set_kernel(by_format(&k.matmuls, linear.weight.format));
-            enc.set_buffer(0, x, 0, Access::Read);
-            enc.set_buffer(1, &linear.weight.buffer, 0, Access::Read);
-            enc.set_buffer(2, linear.bias.as_ref().unwrap_or(x), 0, Access::Read);
-            enc.set_buffer(3, y, 0, Access::Write);
-            enc.set_buffer(4, &buf.order, 0, Access::Read);
-            enc.set_buffer(5, &buf.tiles, 0, Access::Read);
-            let has_bias = u32::from(linear.bias.is_some());
-            let mut p = words(&[u(linear.weight.cols), u(out), mode as u32, has_bias, u(x_div)]);
-            p.extend(self.limit().to_le_bytes());
-            enc.set_bytes(6, &p);
-            enc.dispatch([out.div_ceil(MATMUL_ROWS), tiles, 1], [MATMUL_SIMDS * 32, 1, 1]);
-        };
-        let width = r.expert_intermediate;
-        matmul_id(enc, &x.gate_up, &a.normed, &buf.act, width, self.gated(), r.top_k);
-        matmul_id(enc, &x.down, &buf.act, &buf.out, self.shape.hidden, MatmulMode::Store, 1);
-
-        enc.set_kernel(&k.combine);
-        enc.set_buffer(0, &buf.out, 0, Access::Read);
-        enc.set_buffer(1, &buf.weights, 0, Access::Read);
-        enc.set_buffer(2, &a.hidden, 0, Access::Write);
-        enc.set_bytes(3, &words(&[u(self.shape.hidden), u(r.top_k)]));
-        enc.dispatch([t, 1, 1], [ROW_THREADS, 1, 1]);
-    }
-
     /// `y (+)= x W^T (+ b)` over `t` tokens; the widths come from W
     /// (`[out, in]`, or `[2 out, in]` under a gated mode).
-    fn matmul<E: Encoder<Buffer = B>>(
+    pub(super) fn matmul<E: Encoder<Buffer = B>>(
         &self,
         enc: &mut E,
         (weight, bias): (&Matrix<B>, Option<&B>),
@@ -271,21 +205,21 @@ impl<B: Clone> StepPlan<B> {
 
 /// Where a matmul writes: columns `offset..offset + out` of rows of
 /// `stride` (None: rows of `out`, the whole of `y`).
-struct Output<'a, B> {
+pub(super) struct Output<'a, B> {
     y: &'a B,
     stride: Option<usize>,
     offset: usize,
 }
 
 impl<'a, B> Output<'a, B> {
-    fn whole(y: &'a B) -> Self {
+    pub(super) fn whole(y: &'a B) -> Self {
         Self { y, stride: None, offset: 0 }
     }
 }
 
 /// The matmul's epilogue (`kMode*` in model.metal).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum MatmulMode {
+pub(super) enum MatmulMode {
     Store = 0,
     Accumulate = 1,
     Swiglu = 2,
