@@ -39,13 +39,8 @@ impl HostTensor {
         match self {
             Self::Dense(t) => Ok(t.to_dtype(dtype)?),
             Self::Blocks { format: WeightFormat::Mxfp4, bytes, rows, cols } => {
-                use kernels::cpu::quant::{BlockMxfp4, dequantize_row};
-                let blocks: Vec<BlockMxfp4> = bytes
-                    .chunks_exact(17)
-                    .map(|b| BlockMxfp4 { e: b[0], qs: b[1..].try_into().expect("17-byte blocks") })
-                    .collect();
                 let mut values = vec![0f32; rows * cols];
-                dequantize_row(&blocks, &mut values);
+                kernels::cpu::quant::dequantize_row(&super::gguf_file::mxfp4_blocks(bytes), &mut values);
                 Ok(Tensor::from_vec(values, (*rows, *cols), &Device::Cpu)?.to_dtype(dtype)?)
             }
             Self::Blocks { format, bytes, rows, cols } => {
@@ -145,7 +140,7 @@ fn expert_tensors(
     out: &mut HashMap<String, HostTensor>,
 ) -> Result<()> {
     let check = |experts: usize| -> Result<()> {
-        if experts != cfg.moe.num_experts {
+        if experts == 0 || experts != cfg.moe.num_experts {
             return Err(crate::error::WorkerError::Unsupported(format!(
                 "{experts} experts, the config says {}",
                 cfg.moe.num_experts

@@ -13,6 +13,8 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use common::model::{Architecture, ModelConfig};
 
+use super::moe::ExpertNames;
+
 /// The stacked projections in GGUF's order and their place in an HF expert.
 const STACKED: [&str; 3] = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"];
 
@@ -80,33 +82,25 @@ impl ExpertTensor {
         match self {
             Self::Router { layer, param } => hf_router(cfg, layer, param),
             Self::CorrectionBias { layer } => {
-                format!("model.layers.{layer}.{}.gate.e_score_correction_bias", hf_layout(cfg).0)
+                let module = ExpertNames::of(cfg.architecture).module;
+                format!("model.layers.{layer}.{module}.gate.e_score_correction_bias")
             }
             Self::Stacked { layer, which, param } => hf_expert(cfg, layer, 0, which, param),
         }
     }
 }
 
-/// The HF module holding a layer's experts, and an expert's (gate, up,
-/// down) names in it (Mixtral's w1, w3, w2).
-fn hf_layout(cfg: &ModelConfig) -> (&'static str, [&'static str; 3]) {
-    match cfg.architecture {
-        Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-    }
-}
-
 /// The HF name of the router of `layer` (gpt-oss calls it `router`).
 pub(super) fn hf_router(cfg: &ModelConfig, layer: usize, param: Param) -> String {
-    let router = if cfg.architecture == Architecture::GptOss { "router" } else { "gate" };
-    format!("model.layers.{layer}.{}.{router}.{}", hf_layout(cfg).0, param.name())
+    let names = ExpertNames::of(cfg.architecture);
+    format!("model.layers.{layer}.{}.{}.{}", names.module, names.router, param.name())
 }
 
 /// The HF name of projection `which` of expert `expert` of `layer` (one
 /// expert's own tensors, as Mixtral and Qwen3-MoE store them; gpt-oss's
 /// experts from GGUF take these names too).
 pub(super) fn hf_expert(cfg: &ModelConfig, layer: usize, expert: usize, which: usize, param: Param) -> String {
-    let (module, names) = hf_layout(cfg);
+    let ExpertNames { module, projections: names, .. } = ExpertNames::of(cfg.architecture);
     format!("model.layers.{layer}.{module}.experts.{expert}.{}.{}", names[which], param.name())
 }
 

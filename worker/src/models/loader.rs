@@ -166,7 +166,7 @@ fn mlp_specs(cfg: &ModelConfig, l: usize, p: &str) -> Vec<(String, Vec<usize>, I
             weight(format!("{prefix}.{d}.weight"), vec![h, i], i),
         ]
     };
-    const NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+    const NAMES: [&str; 3] = super::moe::MLP_PROJECTIONS;
     let m = &cfg.moe;
     if !m.is_moe_layer(l) {
         return gated(&format!("{p}.mlp"), cfg.intermediate_size, NAMES);
@@ -183,10 +183,8 @@ fn mlp_specs(cfg: &ModelConfig, l: usize, p: &str) -> Vec<(String, Vec<usize>, I
             (format!("{p}.mlp.experts.down_proj_bias"), vec![e, h], small),
         ],
         arch => {
-            let (moe, names) = match arch {
-                Architecture::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
-                _ => (format!("{p}.mlp"), NAMES),
-            };
+            let names = super::moe::ExpertNames::of(arch);
+            let (moe, names) = (format!("{p}.{}", names.module), names.projections);
             let mut specs = vec![weight(format!("{moe}.gate.weight"), vec![e, h], h)];
             if m.scoring == RouterScoring::SigmoidWithCorrection {
                 specs.push((format!("{moe}.gate.e_score_correction_bias"), vec![e], small));

@@ -16,7 +16,7 @@ mod layers;
 pub mod linear;
 pub mod llama;
 pub mod loader;
-mod moe;
+pub mod moe;
 pub mod quant;
 mod workspace;
 

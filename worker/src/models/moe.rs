@@ -32,15 +32,37 @@ pub enum FeedForward {
     Experts(SparseMoe),
 }
 
+/// Where a family's Hugging Face checkpoints keep a layer's experts: the
+/// module under the layer (Mixtral's `block_sparse_moe`), an expert's
+/// gate, up and down projections (Mixtral's w1, w3, w2) and the router
+/// (gpt-oss's `router`, with a bias).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertNames {
+    pub module: &'static str,
+    pub projections: [&'static str; 3],
+    pub router: &'static str,
+}
+
+impl ExpertNames {
+    pub fn of(architecture: Architecture) -> Self {
+        match architecture {
+            Architecture::Mixtral => {
+                Self { module: "block_sparse_moe", projections: ["w1", "w3", "w2"], router: "gate" }
+            }
+            Architecture::GptOss => Self { module: "mlp", projections: MLP_PROJECTIONS, router: "router" },
+            _ => Self { module: "mlp", projections: MLP_PROJECTIONS, router: "gate" },
+        }
+    }
+}
+
+/// A dense MLP's projections in the HF checkpoints: gate, up, down.
+pub const MLP_PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
 impl FeedForward {
     /// Layer `layer`'s MLP under `vb` (the layer's prefix).
     pub fn new(cfg: &ModelConfig, layer: usize, vb: &VarBuilder, pre: &Prequantized) -> Result<Self> {
         Ok(match cfg.moe.is_moe_layer(layer) {
-            // Mixtral keeps its experts under `block_sparse_moe`.
-            true if cfg.architecture == Architecture::Mixtral => {
-                Self::Experts(SparseMoe::new(cfg, vb.pp("block_sparse_moe"), pre)?)
-            }
-            true => Self::Experts(SparseMoe::new(cfg, vb.pp("mlp"), pre)?),
+            true => Self::Experts(SparseMoe::new(cfg, vb.pp(ExpertNames::of(cfg.architecture).module), pre)?),
             false => Self::Dense(Mlp::new(cfg, vb.pp("mlp"), pre)?),
         })
     }
@@ -126,11 +148,8 @@ impl SparseMoe {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder, pre: &Prequantized) -> Result<Self> {
         let m = &cfg.moe;
         let (h, i) = (cfg.hidden_size, m.expert_intermediate_size);
-        // Mixtral names an expert's projections w1 (gate), w3 (up), w2 (down).
-        let names = match cfg.architecture {
-            Architecture::Mixtral => ["w1", "w3", "w2"],
-            _ => ["gate_proj", "up_proj", "down_proj"],
-        };
+        let expert_names = ExpertNames::of(cfg.architecture);
+        let names = expert_names.projections;
         // gpt-oss's HF checkpoints stack its experts; from GGUF each has
         // its own weights (perhaps in blocks) and biases, as the others.
         let experts = match cfg.architecture {
@@ -152,11 +171,7 @@ impl SparseMoe {
             0 => None,
             width => Some(Box::new(Mlp::with_names(cfg, (h, width, false), vb.pp("shared_experts"), pre, names)?)),
         };
-        // gpt-oss calls its router `router`, with a bias.
-        let router = match m.biases {
-            true => linear(h, m.num_experts, true, vb.pp("router"), pre)?,
-            false => linear(h, m.num_experts, false, vb.pp("gate"), pre)?,
-        };
+        let router = linear(h, m.num_experts, m.biases, vb.pp(expert_names.router), pre)?;
         Ok(Self { router, correction_bias, experts, shared_expert, routing: m.clone() })
     }
 

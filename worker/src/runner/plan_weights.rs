@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
-use common::model::{Architecture, RouterScoring};
+use common::model::RouterScoring;
 use common::pipeline::LayerRange;
 use kernels::metal::model::quantize;
 use kernels::metal::step::{
@@ -21,6 +21,7 @@ use kernels::metal::step::{
 
 use crate::error::{Result, WorkerError};
 use crate::models::gguf_blocks::{self, HostTensor};
+use crate::models::moe::{ExpertNames, MLP_PROJECTIONS};
 use crate::models::{ModelConfig, ModelFiles, rope_tables};
 
 /// Where the plan's tensors come from, by Hugging Face name.
@@ -245,9 +246,6 @@ type GatedMlp<B> = (Linear<B>, Linear<B>);
 /// A layer's RoPE tables, cos and sin.
 type RopeTables<B> = (B, B);
 
-/// An MLP's projections as the HF checkpoints name them: gate, up, down.
-const MLP_NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
-
 /// A SwiGLU MLP of `width` under `prefix`: gate and up stacked, and down.
 fn dense_mlp<G: Gpu>(
     gpu: &mut G,
@@ -271,17 +269,13 @@ fn dense_mlp<G: Gpu>(
 fn experts<G: Gpu>(gpu: &mut G, src: &Source, prefix: &str, cfg: &ModelConfig) -> Result<Experts<G::Buffer>> {
     let m = &cfg.moe;
     let (h, i) = (cfg.hidden_size, m.expert_intermediate_size);
-    // Mixtral names an expert's projections w1 (gate), w3 (up), w2 (down).
-    let names = match cfg.architecture {
-        Architecture::Mixtral => ["w1", "w3", "w2"],
-        _ => MLP_NAMES,
-    };
+    let expert_names = ExpertNames::of(cfg.architecture);
+    let names = expert_names.projections;
     let [gate, up, down] = names;
-    // gpt-oss calls its router `router`, with a bias.
-    let router_name = if m.biases { "router" } else { "gate" };
-    let router = src.tensor(&format!("{prefix}.{router_name}.weight"), &[m.num_experts, h])?.to_dense(DType::F32)?;
+    let router_name = format!("{prefix}.{}", expert_names.router);
+    let router = src.tensor(&format!("{router_name}.weight"), &[m.num_experts, h])?.to_dense(DType::F32)?;
     let router_bias = match m.biases {
-        true => Some(upload_f32(gpu, &src.vector(&format!("{prefix}.router.bias"), m.num_experts)?)?),
+        true => Some(upload_f32(gpu, &src.vector(&format!("{router_name}.bias"), m.num_experts)?)?),
         false => None,
     };
     let router = Linear { weight: upload_matrix(gpu, &HostTensor::Dense(router))?, bias: router_bias };
@@ -480,13 +474,12 @@ pub(super) fn upload<G: Gpu>(
         };
         let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)];
         let mlp = match cfg.moe.is_moe_layer(l) {
-            // Mixtral keeps its experts under `block_sparse_moe`.
-            true if cfg.architecture == Architecture::Mixtral => {
-                FeedForward::Experts(experts(gpu, src, &format!("{p}.block_sparse_moe"), cfg)?)
+            true => {
+                let module = ExpertNames::of(cfg.architecture).module;
+                FeedForward::Experts(experts(gpu, src, &format!("{p}.{module}"), cfg)?)
             }
-            true => FeedForward::Experts(experts(gpu, src, &mlp, cfg)?),
             false => {
-                let (gate_up, down) = dense_mlp(gpu, src, &mlp, cfg, i, cfg.mlp_bias, MLP_NAMES)?;
+                let (gate_up, down) = dense_mlp(gpu, src, &mlp, cfg, i, cfg.mlp_bias, MLP_PROJECTIONS)?;
                 FeedForward::Dense { gate_up, down }
             }
         };
