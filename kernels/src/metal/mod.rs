@@ -2,9 +2,9 @@
 //! (reshape_and_cache), `paged_attention.metal` (decode, one threadgroup per
 //! KV head, partitioned like vLLM's paged_attention_v2, plus its reduce),
 //! `prefill_attention.metal` (flash-attention-style chunked prefill) and
-//! `model.metal` (the rest of a dense model's step: embedding, RMSNorm,
-//! matmuls over float and GGML block weights, RoPE with the KV write,
-//! argmax).
+//! `model.metal` (the rest of a model's step: embedding, RMSNorm, matmuls
+//! over float and GGML block weights, RoPE with the KV write, and a mixture
+//! of experts' routing and grouped matmuls) and `sample.metal` (sampling).
 //!
 //! [`step`] runs a whole model step as one plan through the [`step::Gpu`]
 //! trait: `gpu.rs` on macOS, `emulated.rs` (the CPU emulator) on Linux.

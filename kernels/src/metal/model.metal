@@ -1,15 +1,18 @@
-// The dense model step on Metal, besides attention and its KV write: the
-// token embedding, RMSNorm, the linear layers (GEMV for decode, a GEMM over
-// tiles of 8 tokens for prefill) with their epilogues fused in, and RoPE
-// fused with Qwen3's head norm and the KV cache write. Activations are f32
-// throughout; weights are f32, f16 or bf16 and widened in registers.
+// The model step on Metal, besides attention and its KV write: the token
+// embedding, RMSNorm, the linear layers (GEMV for decode, a GEMM over tiles
+// of 8 tokens for prefill) with their epilogues fused in, RoPE fused with
+// the head norm and the KV cache write, and a mixture of experts' routing,
+// grouping, grouped matmul (`matmul_id`) and weighted sum. Activations are
+// f32 throughout; weights are f32, f16, bf16 or GGML blocks (Q8_0, Q4_0,
+// Q4_K, Q6_K, MXFP4), widened in registers.
 //
 // What is fused, and why (each saves a dispatch and a round trip of the
 // activations through device memory, as llama.cpp's Metal graph does):
 // - the residual add goes into the epilogue of o_proj and down_proj, which
 //   add their output to the residual stream in place (`kModeAccumulate`);
-// - SwiGLU's product is the epilogue of the stacked gate/up projection,
-//   which reads row n of gate and of up together (`kModeSwiglu`);
+// - the gate's product (SwiGLU, GeGLU or gpt-oss's clamped SwiGLU) is the
+//   epilogue of the stacked gate/up projection, which reads row n of gate
+//   and of up together (`kModeSwiglu` and the other gated modes);
 // - RoPE, the head norm and the cache write are one pass over the qkv row
 //   (`rope_qkv_cache`), which leaves q for attention and K/V in their slots.
 //
