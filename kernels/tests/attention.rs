@@ -57,6 +57,31 @@ fn matches_reference_across_shapes_in_f32() {
     }
 }
 
+/// Long decode contexts, which the CPU kernel splits into items of 512+
+/// keys (block-aligned) merged after: just under and over the split, many
+/// parts, a window that leaves one part or several, sinks, beside a prefill
+/// chunk; the AVX2 lanes (head_dim 32) and the portable loops (head_dim 12),
+/// an f16 cache.
+#[test]
+fn long_decode_contexts_split_and_merge_like_the_reference() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let seqs = [(1, 1024), (1, 1025), (1, 3001), (12, 60), (1, 4500)];
+    for (heads, kv_heads, head_dim, block_size) in [(8, 2, 32, 16), (9, 3, 12, 5), (4, 4, 64, 16)] {
+        for window in [None, Some(700), Some(1500)] {
+            let g = Geometry { window, ..Geometry::new(heads, kv_heads, head_dim, block_size) };
+            let case = make_case(&mut rng, &seqs, g);
+            compare(&case, 1e-5, &format!("heads {heads}/{kv_heads} hd {head_dim} bs {block_size} window {window:?}"));
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let sinks: Vec<f32> = (0..heads).map(|h| 2.0 + (h as f32 * 0.7).sin()).collect();
+            let a = Attention { sinks: Some(&sinks), ..case.attention(scale) };
+            let (want, got) = (reference::paged_attention(&a).unwrap(), cpu::paged_attention(&a).unwrap());
+            assert!(max_rel_err(&got, &want) < 1e-5, "sinks, window {window:?}: {}", max_rel_err(&got, &want));
+        }
+    }
+    let g = Geometry { dtype: DType::F16, ..Geometry::new(8, 2, 32, 16) };
+    compare(&make_case(&mut rng, &seqs, g), 2e-2, "f16 cache");
+}
+
 #[test]
 fn sliding_window_matches_reference() {
     let mut rng = StdRng::seed_from_u64(11);

@@ -3,9 +3,11 @@
 //! pool through the block table (no gathered copy of the context); scores
 //! of a block go through an online softmax (running max and sum), so memory
 //! stays O(tile). All query heads of a GQA group share each loaded K/V row.
-//! Work items run on rayon's pool. The cache may be narrower than the
-//! queries (f16, q8_0): each block's rows are widened once for the group
-//! ([`rows`]).
+//! Work items run on rayon's pool. A long decode context is split into
+//! items of [`SPLIT_KEYS`] keys whose unnormalised results are merged after
+//! (flash-decoding): a batch-1 step of few kv heads keeps every thread busy.
+//! The cache may be narrower than the queries (f16, q8_0): each block's rows
+//! are widened once for the group ([`rows`]).
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
@@ -25,6 +27,11 @@ use crate::{Attention, AttentionMetadata, Dims, KernelError, Result};
 /// Queries per work item: bounds the per-item state while amortising each
 /// K/V block load over several queries in prefill.
 const QUERY_TILE: usize = 16;
+
+/// Keys of a decode item at most once its context is split (block-aligned:
+/// a multiple of the block size at or above it); contexts up to twice this
+/// stay whole.
+const SPLIT_KEYS: usize = 512;
 
 /// Below this many multiply-adds a call runs on the calling thread: a
 /// short decode step (small heads, short contexts) is done before the pool
@@ -78,6 +85,15 @@ struct Item {
     row0: usize,
     rows: usize,
     pos0: usize,
+    /// The key positions `keys.0..keys.1` of a split decode context (its
+    /// result left unnormalised for the merge); `(0, usize::MAX)`: all.
+    keys: (usize, usize),
+}
+
+impl Item {
+    fn is_split(&self) -> bool {
+        self.keys != (0, usize::MAX)
+    }
 }
 
 impl PagedAttention<'_> {
@@ -99,16 +115,38 @@ impl PagedAttention<'_> {
         (block as usize * self.dims.block_size * self.dims.num_kv_heads + kv_head) * rl
     }
 
+    /// Keys t0..t1 of the block at position `start` (of `len` keys) that
+    /// the query at `q_pos` of `item` sees: its visible keys inside the
+    /// item's share of them.
+    #[inline(always)]
+    fn item_keys(&self, item: &Item, q_pos: usize, start: usize, len: usize) -> (usize, usize) {
+        let (t0, t1) = self.visible_keys(q_pos, start, len);
+        (t0.max(item.keys.0.saturating_sub(start)), t1.min(item.keys.1.saturating_sub(start)))
+    }
+
+    /// The work items; a split decode context's items are consecutive.
     fn items(&self) -> Vec<Item> {
         let mut items = Vec::new();
+        let chunk = SPLIT_KEYS.next_multiple_of(self.dims.block_size.max(1));
         for s in 0..self.meta.num_seqs() {
             let range = self.meta.query_range(s);
             let first_pos = self.meta.context_lens[s] as usize - range.len();
             for kv_head in 0..self.dims.num_kv_heads {
+                let item = |row0, rows, pos0, keys| Item { seq: s, kv_head, row0, rows, pos0, keys };
+                let (first_key, end) = (self.window_start(first_pos), first_pos + 1);
+                if range.len() == 1 && end - first_key > 2 * chunk {
+                    let mut k = first_key;
+                    while k < end {
+                        let next = ((k / chunk + 1) * chunk).min(end);
+                        items.push(item(range.start, 1, first_pos, (k, next)));
+                        k = next;
+                    }
+                    continue;
+                }
                 let mut i = 0;
                 while i < range.len() {
                     let rows = QUERY_TILE.min(range.len() - i);
-                    items.push(Item { seq: s, kv_head, row0: range.start + i, rows, pos0: first_pos + i });
+                    items.push(item(range.start + i, rows, first_pos + i, (0, usize::MAX)));
                     i += rows;
                 }
             }
@@ -157,8 +195,8 @@ impl PagedAttention<'_> {
         let table = &self.meta.block_tables[item.seq];
         let rl = C::row_len(hd);
         let row_stride = d.num_kv_heads * rl;
-        let last_block = last_pos / bs;
-        let first_block = self.window_start(item.pos0) / bs;
+        let last_block = last_pos.min(item.keys.1.saturating_sub(1)) / bs;
+        let first_block = self.window_start(item.pos0).max(item.keys.0) / bs;
         // The pool's blocks lie anywhere and a block's rows for one kv head
         // are `row_stride` apart, which the hardware prefetchers do not
         // follow: the first block's rows are asked for before the queries
@@ -199,7 +237,7 @@ impl PagedAttention<'_> {
         refill(scores, bs * nl, 0.0);
         reserve_len(kb, bs * hd);
         reserve_len(vb, bs * hd);
-        let visible = |r: usize, start: usize, len: usize| self.visible_keys(item.pos0 + r / group, start, len);
+        let visible = |r: usize, start: usize, len: usize| self.item_keys(&item, item.pos0 + r / group, start, len);
         for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(first_block) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
@@ -226,7 +264,9 @@ impl PagedAttention<'_> {
             // `stride` apart, scores len x nl, corr nl.
             unsafe { avx2::accumulate(acc, hd, n, scores, nl, len, vr, stride, corr) };
         }
-        self.normalize(item, n, acc, max, sum);
+        if !item.is_split() {
+            self.normalize(item, n, acc, max, sum);
+        }
     }
 
     /// With `SIMD`, the score and value loops run as the [`simd`] kernels
@@ -265,15 +305,16 @@ impl PagedAttention<'_> {
         reserve_len(kb, bs * hd);
         reserve_len(vb, bs * hd);
         refill(scores, bs, 0.0);
-        let first_key = self.window_start(item.pos0);
-        for (b, &block) in table.iter().enumerate().take(last_pos / bs + 1).skip(first_key / bs) {
+        let first_key = self.window_start(item.pos0).max(item.keys.0);
+        let last_key = last_pos.min(item.keys.1.saturating_sub(1));
+        for (b, &block) in table.iter().enumerate().take(last_key / bs + 1).skip(first_key / bs) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let rl = C::row_len(hd);
             let base = self.head_rows_start(block, item.kv_head, rl);
             let (kr, vr, stride) = block_rows((k, v), base, d.num_kv_heads * rl, hd, len, (kb, vb));
             for r in 0..n {
-                let (t0, t1) = self.visible_keys(item.pos0 + r / group, start, len);
+                let (t0, t1) = self.item_keys(&item, item.pos0 + r / group, start, len);
                 if t0 >= t1 {
                     continue;
                 }
@@ -315,7 +356,9 @@ impl PagedAttention<'_> {
                 }
             }
         }
-        self.normalize(item, n, acc, max, sum);
+        if !item.is_split() {
+            self.normalize(item, n, acc, max, sum);
+        }
     }
 
     /// Divides each (query, head) pair's accumulated values by its softmax
@@ -356,10 +399,26 @@ impl PagedAttention<'_> {
                 * d.head_dim;
         assert_eq!(out.len(), d.num_tokens * d.num_heads * d.head_dim, "checked by the caller");
         let out = OutPtr(out.as_mut_ptr());
+        // A split item's unnormalised result, [group, head_dim] then the
+        // group's maxima and sums, in its own slot.
+        let slot = group * (d.head_dim + 2);
+        let mut partials = vec![0f32; if items.iter().any(Item::is_split) { items.len() * slot } else { 0 }];
+        let parts = OutPtr(partials.as_mut_ptr());
         // Each item owns rows row0..row0 + rows of heads kv_head * group ..
-        // (kv_head + 1) * group: the items write disjoint parts of out.
-        let work = |s: &mut Scratch, item: Item| {
+        // (kv_head + 1) * group, or its slot of partials: the items write
+        // disjoint memory.
+        let work = |s: &mut Scratch, (index, item): (usize, Item)| {
             self.run_item(item, q, k, v, s);
+            if item.is_split() {
+                // SAFETY: slot `index` is inside partials (sized for every
+                // item when any is split) and only this item writes it.
+                let dst = unsafe { std::slice::from_raw_parts_mut(parts.get().add(index * slot), slot) };
+                let (acc, rest) = dst.split_at_mut(group * d.head_dim);
+                acc.copy_from_slice(&s.acc[..group * d.head_dim]);
+                rest[..group].copy_from_slice(&s.max[..group]);
+                rest[group..].copy_from_slice(&s.sum[..group]);
+                return;
+            }
             for i in 0..item.rows {
                 for j in 0..group {
                     let h = item.kv_head * group + j;
@@ -380,9 +439,54 @@ impl PagedAttention<'_> {
         thread_local!(static SCRATCH: std::cell::RefCell<Scratch> = Default::default());
         if items.len() == 1 || macs < SERIAL_MAX_MACS {
             // Short calls (decode of small models): on the calling thread.
-            SCRATCH.with_borrow_mut(|s| items.iter().for_each(|&item| work(s, item)));
+            SCRATCH.with_borrow_mut(|s| items.iter().copied().enumerate().for_each(|it| work(s, it)));
         } else {
-            items.par_iter().for_each(|&item| SCRATCH.with_borrow_mut(|s| work(s, item)));
+            items.par_iter().copied().enumerate().for_each(|it| SCRATCH.with_borrow_mut(|s| work(s, it)));
+        }
+        // SAFETY: the parallel loop is over; nothing else holds `out`.
+        let out = unsafe { std::slice::from_raw_parts_mut(out.get(), d.num_tokens * d.num_heads * d.head_dim) };
+        self.merge_split(&items, &partials, group, out);
+    }
+
+    /// Each split decode context's partial results merged as the online
+    /// softmax would have (every part rescaled to the largest max), then
+    /// normalised (sinks included) into its row of `out`.
+    fn merge_split<T: Elem>(&self, items: &[Item], partials: &[f32], group: usize, out: &mut [T]) {
+        let hd = self.dims.head_dim;
+        let slot = group * (hd + 2);
+        let mut i = 0;
+        while i < items.len() {
+            let first = items[i];
+            if !first.is_split() {
+                i += 1;
+                continue;
+            }
+            let end = i + items[i..].iter().take_while(|it| (it.seq, it.kv_head) == (first.seq, first.kv_head)).count();
+            let part = |p: usize| &partials[p * slot..][..slot];
+            let mut acc = vec![0f32; group * hd];
+            let (mut max, mut sum) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
+            for r in 0..group {
+                max[r] = (i..end).map(|p| part(p)[group * hd + r]).fold(f32::NEG_INFINITY, f32::max);
+                for p in i..end {
+                    let (m, s) = (part(p)[group * hd + r], part(p)[group * hd + group + r]);
+                    if s == 0.0 {
+                        continue;
+                    }
+                    let w = (m - max[r]).exp();
+                    sum[r] += s * w;
+                    for (a, &x) in acc[r * hd..][..hd].iter_mut().zip(&part(p)[r * hd..][..hd]) {
+                        *a += x * w;
+                    }
+                }
+            }
+            self.normalize(first, group, &mut acc, &max, &sum);
+            for j in 0..group {
+                let at = (first.row0 * self.dims.num_heads + first.kv_head * group + j) * hd;
+                for (o, &x) in out[at..at + hd].iter_mut().zip(&acc[j * hd..][..hd]) {
+                    *o = T::from_f32(x);
+                }
+            }
+            i = end;
         }
     }
 }
