@@ -4,7 +4,7 @@
 //! of a block go through an online softmax (running max and sum), so memory
 //! stays O(tile). All query heads of a GQA group share each loaded K/V row.
 //! Work items run on rayon's pool. A long decode context is split into
-//! items of [`SPLIT_KEYS`] keys whose unnormalised results are merged after
+//! items of [`split::SPLIT_KEYS`] keys whose unnormalised results are merged after
 //! (flash-decoding): a batch-1 step of few kv heads keeps every thread busy.
 //! The cache may be narrower than the queries (f16, q8_0): each block's rows
 //! are widened once for the group ([`rows`]).
@@ -20,6 +20,7 @@ mod avx2;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod rows;
+mod split;
 use rows::KvRows;
 
 use crate::{Attention, AttentionMetadata, Dims, KernelError, Result};
@@ -27,11 +28,6 @@ use crate::{Attention, AttentionMetadata, Dims, KernelError, Result};
 /// Queries per work item: bounds the per-item state while amortising each
 /// K/V block load over several queries in prefill.
 const QUERY_TILE: usize = 16;
-
-/// Keys of a decode item at most once its context is split (block-aligned:
-/// a multiple of the block size at or above it); contexts up to twice this
-/// stay whole.
-const SPLIT_KEYS: usize = 512;
 
 /// Below this many multiply-adds a call runs on the calling thread: a
 /// short decode step (small heads, short contexts) is done before the pool
@@ -127,20 +123,14 @@ impl PagedAttention<'_> {
     /// The work items; a split decode context's items are consecutive.
     fn items(&self) -> Vec<Item> {
         let mut items = Vec::new();
-        let chunk = SPLIT_KEYS.next_multiple_of(self.dims.block_size.max(1));
         for s in 0..self.meta.num_seqs() {
             let range = self.meta.query_range(s);
             let first_pos = self.meta.context_lens[s] as usize - range.len();
             for kv_head in 0..self.dims.num_kv_heads {
                 let item = |row0, rows, pos0, keys| Item { seq: s, kv_head, row0, rows, pos0, keys };
-                let (first_key, end) = (self.window_start(first_pos), first_pos + 1);
-                if range.len() == 1 && end - first_key > 2 * chunk {
-                    let mut k = first_key;
-                    while k < end {
-                        let next = ((k / chunk + 1) * chunk).min(end);
-                        items.push(item(range.start, 1, first_pos, (k, next)));
-                        k = next;
-                    }
+                if range.len() == 1
+                    && self.split_decode(first_pos, &mut |keys| items.push(item(range.start, 1, first_pos, keys)))
+                {
                     continue;
                 }
                 let mut i = 0;
@@ -446,48 +436,6 @@ impl PagedAttention<'_> {
         // SAFETY: the parallel loop is over; nothing else holds `out`.
         let out = unsafe { std::slice::from_raw_parts_mut(out.get(), d.num_tokens * d.num_heads * d.head_dim) };
         self.merge_split(&items, &partials, group, out);
-    }
-
-    /// Each split decode context's partial results merged as the online
-    /// softmax would have (every part rescaled to the largest max), then
-    /// normalised (sinks included) into its row of `out`.
-    fn merge_split<T: Elem>(&self, items: &[Item], partials: &[f32], group: usize, out: &mut [T]) {
-        let hd = self.dims.head_dim;
-        let slot = group * (hd + 2);
-        let mut i = 0;
-        while i < items.len() {
-            let first = items[i];
-            if !first.is_split() {
-                i += 1;
-                continue;
-            }
-            let end = i + items[i..].iter().take_while(|it| (it.seq, it.kv_head) == (first.seq, first.kv_head)).count();
-            let part = |p: usize| &partials[p * slot..][..slot];
-            let mut acc = vec![0f32; group * hd];
-            let (mut max, mut sum) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
-            for r in 0..group {
-                max[r] = (i..end).map(|p| part(p)[group * hd + r]).fold(f32::NEG_INFINITY, f32::max);
-                for p in i..end {
-                    let (m, s) = (part(p)[group * hd + r], part(p)[group * hd + group + r]);
-                    if s == 0.0 {
-                        continue;
-                    }
-                    let w = (m - max[r]).exp();
-                    sum[r] += s * w;
-                    for (a, &x) in acc[r * hd..][..hd].iter_mut().zip(&part(p)[r * hd..][..hd]) {
-                        *a += x * w;
-                    }
-                }
-            }
-            self.normalize(first, group, &mut acc, &max, &sum);
-            for j in 0..group {
-                let at = (first.row0 * self.dims.num_heads + first.kv_head * group + j) * hd;
-                for (o, &x) in out[at..at + hd].iter_mut().zip(&acc[j * hd..][..hd]) {
-                    *o = T::from_f32(x);
-                }
-            }
-            i = end;
-        }
     }
 }
 
