@@ -36,6 +36,9 @@ const PREFILL_ROWS: usize = 16;
 pub const ATTENTION_THREADS: usize = 128;
 /// Most threads per threadgroup of the cache write (one token per group).
 const CACHE_WRITE_THREADS: usize = 256;
+/// Bytes of the attention kernels' parameter structs at most (`DecodeParams`:
+/// 6 words, the scale and `has_sinks`).
+const PARAMS_BYTES: usize = 32;
 /// Alignment of each region inside an upload or the scratch buffer.
 const REGION_ALIGN: usize = 16;
 
@@ -437,10 +440,14 @@ impl AttentionPlan {
         let d = &self.dims;
         // The kernels read the sinks only under has_sinks; q stands in.
         let sinks = b.sinks.unwrap_or(b.q);
+        // The params with `has_sinks` after them, on the stack (the encode
+        // runs for every layer of every step).
+        let has_sinks = u32::from(b.sinks.is_some()).to_le_bytes();
         let with_sinks = |params: &[u8]| {
-            let mut p = params.to_vec();
-            p.extend(u32::from(b.sinks.is_some()).to_le_bytes());
-            p
+            let mut p = [0u8; PARAMS_BYTES];
+            p[..params.len()].copy_from_slice(params);
+            p[params.len()..params.len() + 4].copy_from_slice(&has_sinks);
+            (p, params.len() + 4)
         };
         let meta = |offset| At { buffer: b.meta, offset };
         let bind_common = |enc: &mut E| {
@@ -471,7 +478,8 @@ impl AttentionPlan {
             bind(enc, 8, part(plan.scratch.acc), Access::Write);
             bind(enc, 9, part(plan.scratch.max), Access::Write);
             bind(enc, 10, part(plan.scratch.sum), Access::Write);
-            enc.set_bytes(11, &with_sinks(&plan.params));
+            let (p, n) = with_sinks(&plan.params);
+            enc.set_bytes(11, &p[..n]);
             bind(enc, 12, sinks, Access::Read);
             enc.dispatch(decode_grid(plan), threads);
         }
@@ -481,7 +489,8 @@ impl AttentionPlan {
             bind_common(enc);
             bind(enc, 6, meta(self.layout.items), Access::Read);
             bind(enc, 7, b.out, Access::Write);
-            enc.set_bytes(8, &with_sinks(&plan.params));
+            let (p, n) = with_sinks(&plan.params);
+            enc.set_bytes(8, &p[..n]);
             bind(enc, 9, sinks, Access::Read);
             enc.dispatch([plan.items, d.num_kv_heads, 1], threads);
         }
@@ -498,7 +507,8 @@ impl AttentionPlan {
                     bind(enc, 4, meta(self.layout.context_lens), Access::Read);
                     bind(enc, 5, meta(self.layout.decode_seqs), Access::Read);
                     bind(enc, 6, b.out, Access::Write);
-                    enc.set_bytes(7, &with_sinks(&plan.params));
+                    let (p, n) = with_sinks(&plan.params);
+                    enc.set_bytes(7, &p[..n]);
                     bind(enc, 8, sinks, Access::Read);
                     enc.dispatch([d.num_heads, plan.seqs, 1], threads);
                 }
@@ -511,7 +521,8 @@ impl AttentionPlan {
                 for index in 7..=10 {
                     bind(enc, index, b.out, Access::Write);
                 }
-                enc.set_bytes(11, &with_sinks(&plan.params));
+                let (p, n) = with_sinks(&plan.params);
+                enc.set_bytes(11, &p[..n]);
                 bind(enc, 12, sinks, Access::Read);
                 enc.dispatch(decode_grid(plan), threads);
             }

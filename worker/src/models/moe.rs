@@ -318,19 +318,7 @@ fn mxfp4_experts(cfg: &ModelConfig, vb: VarBuilder) -> Result<Vec<Mlp>> {
         return Err(WorkerError::Unsupported(format!("MXFP4 experts of {h} x {i}: not whole blocks of 32")));
     }
     // All the experts' blocks of a projection, row after row.
-    let blocks = |name: &str, rows: usize, inp: usize| -> Result<Vec<BlockMxfp4>> {
-        let kb = inp / QK_MXFP4;
-        let bytes = |suffix: &str, shape: &[usize]| -> Result<Vec<u8>> {
-            let t = vb.get_with_hints_dtype(shape, &format!("{name}_{suffix}"), Default::default(), DType::U8)?;
-            Ok(t.flatten_all()?.to_vec1::<u8>()?)
-        };
-        let (codes, scales) = (bytes("blocks", &[e, rows, kb, 16])?, bytes("scales", &[e, rows, kb])?);
-        Ok(scales
-            .iter()
-            .zip(codes.chunks_exact(QK_MXFP4 / 2))
-            .map(|(&s, c)| BlockMxfp4::from_hf(s, c.try_into().expect("chunks of 16")))
-            .collect())
-    };
+    let blocks = |name: &str, rows: usize, inp: usize| hf_mxfp4_blocks(&vb, name, (e, rows, inp));
     let (gate_up, down) = (blocks("gate_up_proj", 2 * i, h)?, blocks("down_proj", h, i)?);
     let gate_up_bias = vb.get((e, 2 * i), "gate_up_proj_bias")?;
     let down_bias = vb.get((e, h), "down_proj_bias")?;
@@ -361,6 +349,28 @@ fn mxfp4_experts(cfg: &ModelConfig, vb: VarBuilder) -> Result<Vec<Mlp>> {
             Mlp::from_linears(cfg.activation, [gate, up], down)
         })
         .collect()
+}
+
+/// A projection of gpt-oss's published MXFP4 experts as GGML's blocks:
+/// `{name}_blocks` `[experts, rows, cols / 32, 16]` (Hugging Face's nibble
+/// order) and `{name}_scales` `[experts, rows, cols / 32]`, every expert's
+/// rows in order, each row's blocks in order.
+pub fn hf_mxfp4_blocks(
+    vb: &VarBuilder,
+    name: &str,
+    (experts, rows, cols): (usize, usize, usize),
+) -> Result<Vec<BlockMxfp4>> {
+    let kb = cols / QK_MXFP4;
+    let bytes = |suffix: &str, shape: &[usize]| -> Result<Vec<u8>> {
+        let t = vb.get_with_hints_dtype(shape, &format!("{name}_{suffix}"), Default::default(), DType::U8)?;
+        Ok(t.flatten_all()?.to_vec1::<u8>()?)
+    };
+    let (codes, scales) = (bytes("blocks", &[experts, rows, kb, 16])?, bytes("scales", &[experts, rows, kb])?);
+    Ok(scales
+        .iter()
+        .zip(codes.chunks_exact(QK_MXFP4 / 2))
+        .map(|(&s, c)| BlockMxfp4::from_hf(s, c.try_into().expect("chunks of 16")))
+        .collect())
 }
 
 /// Each row's kept experts and weights from its router logits, as

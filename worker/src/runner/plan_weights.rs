@@ -386,25 +386,18 @@ fn gpt_oss_experts(
     if !vb.contains_tensor("gate_up_proj_blocks") {
         return Ok(None);
     }
-    use kernels::cpu::quant::{BlockMxfp4, QK_MXFP4};
+    use kernels::cpu::quant::QK_MXFP4;
     if !h.is_multiple_of(QK_MXFP4) || !i.is_multiple_of(QK_MXFP4) {
         return Err(WorkerError::Unsupported(format!("MXFP4 experts of {h} x {i}: not whole blocks of 32")));
     }
     // Each row's GGML blocks (the exponent, then the codes), rows in `order`.
     let blocks = |name: &str, rows: usize, cols: usize, order: &dyn Fn(usize) -> usize| -> Result<Vec<u8>> {
+        let all = crate::models::moe::hf_mxfp4_blocks(&vb, name, (e, rows, cols))?;
         let kb = cols / QK_MXFP4;
-        let u8s = |suffix: &str, shape: &[usize]| -> Result<Vec<u8>> {
-            let t = vb.get_with_hints_dtype(shape, &format!("{name}_{suffix}"), Default::default(), DType::U8)?;
-            Ok(t.flatten_all()?.to_vec1::<u8>()?)
-        };
-        let (codes, scales) = (u8s("blocks", &[e, rows, kb, 16])?, u8s("scales", &[e, rows, kb])?);
-        let mut out = Vec::with_capacity(e * rows * kb * 17);
+        let mut out = Vec::with_capacity(all.len() * 17);
         for x in 0..e {
             for r in 0..rows {
-                let row = x * rows + order(r);
-                for b in 0..kb {
-                    let packed = codes[(row * kb + b) * 16..][..16].try_into().expect("16 bytes a block");
-                    let block = BlockMxfp4::from_hf(scales[row * kb + b], packed);
+                for block in &all[(x * rows + order(r)) * kb..][..kb] {
                     out.push(block.e);
                     out.extend(block.qs);
                 }
