@@ -117,7 +117,7 @@ fn a_restarted_coordinator_keeps_caches_and_answers_and_cut_streams_say_so() {
     let dir = TempDir::new("restart");
     let (http, quic) = (free_port(), free_udp_port());
     let (coordinator, log) = start_coordinator(http, quic, &dir);
-    let (_later, _first, stage_log) = start_pipeline(quic, &dir);
+    let (later, _first, stage_log) = start_pipeline(quic, &dir);
     wait_healthy(http, &stage_log, Duration::from_secs(120));
     let completions = format!("http://127.0.0.1:{http}/v1/completions");
 
@@ -142,17 +142,30 @@ fn a_restarted_coordinator_keeps_caches_and_answers_and_cut_streams_say_so() {
     assert_eq!(status, 200, "{before}");
 
     // SIGTERM mid-stream: the stream ends with an error event, then [DONE].
+    // The later stage is frozen once the first token is out, so the stream
+    // is surely still running when the signal lands (a fast machine finishes
+    // 400 tokens of this model in well under 100 ms).
     let stream_url = completions.clone();
+    let (first_token, started) = std::sync::mpsc::channel();
     let streaming = std::thread::spawn(move || {
         let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": true,
                           "stream": true});
         let resp = ureq::post(&stream_url).send_json(body).expect("a stream");
-        std::io::BufReader::new(resp.into_reader()).lines().map_while(Result::ok).collect::<Vec<String>>()
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(resp.into_reader()).lines().map_while(Result::ok) {
+            if line.starts_with("data: ") {
+                let _ = first_token.send(());
+            }
+            lines.push(line);
+        }
+        lines
     });
-    std::thread::sleep(Duration::from_millis(100));
+    started.recv_timeout(Duration::from_secs(30)).expect("the stream's first token");
+    tinyvllm_tests::signal(later.0.id(), "-STOP");
     let stopped = Instant::now();
     tinyvllm_tests::signal(coordinator.0.id(), "-TERM");
     let lines = streaming.join().expect("the stream");
+    tinyvllm_tests::signal(later.0.id(), "-CONT");
     let data: Vec<&str> = lines.iter().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(data.last(), Some(&"[DONE]"), "{lines:?}");
     let error: Value = serde_json::from_str(data[data.len() - 2]).expect("an event");
