@@ -12,7 +12,12 @@ pub enum KvEvent {
     Stored { hash: BlockHash, parent: Option<BlockHash> },
     /// The block with `hash` was evicted and its KV overwritten.
     Removed { hash: BlockHash },
-    /// Every cached block was dropped.
+    /// The block with `hash` is in the worker's second tier (host memory or
+    /// disk): a hit there is copied back rather than recomputed.
+    Offloaded { hash: BlockHash, parent: Option<BlockHash> },
+    /// The second tier dropped the block with `hash`.
+    OffloadRemoved { hash: BlockHash },
+    /// Every cached block was dropped, in both tiers.
     Cleared,
 }
 

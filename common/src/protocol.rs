@@ -10,7 +10,7 @@ pub use crate::sampling::TokenLogprobs;
 use crate::{KvEventRecord, RequestId, SamplingParams, WorkerId};
 
 /// Bumped on any incompatible change of the messages below or of the block hash.
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// Largest frame payload either side accepts (a 128k-token prompt is ~0.5 MB).
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
@@ -338,6 +338,8 @@ pub enum WorkerMessage {
     KvSnapshot {
         last_event_id: Option<u64>,
         hashes: Vec<(crate::BlockHash, Option<crate::BlockHash>)>,
+        /// Those its second tier holds (host memory or disk).
+        offloaded: Vec<crate::BlockHash>,
     },
 }
 

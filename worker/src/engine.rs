@@ -228,6 +228,7 @@ impl Engine {
             sliding_window: if draft.is_some() { None } else { cfg.uniform_window() },
             // One step in flight until a next stage is attached.
             micro_batches: 1,
+            tier_blocks: 0,
         });
         let vocabulary = match &files.tokenizer_json {
             Some(path) => Vocabulary::TokenizerJson(path.clone()),
@@ -424,6 +425,11 @@ impl Engine {
     /// The prefix cache's content, for a router that missed events.
     pub fn kv_snapshot(&self) -> (Option<u64>, Vec<(common::BlockHash, Option<common::BlockHash>)>) {
         self.scheduler.kv_cache_manager().kv_snapshot()
+    }
+
+    /// Every block hash the second tier holds.
+    pub fn tier_snapshot(&self) -> Vec<common::BlockHash> {
+        self.scheduler.kv_cache_manager().tier_snapshot().into_iter().map(|(hash, _)| hash).collect()
     }
 
     /// One step: computes the scheduled tokens of all running requests in

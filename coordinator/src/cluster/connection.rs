@@ -341,8 +341,13 @@ impl Cluster {
                     }
                 }
             }
-            WorkerMessage::KvSnapshot { last_event_id, hashes } => {
-                state.router.apply_kv_snapshot(worker, last_event_id, hashes.into_iter().map(|(hash, _)| hash));
+            WorkerMessage::KvSnapshot { last_event_id, hashes, offloaded } => {
+                state.router.apply_kv_snapshot(
+                    worker,
+                    last_event_id,
+                    hashes.into_iter().map(|(hash, _)| hash),
+                    offloaded,
+                );
             }
         }
     }

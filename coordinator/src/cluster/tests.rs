@@ -108,7 +108,10 @@ fn scoring_requests_are_routed_without_expecting_cache_hits() {
     let prompt: Vec<u32> = (0..40).collect();
     let chain = common::hash_prompt_blocks(&prompt, 16);
     let hashes = chain.iter().map(|&h| (h, None)).collect();
-    cluster.on_worker_message(WorkerId(1), WorkerMessage::KvSnapshot { last_event_id: None, hashes });
+    cluster.on_worker_message(
+        WorkerId(1),
+        WorkerMessage::KvSnapshot { last_event_id: None, hashes, offloaded: Vec::new() },
+    );
     let predicted = || cluster.metrics.predicted_cached_tokens.with_label_values(&["w1"]).get();
     let (_, worker, _) = cluster.submit(prompt.clone(), SamplingParams::greedy(4), 0).expect("submitted");
     assert_eq!((worker, predicted()), (WorkerId(1), 32), "a plain request goes where its 2 blocks are");

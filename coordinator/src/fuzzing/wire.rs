@@ -125,11 +125,14 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
                 event: KvEvent::Stored { hash: BlockHash(7), parent: Some(BlockHash(0xdead_beef)) },
             },
             KvEventRecord { id: 3, event: KvEvent::Removed { hash: BlockHash(7) } },
-            KvEventRecord { id: 4, event: KvEvent::Cleared },
+            KvEventRecord { id: 4, event: KvEvent::Offloaded { hash: BlockHash(8), parent: None } },
+            KvEventRecord { id: 5, event: KvEvent::OffloadRemoved { hash: BlockHash(8) } },
+            KvEventRecord { id: 6, event: KvEvent::Cleared },
         ]),
         WorkerMessage::KvSnapshot {
-            last_event_id: Some(4),
+            last_event_id: Some(6),
             hashes: vec![(BlockHash(1), None), (BlockHash(2), Some(BlockHash(1)))],
+            offloaded: vec![BlockHash(3)],
         },
     ];
     let handshake = Handshake {

@@ -102,8 +102,9 @@ impl Router {
         worker: WorkerId,
         last_event_id: Option<u64>,
         hashes: impl IntoIterator<Item = BlockHash>,
+        offloaded: impl IntoIterator<Item = BlockHash>,
     ) {
-        self.index.apply_snapshot(worker, last_event_id, hashes);
+        self.index.apply_snapshot(worker, last_event_id, hashes, offloaded);
     }
 
     pub fn on_stats(&mut self, worker: WorkerId, stats: &WorkerStats) {
@@ -122,7 +123,12 @@ impl Router {
     pub fn route(&mut self, prompt_len: usize, chain: &[BlockHash], eligible: &[WorkerId]) -> Option<Decision> {
         self.candidates.clear();
         for &worker in eligible {
-            self.candidates.push(Candidate { worker, cached_blocks: 0, load: self.ledger.load(worker) });
+            self.candidates.push(Candidate {
+                worker,
+                cached_blocks: 0,
+                restore_blocks: 0,
+                load: self.ledger.load(worker),
+            });
         }
         if self.candidates.is_empty() {
             return None;
@@ -133,9 +139,10 @@ impl Router {
         let chain = &chain[..usable];
         if self.policy == Policy::PrefixAware {
             let candidates = &mut self.candidates;
-            self.index.overlaps(chain, |worker, blocks| {
+            self.index.overlaps(chain, |worker, blocks, restored| {
                 if let Ok(i) = candidates.binary_search_by_key(&worker, |c| c.worker) {
                     candidates[i].cached_blocks = blocks;
+                    candidates[i].restore_blocks = restored;
                 }
             });
         }

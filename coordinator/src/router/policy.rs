@@ -47,7 +47,10 @@ impl std::fmt::Display for Policy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Candidate {
     pub worker: WorkerId,
-    /// Leading blocks of the prompt the worker holds in its prefix cache.
+    /// Leading blocks of the prompt the worker holds in its prefix cache
+    /// (either tier).
     pub cached_blocks: usize,
+    /// How many of those only its second tier holds: each is copied back.
+    pub restore_blocks: usize,
     pub load: WorkerLoad,
 }

@@ -3,9 +3,12 @@
 //! weighted separately):
 //!
 //! ```text
-//! cost = NEW_PREFILL_WEIGHT * new_prefill_blocks + pending_prefill_blocks + active_blocks
+//! cost = NEW_PREFILL_WEIGHT * (new_prefill_blocks + RESTORE_COST * restore_blocks)
+//!        + pending_prefill_blocks + active_blocks
 //! ```
 //!
+//! - `restore_blocks`: blocks of the overlap that only the worker's second
+//!   tier holds (host memory or disk): a hit, but one copied back first;
 //! - `new_prefill_blocks`: blocks of this prompt the worker neither holds
 //!   nor is computing for an earlier request (prompt blocks minus overlap):
 //!   what this request would add to the cluster's compute;
@@ -26,6 +29,12 @@ use super::policy::Candidate;
 
 pub const NEW_PREFILL_WEIGHT: f64 = 2.0;
 
+/// A block copied back from a second tier, in blocks of prefill: a copy
+/// from host memory or an SSD of a block's KV takes a few percent of
+/// computing it (docs/kv-tier.md measures it); 0.1 keeps a pool hit ahead
+/// of a tier hit, and any hit far ahead of recomputing.
+pub const RESTORE_COST: f64 = 0.1;
+
 pub fn choose(candidates: &[Candidate], prompt_blocks: usize, block_size: usize) -> Option<usize> {
     candidates
         .iter()
@@ -37,6 +46,7 @@ pub fn choose(candidates: &[Candidate], prompt_blocks: usize, block_size: usize)
 
 pub fn cost(c: &Candidate, prompt_blocks: usize, block_size: usize) -> f64 {
     let new_prefill = prompt_blocks.saturating_sub(c.cached_blocks) as f64;
+    let restore = RESTORE_COST * c.restore_blocks as f64;
     let pending_prefill = c.load.pending_prefill_tokens.div_ceil(block_size.max(1) as u64) as f64;
-    NEW_PREFILL_WEIGHT * new_prefill + pending_prefill + c.load.active_blocks as f64
+    NEW_PREFILL_WEIGHT * (new_prefill + restore) + pending_prefill + c.load.active_blocks as f64
 }

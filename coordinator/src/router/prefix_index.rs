@@ -41,6 +41,8 @@ struct WorkerBlocks {
     /// Dense index into the per-call overlap scratch.
     slot: usize,
     hashes: HashSetU64<BlockHash>,
+    /// Blocks in its second tier: reusable, at the cost of a copy back.
+    offloaded: HashSetU64<BlockHash>,
     last_event_id: Option<u64>,
     awaiting_snapshot: bool,
 }
@@ -48,13 +50,17 @@ struct WorkerBlocks {
 #[derive(Default)]
 pub struct PrefixIndex {
     holders: U64Map<BlockHash, Vec<usize>>,
+    /// The same for the workers' second tiers.
+    tier_holders: U64Map<BlockHash, Vec<usize>>,
     /// Blocks of in-flight requests, by worker slot, with a count of the
     /// requests claiming each.
     pending: U64Map<BlockHash, Vec<(usize, u32)>>,
     workers: U64Map<WorkerId, WorkerBlocks>,
     slot_owner: Vec<Option<WorkerId>>,
-    /// Reused by `overlaps` so a routing decision allocates nothing.
+    /// Reused by `overlaps` so a routing decision allocates nothing: each
+    /// slot's leading blocks, and how many of them only its tier holds.
     scratch: Vec<usize>,
+    restore_scratch: Vec<usize>,
 }
 
 impl PrefixIndex {
@@ -68,13 +74,20 @@ impl PrefixIndex {
             None => {
                 self.slot_owner.push(None);
                 self.scratch.push(0);
+                self.restore_scratch.push(0);
                 self.slot_owner.len() - 1
             }
         };
         self.slot_owner[slot] = Some(worker);
         self.workers.insert(
             worker,
-            WorkerBlocks { slot, hashes: HashSetU64::default(), last_event_id: None, awaiting_snapshot: true },
+            WorkerBlocks {
+                slot,
+                hashes: HashSetU64::default(),
+                offloaded: HashSetU64::default(),
+                last_event_id: None,
+                awaiting_snapshot: true,
+            },
         );
     }
 
@@ -83,6 +96,9 @@ impl PrefixIndex {
         let Some(w) = self.workers.remove(&worker) else { return };
         for hash in &w.hashes {
             Self::drop_holder(&mut self.holders, *hash, w.slot);
+        }
+        for hash in &w.offloaded {
+            Self::drop_holder(&mut self.tier_holders, *hash, w.slot);
         }
         self.pending.retain(|_, slots| {
             slots.retain(|&(slot, _)| slot != w.slot);
@@ -147,9 +163,22 @@ impl PrefixIndex {
                         Self::drop_holder(&mut self.holders, hash, w.slot);
                     }
                 }
+                KvEvent::Offloaded { hash, .. } => {
+                    if w.offloaded.insert(hash) {
+                        self.tier_holders.entry(hash).or_default().push(w.slot);
+                    }
+                }
+                KvEvent::OffloadRemoved { hash } => {
+                    if w.offloaded.remove(&hash) {
+                        Self::drop_holder(&mut self.tier_holders, hash, w.slot);
+                    }
+                }
                 KvEvent::Cleared => {
                     for hash in w.hashes.drain() {
                         Self::drop_holder(&mut self.holders, hash, w.slot);
+                    }
+                    for hash in w.offloaded.drain() {
+                        Self::drop_holder(&mut self.tier_holders, hash, w.slot);
                     }
                 }
             }
@@ -158,30 +187,43 @@ impl PrefixIndex {
     }
 
     /// Replaces a worker's entries with a full snapshot taken after event
-    /// `last_event_id` (`None`: before its first event).
+    /// `last_event_id` (`None`: before its first event): `hashes` in its
+    /// KV pool, `offloaded` in its second tier.
     pub fn apply_snapshot(
         &mut self,
         worker: WorkerId,
         last_event_id: Option<u64>,
         hashes: impl IntoIterator<Item = BlockHash>,
+        offloaded: impl IntoIterator<Item = BlockHash>,
     ) {
         let Some(w) = self.workers.get_mut(&worker) else { return };
         for hash in w.hashes.drain() {
             Self::drop_holder(&mut self.holders, hash, w.slot);
+        }
+        for hash in w.offloaded.drain() {
+            Self::drop_holder(&mut self.tier_holders, hash, w.slot);
         }
         for hash in hashes {
             if w.hashes.insert(hash) {
                 self.holders.entry(hash).or_default().push(w.slot);
             }
         }
+        for hash in offloaded {
+            if w.offloaded.insert(hash) {
+                self.tier_holders.entry(hash).or_default().push(w.slot);
+            }
+        }
         w.last_event_id = last_event_id;
         w.awaiting_snapshot = false;
     }
 
-    /// Calls `f(worker, blocks)` for every worker holding at least the first
-    /// block of `chain`, with the number of leading blocks it holds.
-    pub fn overlaps(&mut self, chain: &[BlockHash], mut f: impl FnMut(WorkerId, usize)) {
+    /// Calls `f(worker, blocks, restored)` for every worker holding at
+    /// least the first block of `chain`, with the number of leading blocks
+    /// it holds in either tier, and how many of those only its second tier
+    /// holds (a copy back each, rather than a free hit).
+    pub fn overlaps(&mut self, chain: &[BlockHash], mut f: impl FnMut(WorkerId, usize, usize)) {
         self.scratch.iter_mut().for_each(|n| *n = 0);
+        self.restore_scratch.iter_mut().for_each(|n| *n = 0);
         let mut reached = 0;
         for (i, hash) in chain.iter().enumerate() {
             let cached = self.holders.get(hash).map_or(&[][..], Vec::as_slice);
@@ -190,6 +232,13 @@ impl PrefixIndex {
             for slot in cached.iter().copied().chain(pending.iter().map(|&(slot, _)| slot)) {
                 if self.scratch[slot] == i {
                     self.scratch[slot] = i + 1;
+                    advanced = true;
+                }
+            }
+            for &slot in self.tier_holders.get(hash).map_or(&[][..], Vec::as_slice) {
+                if self.scratch[slot] == i {
+                    self.scratch[slot] = i + 1;
+                    self.restore_scratch[slot] += 1;
                     advanced = true;
                 }
             }
@@ -203,19 +252,20 @@ impl PrefixIndex {
         }
         for (slot, &blocks) in self.scratch.iter().enumerate() {
             if let (true, Some(worker)) = (blocks > 0, self.slot_owner[slot]) {
-                f(worker, blocks);
+                f(worker, blocks, self.restore_scratch[slot]);
             }
         }
     }
 
-    /// The number of leading blocks of `chain` that `worker` holds (or is
-    /// computing for a request in flight).
+    /// The number of leading blocks of `chain` that `worker` holds in
+    /// either tier (or is computing for a request in flight).
     pub fn overlap(&self, worker: WorkerId, chain: &[BlockHash]) -> usize {
         let Some(slot) = self.workers.get(&worker).map(|w| w.slot) else { return 0 };
         chain
             .iter()
             .take_while(|hash| {
                 self.holders.get(hash).is_some_and(|slots| slots.contains(&slot))
+                    || self.tier_holders.get(hash).is_some_and(|slots| slots.contains(&slot))
                     || self.pending.get(hash).is_some_and(|slots| slots.iter().any(|&(s, _)| s == slot))
             })
             .count()
@@ -262,5 +312,18 @@ impl PrefixIndex {
         }
         let total: usize = self.workers.values().map(|w| w.hashes.len()).sum();
         assert_eq!(counted, total, "holder entries vs per-worker sets");
+        let mut counted = 0;
+        for (hash, slots) in &self.tier_holders {
+            for &slot in slots {
+                let worker = self.slot_owner[slot].expect("holder slot has an owner");
+                assert!(
+                    self.workers[&worker].offloaded.contains(hash),
+                    "worker {worker} listed in a tier for {hash:?}"
+                );
+                counted += 1;
+            }
+        }
+        let total: usize = self.workers.values().map(|w| w.offloaded.len()).sum();
+        assert_eq!(counted, total, "tier holder entries vs per-worker sets");
     }
 }

@@ -18,7 +18,7 @@ fn stored(id: u64, hash: BlockHash, parent: Option<BlockHash>) -> KvEventRecord 
 fn hold(router: &mut Router, worker: u64, prompt: &[u32], blocks: usize) {
     let chain = hash_prompt_blocks(prompt, BS);
     let hashes: Vec<_> = chain[..blocks].to_vec();
-    router.apply_kv_snapshot(WorkerId(worker), None, hashes);
+    router.apply_kv_snapshot(WorkerId(worker), None, hashes, []);
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -29,7 +29,7 @@ fn router(policy: Policy, workers: &[u64]) -> Router {
     let mut r = Router::new(policy, BS);
     for &w in workers {
         r.add_worker(WorkerId(w));
-        r.apply_kv_snapshot(WorkerId(w), None, []);
+        r.apply_kv_snapshot(WorkerId(w), None, [], []);
     }
     r
 }
@@ -232,6 +232,7 @@ fn power_of_two_takes_the_lighter_of_its_two_draws() {
     let c = |worker, requests| Candidate {
         worker: WorkerId(worker),
         cached_blocks: 0,
+        restore_blocks: 0,
         load: WorkerLoad { requests, pending_prefill_tokens: 0, active_blocks: 0 },
     };
     let cands = [c(0, 5), c(1, 1), c(2, 3), c(3, 0)];
@@ -267,7 +268,7 @@ fn events_are_ignored_until_the_first_snapshot() {
     assert!(index.is_awaiting_snapshot(WorkerId(0)));
     index.apply_events(WorkerId(0), &[stored(4, BlockHash(1), None)]);
     assert!(index.worker_hashes(WorkerId(0)).expect("worker").is_empty());
-    index.apply_snapshot(WorkerId(0), Some(4), [BlockHash(1)]);
+    index.apply_snapshot(WorkerId(0), Some(4), [BlockHash(1)], []);
     // Id 4 is in the snapshot already; 5 follows it.
     let outcome =
         index.apply_events(WorkerId(0), &[stored(4, BlockHash(1), None), stored(5, BlockHash(2), Some(BlockHash(1)))]);
@@ -280,13 +281,13 @@ fn events_are_ignored_until_the_first_snapshot() {
 fn an_event_gap_asks_for_a_snapshot_once() {
     let mut index = PrefixIndex::default();
     index.add_worker(WorkerId(0));
-    index.apply_snapshot(WorkerId(0), None, []);
+    index.apply_snapshot(WorkerId(0), None, [], []);
     assert_eq!(index.apply_events(WorkerId(0), &[stored(0, BlockHash(1), None)]), EventOutcome::Applied);
     assert_eq!(index.apply_events(WorkerId(0), &[stored(2, BlockHash(3), None)]), EventOutcome::NeedSnapshot);
     // While the snapshot is on its way, nothing is applied or asked again.
     assert_eq!(index.apply_events(WorkerId(0), &[stored(3, BlockHash(4), None)]), EventOutcome::Applied);
     assert_eq!(index.worker_hashes(WorkerId(0)).expect("worker").len(), 1);
-    index.apply_snapshot(WorkerId(0), Some(3), [BlockHash(1), BlockHash(3), BlockHash(4)]);
+    index.apply_snapshot(WorkerId(0), Some(3), [BlockHash(1), BlockHash(3), BlockHash(4)], []);
     assert_eq!(index.worker_hashes(WorkerId(0)).expect("worker").len(), 3);
     index.check_invariants();
 }
@@ -299,8 +300,8 @@ fn overlap_stops_at_the_first_missing_block() {
         index.add_worker(WorkerId(w));
     }
     // Worker 0 holds blocks 0, 1, 3 (2 was evicted); worker 1 holds 0..4.
-    index.apply_snapshot(WorkerId(0), None, [chain[0], chain[1], chain[3]]);
-    index.apply_snapshot(WorkerId(1), None, chain.clone());
+    index.apply_snapshot(WorkerId(0), None, [chain[0], chain[1], chain[3]], []);
+    index.apply_snapshot(WorkerId(1), None, chain.clone(), []);
     assert_eq!(index.overlap(WorkerId(0), &chain), 2);
     assert_eq!(index.overlap(WorkerId(1), &chain), 4);
     index.apply_events(WorkerId(1), &[KvEventRecord { id: 0, event: KvEvent::Removed { hash: chain[0] } }]);
@@ -323,7 +324,7 @@ fn a_lost_worker_takes_its_entries_and_slot_with_it() {
     assert_eq!(r.index().num_hashes(), 0);
     assert_eq!(r.load(WorkerId(0)), WorkerLoad::default());
     r.add_worker(WorkerId(2)); // reuses worker 0's slot
-    r.apply_kv_snapshot(WorkerId(2), None, []);
+    r.apply_kv_snapshot(WorkerId(2), None, [], []);
     assert_eq!(route(&mut r, &p, &[1, 2]), Decision { worker: WorkerId(1), predicted_cached_tokens: 0 });
     r.index().check_invariants();
 }
@@ -364,7 +365,7 @@ proptest! {
         let mut index = PrefixIndex::default();
         index.add_worker(WorkerId(9));
         let (last, hashes) = pool.snapshot();
-        index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h));
+        index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h), []);
         for (i, op) in ops.iter().enumerate() {
             match *op {
                 PoolOp::Run { prefix, blocks } => {
@@ -390,7 +391,7 @@ proptest! {
             }
             if index.apply_events(WorkerId(9), &events) == EventOutcome::NeedSnapshot {
                 let (last, hashes) = pool.snapshot();
-                index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h));
+                index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h), []);
             }
         }
         // One more event, delivered, exposes a trailing gap as any later event would.
@@ -400,11 +401,49 @@ proptest! {
         pool.free(ids.drain(..));
         if index.apply_events(WorkerId(9), &pool.drain_events()) == EventOutcome::NeedSnapshot {
             let (last, hashes) = pool.snapshot();
-            index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h));
+            index.apply_snapshot(WorkerId(9), last, hashes.into_iter().map(|(h, _)| h), []);
         }
         let (_, expected) = pool.snapshot();
         let expected: std::collections::HashSet<BlockHash> = expected.into_iter().map(|(h, _)| h).collect();
         prop_assert_eq!(index.worker_hashes(WorkerId(9)).expect("worker").clone(), expected);
         index.check_invariants();
     }
+}
+
+/// A worker whose second tier holds a prompt's prefix is chosen over one
+/// that holds nothing, and one holding it in its KV pool over both; the
+/// tier's events and snapshot keep the index's view.
+#[test]
+fn tier_hits_count_below_pool_hits_and_above_nothing() {
+    let mut r = Router::new(Policy::PrefixAware, BS);
+    for w in 0..3 {
+        r.add_worker(WorkerId(w));
+        r.apply_kv_snapshot(WorkerId(w), None, [], []);
+    }
+    let prompt: Vec<u32> = (0..200).collect();
+    let chain = r.prompt_chain(&prompt);
+    let offloaded: Vec<KvEventRecord> = chain
+        .iter()
+        .enumerate()
+        .map(|(i, &hash)| KvEventRecord { id: i as u64, event: KvEvent::Offloaded { hash, parent: None } })
+        .collect();
+    r.apply_kv_events(WorkerId(2), &offloaded);
+    let everyone = [WorkerId(0), WorkerId(1), WorkerId(2)];
+    let d = r.route(prompt.len(), &chain, &everyone).unwrap();
+    assert_eq!((d.worker, d.predicted_cached_tokens), (WorkerId(2), 192));
+    r.apply_kv_snapshot(WorkerId(1), Some(0), chain.clone(), []);
+    assert_eq!(r.route(prompt.len(), &chain, &everyone).unwrap().worker, WorkerId(1), "a pool hit is cheaper");
+    // The tier drops its blocks: worker 2 holds nothing any more.
+    let removed: Vec<KvEventRecord> = chain
+        .iter()
+        .enumerate()
+        .map(|(i, &hash)| KvEventRecord { id: (chain.len() + i) as u64, event: KvEvent::OffloadRemoved { hash } })
+        .collect();
+    r.apply_kv_events(WorkerId(2), &removed);
+    assert_eq!(r.index().overlap(WorkerId(2), &chain), 0);
+    r.index().check_invariants();
+    // A snapshot of a restarted worker announces its disk tier.
+    r.apply_kv_snapshot(WorkerId(0), None, [], chain.clone());
+    assert_eq!(r.index().overlap(WorkerId(0), &chain), chain.len());
+    r.index().check_invariants();
 }

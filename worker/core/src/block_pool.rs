@@ -41,6 +41,19 @@ pub struct BlockPool {
     enable_caching: bool,
     events: Vec<KvEventRecord>,
     next_event_id: u64,
+    /// Cache entries evicted since the last `take_evicted`, with the block
+    /// that held them, while a second tier wants them (`record_evictions`).
+    evicted: Option<Vec<EvictedBlock>>,
+}
+
+/// A cache entry the pool evicted, and the block whose contents (until
+/// the step writes it) are that entry's KV.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvictedBlock {
+    pub block: BlockId,
+    pub hash: BlockHash,
+    pub parent: Option<BlockHash>,
+    pub tokens: Vec<u32>,
 }
 
 impl BlockPool {
@@ -57,6 +70,7 @@ impl BlockPool {
             enable_caching,
             events: Vec::new(),
             next_event_id: 0,
+            evicted: None,
         };
         for i in 0..num_blocks as u32 {
             pool.push_free_tail(i);
@@ -98,6 +112,16 @@ impl BlockPool {
             out.push(BlockId(id));
         }
         Some(out)
+    }
+
+    /// Keeps every evicted cache entry for [`take_evicted`](Self::take_evicted).
+    pub fn record_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The entries evicted since the last call, in eviction order.
+    pub fn take_evicted(&mut self) -> Vec<EvictedBlock> {
+        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The cached block for `hash`, if it holds exactly `tokens` after `parent`.
@@ -211,10 +235,20 @@ impl BlockPool {
         if let Some(key) = self.blocks[id as usize].cached.take() {
             self.cache.remove(&key.hash);
             self.emit(KvEvent::Removed { hash: key.hash });
+            if let Some(evicted) = &mut self.evicted {
+                evicted.push(EvictedBlock {
+                    block: BlockId(id),
+                    hash: key.hash,
+                    parent: key.parent,
+                    tokens: key.tokens,
+                });
+            }
         }
     }
 
-    fn emit(&mut self, event: KvEvent) {
+    /// Adds `event` to this pool's numbered stream (the second tier's
+    /// events share it, so a router sees one order).
+    pub fn emit(&mut self, event: KvEvent) {
         self.events.push(KvEventRecord { id: self.next_event_id, event });
         self.next_event_id += 1;
     }

@@ -38,6 +38,9 @@ pub struct SchedulerConfig {
     /// 1/`micro_batches` of the requests, so the rest can make the next one
     /// (1 for a single worker: every step takes every request).
     pub micro_batches: usize,
+    /// Blocks the prefix cache's second tier holds (0: no tier): evicted
+    /// blocks go there, and prompts hitting it copy them back (`kv_tier`).
+    pub tier_blocks: usize,
 }
 
 impl SchedulerConfig {
@@ -55,6 +58,7 @@ impl SchedulerConfig {
             speculative: SpeculativeConfig::default(),
             sliding_window: None,
             micro_batches: 1,
+            tier_blocks: 0,
         }
     }
 }

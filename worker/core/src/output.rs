@@ -8,6 +8,7 @@ use std::ops::Range;
 use common::{BlockId, RequestId};
 
 use crate::kv_cache_manager::PrefixCacheStats;
+use crate::kv_tier::{KvTransfers, TierStats};
 use common::FinishReason;
 
 use crate::request::Request;
@@ -52,6 +53,9 @@ pub struct SchedulerOutput {
     pub scheduled: Vec<ScheduledRequest>,
     pub num_batched_tokens: usize,
     pub preempted: Vec<RequestId>,
+    /// What moves between the KV pool and the second tier before the
+    /// forward pass (empty without a tier).
+    pub kv_transfers: KvTransfers,
 }
 
 /// One type for a token's logprobs and one for a sampled token, from the
@@ -97,6 +101,8 @@ pub struct SchedulerStats {
     /// Blocks holding a reusable prefix, in use or not.
     pub kv_blocks_cached: usize,
     pub prefix_cache: PrefixCacheStats,
+    /// The second tier's counters (zero without one).
+    pub tier: TierStats,
     pub num_preemptions: u64,
     pub spec_decoding: SpecDecodingStats,
 }

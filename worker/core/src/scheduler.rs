@@ -23,6 +23,8 @@
 
 mod in_flight;
 mod schedule;
+#[cfg(test)]
+mod tier_tests;
 mod update;
 
 use std::collections::{BTreeMap, HashMap};
@@ -32,6 +34,7 @@ use common::RequestId;
 use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::error::AddRequestError;
 use crate::kv_cache_manager::KvCacheManager;
+use crate::kv_tier::TierStats;
 use crate::output::{RequestOutput, SchedulerStats};
 use common::FinishReason;
 
@@ -66,7 +69,8 @@ impl Scheduler {
             config.max_model_len = config.max_model_len.min(config.num_blocks * config.block_size);
         }
         let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching)
-            .with_sliding_window(config.sliding_window);
+            .with_sliding_window(config.sliding_window)
+            .with_tier(config.tier_blocks);
         Self {
             config,
             kv,
@@ -151,6 +155,7 @@ impl Scheduler {
             kv_blocks_used: self.kv.num_used_blocks(),
             kv_blocks_cached: self.kv.pool().num_cached(),
             prefix_cache: self.kv.prefix_stats,
+            tier: TierStats { blocks: self.kv.tier().map_or(0, |t| t.len()), ..self.kv.tier_stats },
             num_preemptions: self.num_preemptions,
             spec_decoding: self.spec_stats.clone(),
         }

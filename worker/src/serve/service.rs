@@ -170,7 +170,8 @@ pub fn engine_loop(
                         let _ = out.send(WorkerMessage::KvEvents(events));
                     }
                     let (last_event_id, hashes) = engine.kv_snapshot();
-                    let _ = out.send(WorkerMessage::KvSnapshot { last_event_id, hashes });
+                    let offloaded = engine.tier_snapshot();
+                    let _ = out.send(WorkerMessage::KvSnapshot { last_event_id, hashes, offloaded });
                 }
                 EngineCommand::Drain => {
                     if !draining {

@@ -100,7 +100,7 @@ pub fn simulate(cfg: &SimConfig, policy: Policy) -> SimReport {
     let mut workers: Vec<SimWorker> = (0..cfg.workers)
         .map(|w| {
             router.add_worker(WorkerId(w as u64));
-            router.apply_kv_snapshot(WorkerId(w as u64), None, []);
+            router.apply_kv_snapshot(WorkerId(w as u64), None, [], []);
             SimWorker { pool: BlockPool::new(cfg.kv_blocks, true), free_at: 0.0, prefill_ms: 0.0 }
         })
         .collect();

@@ -17,6 +17,7 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput { step_id: self.next_step_id, ..SchedulerOutput::default() };
         self.next_step_id += 1;
+        self.kv.begin_step();
         let (max_seqs, mut stalled) = (self.step_seq_limit(), false);
         let mut budget = self.config.max_num_batched_tokens;
         let mut logprob_rows = self.config.max_prompt_logprob_rows;
@@ -48,7 +49,7 @@ impl Scheduler {
                 if speculate && remaining == 1 { spec.proposal(req, budget - 1, max_len) } else { Proposal::default() };
             num_new += proposal.tokens.len();
             let mut preempted_self = false;
-            while self.kv.allocate_slots(&self.requests[&id], num_new, &[]).is_none() {
+            while self.kv.allocate_slots(&self.requests[&id], num_new, &[], &[]).is_none() {
                 // Short of blocks: drop the guesses before taking anyone's blocks.
                 if !proposal.tokens.is_empty() {
                     num_new -= proposal.tokens.len();
@@ -76,13 +77,20 @@ impl Scheduler {
         }
 
         // 2. Admit waiting requests, unless this step already had to preempt.
+        // Those whose prefix is being loaded from disk wait for it (passed over).
+        let mut passed_over = 0;
         while out.preempted.is_empty() && !stalled && budget > 0 && out.scheduled.len() < max_seqs {
             if self.running.len() >= self.config.max_num_seqs {
                 break;
             }
-            let Some((&key, &id)) = self.waiting.iter().next() else { break };
+            let Some((&key, &id)) = self.waiting.iter().nth(passed_over) else { break };
             let req = &self.requests[&id];
-            let (hits, num_hit_tokens) = self.kv.get_computed_blocks(req);
+            let prefix = self.kv.get_computed_blocks(req);
+            if prefix.loading {
+                passed_over += 1;
+                continue;
+            }
+            let num_hit_tokens = prefix.num_tokens;
             let mut num_new = (req.num_tokens() - num_hit_tokens).min(budget);
             if req.owes_prompt_logprobs() {
                 num_new = num_new.min(logprob_rows);
@@ -90,14 +98,17 @@ impl Scheduler {
             if num_new == 0 {
                 break; // this step's prompt-logprob rows are spent; it goes first next step
             }
-            if self.kv.allocate_slots(req, num_new, &hits).is_none() {
+            if self.kv.allocate_slots(req, num_new, &prefix.blocks, &prefix.restore).is_none() {
                 break;
             }
             self.waiting.remove(&key);
             // A request that may not read the cache did not query it (as in vLLM).
             if !req.owes_prompt_logprobs() {
                 self.kv.prefix_stats.queries += req.num_tokens() as u64;
-                self.kv.prefix_stats.hits += num_hit_tokens as u64;
+                self.kv.prefix_stats.hits += (prefix.blocks.len() * self.config.block_size) as u64;
+                if self.kv.tier().is_some() {
+                    self.kv.tier_stats.queried_tokens += req.num_tokens() as u64;
+                }
             }
             let req = self.requests.get_mut(&id).expect("waiting request exists");
             req.num_computed_tokens = num_hit_tokens;
@@ -112,6 +123,7 @@ impl Scheduler {
             budget -= num_new;
         }
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
+        out.kv_transfers = self.kv.take_transfers();
         out
     }
 
