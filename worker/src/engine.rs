@@ -9,6 +9,7 @@ mod logprobs;
 mod on_device;
 mod pipelined;
 mod plan;
+mod tier;
 
 use std::borrow::Cow;
 
@@ -69,6 +70,8 @@ pub struct EngineConfig {
     /// The step as one plan of our GPU kernels (`--device metal-emulated`)
     /// instead of candle's ops on `device`.
     pub plan: Option<PlanTarget>,
+    /// The prefix cache's second tier (`--kv-offload-bytes`, `--kv-offload-dir`).
+    pub kv_tier: crate::tier::TierConfig,
 }
 
 impl Default for EngineConfig {
@@ -92,6 +95,7 @@ impl Default for EngineConfig {
             draft_model: None,
             kv_cache_dtype: None,
             plan: None,
+            kv_tier: crate::tier::TierConfig::default(),
         }
     }
 }
@@ -109,6 +113,8 @@ pub struct Engine {
     last_step: StepInfo,
     /// The draft model, when one proposes (`--speculative-method draft`).
     draft: Option<DraftRunner>,
+    /// The second tier's bytes, when one is configured.
+    tier: Option<crate::tier::TierStore>,
 }
 
 /// How a step turns the scheduler's output into sampled tokens. Chosen once:
@@ -211,6 +217,7 @@ impl Engine {
             }
             (None, None) => return Err(WorkerError::Unsupported("no model was loaded for the step".into())),
         };
+        let tier = tier::open(files, &config, layers.is_last(), runner.kv_block_bytes())?;
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -228,7 +235,7 @@ impl Engine {
             sliding_window: if draft.is_some() { None } else { cfg.uniform_window() },
             // One step in flight until a next stage is attached.
             micro_batches: 1,
-            tier_blocks: 0,
+            tier_blocks: tier.as_ref().map_or(0, |(_, blocks, _)| *blocks),
         });
         let vocabulary = match &files.tokenizer_json {
             Some(path) => Vocabulary::TokenizerJson(path.clone()),
@@ -237,7 +244,11 @@ impl Engine {
                 files.name
             )),
         };
-        Ok(Self {
+        let (tier, found) = match tier {
+            Some((store, _, found)) => (Some(store), found),
+            None => (None, Vec::new()),
+        };
+        let mut engine = Self {
             scheduler,
             runner,
             vocab_size: cfg.vocab_size,
@@ -250,7 +261,10 @@ impl Engine {
             grammars: Grammars::new(vocabulary, &files.eos_token_ids, cfg.vocab_size),
             last_step: StepInfo::default(),
             draft,
-        })
+            tier,
+        };
+        engine.adopt_tier_blocks(found);
+        Ok(engine)
     }
 
     /// Queues a request. Fails (and queues nothing) on an empty or too long
@@ -427,11 +441,6 @@ impl Engine {
         self.scheduler.kv_cache_manager().kv_snapshot()
     }
 
-    /// Every block hash the second tier holds.
-    pub fn tier_snapshot(&self) -> Vec<common::BlockHash> {
-        self.scheduler.kv_cache_manager().tier_snapshot().into_iter().map(|(hash, _)| hash).collect()
-    }
-
     /// One step: computes the scheduled tokens of all running requests in
     /// one forward pass and returns each sampling request's new token.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
@@ -475,7 +484,13 @@ impl Engine {
     /// The scheduler's next step with the draft's proposals filled in,
     /// recorded as the last step (single worker and first stage alike).
     fn schedule_step(&mut self) -> Result<SchedulerOutput> {
+        self.poll_tier(false);
         let mut step = self.scheduler.schedule();
+        self.apply_transfers(&step.kv_transfers)?;
+        if step.scheduled.is_empty() {
+            // Requests waiting on disk loads: wait for one rather than spin.
+            self.poll_tier(true);
+        }
         self.propose_drafts(&mut step)?;
         self.last_step.scheduled.clear();
         self.last_step.scheduled.extend(step.scheduled.iter().map(|s| s.id));

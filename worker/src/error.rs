@@ -15,6 +15,9 @@ pub enum WorkerError {
     InvalidRequest { id: common::RequestId, message: String },
     #[error("KV cache: {0}")]
     KvCache(String),
+    /// The KV tier's directory (`--kv-offload-dir`).
+    #[error("KV tier {path}: {error}")]
+    TierDir { path: PathBuf, error: std::io::Error },
     #[error("not supported: {0}")]
     Unsupported(String),
     /// The link to the next pipeline stage is gone: the pipeline must be

@@ -19,6 +19,7 @@ pub mod pipeline;
 pub mod profile;
 pub mod runner;
 pub mod serve;
+pub mod tier;
 
 pub use engine::{Engine, EngineConfig, LogprobsMode};
 pub use error::{Result, WorkerError};

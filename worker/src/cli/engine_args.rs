@@ -12,6 +12,7 @@ use worker::models::{ModelFiles, ModelSource, Need};
 use worker::pipeline::stage::StageConfig;
 use worker::runner::device::{DeviceChoice, PlanTarget};
 use worker::runner::kv_cache::KvBudget;
+use worker::tier::TierConfig;
 use worker::{Engine, EngineConfig, Quantization};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -82,6 +83,16 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// The prefix cache's second tier, in bytes: blocks evicted from the
+    /// KV cache keep their keys and values here and are copied back when a
+    /// prompt reuses them (an agent's history), instead of recomputed. In
+    /// host memory, or in --kv-offload-dir (default there: 8 GiB).
+    #[arg(long)]
+    kv_offload_bytes: Option<u64>,
+    /// Keep the second tier in this directory (an SSD): it outlives the
+    /// worker, and a restarted worker serves and announces what it holds.
+    #[arg(long)]
+    kv_offload_dir: Option<std::path::PathBuf>,
     /// Token budget of one step.
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
@@ -281,6 +292,10 @@ pub fn build_engine_from(
         },
         kv_cache_dtype: args.kv_cache_dtype.format(),
         plan,
+        kv_tier: TierConfig {
+            bytes: args.kv_offload_bytes.unwrap_or(if args.kv_offload_dir.is_some() { 8 << 30 } else { 0 }),
+            dir: args.kv_offload_dir.clone(),
+        },
         ..EngineConfig::default()
     };
     let engine = Engine::new(&files, config).with_context(|| format!("loading {}", files.name))?;

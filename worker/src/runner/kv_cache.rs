@@ -12,7 +12,7 @@
 //! Which block belongs to whom is decided by `engine_core::kv_cache_manager`; this
 //! module only owns memory.
 
-use candle_core::{Device, Tensor};
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Storage, Tensor};
 use kernels::{Attention, AttentionMetadata, CacheWrite, KvCacheDtype};
 
 use crate::error::{Result, WorkerError};
@@ -44,6 +44,95 @@ impl LayerKvCache {
         sinks: Option<&'a [f32]>,
     ) -> Attention<'a> {
         Attention { q, k_cache: &self.k, v_cache: &self.v, meta, scale, sinks }
+    }
+}
+
+impl LayerKvCache {
+    /// Appends block `block`'s K then V, as stored, to `out` (the second
+    /// tier's offload; CPU pools only).
+    pub fn read_block(&self, block: usize, out: &mut Vec<u8>) -> Result<()> {
+        for pool in [&self.k, &self.v] {
+            let (storage, layout) = pool.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else {
+                return Err(WorkerError::Unsupported("the KV tier copies CPU block pools only".into()));
+            };
+            let range = block_range(pool, layout, block)?;
+            match cpu {
+                CpuStorage::F32(d) => out.extend_from_slice(as_bytes(&d[range])),
+                CpuStorage::F16(d) => out.extend_from_slice(as_bytes(&d[range])),
+                CpuStorage::BF16(d) => out.extend_from_slice(as_bytes(&d[range])),
+                CpuStorage::U8(d) => out.extend_from_slice(&d[range]),
+                _ => return Err(WorkerError::KvCache(format!("a {:?} KV pool", pool.dtype()))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `bytes` (K then V, as [`read_block`](Self::read_block) gave
+    /// them) into block `block`: the tier's restore.
+    pub fn write_block(&self, block: usize, bytes: &[u8]) -> Result<()> {
+        let half = bytes.len() / 2;
+        self.k.inplace_op1(&WriteBlock { block, bytes: &bytes[..half] })?;
+        self.v.inplace_op1(&WriteBlock { block, bytes: &bytes[half..] })?;
+        Ok(())
+    }
+}
+
+/// The elements of block `block` of a `[num_blocks, ...]` pool.
+fn block_range(pool: &Tensor, layout: &Layout, block: usize) -> Result<std::ops::Range<usize>> {
+    let per_block = pool.elem_count() / pool.dim(0)?.max(1);
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(WorkerError::KvCache("a KV pool that is not contiguous".into()));
+    };
+    let range = start + block * per_block..start + (block + 1) * per_block;
+    if range.end > end {
+        return Err(WorkerError::KvCache(format!("block {block} past the pool's {} blocks", pool.dim(0)?)));
+    }
+    Ok(range)
+}
+
+fn as_bytes<T: Copy>(values: &[T]) -> &[u8] {
+    // SAFETY: T is a plain float type (f32, f16, bf16): every byte of it
+    // is initialised, and u8 has no alignment to keep.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+fn as_bytes_mut<T: Copy>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; and every bit pattern is a valid f32, f16
+    // or bf16, so any bytes written leave valid values.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+struct WriteBlock<'a> {
+    block: usize,
+    bytes: &'a [u8],
+}
+
+impl InplaceOp1 for WriteBlock<'_> {
+    fn name(&self) -> &'static str {
+        "kv-write-block"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let elems = layout.shape().elem_count();
+        let per_block = elems / layout.dims().first().copied().unwrap_or(1).max(1);
+        let Some((start, end)) = layout.contiguous_offsets() else { candle_core::bail!("a KV pool not contiguous") };
+        let range = start + self.block * per_block..start + (self.block + 1) * per_block;
+        if range.end > end {
+            candle_core::bail!("block {} past the pool", self.block);
+        }
+        let dst = match storage {
+            CpuStorage::F32(d) => as_bytes_mut(&mut d[range]),
+            CpuStorage::F16(d) => as_bytes_mut(&mut d[range]),
+            CpuStorage::BF16(d) => as_bytes_mut(&mut d[range]),
+            CpuStorage::U8(d) => &mut d[range],
+            _ => candle_core::bail!("a KV pool of another dtype"),
+        };
+        if dst.len() != self.bytes.len() {
+            candle_core::bail!("a KV block of {} bytes into one of {}", self.bytes.len(), dst.len());
+        }
+        dst.copy_from_slice(self.bytes);
+        Ok(())
     }
 }
 
@@ -153,6 +242,33 @@ mod tests {
         assert_eq!(bytes_per_block(&cfg, 16, KvCacheDtype::F32), 16 * cfg.kv_bytes_per_token(4) as u64);
         assert_eq!(f16, 2 * f32);
         assert!((q8 as f64 / f32 as f64 - 256.0 / 68.0).abs() < 0.01, "{q8} vs {f32}");
+        Ok(())
+    }
+
+    /// A block read out and written into another block of another pool
+    /// holds the same K and V, in every format.
+    #[test]
+    fn a_block_copied_out_and_back_is_the_same() -> Result<()> {
+        use candle_core::DType;
+        let cfg = common::model::random_preset("smollm-135m").expect("a preset");
+        for format in [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Q8_0] {
+            let cpu = Device::Cpu;
+            let a = allocate(&cfg, 3, 16, format, &cpu)?;
+            let b = allocate(&cfg, 3, 16, format, &cpu)?;
+            let shape = a[0].k.dims().to_vec();
+            let noise = Tensor::rand(0f32, 100f32, shape.as_slice(), &cpu)?.to_dtype(format.storage_dtype())?;
+            a[0].k.slice_set(&noise, 0, 0)?;
+            a[0].v.slice_set(&noise.affine(0.5, 1.0)?, 0, 0)?;
+            let mut bytes = Vec::new();
+            a[0].read_block(1, &mut bytes)?;
+            assert_eq!(bytes.len() as u64, bytes_per_block(&cfg, 16, format) / cfg.num_layers as u64);
+            b[0].write_block(2, &bytes)?;
+            for (x, y) in [(&a[0].k, &b[0].k), (&a[0].v, &b[0].v)] {
+                let (x, y) = (x.narrow(0, 1, 1)?.to_dtype(DType::F32)?, y.narrow(0, 2, 1)?.to_dtype(DType::F32)?);
+                assert_eq!(x.flatten_all()?.to_vec1::<f32>()?, y.flatten_all()?.to_vec1::<f32>()?, "{format}");
+            }
+            assert_eq!(b[0].k.narrow(0, 0, 2)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        }
         Ok(())
     }
 

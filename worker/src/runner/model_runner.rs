@@ -113,6 +113,44 @@ impl ModelRunner {
         }
     }
 
+    /// Bytes of one KV block across this runner's layers, K and V: what
+    /// the second tier keeps per block.
+    pub fn kv_block_bytes(&self) -> usize {
+        match &self.step {
+            Step::Plan(plan) => plan.kv_block_bytes(),
+            Step::Candle { .. } => {
+                let cfg = kv_cache::stage_kv_config(&self.config, self.range);
+                kv_cache::bytes_per_block(&cfg, self.block_size, self.kv_format) as usize
+            }
+        }
+    }
+
+    /// Appends block `block`'s KV, every layer's K and V, to `out`.
+    pub fn read_kv_block(&mut self, block: usize, out: &mut Vec<u8>) -> Result<()> {
+        match &mut self.step {
+            Step::Plan(plan) => plan.read_kv_block(block, out),
+            Step::Candle { kv_caches, .. } => kv_caches.iter().try_for_each(|layer| layer.read_block(block, out)),
+        }
+    }
+
+    /// Writes a block's KV as [`read_kv_block`](Self::read_kv_block) gave it.
+    pub fn write_kv_block(&mut self, block: usize, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != self.kv_block_bytes() {
+            return Err(WorkerError::KvCache(format!(
+                "a KV block of {} bytes, where blocks take {}",
+                bytes.len(),
+                self.kv_block_bytes()
+            )));
+        }
+        match &mut self.step {
+            Step::Plan(plan) => plan.write_kv_block(block, bytes),
+            Step::Candle { kv_caches, .. } => {
+                let per_layer = bytes.len() / kv_caches.len().max(1);
+                kv_caches.iter().zip(bytes.chunks_exact(per_layer)).try_for_each(|(l, b)| l.write_block(block, b))
+            }
+        }
+    }
+
     /// The decoder layers this runner holds.
     pub fn layer_range(&self) -> LayerRange {
         self.range

@@ -38,6 +38,12 @@ pub trait StepExecutor: Send {
     fn count_traffic(&mut self, on: bool) -> bool;
     /// The last step's traffic, while counting.
     fn last_traffic(&self) -> Option<Traffic>;
+    /// Bytes of one KV block across the plan's layers, K and V.
+    fn kv_block_bytes(&self) -> usize;
+    /// Appends block `block`'s KV to `out` (the second tier's offload).
+    fn read_kv_block(&mut self, block: usize, out: &mut Vec<u8>) -> Result<()>;
+    /// Writes a block's KV as `read_kv_block` gave it (a restore).
+    fn write_kv_block(&mut self, block: usize, bytes: &[u8]) -> Result<()>;
 }
 
 /// What one step did to device memory.
@@ -107,6 +113,18 @@ where
 
     fn kv_bytes(&self) -> usize {
         self.plan.kv_bytes()
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.plan.kv_block_bytes()
+    }
+
+    fn read_kv_block(&mut self, block: usize, out: &mut Vec<u8>) -> Result<()> {
+        Ok(self.plan.read_kv_block(&mut self.gpu, block, out)?)
+    }
+
+    fn write_kv_block(&mut self, block: usize, bytes: &[u8]) -> Result<()> {
+        Ok(self.plan.write_kv_block(&mut self.gpu, block, bytes)?)
     }
 }
 

@@ -53,6 +53,7 @@ pub struct EngineMetrics {
     spec_decode_num_accepted_tokens_per_pos: IntCounterVec,
     /// Last cumulative scheduler counters, to turn them into increments.
     last_stats: SchedulerStats,
+    tier: super::tier_metrics::TierMetrics,
 }
 
 impl EngineMetrics {
@@ -129,6 +130,7 @@ impl EngineMetrics {
                 &["position"],
             )
             .expect("valid metric"),
+            tier: super::tier_metrics::TierMetrics::new(&registry),
             registry,
             last_stats: SchedulerStats::default(),
         };
@@ -189,8 +191,10 @@ impl EngineMetrics {
         }
     }
 
-    /// The scheduler's gauges, and its cumulative counters as increments.
-    pub fn observe_stats(&mut self, s: &SchedulerStats) {
+    /// The scheduler's gauges, and its cumulative counters as increments
+    /// (the second tier's with its store's, `store`).
+    pub fn observe_stats(&mut self, s: &SchedulerStats, store: Option<crate::tier::StoreStats>) {
+        self.tier.observe(&s.tier, store);
         self.num_requests_running.set(s.num_running as f64);
         self.num_requests_waiting.set(s.num_waiting as f64);
         let usage = if s.kv_blocks_total == 0 { 0.0 } else { s.kv_blocks_used as f64 / s.kv_blocks_total as f64 };

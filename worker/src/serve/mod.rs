@@ -9,3 +9,4 @@ pub mod metrics;
 pub mod metrics_server;
 pub mod prepare;
 pub mod service;
+mod tier_metrics;

@@ -248,7 +248,7 @@ pub fn engine_loop(
         }
         if let Some(m) = &mut metrics {
             // Cheap (counters only); keeps the gauges fresh at every scrape.
-            m.observe_stats(&engine.stats());
+            m.observe_stats(&engine.stats(), engine.tier_store_stats());
         }
         if last_stats.elapsed() >= STATS_INTERVAL {
             last_stats = Instant::now();

@@ -300,6 +300,50 @@ impl<B: Clone> StepPlan<B> {
         self.head.as_ref().is_some_and(|h| h.sampler.fits(rows))
     }
 
+    /// Bytes of one KV block in one layer's K (or V) pool.
+    fn kv_block_bytes_per_pool(&self) -> usize {
+        self.limits.block_size * self.shape.kv_heads * self.padded() * self.cache_dtype.size_in_bytes()
+    }
+
+    /// Bytes of one KV block across every layer, K and V: what
+    /// [`read_kv_block`](Self::read_kv_block) gives.
+    pub fn kv_block_bytes(&self) -> usize {
+        2 * self.kv.len() * self.kv_block_bytes_per_pool()
+    }
+
+    /// Appends block `block`'s K and V, layer by layer, to `out` (between
+    /// steps: no GPU work is writing them).
+    pub fn read_kv_block<G: Gpu<Buffer = B>>(&self, gpu: &mut G, block: usize, out: &mut Vec<u8>) -> Result<()> {
+        let n = self.kv_block_bytes_per_pool();
+        for (k, v) in &self.kv {
+            for pool in [k, v] {
+                let at = out.len();
+                out.resize(at + n, 0);
+                gpu.read(pool, block * n, &mut out[at..])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `bytes` (as [`read_kv_block`](Self::read_kv_block) gave
+    /// them) into block `block`.
+    pub fn write_kv_block<G: Gpu<Buffer = B>>(&self, gpu: &mut G, block: usize, bytes: &[u8]) -> Result<()> {
+        let n = self.kv_block_bytes_per_pool();
+        if bytes.len() != self.kv_block_bytes() || block >= self.limits.num_blocks {
+            return Err(crate::KernelError::Invalid(format!(
+                "a KV block of {} bytes into block {block} (blocks of {} bytes, {} of them)",
+                bytes.len(),
+                self.kv_block_bytes(),
+                self.limits.num_blocks
+            )));
+        }
+        for ((k, v), layer) in self.kv.iter().zip(bytes.chunks_exact(2 * n)) {
+            gpu.write(k, block * n, &layer[..n])?;
+            gpu.write(v, block * n, &layer[n..])?;
+        }
+        Ok(())
+    }
+
     pub fn kv_bytes(&self) -> usize {
         let l = &self.limits;
         2 * self.kv.len()
