@@ -69,7 +69,29 @@ pub struct Handshake {
     /// Proof that the worker knows the cluster secret, bound to this TLS
     /// session (`transport::auth_tag`): the secret itself never travels.
     pub auth_tag: Vec<u8>,
+    /// Its KV blocks' identity (model, weights, cache format, block size,
+    /// layers): blocks move between peers of one identity only.
+    pub kv_identity: u64,
+    /// Bytes of one KV block (every layer's K and V).
+    pub kv_block_bytes: u64,
+    /// Whether it keeps blocks a peer sends (it has a second tier).
+    pub kv_tier: bool,
 }
+
+/// One KV block as a peer sends it (a prefix fetched from the worker that
+/// holds it): the chain position it is checked against, and its K and V
+/// in every layer as the pool stores them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvBlock {
+    pub hash: crate::BlockHash,
+    pub parent: Option<crate::BlockHash>,
+    pub tokens: Vec<u32>,
+    pub bytes: Vec<u8>,
+}
+
+/// Most bytes of blocks one `ExportedKv` frame carries (a frame is at most
+/// [`MAX_FRAME_BYTES`]); a block larger than this is not sent.
+pub const KV_EXPORT_FRAME_BYTES: usize = 4 << 20;
 
 /// How a worker found the coordinator it registers with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -266,6 +288,18 @@ pub enum CoordinatorMessage {
     },
     /// Send every cached block hash again (after an event-id gap).
     RequestKvSnapshot,
+    /// Send these blocks (a prefix chain, in order) for a peer: as many of
+    /// the leading ones as it holds, in `ExportedKv` frames.
+    ExportKv {
+        transfer: u64,
+        hashes: Vec<crate::BlockHash>,
+    },
+    /// Blocks a peer of KV identity `identity` sent: keep them in the
+    /// second tier (each checked).
+    ImportKv {
+        identity: u64,
+        blocks: Vec<KvBlock>,
+    },
     /// Finish in-flight requests, accept no new ones.
     Drain,
     Shutdown,
@@ -305,6 +339,10 @@ pub struct WorkerStats {
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
+    /// Tokens a second its steps compute while they prefill (a moving
+    /// average over steps of 64 tokens or more; 0 before the first): what
+    /// recomputing a prefix costs there, against fetching it from a peer.
+    pub prefill_tokens_per_s: f32,
 }
 
 /// Worker -> coordinator.
@@ -333,6 +371,12 @@ pub enum WorkerMessage {
     /// has, then closes the connection with `transport::DRAINED_CLOSE_REASON`.
     Draining,
     KvEvents(Vec<KvEventRecord>),
+    /// Blocks of an `ExportKv`, in chain order; `last` on the final frame.
+    ExportedKv {
+        transfer: u64,
+        blocks: Vec<KvBlock>,
+        last: bool,
+    },
     /// Every hash the worker's prefix cache holds, after `RequestKvSnapshot`;
     /// `last_event_id` is the id of the last event it reflects.
     KvSnapshot {

@@ -14,6 +14,7 @@ pub mod http;
 pub mod idempotency;
 pub mod join_token;
 pub mod local_pipelines;
+pub mod local_workers;
 pub mod metrics;
 pub mod page;
 pub mod reasoning;

@@ -115,6 +115,8 @@ pub struct Engine {
     draft: Option<DraftRunner>,
     /// The second tier's bytes, when one is configured.
     tier: Option<crate::tier::TierStore>,
+    /// The KV blocks' identity (`tier::Identity`'s fingerprint).
+    kv_identity: u64,
 }
 
 /// How a step turns the scheduler's output into sampled tokens. Chosen once:
@@ -217,7 +219,9 @@ impl Engine {
             }
             (None, None) => return Err(WorkerError::Unsupported("no model was loaded for the step".into())),
         };
-        let tier = tier::open(files, &config, layers.is_last(), runner.kv_block_bytes())?;
+        let identity = tier::identity(files, &config, runner.kv_block_bytes())?;
+        let tier = tier::open(&identity, &config, layers.is_last(), runner.kv_block_bytes())?;
+        let tier_blocks = tier.as_ref().map_or(0, |(_, blocks, _)| *blocks);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -235,7 +239,7 @@ impl Engine {
             sliding_window: if draft.is_some() { None } else { cfg.uniform_window() },
             // One step in flight until a next stage is attached.
             micro_batches: 1,
-            tier_blocks: tier.as_ref().map_or(0, |(_, blocks, _)| *blocks),
+            tier_blocks,
         });
         let vocabulary = match &files.tokenizer_json {
             Some(path) => Vocabulary::TokenizerJson(path.clone()),
@@ -244,10 +248,7 @@ impl Engine {
                 files.name
             )),
         };
-        let (tier, found) = match tier {
-            Some((store, _, found)) => (Some(store), found),
-            None => (None, Vec::new()),
-        };
+        let (tier, found) = tier.map_or((None, Vec::new()), |(store, _, found)| (Some(store), found));
         let mut engine = Self {
             scheduler,
             runner,
@@ -262,6 +263,7 @@ impl Engine {
             last_step: StepInfo::default(),
             draft,
             tier,
+            kv_identity: identity.fingerprint,
         };
         engine.adopt_tier_blocks(found);
         Ok(engine)

@@ -341,6 +341,9 @@ impl Cluster {
                     }
                 }
             }
+            WorkerMessage::ExportedKv { transfer, blocks, last } => {
+                self.on_exported_kv(state, worker, transfer, blocks, last);
+            }
             WorkerMessage::KvSnapshot { last_event_id, hashes, offloaded } => {
                 state.router.apply_kv_snapshot(
                     worker,

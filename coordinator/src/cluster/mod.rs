@@ -17,6 +17,7 @@
 
 mod connection;
 mod offers;
+mod peer_fetch;
 mod plan;
 mod preparing;
 mod registry;
@@ -99,6 +100,8 @@ struct State {
     router: Router,
     next_request_id: u64,
     redispatches: u64,
+    /// Prefix fetches from peer workers in flight (`peer_fetch`).
+    fetches: peer_fetch::Fetches,
 }
 
 /// The routing counters the coordinator exports (registered by `Metrics`).
@@ -152,6 +155,8 @@ pub struct Cluster {
     formation: Arc<Mutex<offers::Formation>>,
     /// Workers downloading or loading their weights.
     preparing: Arc<Mutex<preparing::PreparingWorkers>>,
+    /// Whether a prefix another worker holds is fetched from it (`peer_fetch`).
+    peer_fetch: bool,
 }
 
 impl Cluster {
@@ -164,6 +169,7 @@ impl Cluster {
             router: Router::new(policy, block_size),
             next_request_id: 0,
             redispatches: 0,
+            fetches: peer_fetch::Fetches::default(),
         };
         Self {
             state: Arc::new(Mutex::new(state)),
@@ -174,7 +180,14 @@ impl Cluster {
             metrics: RoutingMetrics::new(),
             formation: Arc::default(),
             preparing: Arc::default(),
+            peer_fetch: true,
         }
+    }
+
+    /// Prefixes other workers hold are computed, never fetched (`--no-peer-fetch`).
+    pub fn without_peer_fetch(mut self) -> Self {
+        self.peer_fetch = false;
+        self
     }
 
     pub fn routing_metrics(&self) -> &RoutingMetrics {
@@ -251,6 +264,7 @@ impl Cluster {
                 if overslept > STATS_INTERVAL / 4 {
                     state.registry.excuse_stall(overslept, now);
                 }
+                self.expire_fetches(&mut state, now);
                 state.registry.silent_for(STATS_INTERVAL * MISSED_STATS_LIMIT, now)
             };
             for id in stale {
@@ -276,6 +290,8 @@ impl Cluster {
         let Some(entry) = state.registry.remove(worker) else { return };
         tracing::info!("worker {} ({}) left: {why}", entry.name, entry.address);
         state.router.remove_worker(worker);
+        // Fetches from it release their requests (to compute their prompts).
+        self.expire_fetches(state, std::time::Instant::now());
         self.redispatch_orphans(state, worker, &entry.name);
     }
 }

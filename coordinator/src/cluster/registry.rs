@@ -87,6 +87,18 @@ pub(super) struct WorkerEntry {
     last_stats: Instant,
     /// Requests dispatched to it and not finished.
     pub in_flight: usize,
+    /// Its KV blocks' identity and size, and whether it keeps a peer's
+    /// blocks (peer fetch moves blocks between workers of one identity).
+    pub kv_identity: u64,
+    pub kv_block_bytes: u64,
+    pub kv_tier: bool,
+}
+
+impl WorkerEntry {
+    /// Its measured prefill rate, tokens a second (0 before it reported one).
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        f64::from(self.stats.prefill_tokens_per_s)
+    }
 }
 
 impl WorkerEntry {
@@ -128,9 +140,17 @@ impl Registry {
                 stats: WorkerStats { kv_blocks_total: hello.kv_capacity_blocks, ..WorkerStats::default() },
                 last_stats: Instant::now(),
                 in_flight: 0,
+                kv_identity: hello.kv_identity,
+                kv_block_bytes: hello.kv_block_bytes,
+                kv_tier: hello.kv_tier,
             },
         );
         id
+    }
+
+    /// Every registered worker, ready or draining.
+    pub fn all(&self) -> impl Iterator<Item = (WorkerId, &WorkerEntry)> {
+        self.workers.iter().map(|(&id, w)| (id, w))
     }
 
     pub fn remove(&mut self, id: WorkerId) -> Option<WorkerEntry> {

@@ -11,7 +11,11 @@ use common::protocol::{CoordinatorMessage, TokenLogprobs};
 use common::{BlockHash, FinishReason, RequestId, SamplingParams, WorkerId};
 use tokio::sync::mpsc;
 
-use super::{Cluster, InFlight, RequestEvent, State, SubmitError};
+use super::{Cluster, InFlight, RequestEvent, State, SubmitError, peer_fetch};
+
+/// The least time a prefix fetch is waited for before the prompt is
+/// computed instead (the deadline is 4x the expected transfer, at least this).
+const FETCH_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// A `WorkerMessage::TokenDelta`'s fields that the table uses.
 pub(super) struct Delta {
@@ -85,7 +89,6 @@ impl Cluster {
         let reads_cache = params.prompt_logprobs.is_none();
         let route_chain = if reads_cache { chain } else { &[] };
         let decision = state.router.route(len, route_chain, &eligible).ok_or(SubmitError::NoWorker)?;
-        let entry = state.registry.get_mut(decision.worker).ok_or(SubmitError::NoWorker)?;
         let message = CoordinatorMessage::Generate {
             request_id: id,
             prompt_token_ids: prompt.to_vec(),
@@ -93,10 +96,49 @@ impl Cluster {
             params,
             priority,
         };
-        if !entry.send(message) {
-            return Err(SubmitError::NoWorker);
-        }
+        // The part of the prefix it lacks and a peer holds comes over first, when that is cheaper.
+        let usable = &route_chain[..route_chain.len().min(len.saturating_sub(1) / self.block_size)];
+        let fetch =
+            if self.peer_fetch { peer_fetch::plan(state, decision.worker, usable, self.block_size) } else { None };
+        let entry = state.registry.get_mut(decision.worker).ok_or(SubmitError::NoWorker)?;
+        let identity = entry.kv_identity;
         entry.in_flight += 1;
+        let asked = fetch.and_then(|plan| {
+            let transfer = state.fetches.next_id();
+            let holder = state.registry.get(plan.from)?;
+            holder
+                .send(CoordinatorMessage::ExportKv { transfer, hashes: plan.hashes.clone() })
+                .then_some((transfer, plan))
+        });
+        match asked {
+            Some((transfer, plan)) => {
+                tracing::debug!(blocks = plan.hashes.len(), from = plan.from.0, "fetching a prefix from a peer");
+                let now = std::time::Instant::now();
+                state.fetches.start(
+                    transfer,
+                    peer_fetch::Transfer {
+                        request: id,
+                        from: plan.from,
+                        to: decision.worker,
+                        identity,
+                        generate: message,
+                        bytes: 0,
+                        started: now,
+                        deadline: now + (plan.expected * 4).max(FETCH_GRACE),
+                    },
+                );
+            }
+            None => {
+                let sent = state.registry.get(decision.worker).is_some_and(|w| w.send(message));
+                if !sent {
+                    if let Some(w) = state.registry.get_mut(decision.worker) {
+                        w.in_flight -= 1;
+                    }
+                    return Err(SubmitError::NoWorker);
+                }
+            }
+        }
+        let entry = state.registry.get(decision.worker).ok_or(SubmitError::NoWorker)?;
         let name = entry.name.clone();
         let _span = tracing::debug_span!("request", id = id.0, worker = %name).entered();
         tracing::debug!(cached = decision.predicted_cached_tokens, "dispatched");

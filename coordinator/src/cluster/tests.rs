@@ -25,6 +25,15 @@ fn delta(id: RequestId, prompt_logprobs: Vec<TokenLogprobs>, tokens: Vec<u32>) -
 
 /// Workers on channels instead of QUIC: what the cluster sends each one.
 fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::UnboundedReceiver<CoordinatorMessage>>) {
+    cluster_with_workers_tiered(n, policy, false)
+}
+
+/// [`cluster_with_workers`] whose workers take a peer's KV blocks (`kv_tier`).
+fn cluster_with_workers_tiered(
+    n: usize,
+    policy: Policy,
+    kv_tier: bool,
+) -> (Cluster, Vec<mpsc::UnboundedReceiver<CoordinatorMessage>>) {
     let model = ModelIdentity { name: "m".into(), config_hash: 1 };
     let cluster = Cluster::new(String::new(), model.clone(), 1024, policy, 16);
     let mut inboxes = Vec::new();
@@ -42,6 +51,9 @@ fn cluster_with_workers(n: usize, policy: Policy) -> (Cluster, Vec<mpsc::Unbound
             joined_by: common::protocol::JoinedBy::Address,
             instance_id: String::new(),
             auth_tag: Vec::new(),
+            kv_identity: 7,
+            kv_block_bytes: 1 << 16,
+            kv_tier,
         };
         let (tx, rx) = mpsc::unbounded_channel();
         cluster.register_worker(&hello, "127.0.0.1:1".parse().expect("address"), tx);
@@ -227,4 +239,76 @@ fn a_starved_watchdog_declares_no_false_loss() {
         tokio::time::sleep(STATS_INTERVAL * (MISSED_STATS_LIMIT + 1)).await;
         assert_eq!(cluster.workers().len(), 0, "a silent worker is still declared lost");
     });
+}
+
+/// Every message a worker received since the last call.
+fn received(inbox: &mut mpsc::UnboundedReceiver<CoordinatorMessage>) -> Vec<CoordinatorMessage> {
+    std::iter::from_fn(|| inbox.try_recv().ok()).collect()
+}
+
+/// A prompt routed to a worker lacking the prefix another holds: the
+/// holder is asked for the blocks, each frame is passed on, and the
+/// request follows the last; a lost holder, or one past the deadline,
+/// releases the request to compute its prompt.
+#[test]
+fn a_prefix_held_by_a_peer_is_fetched_before_the_request() {
+    let prompt: Vec<u32> = (0..100).collect();
+    let chain = common::hash_prompt_blocks(&prompt, 16);
+    for ending in ["done", "holder lost", "late"] {
+        let (cluster, mut inboxes) = cluster_with_workers_tiered(2, Policy::RoundRobin, true);
+        for w in 0..2u64 {
+            let hashes = if w == 0 { chain.iter().map(|&h| (h, None)).collect() } else { Vec::new() };
+            let snapshot = WorkerMessage::KvSnapshot { last_event_id: None, hashes, offloaded: Vec::new() };
+            cluster.on_worker_message(WorkerId(w), snapshot);
+        }
+        // Round robin: the first request goes to worker 0, this one to worker 1.
+        cluster.submit(vec![1, 2, 3], SamplingParams::greedy(1), 0).expect("submitted");
+        received(&mut inboxes[1]); // its snapshot request
+        let (id, worker, _events) = cluster.submit(prompt.clone(), SamplingParams::greedy(4), 0).expect("submitted");
+        assert_eq!(worker, WorkerId(1));
+        let asked = received(&mut inboxes[0]);
+        let Some(CoordinatorMessage::ExportKv { transfer, hashes }) = asked.last().cloned() else {
+            panic!("the holder was not asked: {asked:?}")
+        };
+        assert_eq!(hashes, chain[..6].to_vec(), "the 6 usable blocks of 100 tokens");
+        assert!(received(&mut inboxes[1]).is_empty(), "the request waits for its blocks");
+        let block = |i: usize| common::protocol::KvBlock {
+            hash: chain[i],
+            parent: i.checked_sub(1).map(|p| chain[p]),
+            tokens: prompt[i * 16..(i + 1) * 16].to_vec(),
+            bytes: vec![i as u8; 8],
+        };
+        match ending {
+            "done" => {
+                let frame = |blocks, last| WorkerMessage::ExportedKv { transfer, blocks, last };
+                cluster.on_worker_message(WorkerId(0), frame(vec![block(0), block(1)], false));
+                cluster.on_worker_message(WorkerId(0), frame(vec![block(2)], true));
+                let got = received(&mut inboxes[1]);
+                assert_eq!(got.len(), 3, "{got:?}");
+                assert!(matches!(&got[0], CoordinatorMessage::ImportKv { identity: 7, blocks } if blocks.len() == 2));
+                assert!(matches!(&got[1], CoordinatorMessage::ImportKv { blocks, .. } if blocks.len() == 1));
+                assert!(matches!(&got[2], CoordinatorMessage::Generate { request_id, .. } if *request_id == id));
+            }
+            "holder lost" => {
+                cluster.remove_worker(WorkerId(0), "test");
+                // The request waiting for the blocks, and the lost worker's own request, moved.
+                let got = received(&mut inboxes[1]);
+                let generated = |m: &CoordinatorMessage| matches!(m, CoordinatorMessage::Generate { request_id, .. } if *request_id == id);
+                assert!(got.iter().any(generated), "{got:?}");
+                assert!(!got.iter().any(|m| matches!(m, CoordinatorMessage::ImportKv { .. })), "{got:?}");
+                // A frame arriving after is dropped.
+                let late = WorkerMessage::ExportedKv { transfer, blocks: vec![block(0)], last: true };
+                cluster.on_worker_message(WorkerId(0), late);
+                assert!(received(&mut inboxes[1]).is_empty());
+            }
+            _ => {
+                let later = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                let mut state = cluster.lock();
+                cluster.expire_fetches(&mut state, later);
+                drop(state);
+                let got = received(&mut inboxes[1]);
+                assert!(matches!(got.as_slice(), [CoordinatorMessage::Generate { .. }]), "{got:?}");
+            }
+        }
+    }
 }

@@ -156,6 +156,9 @@ pub fn wire_seeds() -> Vec<Vec<u8>> {
         joined_by: common::protocol::JoinedBy::Address,
         instance_id: String::new(),
         auth_tag: vec![0xab; 32],
+        kv_identity: 0x1234,
+        kv_block_bytes: 1 << 20,
+        kv_tier: true,
     };
     let replies = [
         HandshakeReply::Accepted { worker_id: WorkerId(0), auth_tag: vec![0xcd; 32] },

@@ -271,6 +271,14 @@ impl PrefixIndex {
             .count()
     }
 
+    /// The number of leading blocks of `chain` that `worker` holds in
+    /// either tier (what it could send a peer; claims of requests in
+    /// flight do not count).
+    pub fn held_overlap(&self, worker: WorkerId, chain: &[BlockHash]) -> usize {
+        let Some(w) = self.workers.get(&worker) else { return 0 };
+        chain.iter().take_while(|hash| w.hashes.contains(hash) || w.offloaded.contains(hash)).count()
+    }
+
     /// The hashes the index believes `worker` holds (for tests and debugging).
     pub fn worker_hashes(&self, worker: WorkerId) -> Option<HashSet<BlockHash>> {
         self.workers.get(&worker).map(|w| w.hashes.iter().copied().collect())

@@ -131,6 +131,13 @@ impl BlockPool {
         (key.parent == parent && key.tokens == tokens).then_some(block)
     }
 
+    /// The block caching `hash`, with its parent and tokens (a peer's export).
+    pub fn cached_block(&self, hash: BlockHash) -> Option<(BlockId, Option<BlockHash>, &[u32])> {
+        let &block = self.cache.get(&hash)?;
+        let key = self.blocks[block.0 as usize].cached.as_ref()?;
+        Some((block, key.parent, &key.tokens))
+    }
+
     /// Takes a reference on cache hits, reviving blocks from the free queue.
     pub fn touch(&mut self, blocks: &[BlockId]) {
         for &BlockId(id) in blocks {

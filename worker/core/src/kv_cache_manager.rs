@@ -118,8 +118,25 @@ impl KvCacheManager {
         }
         let dropped = tier.insert(hash, parent, tokens, TierState::Cold);
         let kept = !dropped.contains(&hash);
-        self.note_dropped(dropped);
+        self.note_dropped(dropped.into_iter().filter(|&h| h != hash).collect());
         if kept {
+            self.pool.emit(KvEvent::Offloaded { hash, parent });
+        }
+        kept
+    }
+
+    /// Adds a block a peer sent, its bytes in host memory (`Ready`); false
+    /// when the pool or the tier holds it already, or it is not kept.
+    pub fn tier_import(&mut self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[u32]) -> bool {
+        let Some(tier) = &mut self.tier else { return false };
+        if tier.contains(hash) || self.pool.cached_block(hash).is_some() {
+            return false;
+        }
+        let dropped = tier.insert(hash, parent, tokens, TierState::Ready);
+        let kept = !dropped.contains(&hash);
+        self.note_dropped(dropped.into_iter().filter(|&h| h != hash).collect());
+        if kept {
+            self.tier_stats.imported += 1;
             self.pool.emit(KvEvent::Offloaded { hash, parent });
         }
         kept

@@ -67,6 +67,11 @@ impl KvTier {
         (entry.parent == parent && entry.tokens == tokens).then_some(entry.state)
     }
 
+    /// The entry for `hash`: its parent, tokens and state.
+    pub fn entry(&self, hash: BlockHash) -> Option<(Option<BlockHash>, &[u32], TierState)> {
+        self.entries.get(&hash).map(|e| (e.parent, e.tokens.as_slice(), e.state))
+    }
+
     /// The state of the entry for `hash`, unchecked (the store's own reports).
     pub fn lookup_state(&self, hash: BlockHash) -> Option<TierState> {
         self.entries.get(&hash).map(|e| e.state)
@@ -225,6 +230,8 @@ pub struct TierStats {
     pub loads: u64,
     pub load_failures: u64,
     pub dropped: u64,
+    /// Blocks a peer sent (a fetched prefix).
+    pub imported: u64,
     pub blocks: usize,
 }
 

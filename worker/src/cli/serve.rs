@@ -332,6 +332,9 @@ fn serve_layers(args: &ServeArgs, name: String, secret: String, prepared: Prepar
         device,
         stages,
         pipeline_lost: pipeline_lost.clone(),
+        kv_identity: engine.kv_identity(),
+        kv_block_bytes: engine.kv_block_bytes() as u64,
+        kv_tier: engine.takes_kv_imports(),
     };
     // Structured outputs' vocabulary scan, now rather than at the first
     // constrained request; a model without one refuses such requests.

@@ -11,14 +11,30 @@ use super::{Engine, EngineConfig};
 use crate::error::{Result, WorkerError};
 use crate::models::ModelFiles;
 use crate::tier::{Identity, StoreEvent, TierStore};
+use common::protocol::{KV_EXPORT_FRAME_BYTES, KvBlock};
+use common::{BlockHash, hash_block_tokens};
 
 /// How long a step with nothing to compute waits for a disk load.
 const LOAD_WAIT: Duration = Duration::from_millis(20);
 
+/// The identity of this engine's KV blocks: what must match for a block
+/// written here to be read by another engine (after a restart, or a peer).
+pub(super) fn identity(files: &ModelFiles, config: &EngineConfig, block_bytes: usize) -> Result<Identity> {
+    let parts = format!(
+        "{} cache, blocks of {} tokens and {block_bytes} bytes, {} layers",
+        crate::runner::kv_cache::resolve_format(config.kv_cache_dtype, config.dtype, &config.device)?,
+        config.block_size,
+        files.config.num_layers
+    );
+    let mut weights = files.weights.clone();
+    weights.extend(files.gguf.clone());
+    Identity::new(files.config_hash, &weights, &parts)
+}
+
 /// The store for `config.kv_tier`, its size in blocks, and the blocks a
 /// disk tier already holds; `None` without a tier.
 pub(super) fn open(
-    files: &ModelFiles,
+    identity: &Identity,
     config: &EngineConfig,
     full_model: bool,
     block_bytes: usize,
@@ -45,18 +61,9 @@ pub(super) fn open(
         return refuse(&format!("of {} holds no block of {block_bytes} bytes", tier.bytes));
     }
     Ok(Some(match &tier.dir {
-        None => (TierStore::in_memory(block_bytes), blocks, Vec::new()),
+        None => (TierStore::in_memory(identity.clone(), block_bytes), blocks, Vec::new()),
         Some(dir) => {
-            let parts = format!(
-                "{} cache, blocks of {} tokens and {block_bytes} bytes, {} layers",
-                crate::runner::kv_cache::resolve_format(config.kv_cache_dtype, config.dtype, &config.device)?,
-                config.block_size,
-                files.config.num_layers
-            );
-            let mut weights = files.weights.clone();
-            weights.extend(files.gguf.clone());
-            let identity = Identity::new(files.config_hash, &weights, &parts)?;
-            let (store, found) = TierStore::on_disk(dir, &identity, block_bytes)?;
+            let (store, found) = TierStore::on_disk(dir, identity, block_bytes)?;
             (store, blocks, found)
         }
     }))
@@ -149,5 +156,84 @@ impl Engine {
             store.load(hash);
         }
         Ok(())
+    }
+
+    /// This engine's KV identity (peers exchange blocks under one only).
+    pub fn kv_identity(&self) -> u64 {
+        self.kv_identity
+    }
+
+    /// Bytes of one KV block, every layer's K and V.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.runner.kv_block_bytes()
+    }
+
+    /// Whether blocks a peer sends are kept (a second tier is on).
+    pub fn takes_kv_imports(&self) -> bool {
+        self.tier.is_some()
+    }
+
+    /// The leading blocks of `hashes` (a prefix chain) this engine holds in
+    /// its pool or its tier's host memory, for a peer; stops at the first
+    /// it lacks (or one too large for a frame).
+    pub fn export_kv_blocks(&mut self, hashes: &[BlockHash]) -> Result<Vec<KvBlock>> {
+        let mut out = Vec::new();
+        for &hash in hashes {
+            let kv = self.scheduler.kv_cache_manager();
+            let block = if let Some((block, parent, tokens)) = kv.pool().cached_block(hash) {
+                let (parent, tokens) = (parent, tokens.to_vec());
+                let mut bytes = Vec::with_capacity(self.runner.kv_block_bytes());
+                self.runner.read_kv_block(block.0 as usize, &mut bytes)?;
+                KvBlock { hash, parent, tokens, bytes }
+            } else {
+                let entry = kv.tier().and_then(|t| t.entry(hash));
+                let bytes = self.tier.as_ref().and_then(|store| store.get(hash));
+                match (entry, bytes) {
+                    (Some((parent, tokens, _)), Some(bytes)) => {
+                        KvBlock { hash, parent, tokens: tokens.to_vec(), bytes: bytes.to_vec() }
+                    }
+                    _ => break,
+                }
+            };
+            if block.bytes.len() > KV_EXPORT_FRAME_BYTES {
+                break;
+            }
+            out.push(block);
+        }
+        Ok(out)
+    }
+
+    /// Keeps blocks a peer sent in the tier, each checked first: its hash
+    /// is its parent's and tokens' (a chain, in order), it is one block of
+    /// this engine's size, and `identity` is this engine's. Returns how
+    /// many were kept.
+    pub fn import_kv_blocks(&mut self, identity: u64, blocks: Vec<KvBlock>) -> usize {
+        let Some(store) = &mut self.tier else { return 0 };
+        if identity != self.kv_identity {
+            tracing::warn!("KV blocks of another identity ({identity:016x}) refused");
+            return 0;
+        }
+        let block_size = self.scheduler.config().block_size;
+        let kv = self.scheduler.kv_cache_manager_mut();
+        let (mut kept, mut previous) = (0, None);
+        for block in blocks {
+            let sound = block.tokens.len() == block_size
+                && block.bytes.len() == store.block_bytes()
+                && hash_block_tokens(block.parent, &block.tokens, &[]) == block.hash
+                && previous.is_none_or(|p| block.parent == Some(p));
+            if !sound {
+                tracing::warn!(hash = ?block.hash, "a peer's KV block refused: it is not what its hash says");
+                break;
+            }
+            previous = Some(block.hash);
+            if kv.tier_import(block.hash, block.parent, &block.tokens) {
+                store.keep(block.hash, block.parent, &block.tokens, block.bytes);
+                kept += 1;
+            }
+        }
+        for hash in kv.take_transfers().dropped {
+            store.drop_entry(hash);
+        }
+        kept
     }
 }

@@ -47,6 +47,10 @@ pub struct ServeConfig {
     pub stages: Vec<common::pipeline::StageInfo>,
     /// Set by the engine loop when its pipeline is lost (see `engine_loop`).
     pub pipeline_lost: Arc<OnceLock<String>>,
+    /// The engine's KV identity, and whether it takes a peer's blocks.
+    pub kv_identity: u64,
+    pub kv_block_bytes: u64,
+    pub kv_tier: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +90,16 @@ pub enum EngineCommand {
     Abort(RequestId),
     /// Send every cached block hash (the router missed events).
     KvSnapshot,
+    /// Send a peer these blocks (see `CoordinatorMessage::ExportKv`).
+    ExportKv {
+        transfer: u64,
+        hashes: Vec<common::BlockHash>,
+    },
+    /// Keep a peer's blocks (see `CoordinatorMessage::ImportKv`).
+    ImportKv {
+        identity: u64,
+        blocks: Vec<common::protocol::KvBlock>,
+    },
     /// The coordinator connection dropped: abort everything in flight.
     AbortAll,
     Drain,
@@ -108,6 +122,7 @@ pub fn engine_loop(
     pipeline_lost: &OnceLock<String>,
 ) {
     let mut timings = RequestTimings::default();
+    let mut prefill_rate = PrefillRate::default();
     let mut draining = false;
     let mut last_stats = Instant::now() - STATS_INTERVAL;
     let mut compiling = PendingCompiles::default();
@@ -173,6 +188,20 @@ pub fn engine_loop(
                     let offloaded = engine.tier_snapshot();
                     let _ = out.send(WorkerMessage::KvSnapshot { last_event_id, hashes, offloaded });
                 }
+                EngineCommand::ExportKv { transfer, hashes } => {
+                    let blocks = engine.export_kv_blocks(&hashes).unwrap_or_else(|e| {
+                        tracing::warn!("exporting KV blocks: {e}");
+                        Vec::new()
+                    });
+                    for frame in export_frames(transfer, blocks) {
+                        let _ = out.send(frame);
+                    }
+                }
+                EngineCommand::ImportKv { identity, blocks } => {
+                    let offered = blocks.len();
+                    let kept = engine.import_kv_blocks(identity, blocks);
+                    tracing::debug!(offered, kept, "KV blocks from a peer");
+                }
                 EngineCommand::Drain => {
                     if !draining {
                         // The coordinator stops routing here at once.
@@ -200,8 +229,10 @@ pub fn engine_loop(
             }
         }
         if engine.has_unfinished() {
+            let started = Instant::now();
             match engine.step() {
                 Ok(outputs) => {
+                    prefill_rate.stepped(engine.last_step().num_batched_tokens, started.elapsed());
                     if let Some(m) = &metrics {
                         let now = Instant::now();
                         let step = engine.last_step();
@@ -252,7 +283,7 @@ pub fn engine_loop(
         }
         if last_stats.elapsed() >= STATS_INTERVAL {
             last_stats = Instant::now();
-            let _ = out.send(WorkerMessage::Stats(wire_stats(&engine.stats())));
+            let _ = out.send(WorkerMessage::Stats(wire_stats(&engine.stats(), prefill_rate.tokens_per_s)));
         }
         if draining && !engine.has_unfinished() && compiling.is_empty() {
             return;
@@ -272,8 +303,29 @@ fn token_delta(o: RequestOutput) -> WorkerMessage {
     }
 }
 
-pub fn wire_stats(s: &SchedulerStats) -> WorkerStats {
+/// Tokens a second of the steps that compute at least `PrefillRate::MIN_TOKENS`
+/// (prefill chunks), as a moving average.
+#[derive(Default)]
+struct PrefillRate {
+    tokens_per_s: f32,
+}
+
+impl PrefillRate {
+    const MIN_TOKENS: usize = 64;
+
+    fn stepped(&mut self, tokens: usize, took: Duration) {
+        if tokens < Self::MIN_TOKENS || took.is_zero() {
+            return;
+        }
+        let rate = (tokens as f64 / took.as_secs_f64()) as f32;
+        self.tokens_per_s = if self.tokens_per_s == 0.0 { rate } else { 0.8 * self.tokens_per_s + 0.2 * rate };
+    }
+}
+
+/// The engine's counters for the coordinator, with its measured prefill rate.
+pub fn wire_stats(s: &SchedulerStats, prefill_tokens_per_s: f32) -> WorkerStats {
     WorkerStats {
+        prefill_tokens_per_s,
         num_running: s.num_running as u32,
         num_waiting: s.num_waiting as u32,
         kv_blocks_total: s.kv_blocks_total as u64,
@@ -360,6 +412,9 @@ async fn session(
         joined_by: config.joined_by,
         instance_id: config.instance_id.clone(),
         auth_tag: transport::auth_tag(config.secret.as_bytes(), Role::Worker, &binding),
+        kv_identity: config.kv_identity,
+        kv_block_bytes: config.kv_block_bytes,
+        kv_tier: config.kv_tier,
     };
     transport::write_frame(&mut send, &WorkerHello::Register(hello)).await?;
     match transport::read_frame::<HandshakeReply>(&mut recv).await? {
@@ -447,6 +502,12 @@ async fn control_loop(
                     Some(Ok(Some(CoordinatorMessage::Drain))) => EngineCommand::Drain,
                     Some(Ok(Some(CoordinatorMessage::Shutdown))) => EngineCommand::Shutdown,
                     Some(Ok(Some(CoordinatorMessage::RequestKvSnapshot))) => EngineCommand::KvSnapshot,
+                    Some(Ok(Some(CoordinatorMessage::ExportKv { transfer, hashes }))) => {
+                        EngineCommand::ExportKv { transfer, hashes }
+                    }
+                    Some(Ok(Some(CoordinatorMessage::ImportKv { identity, blocks }))) => {
+                        EngineCommand::ImportKv { identity, blocks }
+                    }
                     Some(Ok(None)) | None => return SessionEnd::Disconnected("coordinator closed the stream".into()),
                     Some(Err(e)) => return SessionEnd::Disconnected(e.to_string()),
                 };
@@ -473,4 +534,21 @@ async fn resolve(host_port: &str) -> Result<SocketAddr, ServiceError> {
         .await
         .map_err(|e| ServiceError::Address(host_port.to_string(), e.to_string()))?;
     addrs.next().ok_or_else(|| ServiceError::Address(host_port.to_string(), "no address".into()))
+}
+
+/// A peer's blocks in frames of at most `KV_EXPORT_FRAME_BYTES`, the last
+/// marked (one empty frame when there are none).
+fn export_frames(transfer: u64, blocks: Vec<common::protocol::KvBlock>) -> Vec<WorkerMessage> {
+    let mut frames = Vec::new();
+    let (mut current, mut bytes) = (Vec::new(), 0);
+    for block in blocks {
+        if bytes + block.bytes.len() > common::protocol::KV_EXPORT_FRAME_BYTES && !current.is_empty() {
+            frames.push(WorkerMessage::ExportedKv { transfer, blocks: std::mem::take(&mut current), last: false });
+            bytes = 0;
+        }
+        bytes += block.bytes.len();
+        current.push(block);
+    }
+    frames.push(WorkerMessage::ExportedKv { transfer, blocks: current, last: true });
+    frames
 }

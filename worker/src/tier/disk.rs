@@ -100,19 +100,42 @@ pub struct Disk {
     jobs: Option<Sender<Job>>,
     pub done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
+    /// Held while open: no other worker writes this directory.
+    _lock: fs::File,
 }
 
 impl Disk {
     /// Opens (creating) `root`'s directory for `identity` and lists the
     /// blocks it holds, oldest first; leftover temporary files and files
     /// that do not parse are deleted.
+    /// Two workers on one machine may share a root: each locks its
+    /// directory, and the second of one identity takes the next one.
     pub fn open(root: &Path, identity: &Identity) -> Result<(Self, Vec<FoundBlock>)> {
-        let dir = root.join(format!("{:016x}", identity.fingerprint));
-        Self::open_dir(dir.clone(), identity).map_err(|error| WorkerError::TierDir { path: dir, error })
+        for copy in 0..64 {
+            let name = match copy {
+                0 => format!("{:016x}", identity.fingerprint),
+                n => format!("{:016x}.{n}", identity.fingerprint),
+            };
+            let dir = root.join(name);
+            let locked = (|| {
+                fs::create_dir_all(&dir)?;
+                let lock = fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("lock"))?;
+                match lock.try_lock() {
+                    Ok(()) => Ok(Some(lock)),
+                    Err(fs::TryLockError::WouldBlock) => Ok(None),
+                    Err(fs::TryLockError::Error(e)) => Err(e),
+                }
+            })()
+            .map_err(|error| WorkerError::TierDir { path: dir.clone(), error })?;
+            if let Some(lock) = locked {
+                return Self::open_dir(dir.clone(), identity, lock)
+                    .map_err(|error| WorkerError::TierDir { path: dir, error });
+            }
+        }
+        Err(WorkerError::KvCache(format!("every KV tier directory under {} is in use", root.display())))
     }
 
-    fn open_dir(dir: PathBuf, identity: &Identity) -> std::io::Result<(Self, Vec<FoundBlock>)> {
-        fs::create_dir_all(&dir)?;
+    fn open_dir(dir: PathBuf, identity: &Identity, lock: fs::File) -> std::io::Result<(Self, Vec<FoundBlock>)> {
         let about = dir.join("identity.txt");
         if !about.exists() {
             fs::write(&about, format!("{}\n", identity.description))?;
@@ -144,7 +167,7 @@ impl Disk {
         let thread = std::thread::Builder::new()
             .name("kv-tier-disk".into())
             .spawn(move || run(&thread_dir, jobs_rx, done_tx))?;
-        let disk = Self { dir, jobs: Some(jobs), done, thread: Some(thread) };
+        let disk = Self { dir, jobs: Some(jobs), done, thread: Some(thread), _lock: lock };
         Ok((disk, found.into_iter().map(|(_, block)| block).collect()))
     }
 
@@ -365,6 +388,10 @@ mod tests {
         // Another identity reads another directory.
         let (_, found) = Disk::open(&root, &Identity { fingerprint: 0xdef, ..identity() }).unwrap();
         assert!(found.is_empty());
+        // A second worker of the same identity beside the first takes a directory of its own.
+        let (first, _) = Disk::open(&root, &identity()).unwrap();
+        let (second, _) = Disk::open(&root, &identity()).unwrap();
+        assert_ne!(first.dir, second.dir);
         let _ = fs::remove_dir_all(&root);
     }
 }

@@ -63,6 +63,8 @@ pub struct StoreStats {
 }
 
 pub struct TierStore {
+    /// The blocks' identity: a peer's blocks are taken only under the same.
+    identity: Identity,
     /// Host copies: every entry of a memory tier; on disk, those being
     /// written, loaded for a hit, or not yet cooled.
     ram: HashMap<BlockHash, Arc<[u8]>>,
@@ -76,8 +78,9 @@ pub struct TierStore {
 
 impl TierStore {
     /// A tier in host memory.
-    pub fn in_memory(block_bytes: usize) -> Self {
+    pub fn in_memory(identity: Identity, block_bytes: usize) -> Self {
         Self {
+            identity,
             ram: HashMap::new(),
             disk: None,
             writing: HashSet::new(),
@@ -92,12 +95,16 @@ impl TierStore {
     pub fn on_disk(root: &Path, identity: &Identity, block_bytes: usize) -> Result<(Self, Vec<FoundBlock>)> {
         let (disk, found) = Disk::open(root, identity)?;
         tracing::info!(dir = %disk.dir.display(), blocks = found.len(), "KV tier on disk: {}", identity.description);
-        let store = Self { disk: Some(disk), ..Self::in_memory(block_bytes) };
+        let store = Self { disk: Some(disk), ..Self::in_memory(identity.clone(), block_bytes) };
         Ok((store, found))
     }
 
     pub fn is_on_disk(&self) -> bool {
         self.disk.is_some()
+    }
+
+    pub fn identity(&self) -> &Identity {
+        &self.identity
     }
 
     pub fn block_bytes(&self) -> usize {
@@ -106,18 +113,19 @@ impl TierStore {
 
     /// Keeps an evicted block's bytes (and queues its write to disk).
     pub fn offload(&mut self, offload: &Offload, bytes: Vec<u8>) {
+        self.keep(offload.hash, offload.parent, &offload.tokens, bytes);
+    }
+
+    /// Keeps a block's bytes, in host memory and, for a disk tier, on disk
+    /// once written (an offload, or a block a peer sent).
+    pub fn keep(&mut self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[u32], bytes: Vec<u8>) {
         let bytes: Arc<[u8]> = bytes.into();
         self.stats.bytes_offloaded += bytes.len() as u64;
         if let Some(disk) = &self.disk {
-            self.writing.insert(offload.hash);
-            disk.send(Job::Write {
-                hash: offload.hash,
-                parent: offload.parent,
-                tokens: offload.tokens.clone(),
-                bytes: bytes.clone(),
-            });
+            self.writing.insert(hash);
+            disk.send(Job::Write { hash, parent, tokens: tokens.to_vec(), bytes: bytes.clone() });
         }
-        self.ram.insert(offload.hash, bytes);
+        self.ram.insert(hash, bytes);
     }
 
     /// The bytes of a `Ready` entry.

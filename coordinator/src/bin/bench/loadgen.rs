@@ -49,16 +49,26 @@ pub struct WorkloadConfig {
     pub api_key: Option<String>,
 }
 
+/// One streamed request, as the client saw it.
 #[derive(Clone, Debug, Default)]
-struct Outcome {
-    ttft: f64,
-    itls: Vec<f64>,
-    e2e: f64,
-    output_tokens: usize,
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    worker: String,
-    error: Option<String>,
+pub struct Outcome {
+    pub ttft: f64,
+    pub itls: Vec<f64>,
+    pub e2e: f64,
+    pub output_tokens: usize,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub worker: String,
+    pub error: Option<String>,
+}
+
+impl WorkloadConfig {
+    /// Every flag at its default (for other benchmarks' requests).
+    pub fn defaults() -> Self {
+        use clap::{Args, FromArgMatches};
+        let matches = Self::augment_args(clap::Command::new("defaults")).get_matches_from(["defaults"]);
+        Self::from_arg_matches(&matches).expect("the defaults parse")
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -165,7 +175,8 @@ pub fn run(cfg: &WorkloadConfig) -> WorkloadReport {
     }
 }
 
-fn one_request(cfg: &WorkloadConfig, prompt: &[u32]) -> Outcome {
+/// Streams `prompt` from `/v1/completions`, greedy, timing each token.
+pub fn one_request(cfg: &WorkloadConfig, prompt: &[u32]) -> Outcome {
     let mut body = json!({
         "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": true,
         "stream": true, "stream_options": {"include_usage": true},

@@ -4,7 +4,10 @@
 //!   cluster (see `loadgen`).
 //! - `simulate`: the router's real policies over simulated workers (see
 //!   `sim`), for cluster sizes we cannot run here.
+//! - `agents`: coding-agent sessions re-sending their growing histories
+//!   (see `agents`).
 
+mod agents;
 mod loadgen;
 mod sim;
 
@@ -27,6 +30,14 @@ enum Command {
         #[command(flatten)]
         cfg: WorkloadConfig,
         /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Coding-agent sessions, each re-sending its growing history every turn.
+    Agents {
+        #[command(flatten)]
+        cfg: agents::AgentsConfig,
+        /// Print one JSON object instead of the summary.
         #[arg(long)]
         json: bool,
     },
@@ -112,6 +123,32 @@ fn main() -> anyhow::Result<()> {
                 for (worker, n) in &r.per_worker {
                     println!("  {worker}: {n} requests");
                 }
+            }
+        }
+        Command::Agents { cfg, json } => {
+            anyhow::ensure!(cfg.vocab_size > cfg.first_token && cfg.turns > 0, "invalid session parameters");
+            let r = agents::run(&cfg);
+            if json {
+                println!("{}", r.to_json());
+            } else {
+                println!(
+                    "agents: {} sessions, {} tokens +{} a turn, {} turns{}",
+                    cfg.sessions,
+                    cfg.start_tokens,
+                    cfg.turn_tokens,
+                    cfg.turns,
+                    if cfg.unique { ", unique histories" } else { "" }
+                );
+                println!(
+                    "turns {} (errors {}) in {:.1} s: TTFT p50 {:.0} ms, p99 {:.0} ms, mean {:.0} ms (after the first turn {:.0} ms)",
+                    r.turns, r.errors, r.duration_s, r.ttft_p50_ms, r.ttft_p99_ms, r.ttft_mean_ms, r.later_ttft_mean_ms
+                );
+                println!(
+                    "{:.1} output tok/s, {:.0} prompt tok/s, {:.1}% of prompt tokens cached",
+                    r.output_tok_per_s,
+                    r.prompt_tok_per_s,
+                    100.0 * r.cached_fraction
+                );
             }
         }
         Command::Simulate { workers, workload, policy, json } => {
