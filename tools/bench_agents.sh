@@ -2,11 +2,13 @@
 # The agent-session benchmark of issue 60: `tinyvllm-bench agents` against a
 # coordinator with 2 local workers of the SmolLM-135M shape (random
 # weights, f16 KV cache) whose KV pools hold about 3 sessions each, with the
-# second tier off, in host memory, and on disk. One worker thread each (the
-# machine's 2 cores shared). Prints one JSON line per mode.
+# second tier off, in host memory, on disk (both without peer fetch), and
+# in memory with peer fetch; `unique-*` modes send fresh histories every
+# turn (nothing to reuse). One worker thread each (the machine's 2 cores
+# shared). Prints one JSON line per mode.
 #
 #   tools/bench_agents.sh DIR
-#   SESSIONS=8 START=8192 TURN=500 TURNS=10 MODES="off ram disk unique-off unique-ram" tools/bench_agents.sh DIR
+#   SESSIONS=8 START=8192 TURN=500 TURNS=10 MODES="off ram disk peer unique-off unique-ram" tools/bench_agents.sh DIR
 set -euo pipefail
 DIR=${1:?usage: tools/bench_agents.sh DIR}
 SESSIONS=${SESSIONS:-8}
@@ -27,11 +29,13 @@ longest=$((START + TURN * (TURNS - 1) + 64))
 per_token=23040 # 30 layers x 3 kv heads x 64 x K and V x 2 bytes (f16)
 kv=$((3 * longest * per_token))
 tier=$((SESSIONS * longest * per_token))
-for mode in ${MODES:-off ram unique-off unique-ram}; do
+for mode in ${MODES:-off ram disk peer unique-off unique-ram}; do
   extra=() unique=()
   case $mode in
-    *ram) extra=(--worker-arg=--kv-offload-bytes=$tier) ;;
-    *disk) rm -rf "$DIR/tier"; extra=(--worker-arg=--kv-offload-bytes=$tier --worker-arg=--kv-offload-dir=$DIR/tier) ;;
+    off | unique-off) extra=(--no-peer-fetch) ;;
+    *ram) extra=(--no-peer-fetch --worker-arg=--kv-offload-bytes=$tier) ;;
+    *disk) rm -rf "$DIR/tier"; extra=(--no-peer-fetch --worker-arg=--kv-offload-bytes=$tier --worker-arg=--kv-offload-dir=$DIR/tier) ;;
+    peer) extra=(--worker-arg=--kv-offload-bytes=$tier) ;;
   esac
   case $mode in unique-*) unique=(--unique) ;; esac
   port=$((18000 + RANDOM % 2000))

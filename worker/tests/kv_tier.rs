@@ -310,3 +310,54 @@ fn another_format_never_reads_the_tier() {
     assert_eq!(std::fs::read_dir(&root).unwrap().count(), 2, "one directory per identity");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Peer fetch's engine side, for every golden model: one engine serves
+/// the cases; another, which never saw them, keeps the blocks the first
+/// exports for each prompt and gives transformers' tokens from them.
+#[test]
+fn blocks_exported_by_one_engine_serve_another_exactly_for_every_golden_model() {
+    for file in GOLDEN {
+        let golden = load_golden(file);
+        let mut holder = engine(&golden.model, 512, &no_tier());
+        assert_eq!(round(&mut holder, &golden.cases, 0), expected(&golden), "{file}: the holder");
+        let mut receiver = engine(&golden.model, 512, &memory_tier());
+        assert_eq!(receiver.kv_identity(), holder.kv_identity(), "{file}: one identity");
+        let mut sent = 0;
+        for case in &golden.cases {
+            let chain = common::hash_prompt_blocks(&case.prompt_ids, 16);
+            let blocks = holder.export_kv_blocks(&chain).unwrap();
+            assert_eq!(blocks.len(), chain.len(), "{file}: the holder has every full block of the prompt");
+            sent += receiver.import_kv_blocks(holder.kv_identity(), blocks);
+        }
+        assert!(sent > 0, "{file}");
+        assert_eq!(round(&mut receiver, &golden.cases, 100), expected(&golden), "{file}: from the peer's blocks");
+        let stats = receiver.stats().tier;
+        assert!(stats.imported as usize == sent && stats.restored > 0, "{file}: {stats:?}");
+    }
+}
+
+/// A peer's blocks that are not what their hashes say (other tokens, a
+/// broken chain, another size or identity) are refused, and the prompt is
+/// computed, exactly.
+#[test]
+fn blocks_that_do_not_match_their_hashes_are_refused() {
+    let golden = load_golden("stories260K.json");
+    let case = golden.cases.iter().max_by_key(|c| c.prompt_ids.len()).unwrap().clone();
+    let mut holder = engine(&golden.model, 512, &no_tier());
+    round(&mut holder, std::slice::from_ref(&case), 0);
+    let chain = common::hash_prompt_blocks(&case.prompt_ids, 16);
+    let good = holder.export_kv_blocks(&chain).unwrap();
+    let mut receiver = engine(&golden.model, 512, &memory_tier());
+    let identity = holder.kv_identity();
+    let mut other_tokens = good.clone();
+    other_tokens[0].tokens[3] ^= 1;
+    assert_eq!(receiver.import_kv_blocks(identity, other_tokens), 0);
+    let mut broken_chain = good.clone();
+    broken_chain.remove(1);
+    assert_eq!(receiver.import_kv_blocks(identity, broken_chain), 1, "the first only: the chain breaks after it");
+    let mut short = good.clone();
+    short[1].bytes.pop();
+    assert_eq!(receiver.import_kv_blocks(identity, short[1..].to_vec()), 0);
+    assert_eq!(receiver.import_kv_blocks(identity ^ 1, good.clone()), 0, "another identity");
+    assert_eq!(round(&mut receiver, std::slice::from_ref(&case), 100), vec![case.generated_ids.clone()]);
+}
