@@ -89,6 +89,12 @@ pub struct KvBlock {
     pub bytes: Vec<u8>,
 }
 
+/// The `transfer` of `ExportedKv` frames a draining worker sends unasked
+/// before it exits: its cached blocks, for the coordinator to pass to a
+/// peer that keeps them (its sessions' next turns then find them there).
+/// The coordinator answers the last frame with `HandedOff`.
+pub const KV_HANDOFF: u64 = u64::MAX;
+
 /// Most bytes of blocks one `ExportedKv` frame carries (a frame is at most
 /// [`MAX_FRAME_BYTES`]); a block larger than this is not sent.
 pub const KV_EXPORT_FRAME_BYTES: usize = 4 << 20;
@@ -294,6 +300,8 @@ pub enum CoordinatorMessage {
         transfer: u64,
         hashes: Vec<crate::BlockHash>,
     },
+    /// The draining worker's handoff (`KV_HANDOFF`) was passed on: it may exit.
+    HandedOff,
     /// Blocks a peer of KV identity `identity` sent: keep them in the
     /// second tier (each checked).
     ImportKv {

@@ -70,3 +70,27 @@ fn a_prefix_is_fetched_from_the_peer_holding_it_and_a_killed_peer_is_survived() 
         log.text()
     );
 }
+
+/// A worker that drains hands its cached blocks to a peer before it exits:
+/// the prompt it served is then a (tier) hit on the other worker, exactly.
+#[test]
+fn a_draining_worker_hands_its_cache_to_a_peer() {
+    let (cluster, log) = Coordinator::start_logged(
+        MODEL,
+        2,
+        &["--worker-arg=--kv-offload-bytes=64000000", "--worker-arg=--kv-cache-memory=8000000"],
+    );
+    let p = prompt(3);
+    let (text, first, _) = complete(&cluster, &p);
+    let pid = cluster.local_worker_pid(&first).expect("its pid");
+    signal(pid, "-TERM");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !log.text().contains("KV handoff passed on") {
+        assert!(Instant::now() < deadline, "no handoff:\n{}", log.text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500)); // the peer's tier events reach the router
+    let (again, second, cached) = complete(&cluster, &p);
+    assert_eq!(again, text);
+    assert!(cached >= 288, "served by {second} with {cached} cached (the first was {first}):\n{}", log.text());
+}

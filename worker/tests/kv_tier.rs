@@ -337,7 +337,7 @@ fn blocks_exported_by_one_engine_serve_another_exactly_for_every_golden_model() 
 }
 
 /// A peer's blocks that are not what their hashes say (other tokens, a
-/// broken chain, another size or identity) are refused, and the prompt is
+/// parent its hash does not name, another size or identity) are refused, and the prompt is
 /// computed, exactly.
 #[test]
 fn blocks_that_do_not_match_their_hashes_are_refused() {
@@ -351,13 +351,13 @@ fn blocks_that_do_not_match_their_hashes_are_refused() {
     let identity = holder.kv_identity();
     let mut other_tokens = good.clone();
     other_tokens[0].tokens[3] ^= 1;
-    assert_eq!(receiver.import_kv_blocks(identity, other_tokens), 0);
-    let mut broken_chain = good.clone();
-    broken_chain.remove(1);
-    assert_eq!(receiver.import_kv_blocks(identity, broken_chain), 1, "the first only: the chain breaks after it");
+    assert_eq!(receiver.import_kv_blocks(identity, other_tokens[..1].to_vec()), 0, "tokens its hash does not name");
+    let mut forged_parent = good.clone();
+    forged_parent[1].parent = Some(good[3].hash);
+    assert_eq!(receiver.import_kv_blocks(identity, forged_parent[1..2].to_vec()), 0, "a parent its hash does not name");
     let mut short = good.clone();
     short[1].bytes.pop();
-    assert_eq!(receiver.import_kv_blocks(identity, short[1..].to_vec()), 0);
+    assert_eq!(receiver.import_kv_blocks(identity, short[1..2].to_vec()), 0, "another block size");
     assert_eq!(receiver.import_kv_blocks(identity ^ 1, good.clone()), 0, "another identity");
     assert_eq!(round(&mut receiver, std::slice::from_ref(&case), 100), vec![case.generated_ids.clone()]);
 }

@@ -154,6 +154,9 @@ impl Cluster {
         blocks: Vec<common::protocol::KvBlock>,
         last: bool,
     ) {
+        if transfer == common::protocol::KV_HANDOFF {
+            return self.on_handoff(state, from, blocks, last);
+        }
         let Some(t) = state.fetches.get_mut(transfer) else { return }; // late: given up on
         if t.from != from {
             return;
@@ -167,6 +170,31 @@ impl Cluster {
         }
         if last {
             self.release_fetch(state, transfer, true);
+        }
+    }
+
+    /// A draining worker's blocks: passed to the least loaded ready peer of
+    /// its identity that keeps a peer's blocks (dropped when there is none);
+    /// the last frame is confirmed, so the worker may close.
+    fn on_handoff(&self, state: &mut State, from: WorkerId, blocks: Vec<common::protocol::KvBlock>, last: bool) {
+        let Some(identity) = state.registry.get(from).map(|w| w.kv_identity) else { return };
+        let ready = state.registry.ready_except(Some(from));
+        let target = ready
+            .into_iter()
+            .filter_map(|id| state.registry.get(id).map(|w| (id, w)))
+            .filter(|(_, w)| w.kv_tier && w.kv_identity == identity)
+            .min_by_key(|(id, w)| (w.in_flight, *id))
+            .map(|(id, _)| id);
+        if let Some(target) = target.and_then(|id| state.registry.get(id))
+            && !blocks.is_empty()
+        {
+            target.send(CoordinatorMessage::ImportKv { identity, blocks });
+        }
+        if last {
+            tracing::info!("worker {}'s KV handoff passed on", state.registry.label(from));
+            if let Some(w) = state.registry.get(from) {
+                w.send(CoordinatorMessage::HandedOff);
+            }
         }
     }
 

@@ -173,9 +173,18 @@ impl Engine {
         self.tier.is_some()
     }
 
-    /// The leading blocks of `hashes` (a prefix chain) this engine holds in
-    /// its pool or its tier's host memory, for a peer; stops at the first
-    /// it lacks (or one too large for a frame).
+    /// Every block this engine could send a peer (its pool's cached blocks,
+    /// its tier's in host memory): a draining worker's handoff.
+    pub fn export_all_kv_blocks(&mut self) -> Result<Vec<KvBlock>> {
+        let kv = self.scheduler.kv_cache_manager();
+        let mut hashes: Vec<BlockHash> = kv.kv_snapshot().1.into_iter().map(|(hash, _)| hash).collect();
+        hashes.extend(kv.tier_snapshot().into_iter().map(|(hash, _)| hash));
+        self.export_kv_blocks(&hashes)
+    }
+
+    /// The blocks of `hashes` this engine holds in its pool or its tier's
+    /// host memory, for a peer (those it lacks, or too large for a frame,
+    /// are skipped).
     pub fn export_kv_blocks(&mut self, hashes: &[BlockHash]) -> Result<Vec<KvBlock>> {
         let mut out = Vec::new();
         for &hash in hashes {
@@ -192,11 +201,11 @@ impl Engine {
                     (Some((parent, tokens, _)), Some(bytes)) => {
                         KvBlock { hash, parent, tokens: tokens.to_vec(), bytes: bytes.to_vec() }
                     }
-                    _ => break,
+                    _ => continue,
                 }
             };
             if block.bytes.len() > KV_EXPORT_FRAME_BYTES {
-                break;
+                continue;
             }
             out.push(block);
         }
@@ -204,9 +213,9 @@ impl Engine {
     }
 
     /// Keeps blocks a peer sent in the tier, each checked first: its hash
-    /// is its parent's and tokens' (a chain, in order), it is one block of
-    /// this engine's size, and `identity` is this engine's. Returns how
-    /// many were kept.
+    /// is its parent's and tokens' (so it can only ever serve the prefix it
+    /// names), it is one block of this engine's size, and `identity` is this
+    /// engine's. Returns how many were kept.
     pub fn import_kv_blocks(&mut self, identity: u64, blocks: Vec<KvBlock>) -> usize {
         let Some(store) = &mut self.tier else { return 0 };
         if identity != self.kv_identity {
@@ -215,17 +224,15 @@ impl Engine {
         }
         let block_size = self.scheduler.config().block_size;
         let kv = self.scheduler.kv_cache_manager_mut();
-        let (mut kept, mut previous) = (0, None);
+        let mut kept = 0;
         for block in blocks {
             let sound = block.tokens.len() == block_size
                 && block.bytes.len() == store.block_bytes()
-                && hash_block_tokens(block.parent, &block.tokens, &[]) == block.hash
-                && previous.is_none_or(|p| block.parent == Some(p));
+                && hash_block_tokens(block.parent, &block.tokens, &[]) == block.hash;
             if !sound {
                 tracing::warn!(hash = ?block.hash, "a peer's KV block refused: it is not what its hash says");
-                break;
+                continue;
             }
-            previous = Some(block.hash);
             if kv.tier_import(block.hash, block.parent, &block.tokens) {
                 store.keep(block.hash, block.parent, &block.tokens, block.bytes);
                 kept += 1;

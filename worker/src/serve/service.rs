@@ -286,6 +286,7 @@ pub fn engine_loop(
             let _ = out.send(WorkerMessage::Stats(wire_stats(&engine.stats(), prefill_rate.tokens_per_s)));
         }
         if draining && !engine.has_unfinished() && compiling.is_empty() {
+            hand_off(&mut engine, &out);
             return;
         }
     }
@@ -472,6 +473,7 @@ async fn control_loop(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut latest_stats = WorkerStats { kv_blocks_total: kv_capacity_blocks, ..WorkerStats::default() };
     let mut last_sent = Instant::now();
+    let mut handing_off = false;
     loop {
         tokio::select! {
             _ = heartbeat.tick() => {
@@ -508,6 +510,7 @@ async fn control_loop(
                     Some(Ok(Some(CoordinatorMessage::ImportKv { identity, blocks }))) => {
                         EngineCommand::ImportKv { identity, blocks }
                     }
+                    Some(Ok(Some(CoordinatorMessage::HandedOff))) => continue,
                     Some(Ok(None)) | None => return SessionEnd::Disconnected("coordinator closed the stream".into()),
                     Some(Err(e)) => return SessionEnd::Disconnected(e.to_string()),
                 };
@@ -516,7 +519,15 @@ async fn control_loop(
                 }
             }
             message = from_engine.recv() => {
-                let Some(message) = message else { return SessionEnd::EngineStopped };
+                let Some(message) = message else {
+                    if handing_off {
+                        await_handoff(frames).await;
+                    }
+                    return SessionEnd::EngineStopped;
+                };
+                if let WorkerMessage::ExportedKv { transfer: common::protocol::KV_HANDOFF, last: true, .. } = &message {
+                    handing_off = true;
+                }
                 if let WorkerMessage::Stats(stats) = &message {
                     latest_stats = stats.clone();
                     last_sent = Instant::now();
@@ -534,6 +545,39 @@ async fn resolve(host_port: &str) -> Result<SocketAddr, ServiceError> {
         .await
         .map_err(|e| ServiceError::Address(host_port.to_string(), e.to_string()))?;
     addrs.next().ok_or_else(|| ServiceError::Address(host_port.to_string(), "no address".into()))
+}
+
+/// Waits (a while) for the coordinator to say a handoff was passed on: the
+/// connection's close would drop frames still in flight.
+async fn await_handoff(frames: &mut mpsc::Receiver<Result<Option<CoordinatorMessage>, transport::TransportError>>) {
+    let acked = async {
+        while let Some(Ok(Some(frame))) = frames.recv().await {
+            if matches!(frame, CoordinatorMessage::HandedOff) {
+                return;
+            }
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(10), acked).await.is_err() {
+        tracing::warn!("draining: the coordinator did not confirm the KV handoff");
+    }
+}
+
+/// A draining worker with a second tier sends its cached blocks before it
+/// exits (`KV_HANDOFF`): the coordinator passes them to a peer that keeps
+/// them, so its sessions' next turns find their history there.
+fn hand_off(engine: &mut Engine, out: &mpsc::UnboundedSender<WorkerMessage>) {
+    if !engine.takes_kv_imports() {
+        return;
+    }
+    match engine.export_all_kv_blocks() {
+        Ok(blocks) => {
+            tracing::info!(blocks = blocks.len(), "draining: handing the KV cache's blocks to a peer");
+            for frame in export_frames(common::protocol::KV_HANDOFF, blocks) {
+                let _ = out.send(frame);
+            }
+        }
+        Err(e) => tracing::warn!("draining: the KV handoff failed: {e}"),
+    }
 }
 
 /// A peer's blocks in frames of at most `KV_EXPORT_FRAME_BYTES`, the last
