@@ -173,12 +173,14 @@ impl Engine {
         self.tier.is_some()
     }
 
-    /// Every block this engine could send a peer (its pool's cached blocks,
-    /// its tier's in host memory): a draining worker's handoff.
-    pub fn export_all_kv_blocks(&mut self) -> Result<Vec<KvBlock>> {
+    /// The blocks this engine could send a peer, up to `max_bytes`: its
+    /// pool's cached blocks, then its tier's most recently used (in host
+    /// memory): a draining worker's handoff.
+    pub fn export_all_kv_blocks(&mut self, max_bytes: usize) -> Result<Vec<KvBlock>> {
         let kv = self.scheduler.kv_cache_manager();
         let mut hashes: Vec<BlockHash> = kv.kv_snapshot().1.into_iter().map(|(hash, _)| hash).collect();
-        hashes.extend(kv.tier_snapshot().into_iter().map(|(hash, _)| hash));
+        hashes.extend(kv.tier_snapshot().into_iter().rev().map(|(hash, _)| hash));
+        hashes.truncate(max_bytes / self.runner.kv_block_bytes().max(1));
         self.export_kv_blocks(&hashes)
     }
 

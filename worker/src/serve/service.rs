@@ -562,6 +562,10 @@ async fn await_handoff(frames: &mut mpsc::Receiver<Result<Option<CoordinatorMess
     }
 }
 
+/// Most bytes of blocks a draining worker hands off (they are copied into
+/// frames at once: this bounds the memory the handoff adds).
+const HANDOFF_BYTES: usize = 1 << 30;
+
 /// A draining worker with a second tier sends its cached blocks before it
 /// exits (`KV_HANDOFF`): the coordinator passes them to a peer that keeps
 /// them, so its sessions' next turns find their history there.
@@ -569,7 +573,7 @@ fn hand_off(engine: &mut Engine, out: &mpsc::UnboundedSender<WorkerMessage>) {
     if !engine.takes_kv_imports() {
         return;
     }
-    match engine.export_all_kv_blocks() {
+    match engine.export_all_kv_blocks(HANDOFF_BYTES) {
         Ok(blocks) => {
             tracing::info!(blocks = blocks.len(), "draining: handing the KV cache's blocks to a peer");
             for frame in export_frames(common::protocol::KV_HANDOFF, blocks) {
