@@ -4,6 +4,7 @@
 //! structured-output grammars off the step loop.
 
 pub mod compile;
+mod handoff;
 
 pub mod metrics;
 pub mod metrics_server;
