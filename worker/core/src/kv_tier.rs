@@ -49,10 +49,6 @@ impl KvTier {
         Self { capacity, entries: HashMap::new(), by_use: BTreeMap::new(), clock: 0, pinned: HashSet::new() }
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     pub fn len(&self) -> usize {
         self.entries.len()
     }

@@ -61,7 +61,7 @@ pub(super) fn open(
         return refuse(&format!("of {} holds no block of {block_bytes} bytes", tier.bytes));
     }
     Ok(Some(match &tier.dir {
-        None => (TierStore::in_memory(identity.clone(), block_bytes), blocks, Vec::new()),
+        None => (TierStore::in_memory(block_bytes), blocks, Vec::new()),
         Some(dir) => {
             let (store, found) = TierStore::on_disk(dir, identity, block_bytes)?;
             (store, blocks, found)

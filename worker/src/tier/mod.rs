@@ -63,8 +63,6 @@ pub struct StoreStats {
 }
 
 pub struct TierStore {
-    /// The blocks' identity: a peer's blocks are taken only under the same.
-    identity: Identity,
     /// Host copies: every entry of a memory tier; on disk, those being
     /// written, loaded for a hit, or not yet cooled.
     ram: HashMap<BlockHash, Arc<[u8]>>,
@@ -78,9 +76,8 @@ pub struct TierStore {
 
 impl TierStore {
     /// A tier in host memory.
-    pub fn in_memory(identity: Identity, block_bytes: usize) -> Self {
+    pub fn in_memory(block_bytes: usize) -> Self {
         Self {
-            identity,
             ram: HashMap::new(),
             disk: None,
             writing: HashSet::new(),
@@ -95,16 +92,8 @@ impl TierStore {
     pub fn on_disk(root: &Path, identity: &Identity, block_bytes: usize) -> Result<(Self, Vec<FoundBlock>)> {
         let (disk, found) = Disk::open(root, identity)?;
         tracing::info!(dir = %disk.dir.display(), blocks = found.len(), "KV tier on disk: {}", identity.description);
-        let store = Self { disk: Some(disk), ..Self::in_memory(identity.clone(), block_bytes) };
+        let store = Self { disk: Some(disk), ..Self::in_memory(block_bytes) };
         Ok((store, found))
-    }
-
-    pub fn is_on_disk(&self) -> bool {
-        self.disk.is_some()
-    }
-
-    pub fn identity(&self) -> &Identity {
-        &self.identity
     }
 
     pub fn block_bytes(&self) -> usize {
@@ -214,10 +203,5 @@ impl TierStore {
     /// Loads asked for and not yet reported.
     pub fn loads_in_flight(&self) -> usize {
         self.loads_in_flight
-    }
-
-    /// Blocks whose host copies are held.
-    pub fn num_in_memory(&self) -> usize {
-        self.ram.len()
     }
 }
