@@ -20,11 +20,8 @@ W=target/release/tinyvllm-worker
 C=target/release/tinyvllm-coordinator
 B=target/release/tinyvllm-bench
 mkdir -p "$DIR"
-if [ ! -f "$DIR/smollm/config.json" ]; then
-  $W export-random --preset smollm-135m --tokenizer-from tests/models/tiny-qwen3 --out "$DIR/smollm"
-  python3 -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['max_position_embeddings']=40960; json.dump(c,open(p,'w'))" \
-    "$DIR/smollm/config.json"
-fi
+. "$(dirname "$0")/smollm_random.sh"
+ensure_smollm "$DIR" "$W"
 longest=$((START + TURN * (TURNS - 1) + 64))
 per_token=23040 # 30 layers x 3 kv heads x 64 x K and V x 2 bytes (f16)
 kv=$((3 * longest * per_token))

@@ -19,11 +19,8 @@ export RAYON_NUM_THREADS=$THREADS
 cargo build --release -q -p tinyvllm-worker
 W=target/release/tinyvllm-worker
 mkdir -p "$DIR"
-if [ ! -f "$DIR/smollm/config.json" ]; then
-  $W export-random --preset smollm-135m --tokenizer-from tests/models/tiny-qwen3 --out "$DIR/smollm"
-  python3 -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['max_position_embeddings']=40960; json.dump(c,open(p,'w'))" \
-    "$DIR/smollm/config.json"
-fi
+. "$(dirname "$0")/smollm_random.sh"
+ensure_smollm "$DIR" "$W"
 for t in ${TYPES:-f16 q8_0}; do
   [ -f "$DIR/smollm-$t.gguf" ] || $W export-gguf --model "$DIR/smollm" --out "$DIR/smollm-$t.gguf" --type "$t"
 done
