@@ -58,15 +58,17 @@ fn matches_reference_across_shapes_in_f32() {
 }
 
 /// Long decode contexts, which the CPU kernel splits into items of 512+
-/// keys (block-aligned) merged after: just under and over the split, many
-/// parts, a window that leaves one part or several, sinks, beside a prefill
-/// chunk; the AVX2 lanes (head_dim 32) and the portable loops (head_dim 12),
-/// an f16 cache.
+/// keys (block-aligned, each of every kv head on the AVX2 decode path)
+/// merged after: just under and over the split, many parts, a window that
+/// leaves one part or several, sinks, beside a prefill chunk; GQA groups of
+/// 4, 3, 1, 8 and 7 on the AVX2 decode path (head_dims 32, 64, 40) and the
+/// portable loops (head_dim 12), an f16 cache.
 #[test]
 fn long_decode_contexts_split_and_merge_like_the_reference() {
     let mut rng = StdRng::seed_from_u64(23);
     let seqs = [(1, 1024), (1, 1025), (1, 3001), (12, 60), (1, 4500)];
-    for (heads, kv_heads, head_dim, block_size) in [(8, 2, 32, 16), (9, 3, 12, 5), (4, 4, 64, 16)] {
+    let shapes = [(8, 2, 32, 16), (9, 3, 12, 5), (4, 4, 64, 16), (9, 3, 64, 16), (32, 4, 64, 16), (14, 2, 40, 16)];
+    for (heads, kv_heads, head_dim, block_size) in shapes {
         for window in [None, Some(700), Some(1500)] {
             let g = Geometry { window, ..Geometry::new(heads, kv_heads, head_dim, block_size) };
             let case = make_case(&mut rng, &seqs, g);

@@ -78,6 +78,23 @@ fn attention_over_f16_and_q8_caches_matches_reference() {
     }
 }
 
+/// Long decode contexts (split into parts of every kv head, merged after)
+/// over f16 and q8_0 caches: GQA groups of 3 (f16 read in place), 8 (f16
+/// widened once a block) and 7, a window, beside a prefill chunk.
+#[test]
+fn long_decode_contexts_over_narrow_caches_match_reference() {
+    let mut rng = StdRng::seed_from_u64(53);
+    let seqs = [(1, 1025), (12, 60), (1, 3001)];
+    for format in [KvCacheDtype::F16, KvCacheDtype::Q8_0] {
+        for (heads, kv_heads, head_dim, window) in [(9, 3, 64, None), (32, 4, 64, Some(1500)), (14, 2, 40, None)] {
+            let g = Geometry { window, ..Geometry::new(heads, kv_heads, head_dim, 16) };
+            let case = make_case(&mut rng, &seqs, g);
+            let what = format!("{format} long heads {heads}/{kv_heads} hd {head_dim} window {window:?}");
+            compare(&narrow_case(&case, format), format, &what);
+        }
+    }
+}
+
 /// Quantizing is lossy, but only by half a step of each row:
 /// attention over a q8_0 cache stays close to attention over f32.
 #[test]

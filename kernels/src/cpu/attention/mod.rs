@@ -17,6 +17,8 @@ use super::{Elem, OutPtr, exp_poly};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod group_decode;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod rows;
@@ -76,7 +78,11 @@ fn reserve_len(v: &mut Vec<f32>, len: usize) {
 #[derive(Clone, Copy)]
 struct Item {
     seq: usize,
+    /// Kv heads `kv_head..kv_head + kv_heads`: one, but all of them in a
+    /// split decode context's items on the [`group_decode`] path (a block's
+    /// rows of every head are contiguous, read as one stream).
     kv_head: usize,
+    kv_heads: usize,
     /// Query rows `row0..row0 + rows`, at positions `pos0..`.
     row0: usize,
     rows: usize,
@@ -89,6 +95,11 @@ struct Item {
 impl Item {
     fn is_split(&self) -> bool {
         self.keys != (0, usize::MAX)
+    }
+
+    /// The query heads of the item's kv heads, of `group` each.
+    fn heads(&self, group: usize) -> usize {
+        self.kv_heads * group
     }
 }
 
@@ -111,6 +122,27 @@ impl PagedAttention<'_> {
         (block as usize * self.dims.block_size * self.dims.num_kv_heads + kv_head) * rl
     }
 
+    /// Asks for the K and V rows of kv heads `kv_head..kv_head + kv_heads`
+    /// in pool block `block`, into L2 (see [`Self::run_item_lanes`]): one
+    /// range when they are every head's (a block's rows are contiguous).
+    #[inline(always)]
+    fn prefetch_head_rows<C: KvRows>(&self, block: u32, (kv_head, kv_heads): (usize, usize), (k, v): (&[C], &[C])) {
+        let (bs, n) = (self.dims.block_size, self.dims.num_kv_heads);
+        let rl = C::row_len(self.dims.head_dim);
+        let base = self.head_rows_start(block, kv_head, rl);
+        for cache in [k, v] {
+            let end = cache.as_ptr_range().end.cast::<u8>();
+            let at = |e: usize| cache.as_ptr().wrapping_add(e).cast::<u8>();
+            if kv_heads == n {
+                super::prefetch_into_l2_within(at(base), bs * n * rl * size_of::<C>(), end);
+                continue;
+            }
+            for t in 0..bs {
+                super::prefetch_into_l2_within(at(base + t * n * rl), kv_heads * rl * size_of::<C>(), end);
+            }
+        }
+    }
+
     /// Keys t0..t1 of the block at position `start` (of `len` keys) that
     /// the query at `q_pos` of `item` sees: its visible keys inside the
     /// item's share of them.
@@ -126,8 +158,23 @@ impl PagedAttention<'_> {
         for s in 0..self.meta.num_seqs() {
             let range = self.meta.query_range(s);
             let first_pos = self.meta.context_lens[s] as usize - range.len();
+            let all_heads = |keys| Item {
+                seq: s,
+                kv_head: 0,
+                kv_heads: self.dims.num_kv_heads,
+                row0: range.start,
+                rows: 1,
+                pos0: first_pos,
+                keys,
+            };
+            if range.len() == 1
+                && self.decodes_in_groups()
+                && self.split_decode(first_pos, &mut |keys| items.push(all_heads(keys)))
+            {
+                continue;
+            }
             for kv_head in 0..self.dims.num_kv_heads {
-                let item = |row0, rows, pos0, keys| Item { seq: s, kv_head, row0, rows, pos0, keys };
+                let item = |row0, rows, pos0, keys| Item { seq: s, kv_head, kv_heads: 1, row0, rows, pos0, keys };
                 if range.len() == 1
                     && self.split_decode(first_pos, &mut |keys| items.push(item(range.start, 1, first_pos, keys)))
                 {
@@ -144,11 +191,27 @@ impl PagedAttention<'_> {
         items
     }
 
+    /// Whether decode items run [`Self::run_decode_group`].
+    fn decodes_in_groups(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return super::isa::has_avx2_fma()
+            && super::isa::features().f16c
+            && self.dims.head_dim.is_multiple_of(8)
+            && self.dims.num_heads / self.dims.num_kv_heads <= group_decode::MAX_GROUP;
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     /// Attention for one item, left in `s.acc` as [rows, group, head_dim]:
     /// with AVX2 and FMA by [`Self::run_item_lanes`], with NEON or portable
     /// loops by [`Self::run_item_with`]. The paths differ in rounding (FMA,
     /// summation order), all within the tests' tolerance of the reference.
     fn run_item<T: Elem, C: KvRows>(&self, item: Item, q: &[T], k: &[C], v: &[C], s: &mut Scratch) {
+        #[cfg(target_arch = "x86_64")]
+        if item.rows == 1 && self.decodes_in_groups() {
+            // SAFETY: the CPU has AVX2, FMA and F16C; head_dim is whole 8-lane chunks.
+            return unsafe { self.run_decode_group(item, q, k, v, s) };
+        }
         #[cfg(target_arch = "x86_64")]
         if super::isa::has_avx2_fma() && self.dims.head_dim.is_multiple_of(8) {
             // SAFETY: the CPU has AVX2 and FMA; head_dim is whole 8-lane chunks.
@@ -197,14 +260,8 @@ impl PagedAttention<'_> {
         // block's rows can evict the block being read; a harness of the
         // kernel alone had L1 ahead, so see docs/kernel-notes.md.
         let prefetch_block = |b: usize| {
-            let Some(&block) = table.get(b).filter(|_| b <= last_block) else { return };
-            let base = self.head_rows_start(block, item.kv_head, rl);
-            for cache in [k, v] {
-                let end = cache.as_ptr_range().end.cast::<u8>();
-                for t in 0..bs {
-                    let row = cache.as_ptr().wrapping_add(base + t * row_stride).cast::<u8>();
-                    super::prefetch_into_l2_within(row, rl * size_of::<C>(), end);
-                }
+            if let Some(&block) = table.get(b).filter(|_| b <= last_block) {
+                self.prefetch_head_rows(block, (item.kv_head, 1), (k, v));
             }
         };
         prefetch_block(first_block);
@@ -360,7 +417,7 @@ impl PagedAttention<'_> {
         for r in 0..n {
             let (mut total, mut keep) = (sum[r], 1.0);
             if let Some(sinks) = self.sinks {
-                let sink = sinks[item.kv_head * group + r % group];
+                let sink = sinks[item.kv_head * group + r % item.heads(group)];
                 let m = max[r].max(sink);
                 keep = (max[r] - m).exp();
                 total = sum[r] * keep + (sink - m).exp();
@@ -384,14 +441,14 @@ impl PagedAttention<'_> {
         let items = self.items();
         // q.k and p.v for every visible key, roughly (causal halves aside).
         let macs: usize =
-            items.iter().map(|it| it.rows * group * self.meta.context_lens[it.seq] as usize).sum::<usize>()
+            items.iter().map(|it| it.rows * it.heads(group) * self.meta.context_lens[it.seq] as usize).sum::<usize>()
                 * 2
                 * d.head_dim;
         assert_eq!(out.len(), d.num_tokens * d.num_heads * d.head_dim, "checked by the caller");
         let out = OutPtr(out.as_mut_ptr());
-        // A split item's unnormalised result, [group, head_dim] then the
-        // group's maxima and sums, in its own slot.
-        let slot = group * (d.head_dim + 2);
+        // A split item's unnormalised result, [heads, head_dim] then its
+        // heads' maxima and sums, in its own slot.
+        let slot = items.iter().map(|it| it.heads(group)).max().unwrap_or(0) * (d.head_dim + 2);
         let mut partials = vec![0f32; if items.iter().any(Item::is_split) { items.len() * slot } else { 0 }];
         let parts = OutPtr(partials.as_mut_ptr());
         // Each item owns rows row0..row0 + rows of heads kv_head * group ..
@@ -403,21 +460,23 @@ impl PagedAttention<'_> {
                 // SAFETY: slot `index` is inside partials (sized for every
                 // item when any is split) and only this item writes it.
                 let dst = unsafe { std::slice::from_raw_parts_mut(parts.get().add(index * slot), slot) };
-                let (acc, rest) = dst.split_at_mut(group * d.head_dim);
-                acc.copy_from_slice(&s.acc[..group * d.head_dim]);
-                rest[..group].copy_from_slice(&s.max[..group]);
-                rest[group..].copy_from_slice(&s.sum[..group]);
+                let heads = item.heads(group);
+                let (acc, rest) = dst.split_at_mut(heads * d.head_dim);
+                acc.copy_from_slice(&s.acc[..heads * d.head_dim]);
+                rest[..heads].copy_from_slice(&s.max[..heads]);
+                rest[heads..2 * heads].copy_from_slice(&s.sum[..heads]);
                 return;
             }
+            let heads = item.heads(group);
             for i in 0..item.rows {
-                for j in 0..group {
+                for j in 0..heads {
                     let h = item.kv_head * group + j;
                     let at = ((item.row0 + i) * d.num_heads + h) * d.head_dim;
                     // SAFETY: at + head_dim <= T * heads * head_dim = out's
                     // length (row0 + i < T, h < heads); no other item writes
                     // this (row, head).
                     let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), d.head_dim) };
-                    for (o, &x) in dst.iter_mut().zip(&s.acc[(i * group + j) * d.head_dim..][..d.head_dim]) {
+                    for (o, &x) in dst.iter_mut().zip(&s.acc[(i * heads + j) * d.head_dim..][..d.head_dim]) {
                         *o = T::from_f32(x);
                     }
                 }
@@ -435,7 +494,7 @@ impl PagedAttention<'_> {
         }
         // SAFETY: the parallel loop is over; nothing else holds `out`.
         let out = unsafe { std::slice::from_raw_parts_mut(out.get(), d.num_tokens * d.num_heads * d.head_dim) };
-        self.merge_split(&items, &partials, group, out);
+        self.merge_split(&items, &partials, (group, slot), out);
     }
 }
 

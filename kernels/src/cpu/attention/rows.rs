@@ -20,6 +20,10 @@ pub(super) trait KvRows: Copy + Send + Sync + 'static {
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
     }
+    /// The rows themselves, when they are f16 (read in place with F16C).
+    fn as_f16(_: &[Self]) -> Option<&[f16]> {
+        None
+    }
     /// Widens one row (`row_len(dst.len())` units) into `dst`.
     fn widen_row(src: &[Self], dst: &mut [f32]);
 }
@@ -34,8 +38,11 @@ impl KvRows for f32 {
 }
 
 macro_rules! half_rows {
-    ($t:ty) => {
+    ($t:ty, $as_f16:expr) => {
         impl KvRows for $t {
+            fn as_f16(s: &[Self]) -> Option<&[f16]> {
+                $as_f16(s)
+            }
             #[inline(always)]
             fn widen_row(src: &[Self], dst: &mut [f32]) {
                 // half converts with F16C (x86-64) or NEON when the CPU has it.
@@ -45,8 +52,8 @@ macro_rules! half_rows {
         }
     };
 }
-half_rows!(f16);
-half_rows!(bf16);
+half_rows!(f16, Some);
+half_rows!(bf16, |_| None);
 
 impl KvRows for u8 {
     fn row_len(hd: usize) -> usize {

@@ -33,9 +33,15 @@ impl PagedAttention<'_> {
     /// Each split decode context's partial results merged as the online
     /// softmax would have (every part rescaled to the largest max), then
     /// normalised (sinks included) into its row of `out`.
-    pub(super) fn merge_split<T: Elem>(&self, items: &[Item], partials: &[f32], group: usize, out: &mut [T]) {
+    /// `slot`: the elements of an item's partial result.
+    pub(super) fn merge_split<T: Elem>(
+        &self,
+        items: &[Item],
+        partials: &[f32],
+        (group, slot): (usize, usize),
+        out: &mut [T],
+    ) {
         let hd = self.dims.head_dim;
-        let slot = group * (hd + 2);
         let mut i = 0;
         while i < items.len() {
             let first = items[i];
@@ -44,13 +50,14 @@ impl PagedAttention<'_> {
                 continue;
             }
             let end = i + items[i..].iter().take_while(|it| (it.seq, it.kv_head) == (first.seq, first.kv_head)).count();
+            let heads = first.heads(group);
             let part = |p: usize| &partials[p * slot..][..slot];
-            let mut acc = vec![0f32; group * hd];
-            let (mut max, mut sum) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
-            for r in 0..group {
-                max[r] = (i..end).map(|p| part(p)[group * hd + r]).fold(f32::NEG_INFINITY, f32::max);
+            let mut acc = vec![0f32; heads * hd];
+            let (mut max, mut sum) = (vec![f32::NEG_INFINITY; heads], vec![0f32; heads]);
+            for r in 0..heads {
+                max[r] = (i..end).map(|p| part(p)[heads * hd + r]).fold(f32::NEG_INFINITY, f32::max);
                 for p in i..end {
-                    let (m, s) = (part(p)[group * hd + r], part(p)[group * hd + group + r]);
+                    let (m, s) = (part(p)[heads * hd + r], part(p)[heads * hd + heads + r]);
                     if s == 0.0 {
                         continue;
                     }
@@ -61,8 +68,8 @@ impl PagedAttention<'_> {
                     }
                 }
             }
-            self.normalize(first, group, &mut acc, &max, &sum);
-            for j in 0..group {
+            self.normalize(first, heads, &mut acc, &max, &sum);
+            for j in 0..heads {
                 let at = (first.row0 * self.dims.num_heads + first.kv_head * group + j) * hd;
                 for (o, &x) in out[at..at + hd].iter_mut().zip(&acc[j * hd..][..hd]) {
                     *o = T::from_f32(x);
