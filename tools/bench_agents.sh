@@ -20,7 +20,7 @@ W=target/release/tinyvllm-worker
 C=target/release/tinyvllm-coordinator
 B=target/release/tinyvllm-bench
 mkdir -p "$DIR"
-. "$(dirname "$0")/smollm_random.sh"
+. "$(dirname "$0")/random_model.sh"
 ensure_smollm "$DIR" "$W"
 longest=$((START + TURN * (TURNS - 1) + 64))
 per_token=23040 # 30 layers x 3 kv heads x 64 x K and V x 2 bytes (f16)

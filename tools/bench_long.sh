@@ -1,38 +1,63 @@
 #!/usr/bin/env bash
 # Long contexts, ours and llama.cpp's on the same GGUF files (issue 59):
-# prefill of N tokens and batch-1 decode at about N tokens of context, on
-# SmolLM-135M's shape (its max positions raised to 40960), f16 and Q8_0.
+# prefill of N tokens, and decode at about N tokens of context for 1 and 4
+# sequences, on the SmolLM-135M shape (default) or TinyLlama-1.1B's
+# (MODEL=tinyllama), random weights with max positions raised to 40960.
 #
 #   tools/bench_long.sh DIR LLAMA_CPP_BIN_DIR
-#   CONTEXTS="4096 16384 32768" TYPES="f16 q8_0" tools/bench_long.sh ...
+#   MODEL=tinyllama CONTEXTS="4096 16384" TYPES=f16 BATCHES="1 4" KV="f32 f16" tools/bench_long.sh ...
 #
 # DIR gets (if missing) the random weights and their GGUF files. llama.cpp
-# runs with flash attention on (`-fa 1`), prefill as `-p N -n 0`, decode as
-# `-p 0 -n 64 -d N`; ours as `bench --input-len N` with one output token
-# (N / TTFT) and with 65 (1000 / TPOT, and --profile's attention share).
+# runs with flash attention on and its default f16 cache: prefill as
+# `llama-bench -p N -n 0`, batch-1 decode as `-p 0 -n 64 -d N`, batch-4
+# decode as `llama-batched-bench -npp N -ntg 64 -npl 4` (its S_TG: the
+# prompts are all computed before any sequence decodes). Ours: `bench
+# --input-len N` with one output token (N / TTFT), and with 65 for decode
+# (B x 1000 / TPOT, and --profile's attention share) with each KV cache
+# format in KV (our default f32, and f16 as llama.cpp's); a step's token
+# budget holds all B prompts, so ours too decode the B together.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:?usage: tools/bench_long.sh DIR LLAMA_CPP_BIN_DIR}
 LLAMA=${2:?usage: tools/bench_long.sh DIR LLAMA_CPP_BIN_DIR}
 THREADS=${THREADS:-2}
+MODEL=${MODEL:-smollm}
 export RAYON_NUM_THREADS=$THREADS
 cargo build --release -q -p tinyvllm-worker
 W=target/release/tinyvllm-worker
 mkdir -p "$DIR"
-. "$(dirname "$0")/smollm_random.sh"
-ensure_smollm "$DIR" "$W"
+. "$(dirname "$0")/random_model.sh"
+case $MODEL in
+  smollm) ensure_smollm "$DIR" "$W" ;;
+  tinyllama) ensure_random "$DIR" "$W" tinyllama-1.1b tinyllama ;;
+  *) echo "MODEL is smollm or tinyllama" >&2; exit 2 ;;
+esac
 for t in ${TYPES:-f16 q8_0}; do
-  [ -f "$DIR/smollm-$t.gguf" ] || $W export-gguf --model "$DIR/smollm" --out "$DIR/smollm-$t.gguf" --type "$t"
+  [ -f "$DIR/$MODEL-$t.gguf" ] || $W export-gguf --model "$DIR/$MODEL" --out "$DIR/$MODEL-$t.gguf" --type "$t"
 done
 for n in ${CONTEXTS:-4096 16384}; do
   for t in ${TYPES:-f16 q8_0}; do
-    f="$DIR/smollm-$t.gguf"
-    echo "### $t context $n $(date -u +%H:%M:%S)"
-    "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -fa 1 -p "$n" -n 0 -r 1 2>/dev/null | grep -E "pp$n"
-    $W bench --model "$f" --num-prompts 1 --input-len "$n" --output-len 1 --max-model-len $((n + 128)) \
-      --kv-cache-memory 4000000000 2>&1 | grep TTFT
-    "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -fa 1 -p 0 -n 64 -d "$n" -r 1 2>/dev/null | grep -E "tg64"
-    $W bench --model "$f" --num-prompts 1 --input-len "$n" --output-len 65 --max-model-len $((n + 128)) \
-      --kv-cache-memory 4000000000 --profile 2>&1 | grep -E "TPOT|^  attention|^  matmuls"
+    f="$DIR/$MODEL-$t.gguf"
+    echo "### $MODEL $t context $n $(date -u +%H:%M:%S)"
+    if [[ " ${PARTS:-prefill decode} " == *" prefill "* ]]; then
+      "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -fa 1 -p "$n" -n 0 -r 1 2>/dev/null | grep -E "pp$n" | sed 's/^/llama.cpp prefill: /'
+      $W bench --model "$f" --num-prompts 1 --input-len "$n" --output-len 1 --max-model-len $((n + 128)) \
+        --kv-cache-memory 4000000000 2>&1 | grep TTFT | sed 's/^/ours prefill: /'
+    fi
+    [[ " ${PARTS:-prefill decode} " == *" decode "* ]] || continue
+    for b in ${BATCHES:-1 4}; do
+      if [ "$b" = 1 ]; then
+        "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -fa 1 -p 0 -n 64 -d "$n" -r 1 2>/dev/null | grep -E "tg64" \
+          | sed 's/^/llama.cpp decode x1: /'
+      else
+        "$LLAMA/llama-batched-bench" -m "$f" -t "$THREADS" -fa on -c $((b * (n + 64))) -npp "$n" -ntg 64 -npl "$b" \
+          2>/dev/null | grep -E "^\|\s+$n" | sed "s/^/llama.cpp decode x$b (S_TG is the 8th column): /"
+      fi
+      for kv in ${KV:-f32 f16}; do
+        $W bench --model "$f" --num-prompts "$b" --input-len "$n" --output-len 65 --max-model-len $((n + 128)) \
+          --max-num-batched-tokens $((b * n + 64)) --kv-cache-memory $((b * (n + 256) * 60000)) --kv-cache-dtype "$kv" --profile 2>&1 \
+          | grep -E "TPOT|^  attention|^  step total" | sed "s/^/ours decode x$b, $kv cache: /"
+      done
+    done
   done
 done
