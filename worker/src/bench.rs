@@ -254,14 +254,19 @@ impl std::fmt::Display for BenchReport {
             "TTFT ms:  mean {:.1}  p50 {:.1}  p99 {:.1}",
             self.ttft.mean_ms, self.ttft.p50_ms, self.ttft.p99_ms
         )?;
-        writeln!(
-            f,
-            "TPOT ms:  mean {:.2}  p50 {:.2}  p99 {:.2}  (decode {:.1} tok/s per request)",
-            self.tpot.mean_ms,
-            self.tpot.p50_ms,
-            self.tpot.p99_ms,
-            1e3 / self.tpot.mean_ms.max(1e-9)
-        )?;
+        if a.output_len > 1 {
+            writeln!(
+                f,
+                "TPOT ms:  mean {:.2}  p50 {:.2}  p99 {:.2}  (decode {:.1} tok/s per request)",
+                self.tpot.mean_ms,
+                self.tpot.p50_ms,
+                self.tpot.p99_ms,
+                1e3 / self.tpot.mean_ms.max(1e-9)
+            )?;
+        } else {
+            // One output token: nothing is decoded after the first.
+            writeln!(f, "TPOT: none (one output token a request)")?;
+        }
         let spec = &self.spec_decoding;
         if spec.num_drafts > 0 {
             writeln!(

@@ -1,8 +1,109 @@
-//! The lane-wise loops of [`super::PagedAttention::run_item_lanes`] (AVX2, FMA):
+//! [`PagedAttention::run_item_lanes`] and its lane-wise loops (AVX2, FMA):
 //! the item's (query row, head) pairs are the lanes, `nl` of them, a
 //! multiple of 8 (padding lanes compute harmless values nobody reads).
 
 use std::arch::x86_64::*;
+
+use super::rows::KvRows;
+use super::{Elem, Item, PagedAttention, Scratch, block_rows, refill, reserve_len};
+
+impl PagedAttention<'_> {
+    /// [`Self::run_item_with`] with AVX2, the item's (query row, head) pairs
+    /// in the lanes of 8-wide vectors: a K/V row is loaded once for all of
+    /// them and the per-key work has no horizontal sums. Per block, scores
+    /// come from 8 keys at a time against the transposed queries, the online
+    /// softmax runs lane-wise, and values accumulate in tiles of 4 pairs x
+    /// 16 dims (8 FMA chains). That halves the time of a pair at a time
+    /// with 4-key dot products (the NEON path's shape) in prefill; decode
+    /// of groups up to 8 heads runs [`Self::run_decode_group`] instead.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available and head_dim a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn run_item_lanes<T: Elem, C: KvRows>(
+        &self,
+        item: Item,
+        q: &[T],
+        k: &[C],
+        v: &[C],
+        s: &mut Scratch,
+    ) {
+        let d = self.dims;
+        let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
+        let n = item.rows * group; // pairs, lane r = i * group + j
+        let nl = n.next_multiple_of(8);
+        let last_pos = item.pos0 + item.rows - 1;
+        let table = &self.meta.block_tables[item.seq];
+        let rl = C::row_len(hd);
+        let row_stride = d.num_kv_heads * rl;
+        let last_block = last_pos.min(item.keys.1.saturating_sub(1)) / bs;
+        let first_block = self.window_start(item.pos0).max(item.keys.0) / bs;
+        // The pool's blocks lie anywhere and a block's rows for one kv head
+        // are `row_stride` apart, which the hardware prefetchers do not
+        // follow: the first block's rows are asked for before the queries
+        // are read, and each next block's while this one computes. Into L2,
+        // not L1: in the worker that made decode attention 7-20% faster
+        // (Zen 4). K and V rows of one head of a block (256 B at a 1 KiB
+        // stride for TinyLlama) fall into 16 of L1's 64 sets, where the next
+        // block's rows can evict the block being read; a harness of the
+        // kernel alone had L1 ahead, so see docs/kernel-notes.md.
+        let prefetch_block = |b: usize| {
+            if let Some(&block) = table.get(b).filter(|_| b <= last_block) {
+                self.prefetch_head_rows(block, (item.kv_head, 1), (k, v));
+            }
+        };
+        prefetch_block(first_block);
+        let Scratch { qf, acc, max, sum, kb, vb, scores, corr } = s;
+        // The queries transposed, [head_dim, nl], pre-scaled; padding lanes 0.
+        refill(qf, hd * nl, 0.0);
+        for i in 0..item.rows {
+            for j in 0..group {
+                let (r, h) = (i * group + j, item.kv_head * group + j);
+                let src = &q[((item.row0 + i) * d.num_heads + h) * hd..][..hd];
+                for (c, &x) in src.iter().enumerate() {
+                    qf[c * nl + r] = x.to_f32() * self.scale;
+                }
+            }
+        }
+        refill(acc, nl * hd, 0.0);
+        refill(max, nl, f32::NEG_INFINITY);
+        refill(sum, nl, 0.0);
+        refill(corr, nl, 0.0);
+        refill(scores, bs * nl, 0.0);
+        reserve_len(kb, bs * hd);
+        reserve_len(vb, bs * hd);
+        let visible = |r: usize, start: usize, len: usize| self.item_keys(&item, item.pos0 + r / group, start, len);
+        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(first_block) {
+            let start = b * bs;
+            let len = bs.min(last_pos + 1 - start);
+            let base = self.head_rows_start(block, item.kv_head, rl);
+            prefetch_block(b + 1);
+            let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
+            // SAFETY: AVX2 and FMA per the caller (here and in the two calls
+            // below); qf is [hd, nl], rows 0..len of kr lie inside it
+            // `stride` apart, scores holds len x nl.
+            unsafe { self::scores(qf, nl, kr, stride, hd, len, scores) };
+            // Keys a pair does not see (the causal diagonal of a prompt,
+            // a window's edge) drop out as -inf; decode sees the whole block.
+            if (0..n).any(|r| visible(r, start, len) != (0, len)) {
+                for r in 0..nl {
+                    let (t0, t1) = if r < n { visible(r, start, len) } else { (0, len) };
+                    for t in (0..len).filter(|t| !(t0..t1).contains(t)) {
+                        scores[t * nl + r] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            // SAFETY: scores holds len x nl, max/sum/corr nl.
+            unsafe { softmax(scores, nl, len, max, sum, corr) };
+            // SAFETY: acc holds nl x hd, rows 0..len of vr lie inside it
+            // `stride` apart, scores len x nl, corr nl.
+            unsafe { accumulate(acc, hd, n, scores, nl, len, vr, stride, corr) };
+        }
+        if !item.is_split() {
+            self.normalize(item, n, acc, max, sum);
+        }
+    }
+}
 
 /// `s[t * nl + r] = q[.., r] . k[t * stride..][..hd]` for keys t < len,
 /// with q `[hd, nl]`.
