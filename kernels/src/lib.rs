@@ -129,6 +129,13 @@ pub struct Dims {
     pub block_size: usize,
 }
 
+impl Dims {
+    /// Query heads per kv head (GQA's group; 1 for MHA).
+    pub fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+}
+
 /// One paged-attention call: q `[T, heads, head_dim]` against the paged
 /// caches `[blocks, block_size, kv_heads, head_dim]`, scores scaled by `scale`.
 #[derive(Clone, Copy, Debug)]

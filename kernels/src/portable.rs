@@ -14,7 +14,7 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let d = a.check()?;
     refuse_q8(k_cache)?;
     let device = q.device();
-    let group = d.num_heads / d.num_kv_heads;
+    let group = d.group();
     let slots = d.num_blocks * d.block_size;
     // The pools as rows of slots: [num_slots, kv_heads, head_dim].
     let k_rows = k_cache.reshape((slots, d.num_kv_heads, d.head_dim))?;

@@ -12,7 +12,7 @@ pub fn paged_attention(a: &Attention) -> Result<Tensor> {
     let d = a.check()?;
     let hd = d.head_dim;
     let (qv, kv, vv) = (host(q)?, cache_values(k_cache, hd)?, cache_values(v_cache, hd)?);
-    let group = d.num_heads / d.num_kv_heads;
+    let group = d.group();
     // Element offset of (slot, kv_head) in a cache.
     let at = |slot: usize, kvh: usize| (slot * d.num_kv_heads + kvh) * hd;
     let mut out = vec![0f32; d.num_tokens * d.num_heads * hd];

@@ -326,7 +326,7 @@ impl AttentionPlan {
             block_tables[s * max_blocks..][..used].copy_from_slice(&meta.block_tables[s][..used]);
         }
 
-        let group = dims.num_heads / dims.num_kv_heads;
+        let group = dims.group();
         let (mut decode_seqs, mut items, mut max_decode_ctx) = (Vec::new(), Vec::new(), 0);
         for s in 0..n {
             match meta.query_range(s).len() {
@@ -463,7 +463,7 @@ impl AttentionPlan {
         debug_assert!(partitioned.is_none() || b.scratch.is_some(), "a partitioned decode without scratch");
         let partitioned = partitioned.zip(b.scratch);
         // One threadgroup per kv head (and slice of its group's query heads).
-        let group = d.num_heads / d.num_kv_heads;
+        let group = d.group();
         let slices = group.div_ceil(decode_heads_per_threadgroup(d.head_dim));
         let decode_grid = |p: &DecodePlan| [d.num_kv_heads * slices, p.seqs, p.max_partitions.max(1)];
 

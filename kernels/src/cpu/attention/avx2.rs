@@ -29,15 +29,14 @@ impl PagedAttention<'_> {
         s: &mut Scratch,
     ) {
         let d = self.dims;
-        let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
+        let (hd, bs, group) = (d.head_dim, d.block_size, d.group());
         let n = item.rows * group; // pairs, lane r = i * group + j
         let nl = n.next_multiple_of(8);
         let last_pos = item.pos0 + item.rows - 1;
         let table = &self.meta.block_tables[item.seq];
         let rl = C::row_len(hd);
         let row_stride = d.num_kv_heads * rl;
-        let last_block = last_pos.min(item.keys.1.saturating_sub(1)) / bs;
-        let first_block = self.window_start(item.pos0).max(item.keys.0) / bs;
+        let (first_block, last_block) = self.item_blocks(&item);
         // The pool's blocks lie anywhere and a block's rows for one kv head
         // are `row_stride` apart, which the hardware prefetchers do not
         // follow: the first block's rows are asked for before the queries
@@ -47,12 +46,7 @@ impl PagedAttention<'_> {
         // stride for TinyLlama) fall into 16 of L1's 64 sets, where the next
         // block's rows can evict the block being read; a harness of the
         // kernel alone had L1 ahead, so see docs/kernel-notes.md.
-        let prefetch_block = |b: usize| {
-            if let Some(&block) = table.get(b).filter(|_| b <= last_block) {
-                self.prefetch_head_rows(block, (item.kv_head, 1), (k, v));
-            }
-        };
-        prefetch_block(first_block);
+        self.prefetch_block(&item, first_block, last_block, (k, v));
         let Scratch { qf, acc, max, sum, kb, vb, scores, corr } = s;
         // The queries transposed, [head_dim, nl], pre-scaled; padding lanes 0.
         refill(qf, hd * nl, 0.0);
@@ -77,7 +71,7 @@ impl PagedAttention<'_> {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let base = self.head_rows_start(block, item.kv_head, rl);
-            prefetch_block(b + 1);
+            self.prefetch_block(&item, b + 1, last_block, (k, v));
             let (kr, vr, stride) = block_rows((k, v), base, row_stride, hd, len, (kb, vb));
             // SAFETY: AVX2 and FMA per the caller (here and in the two calls
             // below); qf is [hd, nl], rows 0..len of kr lie inside it

@@ -45,21 +45,15 @@ impl PagedAttention<'_> {
         s: &mut Scratch,
     ) {
         let d = self.dims;
-        let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
+        let (hd, bs, group) = (d.head_dim, d.block_size, d.group());
         let heads = item.heads(group);
         debug_assert!(item.rows == 1 && group <= MAX_GROUP && hd.is_multiple_of(8));
         let pos = item.pos0;
         let table = &self.meta.block_tables[item.seq];
         let rl = C::row_len(hd);
         let row_stride = d.num_kv_heads * rl;
-        let first_block = self.window_start(pos).max(item.keys.0) / bs;
-        let last_block = pos.min(item.keys.1.saturating_sub(1)) / bs;
-        let prefetch_block = |b: usize| {
-            if let Some(&block) = table.get(b).filter(|_| b <= last_block) {
-                self.prefetch_head_rows(block, (item.kv_head, item.kv_heads), (k, v));
-            }
-        };
-        prefetch_block(first_block);
+        let (first_block, last_block) = self.item_blocks(&item);
+        self.prefetch_block(&item, first_block, last_block, (k, v));
         let Scratch { qf, acc, max, sum, kb, vb, scores, corr } = s;
         refill(qf, heads * hd, 0.0);
         let first_head = item.row0 * d.num_heads + item.kv_head * group;
@@ -80,7 +74,7 @@ impl PagedAttention<'_> {
             if t0 >= t1 {
                 continue;
             }
-            prefetch_block(b + 1);
+            self.prefetch_block(&item, b + 1, last_block, (k, v));
             let one = Block { heads: group, hd, bs, keys: (t0, t1) };
             for h in 0..item.kv_heads {
                 let base = self.head_rows_start(block, item.kv_head + h, rl);

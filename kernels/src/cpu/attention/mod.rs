@@ -124,24 +124,36 @@ impl PagedAttention<'_> {
         (block as usize * self.dims.block_size * self.dims.num_kv_heads + kv_head) * rl
     }
 
-    /// Asks for the K and V rows of kv heads `kv_head..kv_head + kv_heads`
-    /// in pool block `block`, into L2 (see [`Self::run_item_lanes`]): one
-    /// range when they are every head's (a block's rows are contiguous).
+    /// The blocks `first..=last` of its table that `item` reads: from its
+    /// first query's window start (or its share's start) to its last query
+    /// (or its share's end).
+    fn item_blocks(&self, item: &Item) -> (usize, usize) {
+        let last_pos = item.pos0 + item.rows - 1;
+        let first_key = self.window_start(item.pos0).max(item.keys.0);
+        let last_key = last_pos.min(item.keys.1.saturating_sub(1));
+        (first_key / self.dims.block_size, last_key / self.dims.block_size)
+    }
+
+    /// Asks for the K and V rows of `item`'s kv heads in block `b` of its
+    /// table, if it reads that block (`b <= last_block`), into L2 (see
+    /// [`Self::run_item_lanes`]): one range when they are every head's (a
+    /// block's rows are contiguous).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn prefetch_head_rows<C: KvRows>(&self, block: u32, (kv_head, kv_heads): (usize, usize), (k, v): (&[C], &[C])) {
+    fn prefetch_block<C: KvRows>(&self, item: &Item, b: usize, last_block: usize, (k, v): (&[C], &[C])) {
+        let Some(&block) = self.meta.block_tables[item.seq].get(b).filter(|_| b <= last_block) else { return };
         let (bs, n) = (self.dims.block_size, self.dims.num_kv_heads);
         let rl = C::row_len(self.dims.head_dim);
-        let base = self.head_rows_start(block, kv_head, rl);
+        let base = self.head_rows_start(block, item.kv_head, rl);
         for cache in [k, v] {
             let end = cache.as_ptr_range().end.cast::<u8>();
             let at = |e: usize| cache.as_ptr().wrapping_add(e).cast::<u8>();
-            if kv_heads == n {
+            if item.kv_heads == n {
                 super::prefetch_into_l2_within(at(base), bs * n * rl * size_of::<C>(), end);
                 continue;
             }
             for t in 0..bs {
-                super::prefetch_into_l2_within(at(base + t * n * rl), kv_heads * rl * size_of::<C>(), end);
+                super::prefetch_into_l2_within(at(base + t * n * rl), item.kv_heads * rl * size_of::<C>(), end);
             }
         }
     }
@@ -200,7 +212,7 @@ impl PagedAttention<'_> {
         return super::isa::has_avx2_fma()
             && super::isa::features().f16c
             && self.dims.head_dim.is_multiple_of(8)
-            && self.dims.num_heads / self.dims.num_kv_heads <= group_decode::MAX_GROUP;
+            && self.dims.group() <= group_decode::MAX_GROUP;
         #[cfg(not(target_arch = "x86_64"))]
         false
     }
@@ -241,7 +253,7 @@ impl PagedAttention<'_> {
         s: &mut Scratch,
     ) {
         let d = self.dims;
-        let (hd, bs, group) = (d.head_dim, d.block_size, d.num_heads / d.num_kv_heads);
+        let (hd, bs, group) = (d.head_dim, d.block_size, d.group());
         let n = item.rows * group; // (query, head) pairs, index r = i * group + j
         // Widen this item's queries once, pre-scaled.
         let Scratch { qf, acc, max, sum, kb, vb, scores, .. } = s;
@@ -264,9 +276,8 @@ impl PagedAttention<'_> {
         reserve_len(kb, bs * hd);
         reserve_len(vb, bs * hd);
         refill(scores, bs, 0.0);
-        let first_key = self.window_start(item.pos0).max(item.keys.0);
-        let last_key = last_pos.min(item.keys.1.saturating_sub(1));
-        for (b, &block) in table.iter().enumerate().take(last_key / bs + 1).skip(first_key / bs) {
+        let (first_block, last_block) = self.item_blocks(&item);
+        for (b, &block) in table.iter().enumerate().take(last_block + 1).skip(first_block) {
             let start = b * bs;
             let len = bs.min(last_pos + 1 - start);
             let rl = C::row_len(hd);
@@ -325,7 +336,7 @@ impl PagedAttention<'_> {
     /// the sum first (the online softmax's max moves to it if larger), so
     /// the keys keep only their share of the mass.
     fn normalize(&self, item: Item, n: usize, acc: &mut [f32], max: &[f32], sum: &[f32]) {
-        let (hd, group) = (self.dims.head_dim, self.dims.num_heads / self.dims.num_kv_heads);
+        let (hd, group) = (self.dims.head_dim, self.dims.group());
         for r in 0..n {
             let (mut total, mut keep) = (sum[r], 1.0);
             if let Some(sinks) = self.sinks {
@@ -349,7 +360,7 @@ impl PagedAttention<'_> {
     /// Attention of every query row into `out: [T, heads, head_dim]`.
     fn run_into<T: Elem, C: KvRows>(&self, q: &[T], k: &[C], v: &[C], out: &mut [T]) {
         let d = self.dims;
-        let group = d.num_heads / d.num_kv_heads;
+        let group = d.group();
         let items = self.items();
         // q.k and p.v for every visible key, roughly (causal halves aside).
         let macs: usize =
