@@ -290,9 +290,16 @@ fn nearest_even(x: f32) -> i32 {
     ((x + 12_582_912.0).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
-/// Activation rows quantized to Q8_K (`x.len()` a multiple of 256).
+/// Activation rows quantized to Q8_K (`x.len()` a multiple of 256), in
+/// SIMD where the CPU has it ([`BlockQ8K::quantize`] is the reference).
 pub fn quantize_activations(x: &[f32]) -> Vec<BlockQ8K> {
-    x.chunks_exact(QK_K).map(|c| BlockQ8K::quantize(c.try_into().expect("chunks_exact(QK_K)"))).collect()
+    let blocks = x.chunks_exact(QK_K).map(|c| <&[f32; QK_K]>::try_from(c).expect("chunks_exact(QK_K)"));
+    #[cfg(target_arch = "x86_64")]
+    if isa::simd() == Simd::Avx2 {
+        // SAFETY: AVX2 is available (checked above).
+        return blocks.map(|c| unsafe { x86::quantize_q8k(c) }).collect();
+    }
+    blocks.map(BlockQ8K::quantize).collect()
 }
 
 /// The code path a call runs.

@@ -190,3 +190,43 @@ fn q8_k_activations_round_as_llama_cpp() {
     assert_eq!(b.bsums[0], -127 - 2 - 2 + 4 + 126);
     assert_eq!(BlockQ8K::quantize(&[0.0; QK_K]).qs, [0; QK_K]);
 }
+
+/// The SIMD quantizer behind `quantize_activations` writes the scalar
+/// reference's blocks bit for bit: random rows, exact halves (ties to
+/// even), equal magnitudes of both signs (the first one sets the sign),
+/// zeros, NaN and infinities, and values that land just past 127.
+#[test]
+fn q8_k_activations_simd_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut rows: Vec<Vec<f32>> = (0..64).map(|_| random(&mut rng, QK_K)).collect();
+    let halves: Vec<f32> = (0..QK_K).map(|i| (i as f32 - 128.0) + 0.5).collect();
+    rows.push(halves);
+    let mut both_signs = random(&mut rng, QK_K);
+    (both_signs[40], both_signs[7]) = (3.0, -3.0);
+    rows.push(both_signs.clone());
+    (both_signs[7], both_signs[40]) = (3.0, -3.0);
+    rows.push(both_signs);
+    rows.push(vec![0.0; QK_K]);
+    rows.push((0..QK_K).map(|i| if i % 2 == 0 { -0.0 } else { 0.0 }).collect());
+    let mut specials = random(&mut rng, QK_K);
+    (specials[3], specials[100], specials[255]) = (f32::NAN, f32::INFINITY, -f32::INFINITY);
+    rows.push(specials);
+    let mut nan_first = random(&mut rng, QK_K);
+    nan_first[0] = f32::NAN;
+    rows.push(nan_first);
+    rows.push((0..QK_K).map(|i| 1.0 + i as f32 * 1e-7).collect());
+    for (i, row) in rows.iter().enumerate() {
+        let theirs = BlockQ8K::quantize(row.as_slice().try_into().unwrap());
+        let ours = quantize_activations(row);
+        assert_eq!(ours.len(), 1);
+        assert_eq!(ours[0].qs, theirs.qs, "row {i}");
+        assert_eq!(ours[0].bsums, theirs.bsums, "row {i}");
+        assert_eq!(ours[0].d.to_bits(), theirs.d.to_bits(), "row {i}");
+    }
+    // Several blocks in one call, each on its own scale.
+    let x = random(&mut rng, 7 * QK_K);
+    let many = quantize_activations(&x);
+    for (b, chunk) in many.iter().zip(x.chunks_exact(QK_K)) {
+        assert_eq!(*b, BlockQ8K::quantize(chunk.try_into().unwrap()));
+    }
+}

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BlockQ4K, BlockQ6K, BlockQ8K, KBlock};
+use super::{BlockQ4K, BlockQ6K, BlockQ8K, GROUP, KBlock, QK_K};
 
 /// Sums of 4 adjacent byte products (unsigned `q` times signed `x`) per i32 lane.
 trait ByteDot {
@@ -142,4 +142,62 @@ pub(super) unsafe fn row_avx2<B: KBlock>(wrow: &[B], xs: &[BlockQ8K], kb: usize,
 pub(super) unsafe fn row_vnni<B: KBlock>(wrow: &[B], xs: &[BlockQ8K], kb: usize, acc: &mut [f32]) {
     // SAFETY: forwarded.
     unsafe { row::<B, Vnni>(wrow, xs, kb, acc) }
+}
+
+/// [`BlockQ8K::quantize`] in 8 lanes: the same codes, scale and sums, bit
+/// for bit (it runs on one thread before every k-quant matmul, ~2% of a
+/// Q4_K_M decode step as a scalar loop).
+///
+/// # Safety
+/// AVX2 must be available.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn quantize_q8k(src: &[f32; QK_K]) -> BlockQ8K {
+    const CHUNKS: usize = QK_K / 8;
+    // SAFETY: AVX2 per the caller; every load reads 8 of src's 256 floats.
+    unsafe {
+        let sign = _mm256_set1_ps(-0.0);
+        let load = |c: usize| _mm256_loadu_ps(src.as_ptr().add(8 * c));
+        // The largest magnitude, NaN skipped as the scalar loop skips it:
+        // max_ps returns its second operand, the running maximum, when the
+        // first is NaN.
+        let mut m = _mm256_setzero_ps();
+        for c in 0..CHUNKS {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, load(c)), m);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        if amax == 0.0 {
+            return BlockQ8K::ZERO;
+        }
+        // The first value of that magnitude, the one the scalar loop keeps.
+        let splat = _mm256_set1_ps(amax);
+        let first = (0..CHUNKS)
+            .find_map(|c| {
+                let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, load(c)), splat));
+                (hits != 0).then(|| 8 * c + hits.trailing_zeros() as usize)
+            })
+            .unwrap_or(0);
+        let iscale = -127.0 / src[first];
+        let mut out = BlockQ8K { d: 1.0 / iscale, ..BlockQ8K::ZERO };
+        let (scale, lo, hi) = (_mm256_set1_ps(iscale), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (c4, qs) in out.qs.chunks_exact_mut(32).enumerate() {
+            let q = [0, 1, 2, 3].map(|j| {
+                let s = _mm256_mul_ps(load(4 * c4 + j), scale);
+                let s = _mm256_and_ps(s, _mm256_cmp_ps::<_CMP_ORD_Q>(s, s)); // NaN -> 0
+                // Ties to even, as the scalar magic-number rounding.
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(s);
+                _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+            });
+            // i32 -> i8 packs work per 128-bit lane: the 8 groups of 4
+            // bytes put back in order afterwards.
+            let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256(qs.as_mut_ptr().cast(), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+        for (g, sum) in out.bsums.iter_mut().enumerate() {
+            *sum = out.qs[g * GROUP..(g + 1) * GROUP].iter().map(|&q| q as i16).sum();
+        }
+        out
+    }
 }
