@@ -488,8 +488,7 @@ unsafe fn q6k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q6KPanel], 
                         let mut acc: [[L::I; R]; 4] =
                             std::array::from_fn(|s| std::array::from_fn(|r| L::splat32(t.x(r, b).neg32[groups[s]])));
                         for v in 4 * q..4 * q + 4 {
-                            // One line per line loaded: 48 of the block's 53
-                            // spread over its loads, not left to one burst.
+                            // 48 of the block's 53 lines, spread (not one burst).
                             if half == 0 {
                                 pf.next();
                                 pf.next();
