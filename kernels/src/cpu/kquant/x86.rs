@@ -172,12 +172,14 @@ pub(super) unsafe fn quantize_q8k(src: &[f32; QK_K]) -> BlockQ8K {
         }
         // The first value of that magnitude, the one the scalar loop keeps.
         let splat = _mm256_set1_ps(amax);
-        let first = (0..CHUNKS)
-            .find_map(|c| {
-                let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, load(c)), splat));
-                (hits != 0).then(|| 8 * c + hits.trailing_zeros() as usize)
-            })
-            .unwrap_or(0);
+        let mut first = 0;
+        for c in 0..CHUNKS {
+            let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, load(c)), splat));
+            if hits != 0 {
+                first = 8 * c + hits.trailing_zeros() as usize;
+                break;
+            }
+        }
         let iscale = -127.0 / src[first];
         let mut out = BlockQ8K { d: 1.0 / iscale, ..BlockQ8K::ZERO };
         let (scale, lo, hi) = (_mm256_set1_ps(iscale), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
