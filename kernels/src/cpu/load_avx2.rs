@@ -1,5 +1,6 @@
 //! Loads of 8 weights widened to f32 lanes, for the AVX2 kernels that
-//! stream f32, f16 or bf16 weights (the dense and the packed matmuls).
+//! stream f32, f16 or bf16 weights (the dense and the packed matmuls), and
+//! the horizontal maximum the activation quantizers take.
 
 use super::matmul::WeightElem;
 use half::{bf16, f16};
@@ -79,4 +80,17 @@ impl Load8 for bf16 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
     }
+}
+
+/// The largest of 8 lanes. `max_ps` returns its second operand when the
+/// first is NaN, so a running maximum kept there skips NaN like `f32::max`.
+///
+/// # Safety
+/// AVX must be available.
+#[inline]
+#[target_feature(enable = "avx")]
+pub(crate) unsafe fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
 }

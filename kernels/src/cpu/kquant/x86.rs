@@ -9,6 +9,7 @@
 use std::arch::x86_64::*;
 
 use super::{BlockQ4K, BlockQ6K, BlockQ8K, GROUP, KBlock, QK_K};
+use crate::cpu::load_avx2::hmax;
 
 /// Sums of 4 adjacent byte products (unsigned `q` times signed `x`) per i32 lane.
 trait ByteDot {
@@ -164,9 +165,7 @@ pub(super) unsafe fn quantize_q8k(src: &[f32; QK_K]) -> BlockQ8K {
         for c in 0..CHUNKS {
             m = _mm256_max_ps(_mm256_andnot_ps(sign, load(c)), m);
         }
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        let amax = hmax(m);
         if amax == 0.0 {
             return BlockQ8K::ZERO;
         }

@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::{BlockQ8_0, Codes4, Operands, PackedOperands, QK, QuantBlock};
+use crate::cpu::load_avx2::hmax;
 use crate::cpu::prefetch_within;
 use half::f16;
 
@@ -26,9 +27,8 @@ pub(super) unsafe fn quantize_activations(x: &[f32], xq: &mut [BlockQ8_0], xd: &
         // max |v| ignoring NaN like f32::max: max_ps returns its second
         // operand, the running maximum, when the first is NaN.
         let m = v.iter().fold(_mm256_setzero_ps(), |m, &x| _mm256_max_ps(_mm256_andnot_ps(sign, x), m));
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        // SAFETY: AVX2 is enabled on this function.
+        let amax = unsafe { hmax(m) };
         let d = amax / 127.0;
         let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
         let q = v.map(|x| {
