@@ -7,6 +7,7 @@
 #                                          # alternating, ROUNDS times (default 1);
 #                                          # parts: decode (batch 1), prefill (512),
 #                                          # batched (16 concurrent), server
+#   PARTS=decode REPS=5 TYPES=f16 ...      # decode alternates REPS runs a round (3)
 #
 # GGUF_DIR gets (if missing) random TinyLlama-1.1B-shaped weights written by
 # `tinyvllm-worker export-gguf` (f16, q8_0) and stories260K (f32); give a
@@ -34,7 +35,11 @@ echo "== machine"; nproc; grep -m1 "model name" /proc/cpuinfo || true; uptime
 bench() { $W bench --kv-cache-memory 2000000000 "$@" 2>&1 | grep -E "^(throughput|TTFT|TPOT|bandwidth|paired|cross-core|  )"; }
 # f16 and Q8_0, and Q4_K_M where GGUF_DIR holds it (`export-gguf --type
 # q4_k_m` takes minutes, so it is not written here).
-types() { echo f16 q8_0; [ ! -f "$GGUF/tinyllama-1.1b-random-q4_k_m.gguf" ] || echo q4_k_m; }
+# TYPES picks some of them.
+types() {
+  if [ -n "${TYPES:-}" ]; then echo "$TYPES"; return; fi
+  echo f16 q8_0; [ ! -f "$GGUF/tinyllama-1.1b-random-q4_k_m.gguf" ] || echo q4_k_m
+}
 if [ "${PARTS:-all}" = all ]; then
 for t in $(types); do
   m="$GGUF/tinyllama-1.1b-random-$t.gguf"
@@ -81,14 +86,27 @@ server() {
   fi
 }
 
+# median of the numbers on stdin, one a line
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 # Batch-1 decode and prefill of one 512-token prompt, in f16 and Q8_0.
+# Decode alternates one 64-token run of each engine REPS times (default 3):
+# the bandwidth here changes within seconds, and llama-bench's own -r 3
+# would average three runs against our one.
 decode() {
   for t in $(types); do
-    local f="$GGUF/tinyllama-1.1b-random-$t.gguf"
-    echo "== ours $t: batch-1 decode"; bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth|paired|cross-core)"
-    if [ -n "$LLAMA" ]; then
-      echo "== llama.cpp $t: tg64"; "$LLAMA/llama-bench" -m "$f" -t "$THREADS" -p 0 -n 64 -r 3 2>/dev/null | grep -E "tg64"
-    fi
+    local f="$GGUF/tinyllama-1.1b-random-$t.gguf" ours_runs="" llama_runs="" out line
+    for rep in $(seq 1 "${REPS:-3}"); do
+      out=$(bench --model "$f" --num-prompts 1 --input-len 16 --output-len 64 --profile | grep -E "^(TPOT|bandwidth|paired|cross-core)")
+      echo "== ours $t: batch-1 decode, run $rep"; echo "$out"
+      ours_runs+="$(sed -nE 's/.*decode ([0-9.]+) tok\/s.*/\1/p' <<<"$out")"$'\n'
+      if [ -n "$LLAMA" ]; then
+        line=$("$LLAMA/llama-bench" -m "$f" -t "$THREADS" -p 0 -n 64 -r 1 2>/dev/null | grep -E "tg64" || true)
+        echo "== llama.cpp $t: tg64, run $rep"; echo "$line"
+        llama_runs+="$(awk -F'|' '{ split($(NF - 1), a, " "); print a[1] }' <<<"$line")"$'\n'
+      fi
+    done
+    echo "== $t batch-1 decode, medians of ${REPS:-3} alternating runs: ours $(grep . <<<"$ours_runs" | median) tok/s," \
+      "llama.cpp $(grep . <<<"$llama_runs" | median || true) tok/s"
   done
 }
 prefill() {
