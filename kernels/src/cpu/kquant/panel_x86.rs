@@ -310,13 +310,13 @@ impl Lanes for Avx2 {
     }
 }
 
-/// How far ahead of its loads the first row group prefetches a panel's
-/// blocks (decode: the vendor's `StreamPrefetch`, as the Q8_0 VNNI kernel).
-/// 8 KiB, two to three blocks: at 4 KiB Q6_K decode streamed 52-55 GB/s
-/// where the probe read 90 (Zen 5), at 8 KiB 72-85; 16 KiB no better.
-const PF_BYTES: usize = 8 << 10;
+/// How far ahead of its loads the first row group prefetches a panel's blocks (decode: the vendor's
+/// `StreamPrefetch`), by format (Zen 5, GB/s against a 90 GB/s probe): Q4_K 8 KiB (3.6 blocks; 16 KiB
+/// 5-8% slower), Q6_K 16 KiB (4.9 blocks; 52-55 at 4 KiB, 67-72 at 8, 73-81 at 16).
+const PF_Q4K: usize = 8 << 10;
+const PF_Q6K: usize = 16 << 10;
 
-/// Prefetches the lines of a block `PF_BYTES` ahead one at a time, spread
+/// Prefetches the lines of a block `ahead` bytes on, one at a time, spread
 /// over the block's loads (a burst would wait for free miss buffers).
 struct Prefetcher {
     at: *const u8,
@@ -327,9 +327,9 @@ struct Prefetcher {
 
 impl Prefetcher {
     #[inline(always)]
-    fn new<T>(block: *const T, end: *const u8, hint: Option<i32>) -> Self {
+    fn new<T>(block: *const T, ahead: usize, end: *const u8, hint: Option<i32>) -> Self {
         let lines = std::mem::size_of::<T>() / 64;
-        Self { at: block.cast::<u8>().wrapping_add(PF_BYTES), end, left: lines, hint }
+        Self { at: block.cast::<u8>().wrapping_add(ahead), end, left: lines, hint }
     }
 
     #[inline(always)]
@@ -400,7 +400,7 @@ unsafe fn q4k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q4KPanel], 
     unsafe {
         let (low, high) = (L::splat8(0x0F), L::splat8(0xF0));
         for (b, blk) in panels.iter().enumerate() {
-            let mut pf = Prefetcher::new(blk, t.end, t.hint);
+            let mut pf = Prefetcher::new(blk, PF_Q4K, t.end, t.hint);
             for half in 0..PANEL / L::LANES {
                 let row0 = half * L::LANES;
                 let mut isum = [L::splat32(0); R];
@@ -478,7 +478,7 @@ unsafe fn q6k_tile<L: Lanes, const R: usize>(t: &Tile<'_>, panels: &[Q6KPanel], 
     unsafe {
         let (low, bits45) = (L::splat8(0x0F), L::splat8(0x30));
         for (b, blk) in panels.iter().enumerate() {
-            let mut pf = Prefetcher::new(blk, t.end, t.hint);
+            let mut pf = Prefetcher::new(blk, PF_Q6K, t.end, t.hint);
             for half in 0..PANEL / L::LANES {
                 let row0 = half * L::LANES;
                 let mut isum = [L::splat32(0); R];
