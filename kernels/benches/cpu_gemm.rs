@@ -11,6 +11,7 @@
 use std::time::Instant;
 
 use half::f16;
+use kernels::cpu::back_with_huge_pages;
 use kernels::cpu::matmul::matmul_xwt;
 use kernels::cpu::packed::{PackedWeight, matmul_packed, packing_pays};
 
@@ -37,6 +38,11 @@ fn main() {
     for (name, n, k) in SHAPES {
         let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i * 31) % 997) as f32 / 997.0 - 0.5)).collect();
         let packed = packing_pays().then(|| PackedWeight::pack(&w, n, k).expect("consistent shape"));
+        // As the worker places its weights (transparent huge pages where the kernel has them).
+        back_with_huge_pages(&w);
+        if let Some(p) = &packed {
+            back_with_huge_pages(p.allocation());
+        }
         for &m in &ms {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
             let mut y = vec![0f32; m * n];
