@@ -17,18 +17,14 @@ const TILE_ROWS: usize = 6;
 const MAX_GROUPS: usize = super::CHUNK_ROWS.div_ceil(TILE_ROWS);
 
 /// Prefetches the `size_of::<T>()` cache lines that 4 k's of a panel
-/// span, 1 KiB past `at`, into L1 (the GEMV's best distance on Zen 3).
+/// span, [`super::PREFETCH_BYTES`] (4 KiB) past `at`, into L1. 1 KiB, the
+/// distance tuned on a Zen 3, was short of a miss on a Zen 5 held to AVX2:
+/// with m x rows a KiB of weights lasts m times the GEMV's time (gate/up
+/// 11264 x 2048 at m = 16: 209 -> 232 GFLOP/s, m = 8 167 -> 202), and at
+/// m = 1 the f16 decode step read 84-87% of the paired probe in fast
+/// phases against 94-98% at 4 KiB.
 #[inline(always)]
 fn prefetch_4k<T>(at: *const T) {
-    super::prefetch_lines::<T, _MM_HINT_T0>(at, 1024);
-}
-
-/// As [`prefetch_4k`] for the tiles, 4 KiB ahead: with m x rows a KiB of
-/// weights takes m times the GEMV's time, and at m = 16 1 KiB ahead was
-/// shorter than a miss (Zen 5 held to AVX2, gate/up 11264 x 2048: 209 ->
-/// 232 GFLOP/s at m = 16, 167 -> 202 at m = 8, 238 -> 248 at m = 64).
-#[inline(always)]
-fn prefetch_tile<T>(at: *const T) {
     super::prefetch_lines::<T, _MM_HINT_T0>(at, super::PREFETCH_BYTES);
 }
 
@@ -152,7 +148,7 @@ unsafe fn tile<T: Load8, const R: usize>(
         let rows: [*const f32; R] = std::array::from_fn(|r| x.add(r * ldx));
         for i in 0..len {
             if i % 4 == 0 {
-                prefetch_tile(w.add(i * PANEL));
+                prefetch_4k(w.add(i * PANEL));
             }
             let w0 = T::load8_folded(w.add(i * PANEL));
             let w1 = T::load8_folded(w.add(i * PANEL + 8));
