@@ -1,7 +1,7 @@
 //! AVX2 + FMA + F16C kernels of the packed matmul: a panel's 16 rows are
 //! two vectors. Callers must have checked those features.
 
-use super::{Operands, PANEL, store};
+use super::{Operands, PANEL, prefetch_4k_ahead, store};
 use crate::cpu::load_avx2::Load8;
 use std::arch::x86_64::*;
 
@@ -15,18 +15,6 @@ const TILE_ROWS: usize = 6;
 
 /// Most tile row groups of a call (`CHUNK_ROWS` rows).
 const MAX_GROUPS: usize = super::CHUNK_ROWS.div_ceil(TILE_ROWS);
-
-/// Prefetches the `size_of::<T>()` cache lines that 4 k's of a panel
-/// span, [`super::PREFETCH_BYTES`] (4 KiB) past `at`, into L1. 1 KiB, the
-/// distance tuned on a Zen 3, was short of a miss on a Zen 5 held to AVX2:
-/// with m x rows a KiB of weights lasts m times the GEMV's time (gate/up
-/// 11264 x 2048 at m = 16: 209 -> 232 GFLOP/s, m = 8 167 -> 202), and at
-/// m = 1 the f16 decode step read 84-87% of the paired probe in fast
-/// phases against 94-98% at 4 KiB.
-#[inline(always)]
-fn prefetch_4k<T>(at: *const T) {
-    super::prefetch_lines::<T, _MM_HINT_T0>(at, super::PREFETCH_BYTES);
-}
 
 /// y[.., columns of panels p0..p1].
 ///
@@ -97,7 +85,7 @@ unsafe fn gemv<T: Load8>(x: *const f32, w: *const T, k: usize) -> [f32; PANEL] {
     // row of PANEL weights at (i + s) * PANEL are in bounds.
     unsafe {
         while i + 4 <= k {
-            prefetch_4k(w.add(i * PANEL));
+            prefetch_4k_ahead::<T, _MM_HINT_T0>(w.add(i * PANEL));
             for (s, acc) in acc.iter_mut().enumerate() {
                 let xv = _mm256_broadcast_ss(&*x.add(i + s));
                 let wk = w.add((i + s) * PANEL);
@@ -148,7 +136,7 @@ unsafe fn tile<T: Load8, const R: usize>(
         let rows: [*const f32; R] = std::array::from_fn(|r| x.add(r * ldx));
         for i in 0..len {
             if i % 4 == 0 {
-                prefetch_4k(w.add(i * PANEL));
+                prefetch_4k_ahead::<T, _MM_HINT_T0>(w.add(i * PANEL));
             }
             let w0 = T::load8_folded(w.add(i * PANEL));
             let w1 = T::load8_folded(w.add(i * PANEL + 8));
